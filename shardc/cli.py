@@ -1,0 +1,75 @@
+"""The shardc command line: thin click commands that parse, call the library and format.
+
+Each command lives in ``shardc/commands/<topic>.py`` and exports ``COMMANDS``. Expected problems
+(``ShardcError``) end as one line on stderr with the error's exit code; ``--debug`` shows the
+traceback. Nothing here imports torch: commands import heavy modules inside their bodies.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import ShardcError
+
+COMMAND_MODULES = ("build", "verify", "store", "plan", "runtime")
+
+EPILOG = """\b
+Examples:
+  shardc plan --model llama-3.3-70b --gpu a100-80gb
+  shardc build plans/tp4pp2-fp16.yaml
+  shardc verify --manifest build/llama3-70b-fp16-primary/manifest.json --rank 0
+  shardc push --manifest manifests/llama3-70b-fp16-primary.json --to s3://models/llama3-70b/fp16
+  shardc gate --baseline manifests/demo-tp1pp1-bf16.json --candidate manifests/demo-tp3pp2-bf16.json
+"""
+
+
+class ShardcGroup(click.Group):
+    """Maps ShardcError to one clear line and its exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ShardcError as exc:
+            if ctx.meta.get("shardc.debug"):
+                raise
+            click.echo(f"error: {exc.one_line()}", err=True)
+            ctx.exit(exc.exit_code)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            ctx.exit(130)
+
+
+@click.group(cls=ShardcGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="shardc")
+@click.option("--debug", is_flag=True, help="Show tracebacks for expected errors too.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool) -> None:
+    """shardc: compile a Hugging Face checkpoint into per-GPU TP x PP shards, verify and ship them."""
+    ctx.meta["shardc.debug"] = debug
+
+
+def echo_json(obj: Any) -> None:
+    """Machine-readable output for CI: one JSON document on stdout."""
+    click.echo(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def show_progress(quiet: bool) -> bool:
+    """Progress bars only on a TTY, and never with --quiet."""
+    return not quiet and sys.stderr.isatty()
+
+
+for _name in COMMAND_MODULES:
+    try:
+        _mod = importlib.import_module(f"shardc.commands.{_name}")
+    except ModuleNotFoundError as _exc:  # pragma: no cover - only while a command is being written
+        if _exc.name != f"shardc.commands.{_name}":
+            raise
+        continue
+    for _cmd in _mod.COMMANDS:
+        main.add_command(_cmd)

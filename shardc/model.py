@@ -1,0 +1,205 @@
+"""Model description: the handful of numbers from a Hugging Face config.json that sharding needs.
+
+Only decoder-only Llama-family architectures are accepted. They share one tensor naming scheme and one
+split table (see layout.py); members differ only in which projections carry biases.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelError
+
+# Architecture -> which projections carry a bias. Everything else about the split table is shared.
+ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {"qkv_bias": False, "o_bias": False},
+    "MistralForCausalLM": {"qkv_bias": False, "o_bias": False},
+    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},
+}
+
+_LLAMA3_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+def _llama3(hidden: int, inter: int, layers: int, heads: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": hidden // heads,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA3_ROPE),
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128009,
+        "torch_dtype": "bfloat16",
+    }
+
+
+# Built-in presets so plans can be validated and planned without downloading anything.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": _llama3(4096, 14336, 32, 32),
+    "llama-3.3-70b": _llama3(8192, 28672, 80, 64),
+    "llama-3.1-70b": _llama3(8192, 28672, 80, 64),
+    "llama-3.1-405b": _llama3(16384, 53248, 126, 128),
+}
+# Hub repos whose config equals a preset (lets `hf://meta-llama/...` plans validate offline).
+HUB_PRESETS = {
+    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama/llama-3.3-70b-instruct": "llama-3.3-70b",
+    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
+    "meta-llama/llama-3.1-70b": "llama-3.1-70b",
+    "meta-llama/llama-3.1-405b-instruct": "llama-3.1-405b",
+    "meta-llama/llama-3.1-405b": "llama-3.1-405b",
+}
+
+_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a Llama-family model, as sharding sees it."""
+
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    torch_dtype: str
+    config: dict[str, Any] = field(compare=False, repr=False, hash=False)
+
+    @property
+    def source_dtype(self) -> str:
+        """safetensors dtype name of the checkpoint, per its config (F16, BF16 or F32)."""
+        return _DTYPES.get(self.torch_dtype, "BF16")
+
+    def summary(self) -> dict[str, Any]:
+        """Plain-data description recorded in manifests and used by the runtime."""
+        return {
+            "architecture": self.architecture,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_layers": self.num_layers,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "qkv_bias": self.qkv_bias,
+            "o_bias": self.o_bias,
+            "mlp_bias": self.mlp_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "torch_dtype": self.torch_dtype,
+        }
+
+
+def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ModelError(
+            f"config.json {key} must be a positive integer, found {value!r}",
+            hint="pass the config.json of a Llama-family Hugging Face checkpoint",
+            key=key,
+        )
+    return value
+
+
+def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
+    """Validate a Hugging Face config dict and turn it into a ModelSpec."""
+    if not isinstance(cfg, dict):
+        raise ModelError("config.json is not a JSON object", hint="pass a Hugging Face config.json")
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if arch not in ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {arch!r}",
+            hint=f"supported: {', '.join(sorted(ARCHITECTURES))}",
+            key="architectures",
+        )
+    hidden = _int(cfg, "hidden_size")
+    heads = _int(cfg, "num_attention_heads")
+    kv = _int(cfg, "num_key_value_heads", heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if heads % kv:
+        raise ModelError(
+            f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
+            key="num_key_value_heads",
+        )
+    bias = ARCHITECTURES[arch]
+    attention_bias = bool(cfg.get("attention_bias", False))
+    dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    return ModelSpec(
+        architecture=arch,
+        hidden_size=hidden,
+        intermediate_size=_int(cfg, "intermediate_size"),
+        num_layers=_int(cfg, "num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=int(head_dim),
+        vocab_size=_int(cfg, "vocab_size"),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=bias["qkv_bias"] or attention_bias,
+        o_bias=bias["o_bias"] or attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rope_scaling=copy.deepcopy(cfg.get("rope_scaling")),
+        torch_dtype=str(dtype),
+        config=copy.deepcopy(cfg),
+    )
+
+
+def load_model(ref: str | Path) -> ModelSpec:
+    """A preset name, a config.json path, or a directory holding config.json."""
+    key = str(ref).lower()
+    if key in PRESETS:
+        return model_from_config(PRESETS[key])
+    path = Path(ref)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ModelError(
+            f"no model preset or config.json at {ref!r}",
+            hint=f"use a preset ({', '.join(sorted(PRESETS))}), a config.json or a checkpoint directory",
+            key="model",
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelError(f"cannot read {path}: {exc}", key="model") from None
+    return model_from_config(cfg)
