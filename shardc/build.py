@@ -1,0 +1,387 @@
+"""The compiler: stream source tensors -> (quantize) -> slice per rank -> write + hash -> manifest.
+
+Plan first, execute second: the Layout lists every rank's tensors before a byte is read. Execution
+goes stage by stage; inside a stage every source tensor is read once and each TP rank's slice is
+handed to that rank's writer thread, which appends it to the rank's file (tensors in name order,
+so the bytes are deterministic) and hashes it on the way. Each finished shard is renamed into place
+and gets a small ``.done`` record so a killed build resumes; manifest.json is written last.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .errors import ShardcError, SourceError
+from .layout import Layout, RankLayout, TensorSpec, build_layout
+from .manifest import dumps, loads, new_manifest, write_atomic
+from .model import model_from_config
+from .plan import Plan, canonical_json
+from .source import Source, open_source, sha256_file
+from .stwriter import ShardWriter
+
+HASH_CACHE = ".shardc-source-hashes.json"
+LOCK = ".shardc-build.lock"
+
+
+@dataclass
+class BuildResult:
+    out_dir: Path
+    manifest_path: Path
+    manifest: dict[str, Any]
+    built: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    up_to_date: bool = False
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Machine-readable summary for --json."""
+        m = self.manifest
+        return {
+            "plan": m["plan"]["replica_group"]["name"],
+            "plan_sha256": m["plan_sha256"],
+            "out_dir": str(self.out_dir),
+            "manifest": str(self.manifest_path),
+            "up_to_date": self.up_to_date,
+            "built": self.built,
+            "skipped": self.skipped,
+            "seconds": round(self.seconds, 3),
+            "shards": [
+                {k: s[k] for k in ("file", "tp_rank", "pp_stage", "rank", "layers", "size", "sha256")}
+                for s in m["shards"]
+            ],
+            "total_bytes": sum(s["size"] for s in m["shards"]),
+        }
+
+
+def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
+    """safetensors __metadata__: catches a file that strays into the wrong directory."""
+    p = layout.plan
+    return {
+        "format": "pt",
+        "shardc.version": __version__,
+        "shardc.plan": p.name,
+        "shardc.plan_sha256": p.sha256,
+        "shardc.tp_degree": str(p.tp),
+        "shardc.pp_degree": str(p.pp),
+        "shardc.tp_rank": str(rl.tp_rank),
+        "shardc.pp_stage": str(rl.pp_stage),
+        "shardc.rank": str(rl.rank),
+        "shardc.layers": f"{rl.layers[0]}:{rl.layers[1]}",
+    }
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {
+        "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+        "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
+    }[name]
+
+
+def cut(full, spec: TensorSpec):
+    """The rank's slice of a (quantized / cast) full tensor, as in the spec. Pads are separate."""
+    if spec.dim is None:
+        return full
+    if spec.dim == 0:
+        return full[spec.start : spec.stop]
+    return full[:, spec.start : spec.stop].contiguous()
+
+
+def as_bytes(t):
+    import torch
+
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class _Materializer:
+    """Reads a source tensor once and produces what the specs ask: cast, or quantized + scales."""
+
+    def __init__(self, source: Source, layout: Layout) -> None:
+        self.source, self.layout = source, layout
+        self._key: tuple | None = None
+        self._value: Any = None
+        self.stats: dict[str, dict] = {}
+
+    def full(self, spec: TensorSpec):
+        key = (spec.source, spec.quant, spec.dtype if not spec.quant else None)
+        if key != self._key:
+            self._value = None  # release the previous tensor before reading the next
+            w = self.source.read(spec.source)
+            if spec.quant:
+                from .quantize import quantize
+
+                q, scale, stats = quantize(spec.source, w, spec.quant)
+                self.stats[spec.source] = stats
+                self._value = (q, scale)
+            else:
+                self._value = w.to(_torch_dtype(spec.dtype))
+            self._key = key
+        if spec.quant:
+            return self._value[1] if spec.scale_of else self._value[0]
+        return self._value
+
+
+def _write_stage(
+    layout: Layout, stage: int, ranks: list[RankLayout], out_dir: Path, source: Source,
+    mat: _Materializer, bar: Any,
+) -> dict[str, tuple[int, str]]:
+    """Write every listed rank of one stage. Returns file -> (size, sha256)."""
+    writers = {
+        rl.file: ShardWriter(
+            out_dir / rl.file, [(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl)
+        )
+        for rl in ranks
+    }
+    pools = {rl.file: ThreadPoolExecutor(1, thread_name_prefix=f"shardc-w{rl.rank}") for rl in ranks}
+    pending: list[list[Future]] = []
+    try:
+        names = [t.name for t in ranks[0].tensors]
+        for i, name in enumerate(names):
+            futures = []
+            for rl in ranks:
+                spec = rl.tensors[i]
+                assert spec.name == name
+                piece = as_bytes(cut(mat.full(spec), spec))
+                futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], piece, spec, bar))
+            pending.append(futures)
+            if len(pending) > 1:  # at most two tensors in flight: memory stays bounded
+                for f in pending.pop(0):
+                    f.result()
+        for fs in pending:
+            for f in fs:
+                f.result()
+        return {name: w.commit() for name, w in writers.items()}
+    except BaseException:
+        for p in pools.values():
+            p.shutdown(wait=True, cancel_futures=True)
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        for p in pools.values():
+            p.shutdown(wait=True)
+
+
+def _write_piece(writer: ShardWriter, piece, spec: TensorSpec, bar: Any) -> None:
+    writer.write(piece)
+    if spec.pad_rows:
+        row = spec.nbytes // spec.shape[0]
+        writer.write(bytes(spec.pad_rows * row))
+    if bar is not None:
+        bar.update(spec.nbytes)
+
+
+def output_config(layout: Layout) -> dict[str, Any]:
+    """config.json next to the shards: the model config plus quantization_config when quantized."""
+    from .layout import base_dtype
+
+    cfg = json.loads(json.dumps(layout.model.config))
+    cfg["torch_dtype"] = {"F16": "float16", "BF16": "bfloat16"}[base_dtype(layout.model, layout.plan)]
+    if layout.plan.quantized:
+        from .layout import QUANTIZABLE
+        from .quantize import quantization_config
+
+        quantized = {t.source for rl in layout.ranks for t in rl.tensors if t.quant}
+        all_linear = {n.rsplit(".", 1)[0] for rl in layout.ranks for t in rl.tensors
+                      if QUANTIZABLE.fullmatch(n := t.source)}
+        ignored = sorted(all_linear - {n.rsplit(".", 1)[0] for n in quantized}) + ["lm_head"]
+        cfg["quantization_config"] = quantization_config(layout.plan.dtype, ignored)
+    return cfg
+
+
+def _done_path(out_dir: Path, file: str) -> Path:
+    return out_dir / f".{file}.done.json"
+
+
+def _stage_done(out_dir: Path, rl: RankLayout, key: dict) -> tuple[int, str] | None:
+    """A shard finished by an earlier run of the same build, if its bytes still hash right."""
+    done, path = _done_path(out_dir, rl.file), out_dir / rl.file
+    try:
+        rec = json.loads(done.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if rec.get("key") != key or not path.is_file() or path.stat().st_size != rec.get("size"):
+        return None
+    if sha256_file(path) != rec.get("sha256"):
+        return None
+    return rec["size"], rec["sha256"]
+
+
+def _up_to_date(out_dir: Path, plan: Plan, identity: dict) -> dict | None:
+    mpath = out_dir / "manifest.json"
+    try:
+        m = loads(mpath.read_bytes(), str(mpath))
+    except (OSError, ShardcError):
+        return None
+    if m["plan_sha256"] != plan.sha256 or m["source"] != identity or m["shardc_version"] != __version__:
+        return None
+    for s in m["shards"] + m["files"]:
+        p = out_dir / s.get("file", s.get("name"))
+        if not p.is_file() or p.stat().st_size != s["size"]:
+            return None
+    return m
+
+
+def build(
+    plan: Plan,
+    out_dir: str | Path | None = None,
+    *,
+    force: bool = False,
+    progress: bool = False,
+    allow_pickle: bool = False,
+    manifests_dir: str | Path | None = None,
+) -> BuildResult:
+    """Compile ``plan`` into shard files. Validates everything before writing anything."""
+    t0 = time.perf_counter()
+    source = open_source(plan.source, allow_pickle=allow_pickle)
+    model = model_from_config(source.config)
+    layout = build_layout(model, plan)
+    source.check(model)
+
+    out = Path(out_dir) if out_dir else Path("build") / plan.name
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SourceError(f"cannot create output directory {out}: {exc.strerror}") from None
+    lock = open(out / LOCK, "w")  # noqa: SIM115 - held for the whole build
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
+    try:
+        return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
+    finally:
+        lock.close()
+
+
+def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0) -> BuildResult:
+    cache_path = out / HASH_CACHE
+    try:
+        cache = json.loads(cache_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        cache = {}
+    source.start_hashing(cache)
+    identity = source.identity()
+    write_atomic(cache_path, canonical_json(source.hash_cache()))
+    result = BuildResult(out, out / "manifest.json", {})
+
+    if not force and (m := _up_to_date(out, plan, identity)) is not None:
+        result.manifest, result.up_to_date = m, True
+        result.skipped = [s["file"] for s in m["shards"]]
+        _copy_manifest(result, manifests_dir)
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    # From here on the old manifest no longer describes the directory: remove it first.
+    (out / "manifest.json").unlink(missing_ok=True)
+    for stale in out.glob(".*.partial"):
+        stale.unlink()
+    key = {"plan_sha256": plan.sha256, "source": identity, "shardc_version": __version__}
+    mat = _Materializer(source, layout)
+    hashes: dict[str, tuple[int, str]] = {}
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(rl.nbytes for rl in layout.ranks), unit="B", unit_scale=True,
+                   unit_divisor=1024, desc=f"build {plan.name}")
+    try:
+        for stage in range(plan.pp):
+            todo = []
+            for rl in layout.ranks[stage * plan.tp : (stage + 1) * plan.tp]:
+                done = None if force else _stage_done(out, rl, key)
+                if done:
+                    hashes[rl.file] = done
+                    result.skipped.append(rl.file)
+                    if bar is not None:
+                        bar.update(rl.nbytes)
+                else:
+                    todo.append(rl)
+            if not todo:
+                continue
+            written = _write_stage(layout, stage, todo, out, source, mat, bar)
+            for rl in todo:
+                size, sha = written[rl.file]
+                hashes[rl.file] = (size, sha)
+                result.built.append(rl.file)
+                write_atomic(_done_path(out, rl.file),
+                             canonical_json({"key": key, "size": size, "sha256": sha}))
+    finally:
+        if bar is not None:
+            bar.close()
+
+    # A resumed build skipped some tensors; recompute their error stats so the manifest is
+    # identical to an uninterrupted build's.
+    if plan.quantized:
+        for name in sorted({t.source for rl in layout.ranks for t in rl.tensors if t.quant}):
+            if name not in mat.stats:
+                from .quantize import quantize
+
+                mat.stats[name] = quantize(name, source.read(name), plan.dtype)[2]
+
+    cfg_bytes = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
+    write_atomic(out / "config.json", cfg_bytes)
+    _copy_tokenizer(source, out)
+    side = [_file_entry(out, "config.json")] + [_file_entry(out, n) for n in _tokenizer_files(source)]
+    shards = []
+    for rl in layout.ranks:
+        size, sha = hashes[rl.file]
+        tensors = {}
+        for t in rl.tensors:
+            rec = t.record()
+            if t.quant and not t.scale_of:
+                rec["stats"] = mat.stats[t.source]
+                rec["scale"] = t.name + "_scale"
+            tensors[t.name] = rec
+        shards.append({
+            "file": rl.file, "tp_rank": rl.tp_rank, "pp_stage": rl.pp_stage, "rank": rl.rank,
+            "layers": list(rl.layers), "size": size, "sha256": sha, "tensors": tensors,
+        })
+    manifest = new_manifest(layout, identity, shards, side)
+    write_atomic(out / "manifest.json", dumps(manifest))  # the commit point
+    for rl in layout.ranks:
+        _done_path(out, rl.file).unlink(missing_ok=True)
+    result.manifest = manifest
+    _copy_manifest(result, manifests_dir)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json")
+
+
+def _tokenizer_files(source: Source) -> list[str]:
+    return [n for n in TOKENIZER_FILES if (source.directory / n).is_file()]
+
+
+def _copy_tokenizer(source: Source, out: Path) -> None:
+    """Tokenizer files travel with the shards so the runtime and gate need no source."""
+    for n in _tokenizer_files(source):
+        tmp = out / f".{n}.tmp"
+        shutil.copyfile(source.directory / n, tmp)
+        os.replace(tmp, out / n)
+
+
+def _file_entry(out: Path, name: str) -> dict[str, Any]:
+    p = out / name
+    return {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p)}
+
+
+def _copy_manifest(result: BuildResult, manifests_dir: str | Path | None) -> None:
+    if manifests_dir is None:
+        return
+    d = Path(manifests_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    name = result.manifest["plan"]["replica_group"]["name"]
+    write_atomic(d / f"{name}.json", dumps(result.manifest))

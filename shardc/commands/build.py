@@ -1,0 +1,93 @@
+"""`shardc build` and `shardc inspect`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("build", epilog="""\b
+Examples:
+  shardc build plans/tp4pp2-fp16.yaml
+  shardc build plans/demo-tp3pp2-bf16.yaml --json
+  shardc build plans/tp2pp1-int8.yaml --source /data/Llama-3.3-70B-Instruct --out /nvme/build
+  shardc build plans/tp4pp2-fp16.yaml --upload --to s3://models/llama3-70b/fp16
+""")
+@click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--source", help="Read weights from here instead of the plan's model.source "
+              "(local dir or hf://org/repo[@rev]); the recorded plan is unchanged.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Output directory [default: build/<plan name>].")
+@click.option("--manifests-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("manifests"), show_default=True,
+              help="Where the copy of the manifest (the rollout record) goes.")
+@click.option("--force", is_flag=True, help="Rebuild even if the output is complete and up to date.")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickled .bin checkpoints (loaded weights_only).")
+@click.option("--upload", is_flag=True, help="Push the build to object storage afterwards.")
+@click.option("--to", "to_uri", help="With --upload: destination [default: the plan's manifest_uri directory].")
+@click.option("--endpoint-url", help="With --upload: S3 endpoint (or AWS_ENDPOINT_URL).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, upload, to_uri,
+              endpoint_url, quiet, as_json) -> None:
+    """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
+    from ..build import build
+    from ..cli import echo_json, show_progress
+    from ..plan import load_plan
+
+    plan = load_plan(plan_file)
+    if source:
+        plan = plan.with_source(source)
+    result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
+                   allow_pickle=allow_pickle, manifests_dir=manifests_dir)
+    summary = result.summary()
+    if upload:
+        from ..store import push_build
+
+        summary["upload"] = push_build(result.manifest_path, to_uri, endpoint_url=endpoint_url,
+                                       progress=show_progress(quiet) and not as_json)
+    if as_json:
+        echo_json(summary)
+        return
+    if quiet:
+        return
+    state = "up to date" if result.up_to_date else f"built in {summary['seconds']:.1f}s"
+    click.echo(f"{summary['plan']}: {state}; {len(summary['shards'])} shards, "
+               f"{summary['total_bytes'] / 2**30:.2f} GiB in {result.out_dir}")
+    for s in summary["shards"]:
+        click.echo(f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
+                   f"layers {s['layers'][0]}:{s['layers'][1]}  {s['size'] / 2**20:10.1f} MiB  "
+                   f"{s['sha256'][:12]}")
+    if result.skipped and not result.up_to_date:
+        click.echo(f"  resumed: {len(result.skipped)} shard(s) already complete were kept")
+    click.echo(f"manifest: {result.manifest_path}")
+    if manifests_dir is not None:
+        click.echo(f"record:   {Path(manifests_dir) / (summary['plan'] + '.json')}")
+
+
+@click.command("inspect", epilog="""\b
+Examples:
+  shardc inspect build/demo-tp3pp2-bf16/manifest.json
+  shardc inspect build/demo-tp3pp2-bf16/model-tp01-pp00.safetensors --tensors
+""")
+@click.argument("path", type=click.Path(exists=True, dir_okay=True, path_type=Path))
+@click.option("--tensors", is_flag=True, help="List every tensor.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def inspect_cmd(path: Path, tensors: bool, as_json: bool) -> None:
+    """Summarize a manifest, a build directory or one shard file."""
+    from ..cli import echo_json
+    from ..inspect import describe
+
+    info = describe(path)
+    if as_json:
+        echo_json(info)
+        return
+    for line in info["lines"]:
+        click.echo(line)
+    if tensors:
+        for t in info["tensors"]:
+            click.echo(f"    {t['name']:<60} {t['dtype']:<8} {t['shape']}  {t.get('split', '')}")
+
+
+COMMANDS = [build_cmd, inspect_cmd]

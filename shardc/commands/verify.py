@@ -1,0 +1,98 @@
+"""`shardc verify`: the node cold-start check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("verify", epilog="""\b
+Exit codes: 0 all good, 1 mismatch (names shard, tensor, expected vs found), 2 bad input.
+Examples:
+  shardc verify --manifest build/demo-tp3pp2-bf16/manifest.json
+  shardc verify --manifest /models/manifest.json --rank 5 --device cuda
+  shardc verify --manifest build/x/manifest.json --deep /data/Llama-3.3-70B-Instruct --json
+  torchrun --nproc-per-node 8 -m shardc.cli verify --manifest m.json --distributed --device cuda
+""")
+@click.option("--manifest", "manifest_path", required=True,
+              help="manifest.json path (or a URI understood by shardc pull).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path),
+              help="Directory holding the shards [default: the manifest's directory].")
+@click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="The plan this node expects; the manifest must be of exactly this plan.")
+@click.option("--rank", type=int, help="Global rank to verify (only its file is read).")
+@click.option("--tp-rank", type=int, help="TP rank (with --pp-stage).")
+@click.option("--pp-stage", type=int, help="PP stage (with --tp-rank).")
+@click.option("--all", "all_ranks", is_flag=True, help="Verify every rank (the default).")
+@click.option("--device", help="Load every tensor onto this device (cpu, cuda, cuda:N) and check values.")
+@click.option("--deep", "deep_source", help="Reassemble against this source checkpoint, byte for byte.")
+@click.option("--jobs", type=int, help="Parallel hashing threads [default: cores, at most 8].")
+@click.option("--distributed", is_flag=True, help="One process per rank (torchrun env); the group agrees.")
+@click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
+              help="Seconds any distributed wait may take before it is an error.")
+@click.option("--json", "as_json", is_flag=True, help="Per-rank result objects for orchestration.")
+@click.pass_context
+def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage, all_ranks, device,
+               deep_source, jobs, distributed, timeout_s, as_json) -> None:
+    """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
+    from ..cli import echo_json
+    from ..errors import ManifestError
+    from ..manifest import layout_of
+    from ..verify import select_ranks, verify_build
+
+    manifest, default_dir = _load_manifest(manifest_path)
+    directory = directory or default_dir
+    if plan_file is not None:
+        from ..plan import load_plan
+
+        want = load_plan(plan_file).sha256
+        if want != manifest["plan_sha256"]:
+            raise ManifestError(
+                f"the manifest is of plan sha256 {manifest['plan_sha256'][:12]}, not of {plan_file} "
+                f"({want[:12]})", hint="pass the manifest built from this plan")
+    if device and device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ManifestError(f"--device {device} but CUDA is not available here", hint="use --device cpu")
+    if distributed:
+        from ..distverify import distributed_verify
+
+        report = distributed_verify(manifest, directory, device=device, deep=deep_source, timeout_s=timeout_s)
+    else:
+        if all_ranks and (rank is not None or tp_rank is not None or pp_stage is not None):
+            raise ManifestError("--all cannot be combined with --rank/--tp-rank/--pp-stage")
+        ranks = select_ranks(layout_of(manifest), rank, tp_rank, pp_stage)
+        report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
+    if as_json:
+        echo_json(report)
+    else:
+        for r in report["ranks"]:
+            mark = "ok  " if r["ok"] else "FAIL"
+            click.echo(f"{mark} {r['file']} (rank {r['rank']}: tp {r['tp_rank']}, pp {r['pp_stage']})  "
+                       f"{' '.join(r['checks'])}")
+            for w in r["warnings"]:
+                click.echo(f"     warning: {w}")
+        for p in report["problems"]:
+            click.echo(f"error: {p}", err=True)
+        verdict = "all good" if report["ok"] else f"{len(report['problems'])} problem(s)"
+        click.echo(f"{report['plan']}: {verdict}")
+    ctx.exit(0 if report["ok"] else 1)
+
+
+def _load_manifest(ref: str):
+    """A local manifest path, or a URI fetched through the store."""
+    from ..manifest import read_manifest
+
+    if "://" in ref and not ref.startswith("file://"):
+        from ..store import fetch_manifest
+
+        return fetch_manifest(ref), Path(".")
+    path = Path(ref.removeprefix("file://"))
+    if path.is_dir():
+        path = path / "manifest.json"
+    return read_manifest(path), path.parent
+
+
+COMMANDS = [verify_cmd]

@@ -1,0 +1,94 @@
+"""Distributed verify: every process checks its own rank's shard, then the group agrees.
+
+Launched by torchrun (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT in the environment) or any
+launcher that sets the same variables. Every wait has a deadline: a peer that never joins, crashes
+or hangs makes every live process fail with a message naming it, never a hang.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from .errors import DistributedError, ManifestError
+from .manifest import layout_of
+from .verify import verify_build
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        raise ManifestError(
+            f"distributed verify needs {name} in the environment",
+            hint="launch with torchrun --nproc-per-node=<tp*pp> -m shardc.cli verify --distributed ...",
+        ) from None
+
+
+def distributed_verify(
+    manifest: dict[str, Any], directory: Path, *, device: str | None = None, deep: str | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, Any]:
+    """Verify this process's rank and gather every rank's verdict. Raises DistributedError when a
+    peer is missing or hung; returns the combined report otherwise (ok=False if any rank failed)."""
+    import torch.distributed as dist
+
+    rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = _env_int("MASTER_PORT")
+    layout = layout_of(manifest)
+    if world != layout.plan.world_size:
+        raise ManifestError(
+            f"WORLD_SIZE={world} but the plan has tp*pp = {layout.plan.world_size} ranks",
+            hint=f"launch {layout.plan.world_size} processes",
+        )
+    timeout = timedelta(seconds=timeout_s)
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    try:
+        base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
+                             timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise DistributedError(
+            f"rank {rank}: cannot reach the rendezvous at {addr}:{port} within {timeout_s:.0f}s "
+            f"(rank 0 hosts it: is it running?) ({exc.__class__.__name__})"
+        ) from None
+    store = dist.PrefixStore("shardc-verify", base)
+    store.set(f"joined/{rank}", "1")
+
+    mine = verify_build(manifest, directory, [layout.ranks[rank]], device=device, deep=deep)
+    store.set(f"done/{rank}", "1")
+
+    def absent(prefix: str) -> list[int]:
+        return [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+
+    try:
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
+                                world_size=world, timeout=timeout)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, json.dumps(mine))
+        dist.barrier()  # rank 0 hosts the store: nobody leaves before everyone has read
+    except Exception as exc:  # gloo raises RuntimeError / DistBackendError / DistStoreError
+        never = absent("joined")
+        hung = [r for r in absent("done") if r not in never]
+        who = (f"rank(s) {never} never joined" if never else
+               f"rank(s) {hung} did not finish verifying" if hung else "a peer failed mid-collective")
+        raise DistributedError(f"rank {rank}: distributed verify failed after up to {timeout_s:.0f}s: "
+                               f"{who} ({exc.__class__.__name__})") from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    reports = [json.loads(g) for g in gathered]
+    failed = [r for r, rep in enumerate(reports) if not rep["ok"]]
+    problems = [p for rep in reports for p in rep["problems"]]
+    return {
+        "ok": not failed,
+        "plan": layout.plan.name,
+        "plan_sha256": layout.plan.sha256,
+        "this_rank": rank,
+        "failed_ranks": failed,
+        "problems": sorted(set(problems)),
+        "ranks": [rep["ranks"][0] for rep in reports],
+    }

@@ -1,0 +1,61 @@
+"""Readable summaries of manifests and shard files (for `shardc inspect`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import ManifestError
+from .manifest import read_manifest
+from .verify import read_header
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def describe(path: Path) -> dict[str, Any]:
+    """Lines of text plus the tensor list; a manifest path, a build dir, or a .safetensors file."""
+    if path.is_dir():
+        path = path / "manifest.json"
+    if path.suffix == ".safetensors":
+        return _describe_shard(path)
+    m = read_manifest(path)
+    lay, model = m["layout"], m["model"]
+    lines = [
+        f"plan       {m['plan']['replica_group']['name']}  (sha256 {m['plan_sha256'][:12]})",
+        f"layout     tp={lay['tp_degree']} pp={lay['pp_degree']} dtype={lay['dtype']} "
+        f"base={lay['base_dtype']} stages={lay['stages']}",
+        f"model      {model['architecture']} layers={model['num_layers']} hidden={model['hidden_size']} "
+        f"heads={model['num_heads']}/{model['num_kv_heads']} vocab={model['vocab_size']}"
+        f" (padded {model['padded_vocab_size']}) tied={model['tie_word_embeddings']}",
+        f"source     {m['source']['uri']}" + (f" @ {m['source']['revision']}" if m["source"]["revision"] else ""),
+        f"shards     {len(m['shards'])} files, {_gib(sum(s['size'] for s in m['shards']))}",
+    ]
+    tensors = []
+    for s in m["shards"]:
+        lines.append(f"  {s['file']}  rank {s['rank']} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
+                     f"layers {s['layers'][0]}:{s['layers'][1]}  {len(s['tensors'])} tensors  "
+                     f"{_gib(s['size'])}  {s['sha256'][:12]}")
+        for name, t in s["tensors"].items():
+            tensors.append({"file": s["file"], "name": name, **t})
+    return {"kind": "manifest", "lines": lines, "tensors": tensors}
+
+
+def _describe_shard(path: Path) -> dict[str, Any]:
+    try:
+        header = read_header(path)
+    except (OSError, ValueError) as exc:
+        raise ManifestError(f"{path} is not a readable safetensors file ({exc})") from None
+    meta = header.pop("__metadata__", {}) or {}
+    size = path.stat().st_size
+    lines = [f"file       {path.name}  {_gib(size)}  {len(header)} tensors"]
+    if "shardc.plan" in meta:
+        lines.append(f"plan       {meta['shardc.plan']}  (sha256 {meta.get('shardc.plan_sha256', '')[:12]})")
+        lines.append(f"rank       {meta.get('shardc.rank')} (tp {meta.get('shardc.tp_rank')}/"
+                     f"{meta.get('shardc.tp_degree')}, pp {meta.get('shardc.pp_stage')}/"
+                     f"{meta.get('shardc.pp_degree')})  layers {meta.get('shardc.layers')}")
+    else:
+        lines.append("plan       (no shardc metadata: not a shardc shard)")
+    tensors = [{"name": n, "dtype": h["dtype"], "shape": h["shape"]} for n, h in sorted(header.items())]
+    return {"kind": "shard", "lines": lines, "tensors": tensors, "metadata": meta}

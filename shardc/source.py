@@ -1,0 +1,243 @@
+"""Checkpoint readers: a local Hugging Face directory or ``hf://org/repo[@rev]``.
+
+Tensors are read lazily, one at a time, through safetensors' ``safe_open``; the file is opened per
+tensor so the mapping (and the page-cache pages it pins in our RSS) is released right after, which
+keeps peak memory bounded by the largest tensor rather than by the model. Pickled ``.bin``
+checkpoints are refused unless explicitly allowed, and then loaded with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import SourceError
+from .layout import source_tensors
+from .manifest import safe_name
+from .model import ModelSpec
+
+_HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+# Buffers some exporters leave in checkpoints; they are derived, not weights.
+_BENIGN = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_TORCH_DTYPE = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
+HASH_BLOCK = 16 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Source:
+    """A resolved checkpoint: local directory, its config and a tensor index (names -> file)."""
+
+    uri: str
+    directory: Path
+    revision: str | None
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    files: list[str]
+    pickled: bool = False
+    _hashes: dict[str, Future] = field(default_factory=dict, repr=False)
+
+    # -- validation ---------------------------------------------------------------------------
+    def check(self, model: ModelSpec) -> None:
+        """Every tensor the model needs is there with the right shape; nothing unknown."""
+        expected = {t.name: t.shape for t in source_tensors(model)}
+        for name, shape in expected.items():
+            info = self.tensors.get(name)
+            if info is None:
+                raise SourceError(
+                    f"tensor {name!r} is missing from the checkpoint at {self.uri}",
+                    hint="the checkpoint does not match its config.json (layers, tied embeddings?)",
+                )
+            if info.shape != shape:
+                raise SourceError(
+                    f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(shape)}",
+                    hint="the checkpoint does not match its config.json",
+                )
+            if info.dtype not in _TORCH_DTYPE:
+                raise SourceError(
+                    f"tensor {name!r} has dtype {info.dtype}; only F16, BF16 and F32 sources are read",
+                    hint="start from the unquantized checkpoint",
+                )
+        for name in self.tensors:
+            if name not in expected and not _BENIGN.fullmatch(name):
+                raise SourceError(
+                    f"unexpected tensor {name!r} in the checkpoint (not a weight of "
+                    f"{model.architecture} with this config)",
+                    hint="check num_hidden_layers / tie_word_embeddings in config.json",
+                )
+
+    # -- reading ------------------------------------------------------------------------------
+    def read(self, name: str):
+        """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""
+        import torch
+        from safetensors import safe_open
+
+        info = self.tensors[name]
+        path = self.directory / info.file
+        if self.pickled:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return state[name].clone()
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(name)
+
+    # -- identity -----------------------------------------------------------------------------
+    def start_hashing(self, cache: dict[str, dict] | None = None) -> None:
+        """Hash the source files in a background thread while the build runs."""
+        cache = cache or {}
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardc-srchash")
+        for name in self.files:
+            self._hashes[name] = pool.submit(_hash_cached, self.directory / name, cache.get(name))
+        pool.shutdown(wait=False)
+
+    def identity(self) -> dict[str, Any]:
+        """uri, revision, and size + sha256 of every file read (config.json included)."""
+        if not self._hashes:
+            self.start_hashing()
+        files = []
+        for name in sorted(self._hashes):
+            size, mtime, digest = self._hashes[name].result()
+            files.append({"name": name, "size": size, "sha256": digest})
+        return {"uri": self.uri, "revision": self.revision, "files": files}
+
+    def hash_cache(self) -> dict[str, dict]:
+        out = {}
+        for name, fut in self._hashes.items():
+            size, mtime, digest = fut.result()
+            out[name] = {"size": size, "mtime_ns": mtime, "sha256": digest}
+        return out
+
+
+def sha256_file(path: str | Path, block: int = HASH_BLOCK) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(block)
+    mv = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(mv[:n])
+    return h.hexdigest()
+
+
+def _hash_cached(path: Path, cached: dict | None) -> tuple[int, int, str]:
+    st = os.stat(path)
+    if cached and cached.get("size") == st.st_size and cached.get("mtime_ns") == st.st_mtime_ns:
+        return st.st_size, st.st_mtime_ns, cached["sha256"]
+    return st.st_size, st.st_mtime_ns, sha256_file(path)
+
+
+_hub_lock = threading.Lock()
+
+
+def _resolve_hf(uri: str) -> tuple[Path, str]:
+    m = _HF_RE.match(uri)
+    if not m:
+        raise SourceError(f"malformed hub source {uri!r}", hint="use hf://org/repo or hf://org/repo@revision")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise SourceError("hf:// sources need huggingface_hub", hint="pip install 'shardc[hub]'") from None
+    with _hub_lock:
+        try:
+            path = snapshot_download(
+                m.group("repo"),
+                revision=m.group("rev"),
+                allow_patterns=["*.safetensors", "*.json", "tokenizer*"],
+            )
+        except Exception as exc:  # the hub raises many types; all mean "cannot fetch"
+            raise SourceError(f"cannot fetch {uri}: {exc}", hint="check the repo id, revision and HF_TOKEN") from None
+    return Path(path), Path(path).name  # snapshot dirs are named by commit hash
+
+
+def open_source(uri: str, *, allow_pickle: bool = False) -> Source:
+    """Resolve a source URI and index its tensors (headers only; no tensor data is read)."""
+    revision = None
+    if uri.startswith("hf://"):
+        directory, revision = _resolve_hf(uri)
+    elif "://" in uri and not uri.startswith("file://"):
+        scheme = uri.split("://", 1)[0]
+        raise SourceError(
+            f"unsupported source scheme {scheme!r} in {uri!r}",
+            key="model.source",
+            hint="use a local directory, file://DIR or hf://org/repo[@rev]",
+        )
+    else:
+        directory = Path(uri.removeprefix("file://"))
+    if not directory.is_dir():
+        raise SourceError(f"source directory {directory} does not exist", key="model.source",
+                          hint="run scripts/setup_demo.py for the demo model, or fix model.source")
+    cfg_path = directory / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SourceError(f"cannot read {cfg_path}: {exc}", hint="a Hugging Face checkpoint has a config.json") from None
+
+    files = _weight_files(directory)
+    pickled = False
+    if not files:
+        bins = sorted(p.name for p in directory.glob("*.bin"))
+        if not bins:
+            raise SourceError(f"no *.safetensors files in {directory}", key="model.source")
+        if not allow_pickle:
+            raise SourceError(
+                f"{directory} holds only pickled .bin weights, which can run code when loaded",
+                hint="convert to safetensors, or pass --allow-pickle to load them with weights_only=True",
+            )
+        files, pickled = bins, True
+    tensors = _index_pickles(directory, files) if pickled else _index_safetensors(directory, files)
+    return Source(uri, directory, revision, config, tensors, ["config.json", *files], pickled)
+
+
+def _weight_files(directory: Path) -> list[str]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError):
+            raise SourceError(f"{index} is not a valid safetensors index", hint="it needs a weight_map") from None
+        names = sorted({safe_name(f, "weight file name") for f in weight_map.values()})
+        for n in names:
+            if not (directory / n).is_file():
+                raise SourceError(f"{index.name} names {n}, which is missing", hint="download all shards")
+        return names
+    return sorted(p.name for p in directory.glob("*.safetensors"))
+
+
+def _index_safetensors(directory: Path, files: list[str]) -> dict[str, TensorInfo]:
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, TensorInfo] = {}
+    for fname in files:
+        try:
+            with safe_open(directory / fname, framework="numpy") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    sl = f.get_slice(name)
+                    if name in out:
+                        raise SourceError(f"tensor {name!r} appears in {out[name].file} and {fname}")
+                    out[name] = TensorInfo(fname, sl.get_dtype(), tuple(sl.get_shape()))
+        except SafetensorError as exc:
+            raise SourceError(f"{fname} is not a readable safetensors file: {exc}") from None
+    return out
+
+
+def _index_pickles(directory: Path, files: list[str]) -> dict[str, TensorInfo]:
+    import torch
+
+    rev = {v: k for k, v in _TORCH_DTYPE.items()}
+    out: dict[str, TensorInfo] = {}
+    for fname in files:
+        state = torch.load(directory / fname, map_location="cpu", weights_only=True, mmap=True)
+        for name, t in state.items():
+            out[name] = TensorInfo(fname, rev.get(str(t.dtype).removeprefix("torch."), str(t.dtype)), tuple(t.shape))
+    return out

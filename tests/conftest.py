@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny seeded checkpoints and the bundled demo model."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir() -> Path:
+    """The SmolLM2-135M demo checkpoint (converted once, cached under .cache/demo)."""
+    from setup_demo import ensure_demo_model
+
+    return ensure_demo_model(Path(os.environ.get("SHARDC_DEMO_DIR", ROOT / ".cache" / "demo")))
+
+
+@pytest.fixture
+def make_ckpt(tmp_path):
+    """Factory: make_ckpt(name="ck", num_files=1, seed=0, **llama_config kwargs) -> checkpoint dir."""
+    from shardc.synthetic import llama_config, write_checkpoint
+
+    def make(name: str = "ck", *, num_files: int = 1, seed: int = 0, **cfg) -> Path:
+        return write_checkpoint(tmp_path / name, llama_config(**cfg), num_files=num_files, seed=seed)
+
+    return make
