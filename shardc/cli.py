@@ -73,3 +73,7 @@ for _name in COMMAND_MODULES:
         continue
     for _cmd in _mod.COMMANDS:
         main.add_command(_cmd)
+
+
+if __name__ == "__main__":
+    main()

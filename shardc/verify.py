@@ -256,7 +256,7 @@ def verify_build(
         digests = list(pool.map(digest, ranks))
     results = [
         verify_rank(manifest, directory, layout, rl, device=device, deep=deep, hashed=d)
-        for rl, d in zip(ranks, digests)
+        for rl, d in zip(ranks, digests, strict=True)
     ]
     all_problems = problems + [p for r in results for p in r.problems]
     return {

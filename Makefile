@@ -1,0 +1,35 @@
+# Two entry points (see README): `make demo` and `make test`. Both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.shardc-installed
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned to the CPU wheel, so nothing pulls a multi-GB CUDA build
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[all]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(BIN)/python scripts/setup_demo.py
+	$(BIN)/shardc build plans/demo-tp3pp2-bf16.yaml
+	$(BIN)/shardc verify --manifest build/demo-tp3pp2-bf16/manifest.json
+	$(BIN)/shardc inspect build/demo-tp3pp2-bf16/manifest.json
+
+test: setup
+	$(BIN)/python scripts/setup_demo.py
+	$(BIN)/python -m pytest -q -rs --durations=15
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m 'not heavy'
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf build .pytest_cache

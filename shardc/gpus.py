@@ -1,0 +1,147 @@
+"""GPU and interconnect presets for the planner: the spec-sheet numbers, as data.
+
+Memory is what CUDA reports (``cudaGetDeviceProperties().totalGlobalMem``, the number vLLM and
+PyTorch print as "total capacity"), not the marketing size: an "80 GB" A100 gives 79.15 GiB, and every
+KV-budget figure downstream is a difference of such numbers, so the marketing size would overstate
+the KV cache by gigabytes. Bandwidths are per GPU and per direction. Every figure can be overridden
+from the command line (``--gpu-memory``, ``--hbm-bandwidth``, ``--nvlink-bandwidth``,
+``--interconnect``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .errors import PlanError
+
+GIB = 1 << 30
+GB = 10**9
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """A link as the ring all-reduce sees it: bandwidth per GPU per direction, latency per hop."""
+
+    name: str
+    bandwidth: float  # bytes/s, per GPU, one direction
+    latency: float  # seconds per ring hop (NCCL LL protocol, order of magnitude)
+    description: str
+
+
+INTERCONNECTS: dict[str, Interconnect] = {
+    i.name: i
+    for i in (
+        Interconnect("nvlink3", 300 * GB, 2e-6, "NVLink 3 (A100 SXM): 12 links x 25 GB/s per direction"),
+        Interconnect("nvlink4", 450 * GB, 2e-6, "NVLink 4 (H100/H200 SXM): 18 links x 25 GB/s per direction"),
+        Interconnect("pcie4", 32 * GB, 5e-6, "PCIe 4.0 x16: 32 GB/s per direction, through the host"),
+        Interconnect("pcie5", 64 * GB, 5e-6, "PCIe 5.0 x16: 64 GB/s per direction, through the host"),
+        Interconnect("ib-hdr", 25 * GB, 6e-6, "InfiniBand HDR: one 200 Gb/s NIC per GPU"),
+        Interconnect("ib-ndr", 50 * GB, 6e-6, "InfiniBand NDR: one 400 Gb/s NIC per GPU"),
+    )
+}
+INTERCONNECT_ALIASES = {"pcie": "pcie4", "infiniband": "ib-ndr", "ib": "ib-ndr", "ndr": "ib-ndr",
+                        "hdr": "ib-hdr"}
+DEFAULT_INTER_NODE = "ib-ndr"
+
+
+@dataclass(frozen=True)
+class GPU:
+    """One accelerator: memory as CUDA reports it, HBM bandwidth, dense 16-bit tensor FLOP/s."""
+
+    name: str
+    memory: int  # bytes, as cudaGetDeviceProperties reports them
+    hbm_bandwidth: float  # bytes/s
+    flops: float  # dense BF16/FP16 tensor-core FLOP/s (activations stay 16-bit: weight-only quant)
+    link: Interconnect  # inside the node (the NVLink domain; PCIe cards have only PCIe)
+    description: str
+
+    @property
+    def nvlink(self) -> bool:
+        return self.link.name.startswith("nvlink")
+
+
+def _gpu(name: str, memory: int, hbm_gbs: float, tflops: float, link: str, desc: str) -> GPU:
+    return GPU(name, memory, hbm_gbs * GB, tflops * 1e12, INTERCONNECTS[link], desc)
+
+
+# Memory values: deviceQuery "Total amount of global memory" in bytes where published; H200 from
+# PyTorch's "total capacity of 139.80 GiB". HBM/FLOP/s: NVIDIA data sheets (dense, no sparsity).
+GPUS: dict[str, GPU] = {
+    g.name: g
+    for g in (
+        _gpu("a100-40gb", 42_298_834_944, 1555, 312, "nvlink3", "A100-SXM4-40GB (HBM2)"),
+        _gpu("a100-80gb", 84_987_740_160, 2039, 312, "nvlink3", "A100-SXM4-80GB (HBM2e)"),
+        _gpu("a100-40gb-pcie", 42_297_786_368, 1555, 312, "pcie4", "A100-PCIE-40GB"),
+        _gpu("a100-80gb-pcie", 84_974_239_744, 1935, 312, "pcie4", "A100 80GB PCIe"),
+        _gpu("h100-sxm", 85_028_896_768, 3350, 989, "nvlink4", "H100 80GB HBM3 (SXM5)"),
+        _gpu("h200", round(139.80 * GIB), 4800, 989, "nvlink4", "H200 141GB HBM3e (SXM)"),
+        _gpu("l40s", 47_576_711_168, 864, 362, "pcie4", "L40S 48GB GDDR6 (PCIe, no NVLink)"),
+    )
+}
+GPU_ALIASES = {
+    "a100": "a100-80gb", "a100-sxm": "a100-80gb", "a100-80gb-sxm": "a100-80gb",
+    "a100-40gb-sxm": "a100-40gb", "h100": "h100-sxm", "h100-80gb": "h100-sxm", "h200-sxm": "h200",
+}
+
+
+def get_gpu(name: str) -> GPU:
+    """A GPU preset by name (case-insensitive, a few aliases); PlanError lists the presets."""
+    key = name.lower()
+    key = GPU_ALIASES.get(key, key)
+    if key not in GPUS:
+        raise PlanError(
+            f"unknown GPU preset {name!r}",
+            key="--gpu",
+            hint=f"presets: {', '.join(GPUS)} (override figures with --gpu-memory, --hbm-bandwidth)",
+        )
+    return GPUS[key]
+
+
+def get_interconnect(name: str) -> Interconnect:
+    """An interconnect preset by name or alias (nvlink3, pcie, ib-ndr, ...)."""
+    key = name.lower()
+    key = INTERCONNECT_ALIASES.get(key, key)
+    if key not in INTERCONNECTS:
+        raise PlanError(
+            f"unknown interconnect preset {name!r}",
+            key="--interconnect",
+            hint=f"presets: {', '.join(INTERCONNECTS)}",
+        )
+    return INTERCONNECTS[key]
+
+
+def override_gpu(
+    gpu: GPU,
+    *,
+    memory: int | None = None,
+    hbm_bandwidth: float | None = None,
+    link_bandwidth: float | None = None,
+) -> GPU:
+    """The preset with spec-sheet figures replaced (a custom SKU, a measured bandwidth)."""
+    out = gpu
+    if memory is not None:
+        out = dataclasses.replace(out, memory=memory)
+    if hbm_bandwidth is not None:
+        out = dataclasses.replace(out, hbm_bandwidth=hbm_bandwidth)
+    if link_bandwidth is not None:
+        link = dataclasses.replace(out.link, bandwidth=link_bandwidth)
+        out = dataclasses.replace(out, link=link)
+    return out
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where replicas run: GPUs per node form the NVLink domain; nodes talk over ``inter_node``."""
+
+    gpu: GPU
+    gpus_per_node: int = 8
+    nodes: int = 1
+    inter_node: Interconnect = INTERCONNECTS[DEFAULT_INTER_NODE]
+
+    @property
+    def total_gpus(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def node_of(self, gpu_index: int) -> int:
+        return gpu_index // self.gpus_per_node

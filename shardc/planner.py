@@ -1,0 +1,223 @@
+"""The planner: memory, KV-cache, speed and cost arithmetic for TP x PP x dtype, and the pick.
+
+Pure arithmetic on the model config and GPU spec sheets (no torch, no I/O), so ``shardc plan``
+answers instantly. Weight bytes per GPU come from the Layout, the same records ``shardc build``
+writes, so the planner can never disagree with the shards about replicated norms, KV-head
+replication, vocab padding or quantization scales. KV math follows vLLM exactly (paged blocks of
+``block_size`` tokens; a budget holds ``block * floor(budget / (block * bytes_per_token))``
+tokens), because vLLM refuses deployments with this arithmetic and ours must agree with it.
+Everything else (overheads, efficiencies) is a named parameter printed by ``--explain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .gpus import GIB
+from .layout import build_layout, check_degrees, layer_of, stage_ranges
+from .model import ModelSpec
+from .plan import DEFAULT_IGNORE, DEFAULT_SHARD_PREFIX, QUANTIZED_DTYPES, Plan, plan_from_dict
+
+ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
+KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
+DEFAULT_KV_CAP = 20 * GIB
+DTYPE_ORDER = ("bf16", "fp16", "int8", "fp8")  # last tie-break: keep precision when cost is equal
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Per-GPU memory besides weights and KV cache, reserved before the KV budget is computed.
+
+    vLLM measures these in a profiling run; a planner has to assume them. Defaults are typical for
+    a 70B-class model with vLLM's default batching and are printed by ``--explain``.
+    """
+
+    activations: int = GIB  # peak activations of the profiled prefill batch, sampler logits
+    cuda_context: int = GIB // 2  # CUDA context + cuBLAS workspaces (memory torch does not see)
+    nccl: int = GIB // 4  # NCCL communicator buffers; zero for a single-GPU replica
+    cuda_graphs: int = GIB // 2  # captured decode CUDA graphs
+
+    def per_gpu(self, world: int) -> dict[str, int]:
+        out = dataclasses.asdict(self)
+        if world == 1:
+            out["nccl"] = 0
+        return out
+
+
+@dataclass(frozen=True)
+class SpeedParams:
+    """Knobs of the decode roofline; each one is printed by ``--explain``."""
+
+    hbm_efficiency: float = 0.8  # share of peak HBM bandwidth that decode GEMVs reach
+    compute_efficiency: float = 0.5  # share of peak FLOP/s that batched decode GEMMs reach
+    link_efficiency: float = 0.75  # share of link bandwidth NCCL reaches (bus bandwidth)
+    microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage
+    max_num_seqs: int = 256  # scheduler cap on the decode batch (vLLM's default)
+    max_memory_fraction: float = 0.95  # a GPU filled beyond this is infeasible: no headroom
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the deployment must serve, and what it costs."""
+
+    avg_context: int = 2048
+    max_model_len: int | None = None  # a requirement when set: one request this long must fit
+    kv_cache_cap: int | None = None  # per GPU; None: --kv-memory when set, else 20 GiB
+    kv_memory: float | None = None  # per GPU KV budget as an engine measured it (overrides the math)
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    kv_dtype: str = "auto"  # auto: the 16-bit dtype of the model
+    target_tpot_ms: float = 25.0
+    price_per_gpu_hour: float = 2.80
+    demand_tokens_per_s: float | None = None
+
+    @property
+    def cap(self) -> float:
+        if self.kv_cache_cap is not None:
+            return self.kv_cache_cap
+        return self.kv_memory if self.kv_memory is not None else DEFAULT_KV_CAP
+
+    @property
+    def kv_bytes(self) -> int:
+        return KV_DTYPE_BYTES.get(self.kv_dtype, 2)
+
+
+# --- the formulas, as small pure functions (unit-tested against hand-computed cases) ----------
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, tp: int, head_dim: int, kv_bytes: int) -> int:
+    """K and V for every layer on the GPU: 2 x layers x max(1, kv_heads // tp) x head_dim x bytes."""
+    return 2 * layers * max(1, kv_heads // tp) * head_dim * kv_bytes
+
+
+def round_to_blocks(tokens: int, block: int) -> int:
+    """Paged KV is allocated in whole blocks: ceil(tokens / block) x block."""
+    return -(-tokens // block) * block
+
+
+def request_kv_bytes(bytes_per_token: int, length: int, block: int) -> int:
+    """KV memory one request of ``length`` tokens needs on one GPU (vLLM's refusal check)."""
+    return bytes_per_token * round_to_blocks(length, block)
+
+
+def kv_blocks(budget: float, bytes_per_token: int, block: int) -> int:
+    """Whole KV blocks a budget holds: floor(budget / (block x bytes per token))."""
+    return max(0, math.floor(budget / (block * bytes_per_token))) if bytes_per_token else 0
+
+
+def max_model_len(budget: float, bytes_per_token: int, block: int, max_position: int) -> int:
+    """vLLM's estimate: block x floor(budget / (block x bytes per token)), capped at the model's."""
+    return min(block * kv_blocks(budget, bytes_per_token, block), max_position)
+
+
+def sequences_at(blocks: int, avg_context: int, block: int) -> int:
+    """Concurrent sequences of ``avg_context`` tokens that ``blocks`` KV blocks hold."""
+    return blocks // -(-avg_context // block)
+
+
+def ring_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce: 2(n-1)/n x bytes / bandwidth + 2(n-1) hops x latency; free for n = 1."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+
+
+def gpipe_bubble(p: int, m: int) -> float:
+    """Idle share of a GPipe schedule with p stages and m micro-batches: (p-1)/(m+p-1)."""
+    return (p - 1) / (m + p - 1)
+
+
+def dollars_per_mtok(gpus: int, price_per_gpu_hour: float, tokens_per_s: float) -> float:
+    """Cost of one million output tokens: GPU-hours for 1e6 tokens x price."""
+    return gpus * price_per_gpu_hour * 1e6 / (tokens_per_s * 3600)
+
+
+# --- weights from the Layout ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """One GPU's weights as the Layout lists them."""
+
+    tp_rank: int
+    pp_stage: int
+    layers: tuple[int, int]
+    nbytes: int  # stored bytes: quantized weights + float32 scales + 16-bit rest
+    read_bytes: int  # streamed from HBM per decode step (all but the embedding-row lookup)
+    linear_params: int  # matmul weight elements: 2 FLOPs each per token
+    kv_heads: int  # KV heads this rank holds (one replicated head when tp > kv_heads)
+
+
+def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
+    """Every rank's weights, asked of the Layout of a probe model with one layer per stage.
+
+    Decoder layers of one model have identical tensors, so a stage's bytes are its non-layer tensors
+    plus (layers on the stage) x (its one probe layer). The probe Layout lists pp x 9 layer tensors
+    per rank instead of 80 x 9, which keeps a search of dozens of candidates far below a second;
+    tests check the result against the full Layout byte for byte.
+    """
+    check_degrees(model, plan)
+    counts = [b - a for a, b in stage_ranges(model, plan)]
+    probe = build_layout(
+        dataclasses.replace(model, num_layers=plan.pp), dataclasses.replace(plan, pp_layers=(1,) * plan.pp)
+    )
+    real = stage_ranges(model, plan)
+    out = []
+    for rl in probe.ranks:
+        n = counts[rl.pp_stage]
+        totals = {"nbytes": 0, "read": 0, "linear": 0}
+        kv_heads = 0
+        for t in rl.tensors:
+            mult = n if layer_of(t.name) is not None else 1
+            embed = t.name == "model.embed_tokens.weight"
+            streamed = not embed or (model.tie_word_embeddings and plan.pp == 1)  # tied: also lm_head
+            totals["nbytes"] += mult * t.nbytes
+            totals["read"] += mult * t.nbytes if streamed else 0
+            if streamed and len(t.shape) == 2 and t.scale_of is None:
+                totals["linear"] += mult * math.prod(t.shape)
+            if t.name.endswith("self_attn.k_proj.weight"):
+                kv_heads = t.shape[0] // model.head_dim
+        out.append(
+            RankWeights(rl.tp_rank, rl.pp_stage, real[rl.pp_stage], totals["nbytes"], totals["read"],
+                        totals["linear"], kv_heads)
+        )
+    return out
+
+
+def param_count(model: ModelSpec) -> int:
+    """Parameters of the checkpoint (tied embeddings counted once), from the Layout's tensor list."""
+    from .layout import source_tensors
+
+    return sum(math.prod(t.shape) for t in source_tensors(model))
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+
+def plan_name(model_name: str, tp: int, pp: int, dtype: str) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-._")[:96] or "model"
+    return f"{slug}-tp{tp}pp{pp}-{dtype}"
+
+
+def plan_dict(
+    name: str, source: str, tp: int, pp: int, dtype: str, *, kv_cache_cap_gib: float | None = None,
+    max_concurrent_sequences: int | None = None,
+) -> dict[str, Any]:
+    """A plan file's content (the schema of plan.py), ready for ``plan_from_dict``/YAML."""
+    rg: dict[str, Any] = {
+        "name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * pp,
+        "nvlink_domain": "node-local",
+    }
+    if kv_cache_cap_gib:
+        rg["kv_cache_cap_gb"] = int(kv_cache_cap_gib) if kv_cache_cap_gib == int(kv_cache_cap_gib) else kv_cache_cap_gib
+    if max_concurrent_sequences:
+        rg["max_concurrent_sequences"] = max_concurrent_sequences
+    rg["checkpoint"] = {"shard_prefix": DEFAULT_SHARD_PREFIX}
+    out: dict[str, Any] = {"replica_group": rg, "model": {"source": source}}
+    if dtype in QUANTIZED_DTYPES:
+        out["quantization"] = {"ignore": list(DEFAULT_IGNORE)}
+    return out

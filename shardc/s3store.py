@@ -1,0 +1,294 @@
+"""The S3 backend of :mod:`shardc.store` (boto3, imported only when an ``s3://`` URI is used).
+
+Why it looks the way it does:
+
+* Settings come from boto3's own chain (environment, profiles, ``AWS_ENDPOINT_URL``, instance
+  roles); ``endpoint_url`` only overrides the endpoint. Nothing here reads, prints or logs a key.
+* Every client call goes through botocore's retry modes (``standard`` by default: exponential
+  backoff with jitter on throttling, 5xx and connection errors) with a bounded number of attempts
+  and connect/read timeouts, so a dead or failing server ends as one clear ``StoreError`` after a
+  bounded time instead of a hang.
+* Transfers use boto3's classic transfer manager: parallel multipart uploads and ranged downloads.
+  Uploads carry ``ChecksumAlgorithm=SHA256`` (the server checks every part) and the file's full
+  sha256 as object metadata, which is what lets a re-push skip objects that are already correct.
+  The transfer manager aborts its multipart upload when a transfer fails; uploads left behind by a
+  killed process are swept by :meth:`S3Store.abort_incomplete` at the start of the next push.
+* Downloads are written to a non-seekable sink, which makes the transfer manager hand the bytes over
+  in order, so the sink can hash (and decompress) them as a stream: no second read of the file.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Any
+
+from .errors import ShardcError, StoreError, VerifyMismatch
+from .store import GetItem, ObjectInfo, PutItem, Store, TransferSettings
+
+_CRED_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run where an instance role "
+    "provides them"
+)
+_RETRY_HINT = "the object store kept failing; check it and rerun (a rerun resumes), or raise SHARDC_S3_MAX_ATTEMPTS"
+
+
+def _boto3() -> Any:
+    try:
+        import boto3
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise StoreError("s3:// needs boto3", hint="pip install 'shardc[s3]'") from None
+    return boto3
+
+
+class S3Store(Store):
+    """Objects under ``s3://bucket/prefix``."""
+
+    def __init__(
+        self, bucket: str, prefix: str, *, endpoint_url: str | None = None,
+        settings: TransferSettings | None = None,
+    ) -> None:
+        boto3 = _boto3()
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        self.bucket, self.prefix = bucket, prefix.strip("/")
+        self.settings = s = settings or TransferSettings.from_env()
+        self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        config = Config(
+            retries={"mode": s.retry_mode, "max_attempts": s.max_attempts},
+            connect_timeout=s.connect_timeout,
+            read_timeout=s.read_timeout,
+            max_pool_connections=s.max_concurrency + 4,
+            user_agent_extra="shardc",
+        )
+        try:
+            session = boto3.session.Session()
+            self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
+        except Exception as exc:  # bad profile, malformed endpoint URL, ...
+            raise StoreError(f"cannot set up the S3 client for {self.uri}: {exc}",
+                             hint="check --endpoint-url, AWS_ENDPOINT_URL and AWS_PROFILE") from None
+        self.endpoint = self.client.meta.endpoint_url
+        self.transfer_config = TransferConfig(
+            multipart_threshold=s.multipart_threshold,
+            multipart_chunksize=s.multipart_chunksize,
+            max_concurrency=s.max_concurrency,
+            num_download_attempts=s.max_attempts,
+            preferred_transfer_client="classic",
+        )
+
+    # -- small helpers -------------------------------------------------------------------------
+    def key(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _error(self, exc: BaseException, what: str) -> ShardcError:
+        """One clear line for a botocore/s3transfer failure (never with credentials in it)."""
+        return translate(exc, what, bucket=self.bucket, endpoint=self.endpoint,
+                         attempts=self.settings.max_attempts)
+
+    # -- Store interface -----------------------------------------------------------------------
+    def head(self, name: str, *, digest: bool = False) -> ObjectInfo | None:
+        try:
+            r = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as exc:
+            if _status(exc) == 404:
+                return None
+            raise self._error(exc, f"checking {self.object_uri(name)}") from None
+        meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
+        return ObjectInfo(size=int(r["ContentLength"]), sha256=meta.get("sha256"), metadata=meta)
+
+    def get_bytes(self, name: str, limit: int) -> bytes | None:
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as exc:
+            if _code(exc) in ("NoSuchKey", "404"):
+                return None
+            raise self._error(exc, f"reading {self.object_uri(name)}") from None
+        body = r["Body"]
+        try:
+            if int(r.get("ContentLength") or 0) > limit:
+                raise StoreError(f"{self.object_uri(name)} is {r['ContentLength']} bytes, too large for a manifest",
+                                 hint="pass the URI of the manifest.json that shardc push wrote")
+            return body.read()
+        except ShardcError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, f"reading {self.object_uri(name)}") from None
+        finally:
+            body.close()
+
+    def put_bytes(self, name: str, data: bytes, metadata: dict[str, str]) -> None:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data,
+                                   Metadata=metadata, ChecksumAlgorithm="SHA256",
+                                   ContentType="application/json")
+        except Exception as exc:
+            raise self._error(exc, f"writing {self.object_uri(name)}") from None
+
+    def delete(self, name: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as exc:
+            raise self._error(exc, f"deleting {self.object_uri(name)}") from None
+
+    def abort_incomplete(self, names: Iterable[str]) -> int:
+        """Abort multipart uploads of our keys left behind by an earlier, killed push.
+
+        Only keys this push is about to write are touched. Two pushes of the same build to the same
+        place at the same time would abort each other's uploads; that fails loudly, never silently.
+        """
+        keys = {self.key(n) for n in names}
+        aborted = 0
+        try:
+            paginator = self.client.get_paginator("list_multipart_uploads")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.key("")):
+                for up in page.get("Uploads") or []:
+                    if up["Key"] in keys:
+                        self.client.abort_multipart_upload(Bucket=self.bucket, Key=up["Key"],
+                                                           UploadId=up["UploadId"])
+                        aborted += 1
+        except Exception as exc:
+            raise self._error(exc, f"listing incomplete uploads under {self.uri}") from None
+        return aborted
+
+    def put_files(self, items: Iterable[PutItem], on_bytes: Callable[[int], None]) -> None:
+        """Upload in parallel. ``items`` is consumed lazily, so the caller can hash the next file
+        while earlier ones upload; at most ``max_files_in_flight`` are queued at once."""
+        from boto3.s3.transfer import create_transfer_manager
+
+        manager = create_transfer_manager(self.client, self.transfer_config)
+        inflight: deque[tuple[PutItem, Future]] = deque()
+        sub = _Progress(on_bytes)
+        try:
+            for item in items:
+                while len(inflight) >= self.settings.max_files_in_flight:
+                    self._finish_put(*inflight.popleft())
+                extra = {"ChecksumAlgorithm": "SHA256", "Metadata": dict(item.metadata),
+                         "ContentType": item.content_type}
+                fut = manager.upload(str(item.path), self.bucket, self.key(item.name),
+                                     extra_args=extra, subscribers=[sub])
+                inflight.append((item, fut))
+            while inflight:
+                self._finish_put(*inflight.popleft())
+        except BaseException:
+            manager.shutdown(cancel=True, cancel_msg="push failed")  # aborts open multipart uploads
+            for item, _ in inflight:
+                item.cleanup()
+            raise
+        manager.shutdown()
+
+    def _finish_put(self, item: PutItem, fut: Future) -> None:
+        try:
+            fut.result()
+        except ShardcError:
+            raise
+        except Exception as exc:
+            raise self._error(exc, f"uploading {item.name} to {self.uri}") from None
+        finally:
+            item.cleanup()
+
+    def get_files(
+        self, items: list[GetItem], on_bytes: Callable[[int], None]
+    ) -> list[BaseException | None]:
+        """Download in parallel into each item's sink. Returns one error (or None) per item."""
+        from boto3.s3.transfer import create_transfer_manager
+
+        manager = create_transfer_manager(self.client, self.transfer_config)
+        sub = _Progress(on_bytes)
+        errors: list[BaseException | None] = []
+        try:
+            futures = [manager.download(self.bucket, self.key(i.name), i.sink, subscribers=[sub])
+                       for i in items]
+            for item, fut in zip(items, futures):
+                try:
+                    fut.result()
+                    errors.append(None)
+                except ShardcError as exc:  # raised by our sink (too many bytes, bad zstd stream)
+                    errors.append(exc)
+                except Exception as exc:
+                    if _status(exc) == 404:
+                        errors.append(VerifyMismatch(
+                            f"{item.name}: named by the manifest but missing from {self.uri}",
+                            hint="the store was changed after the push; push the build again"))
+                    else:
+                        errors.append(self._error(exc, f"downloading {self.object_uri(item.name)}"))
+        except BaseException:
+            manager.shutdown(cancel=True, cancel_msg="pull failed")
+            raise
+        manager.shutdown()
+        return errors
+
+
+class _Progress:
+    """s3transfer subscriber feeding a byte counter (retries report negative progress)."""
+
+    def __init__(self, on_bytes: Callable[[int], None]) -> None:
+        self.on_bytes = on_bytes
+        self.lock = threading.Lock()
+
+    def on_queued(self, future: Any, **kwargs: Any) -> None:
+        pass
+
+    def on_progress(self, future: Any, bytes_transferred: int, **kwargs: Any) -> None:
+        with self.lock:
+            self.on_bytes(bytes_transferred)
+
+    def on_done(self, future: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _code(exc: BaseException) -> str | None:
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, dict):
+        return str((resp.get("Error") or {}).get("Code") or "") or None
+    return None
+
+
+def _status(exc: BaseException) -> int | None:
+    resp = getattr(exc, "response", None)
+    if isinstance(resp, dict):
+        return (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    return None
+
+
+def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str, attempts: int) -> ShardcError:
+    """Map a boto3/botocore/s3transfer exception to a typed error with a hint."""
+    from botocore import exceptions as bce
+
+    if isinstance(exc, ShardcError):
+        return exc
+    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
+        return StoreError(f"{what}: no AWS credentials found", hint=_CRED_HINT)
+    code, status = _code(exc), _status(exc)
+    if code == "NoSuchBucket":
+        return StoreError(f"{what}: bucket {bucket!r} does not exist at {endpoint}",
+                          hint="create the bucket or fix the URI")
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+                "InvalidToken") or status == 403:
+        return StoreError(f"{what}: access denied ({code or 'HTTP 403'})",
+                          hint="check the credentials and the bucket policy")
+    if isinstance(exc, bce.ClientError):
+        msg = (exc.response.get("Error") or {}).get("Message") or ""
+        if status is not None and (status >= 500 or code in ("Throttling", "SlowDown", "RequestTimeout")):
+            return StoreError(f"{what}: HTTP {status} {code or ''} after {attempts} attempts {msg}".rstrip(),
+                              hint=_RETRY_HINT)
+        return StoreError(f"{what}: {code or status}: {msg}".rstrip(": "))
+    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ReadTimeoutError,
+                        bce.ConnectionClosedError, bce.HTTPClientError)):
+        return StoreError(f"{what}: cannot reach {endpoint} after {attempts} attempts ({type(exc).__name__})",
+                          hint="check the endpoint (--endpoint-url / AWS_ENDPOINT_URL) and that the server is up")
+    try:
+        from s3transfer.exceptions import RetriesExceededError
+    except ImportError:  # pragma: no cover
+        RetriesExceededError = ()  # type: ignore[assignment]  # noqa: N806
+    if isinstance(exc, RetriesExceededError):
+        last = getattr(exc, "last_exception", None)
+        return StoreError(f"{what}: the download kept breaking off after {attempts} attempts "
+                          f"({type(last).__name__ if last else 'error'})", hint=_RETRY_HINT)
+    if isinstance(exc, bce.BotoCoreError):
+        return StoreError(f"{what}: {type(exc).__name__}: {exc}", hint=_RETRY_HINT)
+    if isinstance(exc, OSError):
+        return StoreError(f"{what}: {exc.strerror or exc}")
+    return StoreError(f"{what}: {type(exc).__name__}: {exc}")
