@@ -309,7 +309,14 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
                     todo.append(rl)
             if not todo:
                 continue
-            written = _write_stage(layout, stage, todo, out, source, mat, bar)
+            try:
+                written = _write_stage(layout, stage, todo, out, source, mat, bar)
+            except ShardcError:
+                # Bad input found mid-build (NaN in a late layer): leave nothing of this run behind.
+                for f in result.built:
+                    (out / f).unlink(missing_ok=True)
+                    _done_path(out, f).unlink(missing_ok=True)
+                raise
             for rl in todo:
                 size, sha = written[rl.file]
                 hashes[rl.file] = (size, sha)

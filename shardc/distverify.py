@@ -71,10 +71,7 @@ def distributed_verify(
         dist.all_gather_object(gathered, json.dumps(mine))
         dist.barrier()  # rank 0 hosts the store: nobody leaves before everyone has read
     except Exception as exc:  # gloo raises RuntimeError / DistBackendError / DistStoreError
-        never = absent("joined")
-        hung = [r for r in absent("done") if r not in never]
-        who = (f"rank(s) {never} never joined" if never else
-               f"rank(s) {hung} did not finish verifying" if hung else "a peer failed mid-collective")
+        who = _diagnose(store, rank, world, absent)
         raise DistributedError(f"rank {rank}: distributed verify failed after up to {timeout_s:.0f}s: "
                                f"{who} ({exc.__class__.__name__})") from None
     finally:
@@ -92,3 +89,28 @@ def distributed_verify(
         "problems": sorted(set(problems)),
         "ranks": [rep["ranks"][0] for rep in reports],
     }
+
+
+def _diagnose(store: Any, rank: int, world: int, absent: Any, linger_s: float = 5.0) -> str:
+    """Name the peers that never joined or never finished. Rank 0 hosts the store, so it lingers
+    until the others have read their diagnosis (or ``linger_s`` passes) before leaving."""
+    import time
+
+    try:
+        never = absent("joined")
+        hung = [r for r in absent("done") if r not in never]
+        store.set(f"diagnosed/{rank}", "1")
+    except Exception:  # the store itself is gone: rank 0 died
+        return "rank 0 (which hosts the rendezvous) is gone"
+    if rank == 0:
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline:
+            waiting = [r for r in absent("diagnosed") if r not in never]
+            if not waiting:
+                break
+            time.sleep(0.05)
+    if never:
+        return f"rank(s) {never} never joined"
+    if hung:
+        return f"rank(s) {hung} did not finish verifying"
+    return "a peer failed mid-collective"

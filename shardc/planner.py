@@ -17,10 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .gpus import GIB
+from .errors import PlanError
+from .gpus import GIB, Cluster
 from .layout import build_layout, check_degrees, layer_of, stage_ranges
 from .model import ModelSpec
-from .plan import DEFAULT_IGNORE, DEFAULT_SHARD_PREFIX, QUANTIZED_DTYPES, Plan, plan_from_dict
+from .plan import DEFAULT_IGNORE, DEFAULT_SHARD_PREFIX, QUANTIZED_DTYPES, Plan
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
@@ -136,6 +137,39 @@ def dollars_per_mtok(gpus: int, price_per_gpu_hour: float, tokens_per_s: float) 
     return gpus * price_per_gpu_hour * 1e6 / (tokens_per_s * 3600)
 
 
+def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedParams) -> None:
+    """Nonsensical flags end here, as one PlanError naming the flag, before any arithmetic."""
+    max_pos = model.max_position_embeddings
+
+    def bad(flag: str, message: str, hint: str | None = None) -> PlanError:
+        return PlanError(message, key=flag, hint=hint)
+
+    if not 0 < w.gpu_memory_utilization <= 1:
+        raise bad("--gpu-memory-utilization", f"must be in (0, 1], found {w.gpu_memory_utilization:g}",
+                  "vLLM's default is 0.9")
+    if w.kv_dtype not in ("auto", *KV_DTYPE_BYTES):
+        raise bad("--kv-dtype", f"unknown KV dtype {w.kv_dtype!r}", "use auto, fp16, bf16 or fp8")
+    if w.max_model_len is not None and w.max_model_len > max_pos:
+        raise bad("--max-model-len", f"{w.max_model_len:,} exceeds the model's max_position_embeddings "
+                  f"{max_pos:,}", f"use --max-model-len <= {max_pos}")
+    if w.avg_context > (w.max_model_len or max_pos):
+        raise bad("--avg-context", f"{w.avg_context:,} is longer than the longest request "
+                  f"({w.max_model_len or max_pos:,} tokens)", "lower --avg-context")
+    if w.kv_memory is not None and w.kv_memory >= cluster.gpu.memory:
+        raise bad("--kv-memory", f"{w.kv_memory / GIB:.2f} GiB is more than the GPU's "
+                  f"{cluster.gpu.memory / GIB:.2f} GiB", "give the KV memory of one GPU")
+    if w.cap >= cluster.gpu.memory:
+        raise bad("--kv-cache-cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
+                  f"{cluster.gpu.memory / GIB:.2f} GiB", "the cap is per GPU")
+    for name, value in (("--block-size", w.block_size), ("--avg-context", w.avg_context),
+                        ("--target-tpot-ms", w.target_tpot_ms), ("--price-per-gpu-hour", w.price_per_gpu_hour),
+                        ("--gpus-per-node", cluster.gpus_per_node), ("--nodes", cluster.nodes)):
+        if not value > 0:
+            raise bad(name, f"must be positive, found {value}")
+    if speed.microbatches is not None and speed.microbatches < 1:
+        raise bad("--microbatches", f"must be positive, found {speed.microbatches}")
+
+
 # --- weights from the Layout ------------------------------------------------------------------
 
 
@@ -196,6 +230,30 @@ def param_count(model: ModelSpec) -> int:
 
 
 # --- plans ------------------------------------------------------------------------------------
+
+
+# Where `shardc build` fetches each preset's weights (model.HUB_PRESETS maps these back to presets).
+PRESET_SOURCES = {
+    "llama-3.1-8b": "hf://meta-llama/Llama-3.1-8B-Instruct",
+    "llama-3.3-70b": "hf://meta-llama/Llama-3.3-70B-Instruct",
+    "llama-3.1-70b": "hf://meta-llama/Llama-3.1-70B-Instruct",
+    "llama-3.1-405b": "hf://meta-llama/Llama-3.1-405B-Instruct",
+}
+
+
+def resolve_model(ref: str) -> tuple[ModelSpec, str, str]:
+    """--model as (spec, short name, plan source): a preset, a config.json or a checkpoint dir."""
+    from pathlib import Path
+
+    from .model import PRESETS, load_model
+
+    spec = load_model(ref)
+    key = ref.lower()
+    if key in PRESETS:
+        return spec, key, PRESET_SOURCES.get(key, key)
+    path = Path(ref)
+    ckpt = (path if path.is_dir() else path.parent).resolve()
+    return spec, ckpt.name or "model", str(ckpt)
 
 
 def plan_name(model_name: str, tp: int, pp: int, dtype: str) -> str:

@@ -18,16 +18,17 @@ from typing import Any
 
 from .errors import LayoutError, PlanError
 from .gpus import GIB, Cluster
+from .layout import check_degrees
 from .model import ModelSpec
 from .plan import DTYPES, Plan, plan_from_dict
 from .planner import (
     ACT_BYTES,
     DTYPE_ORDER,
-    KV_DTYPE_BYTES,
     Overheads,
     RankWeights,
     SpeedParams,
     Workload,
+    check_inputs,
     dollars_per_mtok,
     gpipe_bubble,
     kv_blocks,
@@ -41,9 +42,6 @@ from .planner import (
     round_to_blocks,
     sequences_at,
 )
-
-
-# --- candidates -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,7 @@ class KvFigures:
 @dataclass(frozen=True)
 class Speed:
     batch: int  # sequences decoded together
+    stage: int  # the slowest stage, whose figures follow
     microbatches: int
     bubble: float
     memory_s: float  # of the slowest stage, per micro-batch pass
@@ -146,4 +145,291 @@ class Candidate:
         return f"tp={self.tp} pp={self.pp if self.pp else '*'} {self.dtype or '*'}"
 
 
-Evaluator = Callable[[Candidate], None]
+    def to_json(self) -> dict[str, Any]:
+        """Every figure of the candidate, plain JSON types."""
+        out: dict[str, Any] = {
+            "tp": self.tp, "pp": self.pp, "dtype": self.dtype, "status": self.status,
+            "reasons": self.reasons, "skipped": self.skipped,
+            "gpus": self.tp * self.pp if self.pp else None,
+        }
+        for name in ("memory", "kv", "speed", "cost"):
+            part = getattr(self, name)
+            out[name] = dataclasses.asdict(part) if part is not None else None
+        if self.memory is not None:
+            m = self.memory
+            out["memory"].update(usable=m.usable, overhead=m.overhead, used=m.used, used_fraction=m.used_fraction)
+        out["ranks"] = [dataclasses.asdict(w) for w in self.weights]
+        return out
+
+
+@dataclass
+class Search:
+    """The inputs, every candidate with its figures or reasons, and the recommendation."""
+
+    model: ModelSpec
+    model_name: str
+    source: str
+    cluster: Cluster
+    workload: Workload
+    overheads: Overheads
+    speed: SpeedParams
+    dtypes: tuple[str, ...]
+    params: int
+    candidates: list[Candidate]
+    recommended: Candidate | None = None
+
+    def fitting(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.fits]
+
+    def require_recommendation(self) -> Candidate:
+        """The pick, or one PlanError line that names the nearest miss and what would help."""
+        if self.recommended is not None:
+            return self.recommended
+        where = f"{self.cluster.total_gpus} x {self.cluster.gpu.name}"
+        fitting = [c for c in self.fitting() if not c.skipped]
+        if fitting:
+            fastest = min(fitting, key=lambda c: c.speed.tpot_s if c.speed else math.inf)
+            tpot = fastest.speed.tpot_s * 1e3 if fastest.speed else math.inf
+            raise PlanError(
+                f"no candidate on {where} meets the TPOT target of {self.workload.target_tpot_ms:g} ms: "
+                f"the fastest, {fastest.label}, needs {tpot:.1f} ms per token even at batch 1",
+                key="--target-tpot-ms",
+                hint="raise --target-tpot-ms, add GPUs (--nodes) or pick a faster --gpu",
+            )
+        tried = [c for c in self.candidates if c.memory is not None]
+        if tried:
+            near = max(tried, key=lambda c: (c.memory.kv_available, -c.tp * (c.pp or 1)))
+            detail = f"closest is {near.label}: {near.reasons[0]}"
+        else:
+            near = self.candidates[0] if self.candidates else None
+            detail = near.reasons[0] if near else "no tp/pp combination fits the GPU count"
+        raise PlanError(
+            f"{self.model_name} fits no candidate on {where}; {detail}",
+            key="--model",
+            hint="add GPUs (--nodes), lower --kv-cache-cap or --max-model-len, try --dtype int8|fp8, "
+            "or pick a larger --gpu",
+        )
+
+    def plan_for(self, cand: Candidate, source: str | None = None) -> dict[str, Any]:
+        """The plan file for a fitting candidate; plan_from_dict validates it before it is returned."""
+        assert cand.pp is not None and cand.dtype is not None and cand.speed is not None
+        data = plan_dict(
+            plan_name(self.model_name, cand.tp, cand.pp, cand.dtype), source or self.source, cand.tp,
+            cand.pp, cand.dtype, kv_cache_cap_gib=round(self.workload.cap / GIB, 2),
+            max_concurrent_sequences=cand.speed.batch,
+        )
+        plan_from_dict(data)
+        return data
+
+    def to_json(self) -> dict[str, Any]:
+        rec = self.recommended
+        gpu = self.cluster.gpu
+        return {
+            "model": {"name": self.model_name, "source": self.source, "params": self.params,
+                      **self.model.summary()},
+            "hardware": {
+                "gpu": dataclasses.asdict(gpu), "gpus_per_node": self.cluster.gpus_per_node,
+                "nodes": self.cluster.nodes, "inter_node": dataclasses.asdict(self.cluster.inter_node),
+            },
+            "workload": {**dataclasses.asdict(self.workload), "cap": self.workload.cap},
+            "parameters": {"overheads": dataclasses.asdict(self.overheads),
+                           "speed": dataclasses.asdict(self.speed)},
+            "dtypes": list(self.dtypes),
+            "candidates": [c.to_json() for c in self.candidates],
+            "recommended": self.candidates.index(rec) if rec is not None else None,
+            "plan": self.plan_for(rec) if rec is not None else None,
+        }
+
+
+def default_dtypes(model: ModelSpec) -> tuple[str, ...]:
+    """--dtype auto: the checkpoint's 16-bit dtype and both 8-bit weight formats."""
+    return ("fp16" if model.torch_dtype == "float16" else "bf16", "int8", "fp8")
+
+
+def search(
+    model: ModelSpec,
+    cluster: Cluster,
+    workload: Workload | None = None,
+    *,
+    dtypes: Sequence[str] | None = None,
+    tps: Sequence[int] | None = None,
+    pps: Sequence[int] | None = None,
+    overheads: Overheads | None = None,
+    speed: SpeedParams | None = None,
+    model_name: str = "model",
+    source: str = "",
+) -> Search:
+    """Judge every candidate and pick one. ``tps``/``pps`` restrict the search (e.g. to reproduce)."""
+    w, ov, sp = workload or Workload(), overheads or Overheads(), speed or SpeedParams()
+    check_inputs(model, cluster, w, sp)
+    dts = tuple(dtypes) if dtypes else default_dtypes(model)
+    for d in dts:
+        if d not in DTYPES:
+            raise PlanError(f"unknown dtype {d!r}", key="--dtype", hint=f"use auto or one of {', '.join(DTYPES)}")
+    s = Search(model, model_name, source or model_name, cluster, w, ov, sp, dts, param_count(model), [])
+    total, gpn = cluster.total_gpus, cluster.gpus_per_node
+    pairs: list[tuple[int, int]] = []
+    for tp in sorted(tps) if tps else range(1, total + 1):
+        if tp > total:
+            s.candidates.append(Candidate(tp, None, None, [f"tp={tp} needs more than the {total} GPUs available"]))
+            continue
+        try:
+            check_degrees(model, plan_from_dict(plan_dict("probe", s.source, tp, 1, dts[0])))
+        except LayoutError as exc:
+            if tp <= gpn or tps:
+                s.candidates.append(Candidate(tp, None, None, [exc.message]))
+            continue
+        if tp > gpn:
+            s.candidates.append(Candidate(tp, None, None, [
+                f"crosses the NVLink domain: tp={tp} > {gpn} GPUs per node"]))
+            continue
+        pairs += [(tp, pp) for pp in (sorted(pps) if pps else range(1, min(model.num_layers, total // tp) + 1))]
+    # TP first: pipeline candidates are only worked out when no pp = 1 candidate fits.
+    first = {(tp, d): _evaluate(s, tp, 1, d) for tp, pp in pairs if pp == 1 for d in dts}
+    fit = sorted((c for c in first.values() if c.fits), key=lambda c: (c.tp, DTYPE_ORDER.index(c.dtype or "bf16")))
+    for tp, pp in pairs:
+        for d in dts:
+            if pp == 1:
+                s.candidates.append(first[tp, d])
+            elif fit:
+                s.candidates.append(Candidate(tp, pp, d, skipped=f"TP first: {fit[0].label} fits inside the "
+                                              "NVLink domain"))
+            else:
+                s.candidates.append(_evaluate(s, tp, pp, d))
+    _recommend(s)
+    return s
+
+
+def _evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
+    c = Candidate(tp, pp, dtype)
+    if tp * pp > s.cluster.total_gpus:
+        c.reasons.append(f"tp x pp = {tp * pp} GPUs > the {s.cluster.total_gpus} available")
+        return c
+    try:
+        c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, tp, pp, dtype), s.source, tp, pp, dtype))
+        c.weights = rank_weights(s.model, c.plan)
+    except LayoutError as exc:
+        c.reasons.append(exc.message)
+        return c
+    _memory(s, c)
+    if not c.reasons:
+        _speed(s, c)
+    return c
+
+
+def _memory(s: Search, c: Candidate) -> None:
+    """Per-GPU memory of every stage, the KV figures of the replica, and the memory rules."""
+    model, w, gpu = s.model, s.workload, s.cluster.gpu
+    over = s.overheads.per_gpu(c.tp * c.pp)
+    stages = []
+    for st in range(c.pp):
+        rw = max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.nbytes)
+        layers = rw.layers[1] - rw.layers[0]
+        bpt = kv_bytes_per_token(layers, model.num_kv_heads, c.tp, model.head_dim, w.kv_bytes)
+        avail = gpu.memory * w.gpu_memory_utilization - rw.nbytes - sum(over.values())
+        budget = w.kv_memory if w.kv_memory is not None else min(w.cap, avail)
+        stages.append(GpuMemory(st, gpu.memory, w.gpu_memory_utilization, rw.nbytes, over, bpt, avail, budget))
+    fullest = min(stages, key=lambda m: (m.kv_available, -m.kv_bytes_per_token))
+    blocks = min(kv_blocks(m.kv_budget, m.kv_bytes_per_token, w.block_size) for m in stages)
+    limiting = min(stages, key=lambda m: kv_blocks(m.kv_budget, m.kv_bytes_per_token, w.block_size))
+    bpt = max(m.kv_bytes_per_token for m in stages)
+    req = w.max_model_len or model.max_position_embeddings
+    tokens = blocks * w.block_size
+    c.memory = fullest
+    c.kv = KvFigures(bpt, limiting.kv_budget, blocks, tokens, min(tokens, model.max_position_embeddings),
+                     sequences_at(blocks, w.avg_context, w.block_size), req,
+                     request_kv_bytes(bpt, req, w.block_size))
+    g = GIB
+    if w.kv_memory is None and fullest.kv_available <= 0:
+        c.reasons.append(
+            f"does not fit: weights {fullest.weights / g:.2f} GiB + overheads {fullest.overhead / g:.2f} GiB "
+            f"> {fullest.usable / g:.2f} GiB usable ({gpu.memory / g:.2f} GiB x {w.gpu_memory_utilization:g})")
+    elif w.kv_memory is None and fullest.kv_available < w.cap:
+        c.reasons.append(f"KV budget {fullest.kv_available / g:.2f} GiB per GPU is below the "
+                         f"{w.cap / g:.2f} GiB cap")
+    worst = max(stages, key=lambda m: m.used_fraction)
+    if worst.used_fraction > s.speed.max_memory_fraction and not c.reasons:
+        c.reasons.append(f"GPU at {worst.used_fraction:.1%} of its memory "
+                         f"(> {s.speed.max_memory_fraction:.0%}): no headroom")
+    if not c.reasons and w.max_model_len and tokens < round_to_blocks(w.max_model_len, w.block_size):
+        c.reasons.append(
+            f"KV holds {tokens:,} tokens < --max-model-len {w.max_model_len:,} (one request needs "
+            f"{c.kv.request_bytes / g:.2f} GiB per GPU)")
+    if not c.reasons and c.kv.sequences < 1:
+        c.reasons.append(f"KV holds no sequence of {w.avg_context:,} tokens")
+
+
+def _speed(s: Search, c: Candidate) -> None:
+    """Decode roofline per micro-batch slot, GPipe schedule, then the batch that meets the TPOT target."""
+    model, gpu, sp, w, cl = s.model, s.cluster.gpu, s.speed, s.workload, s.cluster
+    tp, pp = c.tp, c.pp or 1
+    link = gpu.link
+    hbm, flops = gpu.hbm_bandwidth * sp.hbm_efficiency, gpu.flops * sp.compute_efficiency
+    heads = model.num_heads // tp
+    stages = [max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.read_bytes) for st in range(pp)]
+
+    def slot(b: float) -> tuple[float, ...]:
+        worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0, 0)
+        for st, rw in enumerate(stages):
+            layers = rw.layers[1] - rw.layers[0]
+            bpt = kv_bytes_per_token(layers, model.num_kv_heads, tp, model.head_dim, w.kv_bytes)
+            mem = (rw.read_bytes + b * w.avg_context * bpt) / hbm
+            comp = b * (2 * rw.linear_params + 4 * layers * heads * model.head_dim * w.avg_context) / flops
+            ar = 2 * layers * ring_allreduce_s(tp, b * model.hidden_size * ACT_BYTES,
+                                               link.bandwidth * sp.link_efficiency, link.latency)
+            ho = 0.0
+            if st < pp - 1:
+                hop = link if cl.node_of(st * tp) == cl.node_of((st + 1) * tp) else cl.inter_node
+                ho = b * model.hidden_size * ACT_BYTES / (hop.bandwidth * sp.link_efficiency) + hop.latency
+            total = max(mem, comp) + ar + ho
+            if total > worst[0]:
+                worst = (total, mem, comp, ar, ho, st)
+        return worst
+
+    def at(batch: int) -> Speed:
+        m = min(sp.microbatches or pp, batch)
+        t, mem, comp, ar, ho, st = slot(batch / m)
+        tpot = (m + pp - 1) * t
+        return Speed(batch, int(st), m, gpipe_bubble(pp, m), mem, comp, ar, ho, t, tpot, batch / tpot, "")
+
+    kv = c.kv
+    assert kv is not None
+    cap = min(kv.sequences, sp.max_num_seqs)
+    target = w.target_tpot_ms / 1e3
+    lo, hi = 1, cap
+    if at(cap).tpot_s <= target:
+        lo = cap
+    else:
+        while lo < hi:  # the largest batch that meets the target; TPOT grows with the batch
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if at(mid).tpot_s <= target else (lo, mid - 1)
+    best = at(lo)
+    limited = "tpot" if lo < cap else ("kv" if kv.sequences <= sp.max_num_seqs else "max_num_seqs")
+    c.speed = dataclasses.replace(best, limited_by=limited)
+    c.meets_target = best.tpot_s <= target
+    world = tp * pp
+    gpn, nodes = cl.gpus_per_node, cl.nodes
+    per_node = gpn // world if world <= gpn else 0
+    in_cluster = per_node * nodes if per_node else nodes // -(-world // gpn)
+    need = math.ceil(w.demand_tokens_per_s / best.tokens_per_s) if w.demand_tokens_per_s else None
+    c.cost = Cost(world, dollars_per_mtok(world, w.price_per_gpu_hour, best.tokens_per_s),
+                  world * 1e6 / (best.tokens_per_s * 3600), per_node, in_cluster, need,
+                  need * world if need is not None else None)
+
+
+def _recommend(s: Search) -> None:
+    """TP first; then the cheapest per million tokens meeting the TPOT target; ties to smaller TP."""
+    fitting = s.fitting()
+    tp_only = [c for c in fitting if c.pp == 1]
+    if tp_only:
+        first = min(tp_only, key=lambda c: (c.tp, DTYPE_ORDER.index(c.dtype or "bf16")))
+        for c in fitting:
+            if c.pp and c.pp > 1:
+                c.skipped = f"TP first: {first.label} fits inside the NVLink domain"
+    eligible = [c for c in fitting if not c.skipped and c.meets_target]
+    if eligible:
+        s.recommended = min(eligible, key=lambda c: (
+            round(c.cost.dollars_per_mtok, 9) if c.cost else math.inf, c.tp, c.pp,
+            DTYPE_ORDER.index(c.dtype or "bf16")))
+
+

@@ -19,7 +19,9 @@ Why it looks the way it does:
 
 from __future__ import annotations
 
+import random
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -100,24 +102,35 @@ class S3Store(Store):
         return ObjectInfo(size=int(r["ContentLength"]), sha256=meta.get("sha256"), metadata=meta)
 
     def get_bytes(self, name: str, limit: int) -> bytes | None:
-        try:
-            r = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
-        except Exception as exc:
-            if _code(exc) in ("NoSuchKey", "404"):
-                return None
-            raise self._error(exc, f"reading {self.object_uri(name)}") from None
-        body = r["Body"]
-        try:
-            if int(r.get("ContentLength") or 0) > limit:
-                raise StoreError(f"{self.object_uri(name)} is {r['ContentLength']} bytes, too large for a manifest",
-                                 hint="pass the URI of the manifest.json that shardc push wrote")
-            return body.read()
-        except ShardcError:
-            raise
-        except Exception as exc:
-            raise self._error(exc, f"reading {self.object_uri(name)}") from None
-        finally:
-            body.close()
+        """A small object (the manifest). botocore retries the request, but not a body that breaks
+        off halfway; those reads are retried here, with the same bound and backoff."""
+        from botocore.exceptions import (
+            ConnectionClosedError,
+            ReadTimeoutError,
+            ResponseStreamingError,
+        )
+
+        streaming = (ResponseStreamingError, ConnectionClosedError, ReadTimeoutError, OSError)
+        for attempt in range(1, self.settings.max_attempts + 1):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+            except Exception as exc:
+                if _code(exc) in ("NoSuchKey", "404"):
+                    return None
+                raise self._error(exc, f"reading {self.object_uri(name)}") from None
+            body = r["Body"]
+            try:
+                if int(r.get("ContentLength") or 0) > limit:
+                    raise StoreError(f"{self.object_uri(name)} is {r['ContentLength']} bytes, too large "
+                                     "for a manifest", hint="pass the URI of the manifest.json that shardc push wrote")
+                return body.read()
+            except streaming as exc:
+                if attempt == self.settings.max_attempts:
+                    raise self._error(exc, f"reading {self.object_uri(name)}") from None
+                time.sleep(min(0.05 * 2**attempt, 5.0) * random.random())
+            finally:
+                body.close()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def put_bytes(self, name: str, data: bytes, metadata: dict[str, str]) -> None:
         try:
@@ -201,7 +214,7 @@ class S3Store(Store):
         try:
             futures = [manager.download(self.bucket, self.key(i.name), i.sink, subscribers=[sub])
                        for i in items]
-            for item, fut in zip(items, futures):
+            for item, fut in zip(items, futures, strict=True):
                 try:
                     fut.result()
                     errors.append(None)
@@ -272,7 +285,8 @@ def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str, atte
     if isinstance(exc, bce.ClientError):
         msg = (exc.response.get("Error") or {}).get("Message") or ""
         if status is not None and (status >= 500 or code in ("Throttling", "SlowDown", "RequestTimeout")):
-            return StoreError(f"{what}: HTTP {status} {code or ''} after {attempts} attempts {msg}".rstrip(),
+            detail = f": {msg}" if msg else ""
+            return StoreError(f"{what}: HTTP {status} {code or ''} after {attempts} attempts{detail}",
                               hint=_RETRY_HINT)
         return StoreError(f"{what}: {code or status}: {msg}".rstrip(": "))
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ReadTimeoutError,

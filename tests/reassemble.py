@@ -20,17 +20,17 @@ def load_source(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
-    """source tensor name -> tensor rebuilt from every rank's pieces (checks overlaps agree)."""
+    """shard tensor name -> tensor rebuilt from every rank's pieces (checks overlaps agree).
+
+    Quantized weights come back quantized, with their ``X.weight_scale`` rebuilt alongside."""
     m = json.loads((build_dir / "manifest.json").read_text())
     pieces: dict[str, list] = {}
     for shard in m["shards"]:
         with safe_open(build_dir / shard["file"], "pt") as f:
             for name, rec in shard["tensors"].items():
-                if rec.get("scale_of"):
-                    continue
                 pieces.setdefault((name, rec["source"]), []).append((rec, f.get_tensor(name)))
     out = {}
-    for (name, source), parts in pieces.items():
+    for (name, _source), parts in pieces.items():
         rec0, t0 = parts[0]
         if rec0.get("dim") is None:
             for _, t in parts:

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Benchmark shardc build and verify against plain-tool baselines measured in the same run.
+
+On a synthetic checkpoint with real Llama-3-70B tensor shapes (embeddings, lm_head, N layers):
+  build  (fp16 / int8 / fp8, tp4pp2) wall time     vs  `cp -r` of the same source   (target <= 1.5x)
+  build peak RSS with 2N layers vs N layers                                          (target <= 1.10x)
+  verify --all                                      vs  `sha256sum` over the shards  (target <= 0.6x)
+  verify --rank 0                                   vs  `sha256sum` of that one file (target <= 1.1x)
+
+Example (needs ~40 GB free disk, ~3 min):  python scripts/bench_build.py --layers 2
+Quick smoke run on small shapes:            python scripts/bench_build.py --small
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shardc.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint  # noqa: E402
+
+
+def run(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (KiB, as the kernel reports ru_maxrss) of one child process."""
+    subprocess.run(["sync"], check=True)
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    dt = time.perf_counter() - t0
+    if os.waitstatus_to_exitcode(status) not in (0,):
+        raise SystemExit(f"command failed: {' '.join(cmd)}")
+    return dt, usage.ru_maxrss
+
+
+def plan_file(d: Path, dtype: str) -> Path:
+    p = d / f"bench-{dtype}.yaml"
+    p.write_text(yaml.safe_dump({
+        "replica_group": {"name": f"bench-{dtype}", "tp_degree": 4, "pp_degree": 2, "dtype": dtype,
+                          "gpus_per_replica": 8},
+        "model": {"source": "synthetic-llama3-70b-shapes"},
+    }))
+    return p
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--small", action="store_true", help="tiny shapes, for a smoke run")
+    ap.add_argument("--dtypes", default="fp16,int8,fp8")
+    ap.add_argument("--workdir", default=None, help="where to put the checkpoints [default: build/bench]")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    shardc = [sys.executable, "-m", "shardc.cli"]
+    work = Path(a.workdir or ROOT / "build" / "bench")
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=work))
+    shapes = LLAMA3_70B_SHAPES if not a.small else dict(
+        hidden_size=512, intermediate_size=1536, num_heads=8, num_kv_heads=4, vocab_size=32000)
+    results: dict[str, float] = {}
+    try:
+        srcs = {}
+        for n in (a.layers, 2 * a.layers):
+            srcs[n] = write_checkpoint(tmp / f"src-{n}", llama_config(num_layers=n, **shapes), num_files=2)
+        src = srcs[a.layers]
+        size = sum(f.stat().st_size for f in src.iterdir())
+        print(f"source: {size / 2**30:.2f} GiB, {a.layers} layers (+ a {2 * a.layers}-layer copy for RSS)")
+
+        cp_s, _ = run(["cp", "-r", str(src), str(tmp / "cp")])
+        shutil.rmtree(tmp / "cp")
+        results["cp_seconds"] = cp_s
+        print(f"cp -r                      {cp_s:7.2f} s")
+        for dtype in a.dtypes.split(","):
+            pf = plan_file(tmp, dtype)
+            out = tmp / f"out-{dtype}"
+            common = ["build", str(pf), "--out", str(out), "--manifests-dir", str(tmp / "m"), "--quiet"]
+            dt, rss = run(shardc + common + ["--source", str(src)])
+            results[f"build_{dtype}_seconds"] = dt
+            results[f"build_{dtype}_ratio_vs_cp"] = dt / cp_s
+            print(f"build {dtype:<5} tp4pp2         {dt:7.2f} s   {dt / cp_s:5.2f}x cp -r   "
+                  f"peak RSS {rss / 2**20:.2f} GiB")
+            if dtype == a.dtypes.split(",")[0]:
+                files = sorted(str(p) for p in out.glob("*.safetensors"))
+                sha_all, _ = run(["sha256sum", *files])
+                ver_all, _ = run(shardc + ["verify", "--manifest", str(out / "manifest.json")])
+                sha_one, _ = run(["sha256sum", str(out / "model-tp00-pp00.safetensors")])
+                ver_one, _ = run(shardc + ["verify", "--manifest", str(out / "manifest.json"), "--rank", "0"])
+                results.update(verify_all_ratio=ver_all / sha_all, verify_rank_ratio=ver_one / sha_one)
+                print(f"sha256sum all shards       {sha_all:7.2f} s")
+                print(f"verify --all               {ver_all:7.2f} s   {ver_all / sha_all:5.2f}x sha256sum")
+                print(f"sha256sum one shard        {sha_one:7.2f} s")
+                print(f"verify --rank 0            {ver_one:7.2f} s   {ver_one / sha_one:5.2f}x sha256sum")
+                out2 = tmp / f"out-{dtype}-2x"
+                _, rss2 = run(shardc + ["build", str(pf), "--out", str(out2), "--manifests-dir",
+                                        str(tmp / "m"), "--quiet", "--source", str(srcs[2 * a.layers])])
+                results[f"rss_{dtype}_gib"] = rss / 2**20
+                results[f"rss_{dtype}_2x_layers_ratio"] = rss2 / rss
+                print(f"peak RSS {2 * a.layers} vs {a.layers} layers      {rss2 / 2**20:.2f} / "
+                      f"{rss / 2**20:.2f} GiB = {rss2 / rss:5.3f}x")
+                shutil.rmtree(out2)
+            shutil.rmtree(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if a.json:
+        print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""`shardc plan`: parse the flags, run the planner, print the table / --explain / --json, write --out.
+
+Flag values are parsed by small click types that raise ``PlanError``, so a bad value ends as one
+line on stderr with exit code 2 (the ShardcGroup contract) instead of click's usage block. Nothing
+here imports torch: the planner is arithmetic.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import PlanError
+
+_UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20,
+          "gib": 1 << 30, "gi": 1 << 30, "tib": 1 << 40, "ti": 1 << 40, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9, "tb": 10**12}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> float:
+    """'20GiB', '5.63 GiB', '512MiB', '80GB'; a bare number is GiB (like kv_cache_cap_gb in plans)."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+        raise ValueError("must be a positive size such as 20GiB, 5.63GiB, 512MiB or 80GB")
+    return float(m.group(1)) * _UNITS[unit]
+
+
+class _Flag(click.ParamType):
+    """A value parser whose failures are PlanErrors naming the flag (one line, exit 2)."""
+
+    def __init__(self, name: str, parse: Any) -> None:
+        self.name, self._parse = name, parse
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value
+        flag = param.opts[0] if param is not None else self.name
+        try:
+            return self._parse(value)
+        except (ValueError, TypeError) as exc:
+            msg = str(exc) if self.name in ("size", "param") else f"must be a {self.name}"
+            raise PlanError(f"{msg}, found {value!r}", key=flag) from None
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise ValueError
+        return value
+
+    return parse
+
+
+POS_INT = _Flag("positive integer", _positive(int))
+POS_FLOAT = _Flag("positive number", _positive(float))
+SIZE = _Flag("size", parse_size)
+DTYPE = _Flag("dtype (auto, fp16, bf16, int8, fp8)",
+              lambda t: t if t in ("auto", "fp16", "bf16", "int8", "fp8") else int("x"))
+KV_DTYPE = _Flag("KV dtype (auto, fp16, bf16, fp8)",
+                 lambda t: t if t in ("auto", "fp16", "bf16", "fp8") else int("x"))
+
+
+def _param(text: str) -> tuple[str, float]:
+    from ..planner import Overheads, SpeedParams
+
+    name, sep, value = text.partition("=")
+    names = [*Overheads.__dataclass_fields__, *SpeedParams.__dataclass_fields__]
+    if not sep or name not in names:
+        raise ValueError(f"must be NAME=VALUE with NAME one of {', '.join(names)}")
+    if name in Overheads.__dataclass_fields__:
+        return name, int(parse_size(value)) if value not in ("0", "0GiB") else 0
+    number = float(value)
+    if number <= 0:
+        raise ValueError(f"{name} must be positive")
+    return name, int(number) if name in ("microbatches", "max_num_seqs") else number
+
+
+PARAM = _Flag("param", _param)
+
+
+@click.command("plan", epilog="""\b
+Examples:
+  shardc plan --model llama-3.3-70b --gpu a100-80gb
+  shardc plan --model llama-3.3-70b --gpu h100-sxm --dtype bf16 --target-tpot-ms 30 --out plans/l70.yaml
+  shardc plan --model /data/Llama-3.3-70B-Instruct --gpu a100-80gb --nodes 2 --json
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --kv-memory 5.63GiB --explain
+  shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
+""")
+@click.option("--model", "model_ref", required=True, metavar="PRESET|config.json|DIR",
+              help="Model preset (llama-3.1-8b, llama-3.3-70b, llama-3.1-70b, llama-3.1-405b), a "
+              "config.json, or a checkpoint directory.")
+@click.option("--gpu", "gpu_name", required=True, metavar="PRESET",
+              help="a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100-sxm, h200, l40s.")
+@click.option("--gpus-per-node", type=POS_INT, default=8, show_default=True,
+              help="GPUs per node: the NVLink domain that TP stays inside.")
+@click.option("--nodes", type=POS_INT, default=1, show_default=True, help="Nodes available.")
+@click.option("--dtype", type=DTYPE, default="auto", show_default=True,
+              help="Weight dtype; auto searches the checkpoint's 16-bit dtype, int8 and fp8.")
+@click.option("--kv-dtype", type=KV_DTYPE, default="auto", show_default=True,
+              help="KV-cache dtype; auto = 16-bit.")
+@click.option("--max-model-len", type=POS_INT, help="Require that one request this long fits in the KV cache.")
+@click.option("--avg-context", type=POS_INT, default=2048, show_default=True,
+              help="Average tokens per sequence, for concurrency and KV reads.")
+@click.option("--kv-cache-cap", type=SIZE, help="KV cache per GPU the plan reserves [default: 20GiB, "
+              "or --kv-memory]; a GPU that cannot hold it is infeasible.")
+@click.option("--kv-memory", type=SIZE, help="KV budget per GPU as a serving engine measured it "
+              "(replaces the memory arithmetic, to reproduce an engine's numbers).")
+@click.option("--gpu-memory-utilization", type=POS_FLOAT, default=0.9, show_default=True,
+              help="Share of GPU memory the engine may use (vLLM's flag).")
+@click.option("--block-size", type=POS_INT, default=16, show_default=True, help="Paged-KV block size in tokens.")
+@click.option("--price-per-gpu-hour", type=POS_FLOAT, default=2.80, show_default=True, help="US$ per GPU-hour.")
+@click.option("--target-tpot-ms", type=POS_FLOAT, default=25.0, show_default=True,
+              help="Decode latency target: time per output token.")
+@click.option("--demand-tokens-per-s", type=POS_FLOAT, help="Output tokens/s to serve: sizes the replica count.")
+@click.option("--tp", "tps", type=POS_INT, multiple=True, help="Only these TP degrees (repeatable).")
+@click.option("--pp", "pps", type=POS_INT, multiple=True, help="Only these PP degrees (repeatable).")
+@click.option("--gpu-memory", type=SIZE, help="Override the preset's memory (as CUDA reports it).")
+@click.option("--hbm-bandwidth", type=POS_FLOAT, metavar="GB/S", help="Override the preset's HBM bandwidth.")
+@click.option("--nvlink-bandwidth", type=POS_FLOAT, metavar="GB/S",
+              help="Override the intra-node link bandwidth (per GPU, per direction).")
+@click.option("--interconnect", default="ib-ndr", show_default=True,
+              help="Link between nodes: ib-ndr, ib-hdr, pcie4, pcie5, nvlink3, nvlink4.")
+@click.option("--param", "params", type=PARAM, multiple=True, metavar="NAME=VALUE",
+              help="Override a named assumption: activations, cuda_context, nccl, cuda_graphs (sizes); "
+              "hbm_efficiency, compute_efficiency, link_efficiency, microbatches, max_num_seqs, "
+              "max_memory_fraction.")
+@click.option("--explain", is_flag=True, help="Print the arithmetic line by line with the numbers substituted.")
+@click.option("--json", "as_json", is_flag=True, help="Every figure of every candidate as JSON.")
+@click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the recommended plan here (a plan file for `shardc build`).")
+def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, nodes: int, dtype: str, kv_dtype: str,
+             max_model_len: int | None, avg_context: int, kv_cache_cap: float | None,
+             kv_memory: float | None, gpu_memory_utilization: float, block_size: int,
+             price_per_gpu_hour: float, target_tpot_ms: float, demand_tokens_per_s: float | None,
+             tps: tuple[int, ...], pps: tuple[int, ...], gpu_memory: float | None,
+             hbm_bandwidth: float | None, nvlink_bandwidth: float | None, interconnect: str,
+             params: tuple[tuple[str, float], ...], explain: bool, as_json: bool,
+             out_file: Path | None) -> None:
+    """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick."""
+    from ..cli import echo_json
+    from ..gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
+    from ..planner import Overheads, SpeedParams, Workload, resolve_model
+    from ..planner_report import explain as explain_lines
+    from ..planner_report import header, summary, table
+    from ..planner_search import search
+
+    model, name, source = resolve_model(model_ref)
+    gpu = override_gpu(
+        get_gpu(gpu_name), memory=int(gpu_memory) if gpu_memory else None,
+        hbm_bandwidth=hbm_bandwidth * GB if hbm_bandwidth else None,
+        link_bandwidth=nvlink_bandwidth * GB if nvlink_bandwidth else None,
+    )
+    cluster = Cluster(gpu, gpus_per_node, nodes, get_interconnect(interconnect))
+    workload = Workload(
+        avg_context=avg_context, max_model_len=max_model_len,
+        kv_cache_cap=int(kv_cache_cap) if kv_cache_cap else None, kv_memory=kv_memory,
+        gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, kv_dtype=kv_dtype,
+        target_tpot_ms=target_tpot_ms, price_per_gpu_hour=price_per_gpu_hour,
+        demand_tokens_per_s=demand_tokens_per_s,
+    )
+    named = dict(params)
+    over = Overheads(**{k: v for k, v in named.items() if k in Overheads.__dataclass_fields__})
+    speed = SpeedParams(**{k: v for k, v in named.items() if k in SpeedParams.__dataclass_fields__})
+    result = search(model, cluster, workload, dtypes=None if dtype == "auto" else [dtype], tps=tps or None,
+                    pps=pps or None, overheads=over, speed=speed, model_name=name, source=source)
+    if as_json:
+        echo_json(result.to_json())
+    elif explain:
+        evaluated = [c for c in result.candidates if c.memory is not None]
+        target = result.recommended or (evaluated[0] if len(evaluated) == 1 else None)
+        lines = explain_lines(result, target) if target else table(result)
+        click.echo("\n".join([*header(result), "", *lines, "", *summary(result)]))
+    else:
+        click.echo("\n".join(table(result)))
+    rec = result.require_recommendation()
+    if out_file is not None:
+        write_plan(result.plan_for(rec, _source_for(source, model_ref, out_file)), out_file, result, rec)
+        if not as_json:
+            click.echo(f"wrote {out_file} (build it with: shardc build {out_file})")
+
+
+def _source_for(source: str, model_ref: str, out_file: Path) -> str:
+    """Presets keep their hf:// source; a local checkpoint is written relative to the plan file."""
+    if "://" in source:
+        return source
+    return os.path.relpath(source, out_file.resolve().parent)
+
+
+def write_plan(data: dict[str, Any], out_file: Path, result: Any, cand: Any) -> None:
+    """Write the plan atomically (temp file + rename), with the planner's figures as a comment."""
+    import yaml
+
+    assert cand.speed and cand.cost and cand.kv
+    comment = (
+        f"# shardc plan: {result.model_name} on {cand.tp * (cand.pp or 1)} x {result.cluster.gpu.name}, "
+        f"{cand.label}\n# {cand.speed.tokens_per_s:,.0f} tok/s per replica at {cand.speed.tpot_s * 1e3:.1f} ms TPOT "
+        f"(batch {cand.speed.batch}), ${cand.cost.dollars_per_mtok:.2f}/Mtok, max model length "
+        f"{cand.kv.max_model_len:,}\n"
+    )
+    text = comment + yaml.safe_dump(data, sort_keys=False)
+    try:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out_file.with_name(f".{out_file.name}.tmp{os.getpid()}")
+        tmp.write_text(text)
+        os.replace(tmp, out_file)
+    except OSError as exc:
+        raise PlanError(f"cannot write {out_file}: {exc.strerror}", key="--out") from None
+
+
+COMMANDS = [plan_cmd]

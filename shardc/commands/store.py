@@ -1,0 +1,109 @@
+"""`shardc push` and `shardc pull`: parse, call shardc.store, format. No boto3 import here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return f"{n} B"  # pragma: no cover
+
+
+@click.command("push", epilog="""\b
+Examples:
+  shardc push --manifest build/llama3-70b-fp16-primary/manifest.json
+  shardc push --manifest manifests/llama3-70b-fp16-primary.json --to s3://models/llama3-70b/fp16
+  shardc push --manifest build/demo/manifest.json --to /mnt/models/demo --json
+  AWS_ENDPOINT_URL=http://127.0.0.1:9000 shardc push --manifest build/demo/manifest.json --to s3://models/demo --compress zstd
+
+\b
+Objects already in the store with the right sha256 are skipped, so a rerun resumes an interrupted
+push. The manifest is uploaded last: a reader that finds it can fetch every file it names.
+""")
+@click.option("--manifest", "manifest_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The build's manifest.json (or its copy in manifests/).")
+@click.option("--to", "to_uri", help="Destination: local dir, file:///dir or s3://bucket/prefix "
+              "[default: the directory of the plan's checkpoint.manifest_uri].")
+@click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Where the shards are, if not next to --manifest (nor in build/<plan name>).")
+@click.option("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS).")
+@click.option("--compress", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
+              help="Store shards as .zst objects (pays only on slow links; see README).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, endpoint_url: str | None,
+             compress: str, quiet: bool, as_json: bool) -> None:
+    """Upload a build to object storage, manifest last."""
+    from ..cli import echo_json, show_progress
+    from ..store import push_build
+
+    res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
+                     compress=None if compress == "none" else compress,
+                     progress=show_progress(quiet) and not as_json, build_dir=build_dir)
+    if as_json:
+        echo_json(res)
+    elif not quiet:
+        click.echo(f"pushed {res['uploaded']} file(s), {_size(res['bytes_uploaded'])} "
+                   f"({res['present']} already present) in {res['seconds']:.1f}s")
+        click.echo(f"manifest: {res['manifest_uri']} ({res['manifest']})")
+
+
+@click.command("pull", epilog="""\b
+Examples:
+  shardc pull --manifest s3://models/llama3-70b/fp16/manifest.json --rank 5 --dest /nvme/shards
+  shardc pull --manifest s3://models/llama3-70b/fp16/manifest.json --tp-rank 1 --pp-stage 1 --dest /nvme/shards
+  shardc pull --manifest /mnt/models/demo/manifest.json --all --dest ./demo --json
+
+\b
+Every file is verified (sha256) before it gets its final name; files already present and matching
+are kept. Exit codes: 0 ok, 1 the store's data does not match its manifest, 2 bad input/store error.
+""")
+@click.option("--manifest", "manifest_uri", required=True,
+              help="URI of the manifest: local path, file://..., s3://bucket/prefix/manifest.json.")
+@click.option("--rank", type=int, multiple=True, help="Global rank to fetch (repeatable).")
+@click.option("--tp-rank", type=int, help="With --pp-stage: the rank to fetch.")
+@click.option("--pp-stage", type=int, help="With --tp-rank: the rank to fetch.")
+@click.option("--all", "all_ranks", is_flag=True, help="Fetch every rank's shard.")
+@click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Local directory to put the files in.")
+@click.option("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_stage: int | None,
+             all_ranks: bool, dest: Path, endpoint_url: str | None, quiet: bool, as_json: bool) -> None:
+    """Download a build's shards for some ranks (or all), verified, then check them like verify."""
+    from ..cli import echo_json, show_progress
+    from ..errors import StoreError
+    from ..store import pull_build
+
+    pair = tp_rank is not None or pp_stage is not None
+    if (tp_rank is None) != (pp_stage is None):
+        raise StoreError("--tp-rank and --pp-stage go together", hint="or use --rank R")
+    if sum([bool(rank), pair, all_ranks]) != 1:
+        raise StoreError("choose which shards to fetch",
+                         hint="pass one of --rank R, --tp-rank T --pp-stage P, or --all")
+    kwargs: dict[str, Any] = {}
+    if rank:
+        kwargs["global_ranks"] = list(rank)
+    elif pair:
+        kwargs["ranks"] = [(tp_rank, pp_stage)]
+    res = pull_build(manifest_uri, dest, endpoint_url=endpoint_url,
+                     progress=show_progress(quiet) and not as_json, **kwargs)
+    if as_json:
+        echo_json(res)
+    elif not quiet:
+        ranks = ", ".join(str(r["rank"]) for r in res["ranks"])
+        click.echo(f"pulled rank(s) {ranks}: {res['downloaded']} file(s) downloaded, "
+                   f"{res['present']} already present, {_size(res['bytes_downloaded'])} in "
+                   f"{res['seconds']:.1f}s; verified OK")
+        click.echo(f"manifest: {res['manifest']}")
+
+
+COMMANDS = [push_cmd, pull_cmd]

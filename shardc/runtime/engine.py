@@ -1,0 +1,129 @@
+"""Schedules for one rank of a replica: pipelined scoring (prefill only) and greedy generation.
+
+Pipeline parallel: stage s receives micro-batch m's hidden states from stage s-1 (same TP rank),
+runs its layers and posts an asynchronous send to stage s+1 before starting micro-batch m+1, so up to
+``pp`` micro-batches are in flight and the bubble is (pp - 1) / (M + pp - 1) of the run for M
+micro-batches (GPipe, forward only). In generation each prompt is its own micro-batch with its own
+KV cache; the last stage sends every sampled token back to the other stages (equal TP rank), which
+the first stage embeds for the next step and every stage uses to know when a sequence has ended.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .comm import Comm
+from .llama import KVCache, StageModel
+
+# isends allowed in flight before the oldest is waited for: bounds memory, keeps the pipe full.
+MAX_IN_FLIGHT = 4
+
+
+class StageRunner:
+    """One rank's role in its replica's pipeline."""
+
+    def __init__(self, comm: Comm, model: StageModel) -> None:
+        self.comm, self.model = comm, model
+        rep = comm.replica
+        self.first = comm.pp_stage == 0
+        self.last = comm.pp_stage == rep.pp - 1
+        self.prev = rep.rank(comm.tp_rank, comm.pp_stage - 1) if not self.first else None
+        self.next = rep.rank(comm.tp_rank, comm.pp_stage + 1) if not self.last else None
+        self.hidden = model.d.hidden
+        self._sends: deque[Any] = deque()
+
+    def _send(self, x: torch.Tensor, dst: int, what: str) -> None:
+        self._sends.append(self.comm.isend(x, dst, what))
+        while len(self._sends) > MAX_IN_FLIGHT:
+            self._sends.popleft().wait()
+
+    def drain(self) -> None:
+        while self._sends:
+            self._sends.popleft().wait()
+
+    def _stage_input(self, ids: torch.Tensor, what: str) -> torch.Tensor:
+        """Embed on the first stage, else receive the previous stage's hidden states."""
+        if self.first:
+            return self.model.embed(ids.to(self.comm.device))
+        shape = (ids.shape[0], ids.shape[1], self.hidden)
+        return self.comm.recv(shape, self.model.dtype, self.prev,
+                              f"receiving {what} from pipeline stage {self.comm.pp_stage - 1}")
+
+    def score(self, windows: torch.Tensor, micro_batch: int,
+              on_logits: Callable[[int, torch.Tensor | None], None]) -> None:
+        """Forward every window (prefill, no cache); the last stage hands fp32 logits to on_logits.
+
+        Only TP rank 0 of the last stage gets the gathered logits; other ranks get None.
+        """
+        for m, chunk in enumerate(windows.split(micro_batch)):
+            self.comm.beat()
+            what = f"micro-batch {m} activations"
+            with torch.inference_mode():
+                h = self.model.layers(self._stage_input(chunk, what))
+                if not self.last:
+                    self._send(h, self.next, f"sending {what} to pipeline stage {self.comm.pp_stage + 1}")
+                    continue
+                logits = self.model.logits(h, everyone=False)
+            on_logits(m, logits)
+        self.drain()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                 max_len: int) -> list[list[int]]:
+        """Greedy decoding of every prompt (one micro-batch each). Every rank returns the tokens."""
+        dev, d = self.comm.device, self.model.d
+        layers = [lw.index for lw in self.model.w.layers]
+        caches = [KVCache(layers, 1, d, max_len, self.model.dtype, dev) for _ in prompts]
+        out: list[list[int]] = [[] for _ in prompts]
+        awaiting = [False] * len(prompts)  # a token from the last stage is due for this sequence
+        last_rank = self.comm.replica.rank(self.comm.tp_rank, self.comm.replica.pp - 1)
+        others = [self.comm.replica.rank(self.comm.tp_rank, s) for s in range(self.comm.replica.pp - 1)]
+
+        def finished(m: int) -> bool:
+            return len(out[m]) >= max_new_tokens or bool(out[m] and out[m][-1] in eos)
+
+        def collect(m: int, step: int) -> None:
+            if awaiting[m]:
+                tok = self.comm.recv((1,), torch.int64, last_rank,
+                                     f"receiving step {step} token of sequence {m} from the last stage")
+                out[m].append(int(tok.item()))
+                awaiting[m] = False
+
+        for step in range(max_new_tokens):
+            for m, prompt in enumerate(prompts):
+                collect(m, step - 1)
+                if finished(m):
+                    continue
+                self.comm.beat()
+                ids = torch.tensor([prompt if step == 0 else [out[m][-1]]], dtype=torch.int64)
+                what = f"sequence {m} step {step} activations"
+                with torch.inference_mode():
+                    h = self.model.layers(self._stage_input(ids, what), caches[m])
+                    if not self.last:
+                        self._send(h, self.next, f"sending {what} to pipeline stage {self.comm.pp_stage + 1}")
+                        awaiting[m] = True
+                        continue
+                    logits = self.model.logits(h[:, -1:], everyone=True)
+                assert logits is not None
+                tok = logits[0, -1].argmax()
+                out[m].append(int(tok))
+                for dst in others:
+                    self._send(tok.reshape(1).to(torch.int64), dst, f"sending step {step} token to {dst}")
+        for m in range(len(prompts)):
+            collect(m, max_new_tokens - 1)
+        self.drain()
+        return out
+
+
+class Timer:
+    """Wall time of the compute phase, for throughput figures."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.t0

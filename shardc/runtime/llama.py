@@ -1,0 +1,224 @@
+"""The Llama-family forward for one rank of a TP x PP replica: pure tensor math plus a ``Comm``.
+
+Numerics follow Hugging Face's LlamaForCausalLM (RMSNorm in fp32 then weight * x in the model dtype,
+rotary tables computed in fp32 and cast, SDPA attention, SwiGLU), so a tp1pp1 replica reproduces the
+reference. Tensor parallel is the Megatron pattern: column-parallel q/k/v/gate/up need no
+communication, row-parallel o/down produce partial sums that are all-reduced (formed in fp32 and
+rounded once), the embedding is vocabulary-parallel (masked lookup + all-reduce) and the lm_head
+produces a vocabulary slice of the logits that is gathered before any softmax.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ModelError
+
+
+class TPComm(Protocol):
+    """What the forward needs from the tensor-parallel group (see comm.py)."""
+
+    tp: int
+
+    def all_reduce_sum(self, x: torch.Tensor, what: str) -> torch.Tensor: ...
+
+    def gather_vocab(self, x: torch.Tensor, what: str, everyone: bool) -> torch.Tensor | None: ...
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's local slices. q/k/v and gate/up stay separate (as in the shard files)."""
+
+    index: int
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    bias: dict[str, torch.Tensor] = field(default_factory=dict)  # q, k, v, o, gate, up, down
+
+
+@dataclass
+class StageWeights:
+    """Everything one rank holds: its layers, and the embedding / final norm / lm_head if it owns them."""
+
+    layers: list[LayerWeights]
+    embed: torch.Tensor | None  # [padded_vocab / tp, hidden] on the first stage
+    vocab_start: int  # first vocabulary row of this rank's slice
+    norm: torch.Tensor | None  # final norm on the last stage
+    lm_head: torch.Tensor | None  # [padded_vocab / tp, hidden] on the last stage (tied: the embed slice)
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Local sizes for one rank."""
+
+    hidden: int
+    heads: int  # local query heads
+    kv_heads: int  # local KV heads (1 when tp > num_key_value_heads: a replicated head)
+    head_dim: int
+    vocab: int  # true vocabulary (logits beyond it are padding and dropped)
+    eps: float
+
+
+def rope_inv_freq(model: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for default, linear and llama3 rope (HF's formulas)."""
+    dim = model["head_dim"]
+    base = float(model["rope_theta"])
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = model.get("rope_scaling") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(scaling["factor"]), 1.0
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        wavelen = 2 * math.pi / inv
+        inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, inv_l), 1.0
+    raise ModelError(
+        f"rope_scaling type {kind!r} is not supported by the shardc runtime",
+        key="rope_scaling",
+        hint="supported: default, linear, llama3",
+    )
+
+
+def rope_tables(model: dict[str, Any], length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [length, head_dim] for positions 0..length-1, in fp32 then cast (as HF does)."""
+    inv, scale = rope_inv_freq(model)
+    pos = torch.arange(length, dtype=torch.int64).float()
+    freqs = pos[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, w, b)
+
+
+class KVCache:
+    """Preallocated keys/values for one micro-batch: [batch, local kv heads, max_len, head_dim] per layer."""
+
+    def __init__(self, layers: list[int], batch: int, dims: Dims, max_len: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        shape = (batch, dims.kv_heads, max_len, dims.head_dim)
+        self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        self.length = 0
+
+
+class StageModel:
+    """The forward of one rank's share of the model. Stateless apart from the weights."""
+
+    def __init__(self, weights: StageWeights, dims: Dims, model: dict[str, Any], comm: TPComm,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.w, self.d, self.model, self.comm = weights, dims, model, comm
+        self.dtype, self.device = dtype, device
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+
+    def _rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        need = start + length
+        if need > self._rope_len:
+            size = max(need, 2 * self._rope_len, 256)
+            cos, sin = rope_tables(self.model, size, self.dtype)
+            self._cos, self._sin = cos.to(self.device), sin.to(self.device)
+            self._rope_len = size
+        return self._cos[start:need], self._sin[start:need]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel lookup: rows outside this rank's slice are zero, the all-reduce fills them."""
+        table = self.w.embed
+        assert table is not None
+        if self.comm.tp == 1:
+            return F.embedding(ids, table)
+        local = ids - self.w.vocab_start
+        outside = (local < 0) | (local >= table.shape[0])
+        h = F.embedding(local.clamp(0, table.shape[0] - 1), table)
+        h = h.masked_fill(outside[..., None], 0)
+        return self.comm.all_reduce_sum(h, "embedding all-reduce")
+
+    def layers(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """Every local layer. With a cache, h holds positions cache.length.. and the cache is extended."""
+        start = cache.length if cache is not None else 0
+        cos, sin = self._rope(start, h.shape[1])
+        for lw in self.w.layers:
+            h = self._layer(lw, h, cos, sin, cache, start)
+        if cache is not None:
+            cache.length = start + h.shape[1]
+        return h
+
+    def _layer(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               cache: KVCache | None, start: int) -> torch.Tensor:
+        d, b = self.d, lw.bias
+        bsz, t, _ = x.shape
+        h = rms_norm(x, lw.ln1, d.eps)
+        q = _linear(h, lw.q, b.get("q")).view(bsz, t, d.heads, d.head_dim).transpose(1, 2)
+        k = _linear(h, lw.k, b.get("k")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
+        v = _linear(h, lw.v, b.get("v")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            cache.k[lw.index][:, :, start : start + t] = k
+            cache.v[lw.index][:, :, start : start + t] = v
+            k = cache.k[lw.index][:, :, : start + t]
+            v = cache.v[lw.index][:, :, : start + t]
+        # Prefill always starts at position 0 (no chunked prefill), so is_causal's top-left mask is
+        # right; a single decode query attends to everything cached.
+        causal = t > 1
+        if causal and start:
+            raise AssertionError("prefill continuing a non-empty cache is not supported")
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=d.head_dim**-0.5, enable_gqa=d.heads != d.kv_heads
+        )
+        a = a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
+        x = x + self._row(a, lw.o, b.get("o"), f"layer {lw.index} attention all-reduce")
+        h = rms_norm(x, lw.ln2, d.eps)
+        g = F.silu(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
+        return x + self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
+
+    def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:
+        """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once."""
+        y = F.linear(x, w)
+        if self.comm.tp > 1:
+            y = self.comm.all_reduce_sum(y, what)
+        return y if bias is None else y + bias
+
+    def logits(self, h: torch.Tensor, everyone: bool = True) -> torch.Tensor | None:
+        """Final norm + vocabulary-parallel lm_head; fp32 logits over the true vocabulary.
+
+        With ``everyone=False`` only TP rank 0 receives the gathered logits (others get None).
+        """
+        assert self.w.norm is not None and self.w.lm_head is not None
+        h = rms_norm(h, self.w.norm, self.d.eps)
+        local = F.linear(h, self.w.lm_head).float()
+        full = self.comm.gather_vocab(local, "lm_head logits gather", everyone) if self.comm.tp > 1 else local
+        return None if full is None else full[..., : self.d.vocab]

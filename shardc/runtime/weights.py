@@ -1,0 +1,101 @@
+"""Turn one rank's shard tensors into the runtime's weights.
+
+The tensors come from ``shardc.verify.load_rank_tensors`` (sha256 + header checked against the
+Layout before a byte is used). What each tensor is, and which vocabulary rows a rank holds, is read
+from the Layout's TensorSpecs, never re-derived. int8 / fp8 weights are dequantized here with their
+per-channel scales (weight-only quantization: activations stay in the 16-bit base dtype).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ManifestError
+from ..layout import SCALE_SUFFIX, Layout, RankLayout
+from .llama import Dims, LayerWeights, StageWeights
+
+BASE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_PROJ = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+def compute_dtype(manifest: dict[str, Any]) -> torch.dtype:
+    """The 16-bit dtype activations run in: the plan's base dtype (int8/fp8 dequantize to it)."""
+    return BASE_DTYPES[manifest["layout"]["base_dtype"]]
+
+
+def local_dims(layout: Layout) -> Dims:
+    m, tp = layout.model, layout.plan.tp
+    return Dims(
+        hidden=m.hidden_size,
+        heads=m.num_heads // tp,
+        kv_heads=max(1, m.num_kv_heads // tp),
+        head_dim=m.head_dim,
+        vocab=m.vocab_size,
+        eps=m.rms_norm_eps,
+    )
+
+
+def load_stage(
+    manifest: dict[str, Any], directory: Path, layout: Layout, tp_rank: int, pp_stage: int,
+    device: torch.device,
+) -> StageWeights:
+    """Load, check and arrange one rank's tensors (dequantizing int8/fp8)."""
+    from ..verify import load_rank_tensors
+
+    rl = layout.rank(tp_rank, pp_stage)
+    raw = load_rank_tensors(manifest, directory, tp_rank, pp_stage, device="cpu")
+    return arrange(raw, rl, layout, compute_dtype(manifest), device)
+
+
+def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype: torch.dtype,
+            device: torch.device) -> StageWeights:
+    """Rank tensors (as written by build) -> StageWeights in ``dtype`` on ``device``."""
+    specs = {t.name: t for t in rl.tensors}
+    missing = sorted(set(specs) - set(raw))
+    if missing:
+        raise ManifestError(f"{rl.file} lacks tensor {missing[0]}", hint="rebuild the shards")
+
+    def get(name: str) -> torch.Tensor:
+        spec = specs[name]
+        t = raw[name]
+        if spec.quant:
+            scale = raw[name + SCALE_SUFFIX]
+            t = t.float() * scale.float()  # w = q * scale, per output channel
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(*rl.layers):
+        p = f"model.layers.{i}."
+        w = {key: get(p + proj + ".weight") for key, proj in _PROJ.items()}
+        bias = {key: get(p + proj + ".bias") for key, proj in _PROJ.items() if p + proj + ".bias" in specs}
+        layers.append(LayerWeights(
+            index=i, ln1=get(p + "input_layernorm.weight"), ln2=get(p + "post_attention_layernorm.weight"),
+            bias=bias, **w,
+        ))
+    embed = get("model.embed_tokens.weight") if "model.embed_tokens.weight" in specs else None
+    last = rl.pp_stage == layout.plan.pp - 1
+    lm_head = None
+    if last:
+        # Tied embeddings with pp = 1: the Layout stores the embedding once and no lm_head tensor.
+        lm_head = get("lm_head.weight") if "lm_head.weight" in specs else embed
+    # The first vocabulary row of this rank's slice, as the Layout cut it (rows after it are padding).
+    vocab_spec = specs.get("model.embed_tokens.weight") or specs.get("lm_head.weight")
+    vocab_start = vocab_spec.start or 0 if vocab_spec is not None else 0
+    return StageWeights(
+        layers=layers,
+        embed=embed,
+        vocab_start=vocab_start,
+        norm=get("model.norm.weight") if last else None,
+        lm_head=lm_head,
+    )

@@ -1,0 +1,816 @@
+"""Object storage: push a build to a store and pull (parts of) it back, verified.
+
+Stores are named by URI: a plain path or ``file://`` (the default; no services needed) or
+``s3://bucket/prefix`` (boto3, imported only then; see :mod:`shardc.s3store`). Both sit behind the
+small :class:`Store` interface, so push and pull hold the protocol and the backends hold the I/O.
+
+Push protocol (manifest last, so a reader that finds a manifest can fetch everything it names):
+
+1. objects already in the store with the right size and recorded sha256 are skipped (resume);
+2. if anything must be (re)written and the store holds a different manifest under the same name,
+   that manifest is deleted first: no reader may see it while its objects change;
+3. every other file is hashed against the local manifest (a shard that rotted on disk is never
+   published) and uploaded, in parallel, with its sha256 as object metadata;
+4. every object is checked to exist with the right size;
+5. the manifest is written last.
+
+With ``compress="zstd"`` shards are stored as ``<file>.zst`` and the manifest pushed to the store
+gets, in each such shard entry, ``"compressed": {"codec": "zstd", "size": int, "sha256": hex,
+"object": "<file>.zst"}`` next to the uncompressed size and sha256 (config.json and other small
+files stay plain). The local build manifest is unchanged; pull strips the key again, so the pulled
+``manifest.json`` is byte-identical to the build's.
+
+Pull: fetch the manifest, then only the requested shards plus the side files. Each download is
+streamed into a temp name next to its destination, hashed (and decompressed, checking both hashes)
+on the way, and renamed into place only when it matches; files already present and matching are
+kept. The local manifest is written after the files, then the ranks are verified like
+``shardc verify`` does.
+
+Object metadata (S3 ``x-amz-meta-*``): ``sha256`` of the stored bytes; for ``.zst`` objects also
+``codec``, ``content-size`` and ``content-sha256`` of the uncompressed file.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .errors import ManifestError, ShardcError, StoreError, VerifyMismatch
+from .manifest import dumps, fsync_dir, loads, read_manifest, write_atomic
+
+MANIFEST_NAME = "manifest.json"
+CODECS = ("zstd",)
+# zstd saves 10-22% on weight shards but compresses at ~0.2-0.6 GB/s per core: slower than a
+# datacenter link to S3. Off unless asked (figures in the issue 5 closing note / bench_store.py).
+DEFAULT_COMPRESS: str | None = None
+ZSTD_LEVEL = 3
+MAX_MANIFEST_BYTES = 256 << 20
+BLOCK = 16 << 20
+MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferSettings:
+    """Knobs of the S3 backend. Environment variables override the defaults, so a subprocess (CI,
+    tests) can be tuned without code: SHARDC_S3_MAX_ATTEMPTS, SHARDC_S3_RETRY_MODE (or boto's
+    AWS_RETRY_MODE), SHARDC_S3_CONNECT_TIMEOUT, SHARDC_S3_READ_TIMEOUT, SHARDC_MULTIPART_THRESHOLD,
+    SHARDC_MULTIPART_CHUNKSIZE, SHARDC_S3_CONCURRENCY."""
+
+    max_attempts: int = 6  # total tries per request (botocore counts the first one)
+    retry_mode: str = "standard"  # botocore: standard | adaptive (client-side rate limiting)
+    connect_timeout: float = 10.0
+    read_timeout: float = 60.0
+    multipart_threshold: int = 64 * MiB
+    multipart_chunksize: int = 64 * MiB  # S3 allows 10,000 parts: 625 GiB per file at 64 MiB
+    max_concurrency: int = 10
+    max_files_in_flight: int = 4  # bounds the look-ahead of hashing/compressing during a push
+
+    @classmethod
+    def from_env(cls, **overrides: Any) -> TransferSettings:
+        env = os.environ
+        values: dict[str, Any] = {}
+        for field, var, conv in (
+            ("max_attempts", "SHARDC_S3_MAX_ATTEMPTS", int),
+            ("connect_timeout", "SHARDC_S3_CONNECT_TIMEOUT", float),
+            ("read_timeout", "SHARDC_S3_READ_TIMEOUT", float),
+            ("multipart_threshold", "SHARDC_MULTIPART_THRESHOLD", int),
+            ("multipart_chunksize", "SHARDC_MULTIPART_CHUNKSIZE", int),
+            ("max_concurrency", "SHARDC_S3_CONCURRENCY", int),
+        ):
+            if env.get(var):
+                try:
+                    values[field] = conv(env[var])
+                except ValueError:
+                    raise StoreError(f"{var}={env[var]!r} is not a number") from None
+        mode = env.get("SHARDC_S3_RETRY_MODE") or env.get("AWS_RETRY_MODE")
+        if mode:
+            if mode not in ("standard", "adaptive", "legacy"):
+                raise StoreError(f"retry mode {mode!r} is unknown", hint="use standard or adaptive")
+            values["retry_mode"] = mode
+        values.update(overrides)
+        return cls(**values)
+
+
+@dataclasses.dataclass
+class ObjectInfo:
+    size: int
+    sha256: str | None  # sha256 of the stored bytes, as recorded (S3 metadata) or computed (local)
+    metadata: dict[str, str]
+
+
+@dataclasses.dataclass
+class PutItem:
+    name: str
+    path: Path
+    size: int
+    metadata: dict[str, str]
+    content_type: str = "application/octet-stream"
+    cleanup: Callable[[], None] = lambda: None
+
+
+@dataclasses.dataclass
+class GetItem:
+    name: str
+    sink: Any  # write(bytes); seekable() -> False
+
+
+class Store(abc.ABC):
+    """The narrow storage interface push and pull need. Names are plain file names under the
+    store's root (validated by manifest.safe_name before they get here)."""
+
+    uri: str
+
+    def object_uri(self, name: str) -> str:
+        return f"{self.uri.rstrip('/')}/{name}"
+
+    @abc.abstractmethod
+    def head(self, name: str, *, digest: bool = False) -> ObjectInfo | None:
+        """Size and recorded metadata; None if absent. ``digest``: the caller will compare the
+        sha256, so a backend without recorded hashes computes them."""
+
+    @abc.abstractmethod
+    def get_bytes(self, name: str, limit: int) -> bytes | None: ...
+
+    @abc.abstractmethod
+    def put_bytes(self, name: str, data: bytes, metadata: dict[str, str]) -> None: ...
+
+    @abc.abstractmethod
+    def delete(self, name: str) -> None: ...
+
+    @abc.abstractmethod
+    def abort_incomplete(self, names: Iterable[str]) -> int:
+        """Clean up partial uploads of these names left by a killed writer; returns how many."""
+
+    @abc.abstractmethod
+    def put_files(self, items: Iterable[PutItem], on_bytes: Callable[[int], None]) -> None: ...
+
+    @abc.abstractmethod
+    def get_files(self, items: list[GetItem], on_bytes: Callable[[int], None]) -> list[BaseException | None]: ...
+
+
+# --- URIs ---------------------------------------------------------------------------------------
+
+def parse_uri(uri: str) -> tuple[str, str, str]:
+    """``(scheme, bucket, path)``: ("file", "", "/abs/or/rel") or ("s3", bucket, prefix)."""
+    if not isinstance(uri, str) or not uri:
+        raise StoreError("empty storage URI", hint="use a local path, file:///path or s3://bucket/prefix")
+    if "://" not in uri:
+        return "file", "", uri
+    scheme, rest = uri.split("://", 1)
+    scheme = scheme.lower()
+    if scheme == "file":
+        host, sep, path = rest.partition("/")
+        if host not in ("", "localhost"):
+            raise StoreError(f"file URI {uri!r} names a host", hint="use file:///absolute/path")
+        return "file", "", "/" + path if sep else "/"
+    if scheme == "s3":
+        bucket, _, prefix = rest.partition("/")
+        if not bucket:
+            raise StoreError(f"{uri!r} has no bucket", hint="use s3://bucket/prefix")
+        return "s3", bucket, prefix.strip("/")
+    raise StoreError(f"unknown storage scheme {scheme!r} in {uri!r}",
+                     hint="use a local path, file:///path or s3://bucket/prefix")
+
+
+def open_store(uri: str, *, endpoint_url: str | None = None,
+               settings: TransferSettings | None = None) -> Store:
+    scheme, bucket, path = parse_uri(uri)
+    if scheme == "s3":
+        from .s3store import S3Store
+
+        return S3Store(bucket, path, endpoint_url=endpoint_url, settings=settings)
+    return LocalStore(Path(path))
+
+
+def split_object_uri(uri: str) -> tuple[str, str]:
+    """``.../dir/name.json`` -> (``.../dir``, ``name.json``). A trailing ``/``, a bare bucket or a
+    local directory means ``manifest.json`` inside it."""
+    scheme, bucket, path = parse_uri(uri)
+    if uri.endswith("/") or (scheme == "file" and Path(path).is_dir()) or (scheme == "s3" and not path):
+        return uri.rstrip("/") or "/", MANIFEST_NAME
+    if scheme == "s3":
+        root, _, name = path.rpartition("/")
+        return f"s3://{bucket}" + (f"/{root}" if root else ""), name
+    p = Path(path)
+    return str(p.parent), p.name
+
+
+# --- local backend ------------------------------------------------------------------------------
+
+class LocalStore(Store):
+    """A directory. Writes are atomic (temp + fsync + rename), like the build's own files."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.uri = str(root)
+
+    def _path(self, name: str) -> Path:
+        return self.root / name
+
+    def head(self, name: str, *, digest: bool = False) -> ObjectInfo | None:
+        p = self._path(name)
+        if not p.is_file():
+            return None
+        size = p.stat().st_size
+        if not digest:
+            return ObjectInfo(size, None, {})
+        if name.endswith(".zst"):
+            meta = _zstd_file_digests(p)
+            return ObjectInfo(size, meta["sha256"], meta)
+        sha = sha256_file(p)
+        return ObjectInfo(size, sha, {"sha256": sha})
+
+    def get_bytes(self, name: str, limit: int) -> bytes | None:
+        p = self._path(name)
+        try:
+            if p.stat().st_size > limit:
+                raise StoreError(f"{p} is {p.stat().st_size} bytes, too large for a manifest",
+                                 hint="pass the manifest.json that shardc push wrote")
+            return p.read_bytes()
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            raise StoreError(f"{p} is a directory", hint="pass the manifest file") from None
+        except OSError as exc:
+            raise StoreError(f"cannot read {p}: {exc.strerror}") from None
+
+    def put_bytes(self, name: str, data: bytes, metadata: dict[str, str]) -> None:
+        self._mkdir()
+        write_atomic(self._path(name), data)
+
+    def delete(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    def abort_incomplete(self, names: Iterable[str]) -> int:
+        return sum(_remove_stale_partials(self.root, n) for n in names)
+
+    def _mkdir(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create {self.root}: {exc.strerror}") from None
+
+    def put_files(self, items: Iterable[PutItem], on_bytes: Callable[[int], None]) -> None:
+        self._mkdir()
+        for item in items:
+            try:
+                dst = self._path(item.name)
+                tmp = _partial_name(dst)
+                try:
+                    with open(item.path, "rb") as src, open(tmp, "wb") as out:
+                        _copy(src, out.write, on_bytes)
+                        out.flush()
+                        os.fsync(out.fileno())
+                    os.replace(tmp, dst)
+                except OSError as exc:
+                    tmp.unlink(missing_ok=True)
+                    raise StoreError(f"cannot write {dst}: {exc.strerror}") from None
+            finally:
+                item.cleanup()
+        fsync_dir(self.root)
+
+    def get_files(self, items: list[GetItem], on_bytes: Callable[[int], None]) -> list[BaseException | None]:
+        errors: list[BaseException | None] = []
+        for item in items:
+            try:
+                with open(self._path(item.name), "rb") as src:
+                    _copy(src, item.sink.write, on_bytes)
+                errors.append(None)
+            except FileNotFoundError:
+                errors.append(VerifyMismatch(f"{item.name}: named by the manifest but missing from {self.uri}",
+                                             hint="the store was changed after the push; push the build again"))
+            except ShardcError as exc:
+                errors.append(exc)
+            except OSError as exc:
+                errors.append(StoreError(f"cannot read {self._path(item.name)}: {exc.strerror}"))
+        return errors
+
+
+def _copy(src: BinaryIO, write: Callable[[bytes], Any], on_bytes: Callable[[int], None]) -> None:
+    while chunk := src.read(BLOCK):
+        write(chunk)
+        on_bytes(len(chunk))
+
+
+# --- hashing, compression, verified sinks -------------------------------------------------------
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(BLOCK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _zstd() -> Any:
+    try:
+        import zstandard
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise StoreError("zstd compression needs the zstandard package",
+                         hint="pip install 'shardc[zstd]'") from None
+    return zstandard
+
+
+def _zstd_file_digests(path: Path) -> dict[str, str]:
+    """Metadata of a stored .zst file, recomputed: its own sha256 and its content's size/sha256."""
+    zstd = _zstd()
+    raw, content = hashlib.sha256(), _HashWriter()
+    with open(path, "rb") as f, zstd.ZstdDecompressor().stream_writer(content, write_size=BLOCK, closefd=False) as w:
+        while chunk := f.read(BLOCK):
+            raw.update(chunk)
+            try:
+                w.write(chunk)
+            except zstd.ZstdError:
+                return {"sha256": raw.hexdigest()}  # not a valid stream: never matches
+    return {"sha256": raw.hexdigest(), "codec": "zstd", "content-size": str(content.n),
+            "content-sha256": content.h.hexdigest()}
+
+
+class _HashWriter:
+    """Counts and hashes what is written to it; optionally passes it on."""
+
+    def __init__(self, out: BinaryIO | None = None) -> None:
+        self.h, self.n, self.out = hashlib.sha256(), 0, out
+
+    def write(self, data: bytes) -> int:
+        self.h.update(data)
+        self.n += len(data)
+        if self.out is not None:
+            self.out.write(data)
+        return len(data)
+
+    def flush(self) -> None:
+        if self.out is not None:
+            self.out.flush()
+
+
+class VerifiedSink:
+    """Receives a file's bytes in order, hashes them (decompressing a zstd stream first) into a temp
+    name next to ``final``, and renames into place only if size and sha256 match the manifest."""
+
+    def __init__(self, final: Path, entry: dict[str, Any], compressed: dict[str, Any] | None) -> None:
+        self.final, self.entry, self.compressed = final, entry, compressed
+        self.tmp = _partial_name(final)
+        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        self._plain = _HashWriter(self._f)
+        self._raw = _HashWriter()
+        self._dec = None
+        if compressed is not None:
+            self._zstd = _zstd()
+            self._dec = self._zstd.ZstdDecompressor().stream_writer(
+                _Bounded(self._plain, entry["size"], final.name), write_size=BLOCK, closefd=False)
+
+    def seekable(self) -> bool:  # makes s3transfer deliver bytes in order
+        return False
+
+    def write(self, data: bytes) -> int:
+        if self._dec is not None:
+            self._raw.write(data)
+            try:
+                self._dec.write(data)
+            except self._zstd.ZstdError as exc:
+                raise VerifyMismatch(f"{self.final.name}: the stored .zst object is not a valid zstd "
+                                     f"stream ({exc})", hint="push the build again") from None
+        else:
+            if self._plain.n + len(data) > self.entry["size"]:
+                raise VerifyMismatch(f"{self.final.name}: the stored object is larger than the "
+                                     f"manifest's {self.entry['size']} bytes", hint="push the build again")
+            self._plain.write(data)
+        return len(data)
+
+    def commit(self) -> str:
+        """Check everything, then rename into place. Returns the sha256 of the file."""
+        name, problems = self.final.name, []
+        if self._dec is not None:
+            c = self.compressed or {}
+            self._dec.flush()
+            if self._raw.n != c.get("size") or self._raw.h.hexdigest() != c.get("sha256"):
+                problems.append(f"compressed object {c.get('object')}: {self._raw.n} bytes, sha256 "
+                                f"{self._raw.h.hexdigest()[:16]}..., expected {c.get('size')} bytes, "
+                                f"{str(c.get('sha256'))[:16]}...")
+        sha = self._plain.h.hexdigest()
+        if self._plain.n != self.entry["size"] or sha != self.entry["sha256"]:
+            problems.append(f"{self._plain.n} bytes, sha256 {sha[:16]}..., expected "
+                            f"{self.entry['size']} bytes, {self.entry['sha256'][:16]}...")
+        if problems:
+            self.abort()
+            raise VerifyMismatch(f"{name}: downloaded data does not match the manifest: "
+                                 + "; ".join(problems),
+                                 hint="the object was corrupted or replaced in the store; push the build again")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.final)
+        return sha
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+class _Bounded:
+    """Stops a decompression stream that grows past the manifest's size (no zstd bombs)."""
+
+    def __init__(self, out: _HashWriter, limit: int, name: str) -> None:
+        self.out, self.limit, self.name = out, limit, name
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def write(self, data: bytes) -> int:
+        if self.out.n + len(data) > self.limit:
+            raise VerifyMismatch(f"{self.name}: the stored object decompresses to more than the "
+                                 f"manifest's {self.limit} bytes", hint="push the build again")
+        return self.out.write(data)
+
+
+def _partial_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.partial-{os.getpid()}")
+
+
+def _remove_stale_partials(directory: Path, name: str) -> int:
+    """Temp files of killed processes (their pid is gone) are removed; live ones are left alone."""
+    n = 0
+    for p in directory.glob(f".{name}.partial-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        p.unlink(missing_ok=True)
+        n += 1
+    return n
+
+
+def _compress(src: Path, level: int) -> tuple[Path, str, dict[str, str]]:
+    """Compress to a temp file, hashing input and output on the way. -> (tmp, content sha, metadata)."""
+    zstd = _zstd()
+    fd, tmp_name = tempfile.mkstemp(prefix=f"shardc-{src.name}-", suffix=".zst")
+    tmp = Path(tmp_name)
+    content = _HashWriter()
+    try:
+        with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
+            packed = _HashWriter(out)
+            cctx = zstd.ZstdCompressor(level=level, threads=-1, write_checksum=True)
+            with cctx.stream_writer(packed, size=src.stat().st_size, closefd=False) as w:
+                while chunk := f.read(BLOCK):
+                    content.write(chunk)
+                    w.write(chunk)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    meta = {"sha256": packed.h.hexdigest(), "codec": "zstd", "content-size": str(content.n),
+            "content-sha256": content.h.hexdigest()}
+    return tmp, content.h.hexdigest(), meta
+
+
+# --- push ---------------------------------------------------------------------------------------
+
+def _entries(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
+    """(file name, manifest entry, is_shard) for every file a build consists of, manifest aside."""
+    return [(f["name"], f, False) for f in manifest["files"]] + [(s["file"], s, True) for s in manifest["shards"]]
+
+
+def _build_dir(manifest_path: Path, manifest: dict[str, Any], build_dir: Path | None) -> Path:
+    """Where the shards are: next to the manifest, or (for a copy in manifests/) build/<plan name>."""
+    names = [n for n, _, _ in _entries(manifest)]
+    name = manifest["plan"]["replica_group"]["name"]
+    candidates = [Path(build_dir)] if build_dir else [
+        manifest_path.parent, Path("build") / name, manifest_path.parent.parent / "build" / name]
+    for c in candidates:
+        if all((c / n).is_file() for n in names):
+            return c
+    missing = next(n for n in names if not (candidates[0] / n).is_file())
+    raise StoreError(f"the build's files are not next to {manifest_path} (missing {missing})",
+                     hint="pass the manifest.json inside the build directory, or --build-dir DIR")
+
+
+def _destination(manifest: dict[str, Any], dest_uri: str | None) -> tuple[str, str]:
+    if dest_uri:
+        if dest_uri.endswith(".json"):
+            return split_object_uri(dest_uri)
+        parse_uri(dest_uri)
+        return dest_uri.rstrip("/") or "/", MANIFEST_NAME
+    uri = ((manifest["plan"].get("replica_group") or {}).get("checkpoint") or {}).get("manifest_uri")
+    if not uri:
+        raise StoreError("no destination: the plan has no replica_group.checkpoint.manifest_uri",
+                         hint="pass --to URI (a local directory, file:// or s3://bucket/prefix)")
+    return split_object_uri(uri)
+
+
+def _progress_bar(progress: bool, desc: str, total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
+                disable=not progress, file=sys.stderr, leave=False)
+
+
+def push_build(
+    manifest_path: Path,
+    dest_uri: str | None = None,
+    *,
+    endpoint_url: str | None = None,
+    compress: str | None = None,
+    progress: bool = False,
+    build_dir: Path | None = None,
+    settings: TransferSettings | None = None,
+) -> dict[str, Any]:
+    """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes."""
+    t0 = time.perf_counter()
+    manifest_path = Path(manifest_path)
+    manifest = read_manifest(manifest_path)
+    if compress is not None and compress not in CODECS:
+        raise StoreError(f"unknown compression {compress!r}", hint=f"use one of: {', '.join(CODECS)}")
+    src = _build_dir(manifest_path, manifest, build_dir)
+    root, manifest_name = _destination(manifest, dest_uri)
+    store = open_store(root, endpoint_url=endpoint_url, settings=settings)
+
+    plan: list[dict[str, Any]] = []
+    for name, entry, shard in _entries(manifest):
+        local = src / name
+        if local.stat().st_size != entry["size"]:
+            raise VerifyMismatch(f"{local}: {local.stat().st_size} bytes, the manifest says {entry['size']}",
+                                 hint="the build directory changed after the build; rebuild")
+        obj = name + ".zst" if (compress and shard) else name
+        plan.append({"file": name, "object": obj, "entry": entry, "local": local, "codec": compress if shard else None})
+
+    old = store.get_bytes(manifest_name, MAX_MANIFEST_BYTES)  # also the first contact: bucket, creds
+    store.abort_incomplete([p["object"] for p in plan])
+    todo = []
+    for p in plan:
+        info = store.head(p["object"], digest=True)
+        if info is not None and _matches(info, p):
+            p["stored"], p["action"] = info, "present"
+        else:
+            p["action"] = "uploaded"
+            todo.append(p)
+    if todo and old is not None:
+        store.delete(manifest_name)  # un-commit: its objects are about to change
+
+    bar = _progress_bar(progress, f"push {store.uri}", 0)
+    try:
+        store.put_files(_prepared(todo, bar), bar.update)
+    finally:
+        bar.close()
+
+    for p in plan:  # every object there, with the right size, before the manifest
+        info = store.head(p["object"])
+        want = p["stored"].size
+        if info is None or info.size != want:
+            raise StoreError(f"after upload, {store.object_uri(p['object'])} is "
+                             f"{'missing' if info is None else f'{info.size} bytes, expected {want}'}",
+                             hint="another writer changed the store during the push; rerun")
+    remote = _remote_manifest(manifest, plan)
+    data = dumps(remote)
+    state = "unchanged"
+    if data != old or todo:
+        store.put_bytes(manifest_name, data, {"sha256": hashlib.sha256(data).hexdigest()})
+        state = "uploaded"
+    return {
+        "dest": store.uri,
+        "manifest_uri": store.object_uri(manifest_name),
+        "manifest": state,
+        "compress": compress,
+        "objects": [{"file": p["file"], "object": p["object"], "size": p["stored"].size,
+                     "action": p["action"]} for p in plan],
+        "uploaded": sum(p["action"] == "uploaded" for p in plan),
+        "present": sum(p["action"] == "present" for p in plan),
+        "bytes_uploaded": sum(p["stored"].size for p in todo),
+        "bytes_total": sum(p["stored"].size for p in plan),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+def _matches(info: ObjectInfo, p: dict[str, Any]) -> bool:
+    e = p["entry"]
+    if p["codec"]:
+        md = info.metadata
+        return (md.get("codec") == p["codec"] and md.get("content-sha256") == e["sha256"]
+                and md.get("content-size") == str(e["size"]) and bool(info.sha256))
+    return info.size == e["size"] and info.sha256 == e["sha256"]
+
+
+def _prepared(todo: list[dict[str, Any]], bar: Any) -> Iterator[PutItem]:
+    """Hash (or compress) each file and check it against the manifest before it is uploaded.
+
+    A generator: the backend pulls the next file while earlier ones upload, so hashing overlaps
+    the transfers instead of adding to them.
+    """
+    for p in todo:
+        e, local = p["entry"], p["local"]
+        if p["codec"]:
+            tmp, sha, meta = _compress(local, ZSTD_LEVEL)
+            size = tmp.stat().st_size
+            cleanup: Callable[[], None] = lambda t=tmp: t.unlink(missing_ok=True)  # noqa: E731
+            path = tmp
+        else:
+            sha, size, path, meta = sha256_file(local), e["size"], local, {}
+            meta = {"sha256": sha}
+            cleanup = lambda: None  # noqa: E731
+        if sha != e["sha256"]:
+            cleanup()
+            raise VerifyMismatch(f"{local}: sha256 {sha[:16]}... does not match the manifest's "
+                                 f"{e['sha256'][:16]}...", hint="the file changed after the build; rebuild")
+        p["stored"] = ObjectInfo(size, meta["sha256"], meta)
+        bar.total = (bar.total or 0) + size
+        bar.refresh()
+        ctype = "application/json" if p["file"].endswith(".json") else "application/octet-stream"
+        yield PutItem(p["object"], path, size, meta, ctype, cleanup)
+
+
+def _remote_manifest(manifest: dict[str, Any], plan: list[dict[str, Any]]) -> dict[str, Any]:
+    """The build manifest plus, for compressed objects, what was stored."""
+    if not any(p["codec"] for p in plan):
+        return manifest
+    remote = dict(manifest)
+    stored = {p["file"]: p for p in plan if p["codec"]}
+
+    def add(entry: dict[str, Any], name: str) -> dict[str, Any]:
+        p = stored.get(name)
+        if p is None:
+            return entry
+        s = p["stored"]
+        return {**entry, "compressed": {"codec": p["codec"], "size": s.size, "sha256": s.sha256,
+                                        "object": p["object"]}}
+
+    remote["shards"] = [add(s, s["file"]) for s in manifest["shards"]]
+    remote["files"] = [add(f, f["name"]) for f in manifest["files"]]
+    return remote
+
+
+def _strip_compressed(manifest: dict[str, Any]) -> dict[str, Any]:
+    local = dict(manifest)
+    local["shards"] = [{k: v for k, v in s.items() if k != "compressed"} for s in manifest["shards"]]
+    local["files"] = [{k: v for k, v in f.items() if k != "compressed"} for f in manifest["files"]]
+    return local
+
+
+# --- pull ---------------------------------------------------------------------------------------
+
+def _select(manifest: dict[str, Any], ranks: list[tuple[int, int]] | None,
+            global_ranks: list[int] | None) -> list[dict[str, Any]]:
+    shards = manifest["shards"]
+    if ranks is None and global_ranks is None:
+        return list(shards)
+    by_pair = {(s["tp_rank"], s["pp_stage"]): s for s in shards}
+    by_rank = {s["rank"]: s for s in shards}
+    tp, pp = manifest["layout"]["tp_degree"], manifest["layout"]["pp_degree"]
+    out: list[dict[str, Any]] = []
+    for pair in ranks or []:
+        if tuple(pair) not in by_pair:
+            raise ManifestError(f"tp_rank={pair[0]} pp_stage={pair[1]} is outside this build "
+                                f"(tp_degree={tp}, pp_degree={pp})",
+                                hint=f"tp ranks 0..{tp - 1}, pp stages 0..{pp - 1}")
+        out.append(by_pair[tuple(pair)])
+    for r in global_ranks or []:
+        if r not in by_rank:
+            raise ManifestError(f"rank {r} is outside this build (world size {tp * pp})",
+                                hint=f"ranks 0..{tp * pp - 1}")
+        out.append(by_rank[r])
+    unique = {s["file"]: s for s in out}
+    return sorted(unique.values(), key=lambda s: s["rank"])
+
+
+def pull_build(
+    manifest_uri: str,
+    dest_dir: Path,
+    *,
+    ranks: list[tuple[int, int]] | None = None,
+    endpoint_url: str | None = None,
+    progress: bool = False,
+    global_ranks: list[int] | None = None,
+    settings: TransferSettings | None = None,
+) -> dict[str, Any]:
+    """Fetch the manifest and the requested ranks' shards (default: all) plus the side files into
+    ``dest_dir``, every file verified before it gets its final name; then verify the ranks."""
+    t0 = time.perf_counter()
+    root, name = split_object_uri(manifest_uri)
+    store = open_store(root, endpoint_url=endpoint_url, settings=settings)
+    data = store.get_bytes(name, MAX_MANIFEST_BYTES)
+    if data is None:
+        raise StoreError(f"no manifest at {store.object_uri(name)}",
+                         hint="check the URI; a build is visible only once shardc push has finished")
+    remote = loads(data, store.object_uri(name))
+    shards = _select(remote, ranks, global_ranks)
+    wanted = [(f["name"], f) for f in remote["files"]] + [(s["file"], s) for s in shards]
+
+    dest = Path(dest_dir)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create {dest}: {exc.strerror}") from None
+    digests: dict[str, str] = {}
+    files, todo = [], []
+    for fname, entry in wanted:
+        _remove_stale_partials(dest, fname)
+        final = dest / fname
+        if final.is_file() and final.stat().st_size == entry["size"]:
+            sha = sha256_file(final)
+            if sha == entry["sha256"]:
+                digests[fname] = sha
+                files.append({"name": fname, "size": entry["size"], "action": "present"})
+                continue
+        todo.append((fname, entry))
+
+    items: list[GetItem] = []
+    total = 0
+    try:
+        for fname, entry in todo:
+            comp = entry.get("compressed")
+            obj = comp["object"] if comp else fname
+            if comp is not None:
+                from .manifest import safe_name
+
+                safe_name(obj, "compressed object name")
+            items.append(GetItem(obj, VerifiedSink(dest / fname, entry, comp)))
+            total += comp["size"] if comp else entry["size"]
+    except BaseException:
+        for i in items:
+            i.sink.abort()
+        raise
+    bar = _progress_bar(progress, f"pull {store.uri}", total)
+    try:
+        errors = store.get_files(items, bar.update)
+    except BaseException:
+        for i in items:
+            i.sink.abort()
+        raise
+    finally:
+        bar.close()
+
+    mismatches: list[ShardcError] = []
+    other: list[ShardcError] = []
+    for (fname, entry), item, err in zip(todo, items, errors, strict=True):
+        if err is None:
+            try:
+                digests[fname] = item.sink.commit()
+                files.append({"name": fname, "size": entry["size"], "action": "downloaded"})
+                continue
+            except VerifyMismatch as exc:
+                err = exc
+        item.sink.abort()
+        target = mismatches if isinstance(err, VerifyMismatch) else other
+        target.append(err if isinstance(err, ShardcError) else StoreError(str(err)))
+    fsync_dir(dest)
+    if mismatches:
+        first = mismatches[0]
+        more = f" (and {len(mismatches) - 1} more file(s))" if len(mismatches) > 1 else ""
+        raise VerifyMismatch(first.message + more, hint=first.hint)
+    if other:
+        raise other[0]
+
+    local = _strip_compressed(remote)
+    write_atomic(dest / MANIFEST_NAME, dumps(local))
+    report = verify_pulled(local, dest, shards, digests)
+    if not report["ok"]:
+        raise VerifyMismatch(report["problems"][0], hint="run shardc verify for the full report")
+    return {
+        "manifest_uri": store.object_uri(name),
+        "dest": str(dest),
+        "manifest": str(dest / MANIFEST_NAME),
+        "ranks": [{k: s[k] for k in ("file", "tp_rank", "pp_stage", "rank")} for s in shards],
+        "files": sorted(files, key=lambda f: f["name"]),
+        "downloaded": sum(f["action"] == "downloaded" for f in files),
+        "present": sum(f["action"] == "present" for f in files),
+        "bytes_downloaded": total,
+        "seconds": round(time.perf_counter() - t0, 3),
+        "verify": report,
+    }
+
+
+def verify_pulled(manifest: dict[str, Any], dest: Path, shards: list[dict[str, Any]],
+                  digests: dict[str, str]) -> dict[str, Any]:
+    """The checks of ``shardc verify`` for the pulled ranks.
+
+    The files were hashed while they were downloaded (or found present); passing those digests
+    spares a second read of every byte. If verify_build grows a ``hashed`` argument this becomes a
+    plain call of it; until then it is verify_build's own composition of the per-rank checks.
+    """
+    import inspect
+
+    from . import verify
+    from .manifest import layout_of
+
+    layout = layout_of(manifest)
+    rls = [layout.rank(s["tp_rank"], s["pp_stage"]) for s in shards]
+    if "hashed" in inspect.signature(verify.verify_build).parameters:
+        return verify.verify_build(manifest, dest, rls, hashed=digests)  # type: ignore[call-arg]
+    problems = verify.check_manifest_against_layout(manifest, layout)
+    results = [verify.verify_rank(manifest, dest, layout, rl, hashed=digests.get(rl.file)) for rl in rls]
+    problems += [p for r in results for p in r.problems]
+    return {"ok": not problems, "plan": layout.plan.name, "plan_sha256": layout.plan.sha256,
+            "problems": problems, "ranks": [r.as_dict() for r in results]}
+

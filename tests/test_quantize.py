@@ -1,0 +1,148 @@
+"""int8 / fp8 weight-only plans: exact against an independent reference, TP-invariant, bounded error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from reassemble import load_source, reassemble
+from safetensors.torch import load_file, save_file
+
+from shardc.build import build
+from shardc.layout import QUANTIZABLE
+from shardc.plan import plan_from_dict
+
+CFG = dict(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=8, num_kv_heads=2,
+           vocab_size=100)
+
+
+def plan(dtype: str, tp: int, pp: int = 1, **quant) -> object:
+    d = {"replica_group": {"name": f"q-{dtype}", "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
+                           "gpus_per_replica": tp * pp},
+         "model": {"source": "synthetic"}}
+    if quant:
+        d["quantization"] = quant
+    return plan_from_dict(d)
+
+
+def ref_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """DESIGN.md §3.4 in numpy: scale = absmax/127 (fp32), round half to even, clamp ±127."""
+    w = w.astype(np.float32)
+    scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+    scale[scale == 0] = 1
+    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)  # np.round: half to even
+    return q, scale.astype(np.float32)
+
+
+def ref_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale = absmax/448; clamp to ±448 before the (non-saturating) e4m3fn cast."""
+    w = w.float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 448.0
+    scale[scale == 0] = 1
+    return torch.clamp(w / scale, -448, 448).to(torch.float8_e4m3fn), scale
+
+
+@pytest.fixture
+def ckpt(make_ckpt):
+    """A synthetic model with an all-zero row and a single huge outlier planted in layer 0."""
+    src = make_ckpt(**CFG)
+    f = src / "model.safetensors"
+    sd = load_file(f)
+    q = sd["model.layers.0.self_attn.q_proj.weight"]
+    q[3] = 0
+    q[5, 7] = 60.0  # an outlier ~3000x the other weights in its row
+    sd["model.layers.0.mlp.down_proj.weight"][10] = 0
+    save_file(sd, str(f))
+    return src
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_exact_against_reference_and_tp_invariant(ckpt, tmp_path, dtype):
+    src = load_source(ckpt)
+    builds = {tp: reassemble(build(plan(dtype, tp, pp).with_source(str(ckpt)), tmp_path / f"tp{tp}").out_dir)
+              for tp, pp in ((1, 1), (2, 3), (4, 2))}
+    quantized = [n for n in src if QUANTIZABLE.fullmatch(n)]
+    assert quantized
+    for name in quantized:
+        w = src[name]
+        if dtype == "int8":
+            q_ref, s_ref = (torch.from_numpy(a) for a in ref_int8(w.float().numpy()))
+        else:
+            q_ref, s_ref = ref_fp8(w)
+        for tp, got in builds.items():
+            assert got[name].dtype == q_ref.dtype, (tp, name)
+            assert torch.equal(got[name].view(torch.uint8), q_ref.view(torch.uint8)), (tp, name)
+            assert torch.equal(got[name + "_scale"], s_ref), (tp, name)
+    # not quantized: embeddings, lm_head, norms keep the base 16-bit dtype, byte for byte
+    for name in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
+                 "model.layers.1.input_layernorm.weight"):
+        assert torch.equal(builds[2][name], src[name]), name
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_error_bounds_zero_rows_and_outlier(ckpt, tmp_path, dtype):
+    src = load_source(ckpt)
+    got = reassemble(build(plan(dtype, 2).with_source(str(ckpt)), tmp_path / "o").out_dir)
+    for name in (n for n in src if QUANTIZABLE.fullmatch(n)):
+        w, q, s = src[name].float(), got[name], got[name + "_scale"]
+        deq = q.float() * s
+        err = (deq - w).abs()
+        if dtype == "int8":
+            # round-to-nearest: at most half a quantization step, plus fp32 rounding of w/scale
+            assert bool((err <= s / 2 * (1 + 1e-5) + 1e-12).all()), name
+        else:
+            # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormal step 2^-9 * scale
+            assert bool((err <= w.abs() * 2**-4 + s * 2**-10 + 1e-12).all()), name
+    zero = got["model.layers.0.self_attn.q_proj.weight"][3]
+    assert not zero.float().any() and got["model.layers.0.self_attn.q_proj.weight_scale"][3].item() == 1.0
+    assert got["model.layers.0.mlp.down_proj.weight_scale"][10].item() == 1.0
+    row = got["model.layers.0.self_attn.q_proj.weight"][5].float() * got["model.layers.0.self_attn.q_proj.weight_scale"][5]
+    assert abs(row[7].item() - 60.0) < 1e-4  # the outlier is the row max: reproduced exactly
+
+
+def test_manifest_config_and_ignore(ckpt, tmp_path):
+    res = build(plan("int8", 2, ignore=["lm_head", "embed_tokens", "layers.0"]).with_source(str(ckpt)), tmp_path / "o")
+    cfg = json.loads((res.out_dir / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"]) == (8, "int", True, "channel")
+    assert qc["config_groups"]["group_0"]["input_activations"] is None
+    assert "model.layers.0.self_attn.q_proj" in qc["ignore"]
+    shard = res.manifest["shards"][0]["tensors"]
+    assert shard["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "BF16"  # ignored: layer 0
+    rec = shard["model.layers.1.self_attn.q_proj.weight"]
+    assert rec["dtype"] == "I8" and rec["quant"] == "int8" and rec["scale"].endswith("weight_scale")
+    assert 0 < rec["stats"]["rel_rms_err"] < 0.02 and rec["stats"]["max_abs_err"] > 0
+    assert shard["model.layers.1.self_attn.o_proj.weight_scale"]["split"] == "replicated"
+
+
+def test_nan_is_rejected_and_nothing_written(make_ckpt, tmp_path):
+    from click.testing import CliRunner
+
+    from shardc.cli import main
+
+    src = make_ckpt(**CFG)
+    sd = load_file(src / "model.safetensors")
+    sd["model.layers.2.mlp.up_proj.weight"][1, 2] = float("nan")
+    save_file(sd, str(src / "model.safetensors"))
+    import yaml
+
+    pf = tmp_path / "p.yaml"
+    pf.write_text(yaml.safe_dump(plan("fp8", 2, 3).data))  # NaN in the last stage
+    r = CliRunner().invoke(main, ["build", str(pf), "--source", str(src), "--out", str(tmp_path / "o"),
+                                  "--manifests-dir", str(tmp_path / "m"), "--quiet"])
+    assert r.exit_code == 2
+    assert "'model.layers.2.mlp.up_proj.weight' holds NaN or Inf" in r.stderr
+    assert not list((tmp_path / "o").glob("*.safetensors")) and not (tmp_path / "o" / "manifest.json").exists()
+
+
+def test_dequantize_roundtrip_function():
+    from shardc.quantize import dequantize, quantize
+
+    w = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    q, s, stats = quantize("w", w, "int8")
+    assert torch.allclose(dequantize(q, s), w, atol=float(s.max()) / 2 + 1e-6)
+    assert stats["rel_rms_err"] < 0.01

@@ -1,0 +1,502 @@
+"""push / pull against a local directory and a real S3 server (moto on 127.0.0.1, real HTTP).
+
+Shards are ~6-8 MB so that, with the multipart threshold lowered to 1 MiB, every shard upload is a
+real multipart upload of two parts (S3's minimum part size is 5 MiB; boto3 enforces it too).
+Faults come from tests/s3server.py's proxy; the interrupted push kills a real subprocess.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from shardc.cli import main
+from shardc.errors import ManifestError, StoreError, VerifyMismatch
+from shardc.manifest import dumps, loads
+from shardc.store import TransferSettings, parse_uri, pull_build, push_build, split_object_uri
+
+sys.path.insert(0, str(Path(__file__).parent))
+from s3server import FaultProxy, Faults, S3Server  # noqa: E402
+
+SECRET = "shardc-test-secret-DO-NOT-PRINT"
+ROOT = Path(__file__).resolve().parents[1]
+FAST = TransferSettings.from_env(multipart_threshold=1 << 20, multipart_chunksize=5 << 20,
+                                 max_attempts=8, connect_timeout=2, read_timeout=10)
+_bucket_ids = itertools.count()
+
+
+# --- fixtures -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def proxy(s3):
+    p = FaultProxy(s3.endpoint).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture(autouse=True)
+def aws_env(monkeypatch, tmp_path):
+    """Dummy credentials, isolated from any real AWS config on the machine; small parts."""
+    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN",
+                "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "shardc-test-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("SHARDC_MULTIPART_THRESHOLD", str(1 << 20))
+    monkeypatch.setenv("SHARDC_MULTIPART_CHUNKSIZE", str(5 << 20))
+    monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "8")
+    monkeypatch.setenv("SHARDC_S3_CONNECT_TIMEOUT", "2")
+    monkeypatch.setenv("SHARDC_S3_READ_TIMEOUT", "10")
+
+
+@pytest.fixture
+def bucket(s3):
+    name = f"shardc-test-{next(_bucket_ids)}"
+    s3.client().create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Real builds (shardc.build) of one seeded synthetic checkpoint: bf16, int8 and fp8."""
+    from shardc.build import build
+    from shardc.plan import plan_from_dict
+    from shardc.synthetic import llama_config, write_checkpoint
+
+    base = tmp_path_factory.mktemp("builds")
+    ckpt = write_checkpoint(base / "ckpt", llama_config(
+        hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4, num_kv_heads=2,
+        vocab_size=8192), seed=5)
+    out = {}
+    for dtype, tp, pp in (("bf16", 2, 1), ("int8", 2, 1), ("fp8", 1, 2)):
+        name = f"store-{dtype}-tp{tp}pp{pp}"
+        plan = plan_from_dict({
+            "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
+                              "gpus_per_replica": tp * pp,
+                              "checkpoint": {"manifest_uri": f"s3://unused/{name}/manifest.json"}},
+            "model": {"source": str(ckpt)},
+        })
+        out[dtype] = build(plan, out_dir=base / name, manifests_dir=base / "manifests")
+    return out
+
+
+def run_cli(*args: str, env: dict[str, str | None] | None = None):
+    res = CliRunner().invoke(main, list(args), env=env)
+    return res
+
+
+def one_error_line(res) -> str:
+    """Expected errors end as exactly one line on stderr, no traceback, no credentials."""
+    err = res.stderr
+    assert "Traceback" not in err and "Traceback" not in res.stdout
+    assert SECRET not in err and SECRET not in res.stdout
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def tree(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def build_files(res) -> dict[str, str]:
+    names = [s["file"] for s in res.manifest["shards"]] + [f["name"] for f in res.manifest["files"]]
+    return {n: hashlib.sha256((res.out_dir / n).read_bytes()).hexdigest() for n in names}
+
+
+# --- URIs ---------------------------------------------------------------------------------------
+
+def test_uris(tmp_path):
+    assert parse_uri("s3://models/llama/fp16/") == ("s3", "models", "llama/fp16")
+    assert parse_uri("file:///data/x") == ("file", "", "/data/x")
+    assert parse_uri("rel/dir") == ("file", "", "rel/dir")
+    assert split_object_uri("s3://b/p/q/manifest.json") == ("s3://b/p/q", "manifest.json")
+    assert split_object_uri("s3://b/m.json") == ("s3://b", "m.json")
+    assert split_object_uri("s3://b/p/") == ("s3://b/p", "manifest.json")
+    assert split_object_uri(str(tmp_path)) == (str(tmp_path), "manifest.json")
+    assert split_object_uri("file:///a/b/m.json") == ("/a/b", "m.json")
+    for bad in ("gs://b/x", "s3:///x", "file://host/x", ""):
+        with pytest.raises(StoreError):
+            parse_uri(bad)
+
+
+# --- round trips --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,scheme", [("bf16", "path"), ("int8", "file"), ("fp8", "path")])
+def test_local_round_trip(builds, tmp_path, dtype, scheme):
+    b = builds[dtype]
+    store = tmp_path / "store"
+    uri = f"file://{store}" if scheme == "file" else str(store)
+    res = push_build(b.manifest_path, uri)
+    assert res["uploaded"] == len(res["objects"]) and (store / "manifest.json").is_file()
+    again = push_build(b.manifest_path, uri)
+    assert again["uploaded"] == 0 and again["manifest"] == "unchanged"
+
+    dest = tmp_path / "node"
+    out = pull_build(f"{uri}/manifest.json", dest)
+    assert out["verify"]["ok"] and len(out["verify"]["ranks"]) == len(b.manifest["shards"])
+    assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
+    assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
+    again = pull_build(uri, dest)  # a directory URI means its manifest.json
+    assert again["downloaded"] == 0 and again["present"] == len(out["files"])
+
+
+@pytest.mark.parametrize("dtype,compress", [("bf16", None), ("int8", "zstd"), ("fp8", None)])
+def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
+    b = builds[dtype]
+    uri = f"s3://{bucket}/models/{dtype}"
+    res = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint, compress=compress, progress=True)
+    assert res["manifest_uri"] == f"{uri}/manifest.json" and res["uploaded"] == len(res["objects"])
+
+    c = s3.client()
+    shard = b.manifest["shards"][0]
+    key = f"models/{dtype}/{shard['file']}" + (".zst" if compress else "")
+    head = c.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+    assert head["ETag"].strip('"').endswith("-2")  # a real two-part multipart upload
+    assert "ChecksumSHA256" in head  # parts carried SHA-256 checksums
+    assert head["Metadata"]["content-sha256" if compress else "sha256"] == shard["sha256"]
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads") is None
+
+    remote = loads(c.get_object(Bucket=bucket, Key=f"models/{dtype}/manifest.json")["Body"].read())
+    if compress:
+        comp = remote["shards"][0]["compressed"]
+        assert comp["codec"] == "zstd" and comp["object"] == shard["file"] + ".zst"
+        assert comp["size"] == head["ContentLength"] < shard["size"]
+        assert "compressed" not in remote["files"][0]  # side files stay plain
+    else:
+        assert dumps(remote) == b.manifest_path.read_bytes()
+
+    # a GPU node pulls only its own rank
+    last = b.manifest["shards"][-1]
+    dest = tmp_path / "node"
+    one = run_cli("pull", "--manifest", f"{uri}/manifest.json", "--rank", str(last["rank"]),
+                  "--dest", str(dest), "--endpoint-url", s3.endpoint, "--json")
+    assert one.exit_code == 0, one.output
+    info = json.loads(one.stdout)
+    assert [r["rank"] for r in info["ranks"]] == [last["rank"]] and info["verify"]["ok"]
+    assert sorted(tree(dest)) == sorted(["config.json", "manifest.json", last["file"]])
+    assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
+
+    full = pull_build(f"{uri}/manifest.json", dest, endpoint_url=s3.endpoint)
+    assert full["present"] == 2 and full["downloaded"] == len(b.manifest["shards"]) - 1
+    assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
+
+    again = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint, compress=compress)
+    assert again["uploaded"] == 0 and again["bytes_uploaded"] == 0 and again["manifest"] == "unchanged"
+
+
+def test_cli_push_pull_and_build_upload(builds, s3, bucket, tmp_path, monkeypatch):
+    """The commands, AWS_ENDPOINT_URL from the environment, and `shardc build --upload`."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
+    b = builds["bf16"]
+    res = run_cli("push", "--manifest", str(b.manifest_path), "--to", f"s3://{bucket}/cli")
+    assert res.exit_code == 0, res.output
+    assert "pushed 3 file(s)" in res.stdout and f"s3://{bucket}/cli/manifest.json" in res.stdout
+    res = run_cli("pull", "--manifest", f"s3://{bucket}/cli/manifest.json", "--tp-rank", "1",
+                  "--pp-stage", "0", "--dest", str(tmp_path / "n"), "--quiet")
+    assert res.exit_code == 0 and res.stdout == "" and (tmp_path / "n" / b.manifest["shards"][1]["file"]).is_file()
+
+    # the copy in manifests/ names no directory: --build-dir says where the shards are
+    record = b.out_dir.parent / "manifests" / f"{b.manifest['plan']['replica_group']['name']}.json"
+    res = run_cli("push", "--manifest", str(record), "--to", f"s3://{bucket}/rec", "--json")
+    assert res.exit_code == 2 and "--build-dir" in res.stderr
+    res = run_cli("push", "--manifest", str(record), "--build-dir", str(b.out_dir),
+                  "--to", f"s3://{bucket}/rec", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["uploaded"] == 3
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({**b.manifest["plan"], "model": {"source": b.manifest["source"]["uri"]}}))
+    res = run_cli("build", str(plan), "--out", str(tmp_path / "b"), "--manifests-dir", str(tmp_path / "m"),
+                  "--upload", "--to", f"s3://{bucket}/built", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["upload"]["manifest_uri"] == f"s3://{bucket}/built/manifest.json"
+
+
+def test_default_destination_is_plan_manifest_uri(builds, tmp_path):
+    """No --to: the directory of the plan's checkpoint.manifest_uri (here a file:// one)."""
+    from shardc.build import build
+    from shardc.plan import plan_from_dict
+
+    src = builds["bf16"].manifest
+    data = json.loads(json.dumps(src["plan"]))
+    data["replica_group"]["checkpoint"]["manifest_uri"] = f"file://{tmp_path}/pub/v1/manifest.json"
+    data["model"]["source"] = src["source"]["uri"]
+    b = build(plan_from_dict(data), out_dir=tmp_path / "b")
+    res = push_build(b.manifest_path)
+    assert res["manifest_uri"] == f"{tmp_path}/pub/v1/manifest.json"
+    assert (tmp_path / "pub" / "v1" / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
+
+
+# --- the commit protocol ------------------------------------------------------------------------
+
+def _writes(log, bucket):
+    return [r for r in log if r.method in ("PUT", "POST") and r.path.startswith(f"/{bucket}/")]
+
+
+def test_manifest_is_written_last(builds, proxy, bucket):
+    proxy.clear()
+    b = builds["int8"]
+    push_build(b.manifest_path, f"s3://{bucket}/order", endpoint_url=proxy.endpoint, compress="zstd")
+    writes = _writes(proxy.log, bucket)
+    manifest_puts = [r for r in writes if r.path.split("?")[0] == f"/{bucket}/order/manifest.json"]
+    assert len(manifest_puts) == 1
+    m = manifest_puts[0]
+    others = [r for r in writes if r is not m]
+    assert len(others) >= 2 * 4  # create + 2 parts + complete per shard, and config.json
+    assert all(r.end <= m.start for r in others)
+    heads = [r for r in proxy.log if r.method == "HEAD" and r.start >= max(o.end for o in others)]
+    assert len(heads) >= 3  # every object checked after the uploads, before the manifest
+
+
+def test_repush_replaces_changed_objects_behind_the_manifest(builds, s3, bucket):
+    """Objects that went missing are re-uploaded; the old manifest is gone while they are."""
+    b = builds["bf16"]
+    uri = f"s3://{bucket}/re"
+    push_build(b.manifest_path, uri, endpoint_url=s3.endpoint)
+    c = s3.client()
+    c.delete_object(Bucket=bucket, Key=f"re/{b.manifest['shards'][1]['file']}")
+    res = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint)
+    assert res["uploaded"] == 1 and res["present"] == 2 and res["manifest"] == "uploaded"
+    assert [o["action"] for o in res["objects"]] == ["present", "present", "uploaded"]
+
+
+def test_interrupted_push_resumes(builds, s3, proxy, bucket, tmp_path):
+    """A real `shardc push` subprocess, slowed by the proxy, killed mid-upload; then a rerun."""
+    b = builds["bf16"]
+    uri = f"s3://{bucket}/killed"
+    proxy.clear()
+    proxy.faults = Faults(delay=0.05, bandwidth=2e6)  # ~8 s for the build: lots of time to kill it
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", "from shardc.cli import main; main()", "push",
+           "--manifest", str(b.manifest_path), "--to", uri, "--endpoint-url", proxy.endpoint, "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        started = proxy.wait_for(lambda log: any("partNumber=" in r.path for r in log), timeout=30)
+        assert started, proc.stderr.read() if proc.poll() is not None else "no part upload seen"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.stdout.close()
+        proc.stderr.close()
+    proxy.faults = Faults()
+    c = s3.client()
+    keys = {o["Key"] for o in c.list_objects_v2(Bucket=bucket, Prefix="killed/").get("Contents", [])}
+    assert "killed/manifest.json" not in keys  # nothing visible to readers
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads")  # it was mid-upload
+
+    res = run_cli("push", "--manifest", str(b.manifest_path), "--to", uri,
+                  "--endpoint-url", s3.endpoint, "--json")
+    assert res.exit_code == 0, res.output
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads") is None  # leftovers aborted
+    out = pull_build(f"{uri}/manifest.json", tmp_path / "node", endpoint_url=s3.endpoint)
+    assert out["verify"]["ok"]
+    assert {k: v for k, v in tree(tmp_path / "node").items() if k != "manifest.json"} == build_files(b)
+
+
+# --- corruption ---------------------------------------------------------------------------------
+
+def _assert_nothing_corrupt(dest: Path, name: str) -> None:
+    assert not (dest / name).exists()
+    assert not list(dest.glob(f".{name}.partial-*"))
+    assert not (dest / "manifest.json").exists()
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "replace-zst"])
+def test_corrupted_object_fails_pull(builds, s3, bucket, tmp_path, how):
+    b = builds["bf16"]
+    compress = "zstd" if how == "replace-zst" else None
+    push_build(b.manifest_path, f"s3://{bucket}/c", endpoint_url=s3.endpoint, compress=compress)
+    c = s3.client()
+    victim = b.manifest["shards"][1]["file"]
+    key = f"c/{victim}" + (".zst" if compress else "")
+    obj = c.get_object(Bucket=bucket, Key=key)
+    data, meta = bytearray(obj["Body"].read()), obj["Metadata"]
+    if how == "flip":
+        data[len(data) // 2] ^= 0x40
+    elif how == "truncate":
+        del data[-4096:]
+    else:  # a valid zstd stream of other bytes, same metadata: only our hashes can tell
+        import zstandard
+
+        other = (b.out_dir / b.manifest["shards"][0]["file"]).read_bytes()
+        data = bytearray(zstandard.ZstdCompressor().compress(other))
+    c.put_object(Bucket=bucket, Key=key, Body=bytes(data), Metadata=meta)
+
+    dest = tmp_path / "node"
+    res = run_cli("pull", "--manifest", f"s3://{bucket}/c/manifest.json", "--all", "--dest", str(dest),
+                  "--endpoint-url", s3.endpoint)
+    assert res.exit_code == 1
+    assert victim in one_error_line(res)
+    _assert_nothing_corrupt(dest, victim)
+
+
+def test_corrupted_local_store_and_bad_local_files(builds, tmp_path):
+    b = builds["fp8"]
+    store = tmp_path / "store"
+    push_build(b.manifest_path, str(store))
+    victim = b.manifest["shards"][0]["file"]
+    with open(store / victim, "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff\xff")
+    with pytest.raises(VerifyMismatch, match=victim):
+        pull_build(str(store / "manifest.json"), tmp_path / "node")
+    _assert_nothing_corrupt(tmp_path / "node", victim)
+
+    # a corrupt file already under the final name is replaced by a verified download
+    dest = tmp_path / "node2"
+    push_build(b.manifest_path, str(tmp_path / "good"))
+    dest.mkdir()
+    good = (b.out_dir / victim).read_bytes()
+    (dest / victim).write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    out = pull_build(str(tmp_path / "good" / "manifest.json"), dest)
+    assert out["verify"]["ok"] and (dest / victim).read_bytes() == good
+
+
+def test_push_refuses_a_shard_that_rotted_on_disk(builds, tmp_path):
+    import shutil
+
+    b = builds["bf16"]
+    copy = tmp_path / "build"
+    shutil.copytree(b.out_dir, copy)
+    victim = b.manifest["shards"][0]["file"]
+    with open(copy / victim, "r+b") as f:
+        f.seek(5000)
+        f.write(b"\x00\x01\x02")
+    res = run_cli("push", "--manifest", str(copy / "manifest.json"), "--to", str(tmp_path / "store"))
+    assert res.exit_code == 1 and victim in one_error_line(res)
+    assert not (tmp_path / "store" / "manifest.json").exists()
+
+
+# --- faults -------------------------------------------------------------------------------------
+
+def test_push_and_pull_survive_faults(builds, s3, proxy, bucket, tmp_path):
+    b = builds["int8"]
+    uri = f"s3://{bucket}/faulty"
+    proxy.clear()
+    proxy.faults = Faults(p500=0.15, preset=0.1, pcut=0.2, seed=7)
+    settings = TransferSettings.from_env(max_attempts=12)
+    try:
+        push_build(b.manifest_path, uri, endpoint_url=proxy.endpoint, settings=settings)
+        push_build(b.manifest_path, f"{uri}-z", endpoint_url=proxy.endpoint, compress="zstd",
+                   settings=settings)
+        out = pull_build(f"{uri}/manifest.json", tmp_path / "a", endpoint_url=proxy.endpoint,
+                         settings=settings)
+        outz = pull_build(f"{uri}-z/manifest.json", tmp_path / "b", endpoint_url=proxy.endpoint,
+                          settings=settings)
+    finally:
+        proxy.faults = Faults()
+    statuses = {str(r.status) for r in proxy.log}
+    assert {"500", "reset", "cut"} <= statuses  # the faults really happened
+    assert out["verify"]["ok"] and outz["verify"]["ok"]
+    for d in ("a", "b"):
+        assert {k: v for k, v in tree(tmp_path / d).items() if k != "manifest.json"} == build_files(b)
+
+
+@pytest.mark.parametrize("fault", ["500", "reset"])
+def test_endless_faults_fail_clearly(builds, s3, proxy, bucket, tmp_path, monkeypatch, fault):
+    b = builds["bf16"]
+    push_build(b.manifest_path, f"s3://{bucket}/x", endpoint_url=s3.endpoint)
+    monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "3")
+    proxy.faults = Faults(p500=1.0) if fault == "500" else Faults(preset=1.0)
+    try:
+        t0 = time.monotonic()
+        push = run_cli("push", "--manifest", str(b.manifest_path), "--to", f"s3://{bucket}/y",
+                       "--endpoint-url", proxy.endpoint)
+        pull = run_cli("pull", "--manifest", f"s3://{bucket}/x/manifest.json", "--all",
+                       "--dest", str(tmp_path / "n"), "--endpoint-url", proxy.endpoint)
+        elapsed = time.monotonic() - t0
+    finally:
+        proxy.faults = Faults()
+    for res in (push, pull):
+        assert res.exit_code == 2
+        line = one_error_line(res)
+        assert "after 3 attempts" in line
+        assert ("HTTP 500" in line) if fault == "500" else ("cannot reach" in line)
+    assert elapsed < 30
+
+
+def test_dead_endpoint_fails_fast(builds, tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    res = run_cli("pull", "--manifest", "s3://bkt/m/manifest.json", "--all", "--dest", str(tmp_path),
+                  "--endpoint-url", f"http://127.0.0.1:{port}")
+    assert res.exit_code == 2 and "cannot reach" in one_error_line(res)
+    assert time.monotonic() - t0 < 15
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+def test_bad_input_is_one_line_exit_2(builds, s3, bucket, tmp_path):
+    b = builds["bf16"]
+    m = str(b.manifest_path)
+    ep = ["--endpoint-url", s3.endpoint]
+    push_build(b.manifest_path, f"s3://{bucket}/ok", endpoint_url=s3.endpoint)
+    cases = {
+        "unknown storage scheme 'gs'": ["push", "--manifest", m, "--to", "gs://bkt/x"],
+        "unknown storage scheme 'ftp'": ["pull", "--manifest", "ftp://h/m.json", "--all", "--dest", str(tmp_path / "a")],
+        "bucket 'no-such-bucket' does not exist": ["push", "--manifest", m, "--to", "s3://no-such-bucket/x", *ep],
+        "does not exist": ["pull", "--manifest", "s3://no-such-bucket/m.json", "--all", "--dest", str(tmp_path / "b"), *ep],
+        "is not a shardc manifest": ["pull", "--manifest", f"s3://{bucket}/ok/config.json", "--all", "--dest", str(tmp_path / "c"), *ep],
+        "no manifest at": ["pull", "--manifest", f"s3://{bucket}/nothing/manifest.json", "--all", "--dest", str(tmp_path / "d"), *ep],
+        "is not JSON": ["pull", "--manifest", str(b.out_dir / b.manifest["shards"][0]["file"]), "--all", "--dest", str(tmp_path / "e")],
+        "outside this build": ["pull", "--manifest", f"s3://{bucket}/ok/manifest.json", "--rank", "7", "--dest", str(tmp_path / "f"), *ep],
+        "choose which shards": ["pull", "--manifest", f"s3://{bucket}/ok/manifest.json", "--dest", str(tmp_path / "g")],
+        "go together": ["pull", "--manifest", f"s3://{bucket}/ok/manifest.json", "--tp-rank", "0", "--dest", str(tmp_path / "h")],
+        "cannot read manifest": ["push", "--manifest", str(tmp_path / "missing.json"), "--to", str(tmp_path / "s")],
+    }
+    for expect, args in cases.items():
+        res = run_cli(*args)
+        assert res.exit_code == 2, (args, res.output)
+        assert expect in one_error_line(res), (expect, res.stderr)
+
+
+def test_no_credentials(builds, s3, bucket, tmp_path):
+    env = {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None}
+    for args in (["push", "--manifest", str(builds["bf16"].manifest_path), "--to", f"s3://{bucket}/x"],
+                 ["pull", "--manifest", f"s3://{bucket}/x/manifest.json", "--all", "--dest", str(tmp_path)]):
+        res = run_cli(*args, "--endpoint-url", s3.endpoint, env=env)
+        assert res.exit_code == 2 and "no AWS credentials" in one_error_line(res)
+
+
+def test_library_errors_are_typed(builds, tmp_path):
+    with pytest.raises(ManifestError):
+        pull_build(str(builds["bf16"].out_dir / "config.json"), tmp_path / "x")
+    with pytest.raises(StoreError, match="unknown compression"):
+        push_build(builds["bf16"].manifest_path, str(tmp_path / "s"), compress="lz4")
+    with pytest.raises(StoreError, match="no destination"):
+        data = json.loads(builds["bf16"].manifest_path.read_text())
+        data["plan"]["replica_group"]["checkpoint"].pop("manifest_uri")
+        (tmp_path / "b").mkdir()
+        for f in builds["bf16"].out_dir.iterdir():
+            if not f.name.startswith("."):
+                (tmp_path / "b" / f.name).write_bytes(f.read_bytes())
+        (tmp_path / "b" / "manifest.json").write_bytes(dumps(data))
+        push_build(tmp_path / "b" / "manifest.json")

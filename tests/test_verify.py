@@ -1,0 +1,241 @@
+"""shardc verify: every way a shard can be wrong is caught with exit 1 and a precise message."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardc.build import build
+from shardc.cli import main
+from shardc.plan import plan_from_dict
+
+CFG = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8,
+           vocab_size=96)
+
+
+def plan(tp: int, pp: int, dtype: str = "bf16"):
+    return plan_from_dict({
+        "replica_group": {"name": f"v-tp{tp}pp{pp}-{dtype}", "tp_degree": tp, "pp_degree": pp,
+                          "dtype": dtype, "gpus_per_replica": tp * pp},
+        "model": {"source": "synthetic"}})
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    from shardc.synthetic import llama_config, write_checkpoint
+
+    root = tmp_path_factory.mktemp("verify")
+    ckpt = write_checkpoint(root / "src", llama_config(**CFG))
+    out = {"src": ckpt}
+    for tp, pp, dtype in ((4, 1, "bf16"), (8, 1, "bf16"), (2, 2, "bf16"), (2, 2, "int8"), (2, 2, "fp8")):
+        out[tp, pp, dtype] = build(plan(tp, pp, dtype).with_source(str(ckpt)), root / f"b{tp}{pp}{dtype}").out_dir
+    return out
+
+
+@pytest.fixture
+def copy_of(builds, tmp_path):
+    def make(key) -> Path:
+        d = tmp_path / "copy"
+        shutil.copytree(builds[key], d)
+        return d
+    return make
+
+
+def verify(*args: str):
+    return CliRunner().invoke(main, ["verify", *args])
+
+
+def _rehash_entry(d: Path, file: str) -> None:
+    """Make the manifest agree with a tampered file, so only the plan checks can catch it."""
+    m = json.loads((d / "manifest.json").read_text())
+    p = d / file
+    for s in m["shards"]:
+        if s["file"] == file:
+            s["size"] = p.stat().st_size
+            s["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def _rewrite(d: Path, file: str, edit) -> None:
+    with safe_open(d / file, "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    edit(tensors)
+    save_file(tensors, str(d / file), metadata=meta)
+
+
+@pytest.mark.parametrize("key", [(4, 1, "bf16"), (2, 2, "bf16"), (2, 2, "int8"), (2, 2, "fp8")])
+def test_clean_builds_verify(builds, key):
+    r = verify("--manifest", str(builds[key] / "manifest.json"), "--device", "cpu", "--deep", str(builds["src"]))
+    assert r.exit_code == 0, r.output
+    assert "all good" in r.output
+
+
+@pytest.mark.parametrize(("file", "offset"), [("model-tp00-pp00.safetensors", -1),
+                                              ("model-tp01-pp01.safetensors", 20),
+                                              ("model-tp00-pp01.safetensors", 5000)])
+def test_flipped_byte(copy_of, file, offset):
+    d = copy_of((2, 2, "bf16"))
+    data = bytearray((d / file).read_bytes())
+    data[offset] ^= 0x01
+    (d / file).write_bytes(bytes(data))
+    r = verify("--manifest", str(d / "manifest.json"))
+    assert r.exit_code == 1
+    assert f"{file}: sha256" in r.stderr and "corrupted bytes" in r.stderr
+
+
+def test_truncated_and_missing(copy_of):
+    d = copy_of((2, 2, "bf16"))
+    p = d / "model-tp01-pp00.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+    (d / "model-tp00-pp01.safetensors").unlink()
+    r = verify("--manifest", str(d / "manifest.json"), "--json")
+    assert r.exit_code == 1
+    report = json.loads(r.stdout)
+    assert not report["ok"]
+    probs = "\n".join(report["problems"])
+    assert "model-tp01-pp00.safetensors: size" in probs and "truncated" in probs
+    assert "model-tp00-pp01.safetensors: missing" in probs
+    assert [x["ok"] for x in report["ranks"]] == [True, False, False, True]
+
+
+def test_extra_tensor_and_changed_dtype(copy_of):
+    d = copy_of((2, 2, "bf16"))
+    f0, f1 = "model-tp00-pp00.safetensors", "model-tp01-pp01.safetensors"
+    _rewrite(d, f0, lambda t: t.__setitem__("model.layers.0.extra", torch.zeros(2)))
+    name = "model.layers.1.mlp.up_proj.weight"
+    _rewrite(d, f1, lambda t: t.__setitem__(name, t[name].to(torch.float16)))
+    _rehash_entry(d, f0)
+    _rehash_entry(d, f1)
+    r = verify("--manifest", str(d / "manifest.json"))
+    assert r.exit_code == 1
+    assert f"{f0}: unexpected tensor model.layers.0.extra" in r.stderr
+    assert f"{f1}: tensor {name}: expected BF16[64, 64], found F16[64, 64]" in r.stderr
+
+
+@pytest.mark.parametrize("rewrite_manifest", [False, True])
+def test_tp8_shard_in_tp4_build(builds, copy_of, rewrite_manifest):
+    d = copy_of((4, 1, "bf16"))
+    f = "model-tp00-pp00.safetensors"
+    shutil.copyfile(builds[8, 1, "bf16"] / f, d / f)
+    if rewrite_manifest:
+        _rehash_entry(d, f)
+    r = verify("--manifest", str(d / "manifest.json"), "--rank", "0")
+    assert r.exit_code == 1
+    if rewrite_manifest:  # right bytes per the manifest, wrong plan: metadata and shapes say so
+        assert "metadata shardc.tp_degree is '8', expected '4'" in r.stderr
+        assert "tensor model.layers.0.self_attn.q_proj.weight: expected BF16[16, 64], found BF16[8, 64]" in r.stderr
+    else:
+        assert f"{f}: size" in r.stderr  # another plan's shard: caught by its size before hashing
+
+
+def test_manifest_of_another_plan(builds):
+    r = verify("--manifest", str(builds[8, 1, "bf16"] / "manifest.json"), "--dir", str(builds[4, 1, "bf16"]))
+    assert r.exit_code == 1
+    assert "model-tp04-pp00.safetensors: missing" in r.stderr
+
+
+def test_manifest_tensor_list_disagrees_with_plan(copy_of):
+    d = copy_of((2, 2, "bf16"))
+    m = json.loads((d / "manifest.json").read_text())
+    m["shards"][0]["tensors"]["model.layers.0.mlp.up_proj.weight"]["shape"] = [32, 64]
+    (d / "manifest.json").write_text(json.dumps(m))
+    r = verify("--manifest", str(d / "manifest.json"))
+    assert r.exit_code == 1 and "manifest entry model-tp00-pp00.safetensors tensor model.layers.0.mlp.up_proj.weight" in r.stderr
+
+
+def test_plan_option_and_bad_input(builds, tmp_path):
+    import yaml
+
+    pf = tmp_path / "p.yaml"
+    pf.write_text(yaml.safe_dump(plan(8, 1).data))
+    r = verify("--manifest", str(builds[4, 1, "bf16"] / "manifest.json"), "--plan", str(pf))
+    assert r.exit_code == 2 and "not of" in r.stderr
+    r = verify("--manifest", str(tmp_path / "missing.json"))
+    assert r.exit_code == 2 and "cannot read manifest" in r.stderr
+    (tmp_path / "junk.json").write_text("{}")
+    r = verify("--manifest", str(tmp_path / "junk.json"))
+    assert r.exit_code == 2 and "not a shardc manifest" in r.stderr
+    r = verify("--manifest", str(builds[4, 1, "bf16"] / "manifest.json"), "--rank", "9")
+    assert r.exit_code == 2 and "outside 0..3" in r.stderr
+
+
+def test_deep_catches_wrong_source(builds, tmp_path):
+    from shardc.synthetic import llama_config, write_checkpoint
+
+    other = write_checkpoint(tmp_path / "other", llama_config(**CFG), seed=1)
+    r = verify("--manifest", str(builds[2, 2, "int8"] / "manifest.json"), "--rank", "3", "--deep", str(other))
+    assert r.exit_code == 1 and "differs from source" in r.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_load(builds):
+    r = verify("--manifest", str(builds[2, 2, "fp8"] / "manifest.json"), "--device", "cuda", "--json")
+    assert r.exit_code == 0, r.output
+    assert all("load:cuda" in x["checks"] for x in json.loads(r.stdout)["ranks"])
+
+
+# -- distributed mode: one real process per rank, a gloo group, bounded waits ---------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(manifest: Path, ranks: list[int], world: int, timeout: float = 10.0):
+    port = _free_port()
+    procs = []
+    for r in ranks:
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "LOCAL_RANK": str(r)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "shardc.cli", "verify", "--manifest", str(manifest), "--distributed",
+             "--timeout", str(timeout), "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True))
+    return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+@pytest.mark.heavy
+def test_distributed_all_good(builds):
+    results = _launch(builds[2, 2, "bf16"] / "manifest.json", [0, 1, 2, 3], 4)
+    for rc, out, err in results:
+        assert rc == 0, err
+        assert json.loads(out)["ok"]
+
+
+@pytest.mark.heavy
+def test_distributed_one_rank_corrupted(copy_of):
+    d = copy_of((2, 2, "bf16"))
+    p = d / "model-tp01-pp01.safetensors"  # global rank 3
+    data = bytearray(p.read_bytes())
+    data[-3] ^= 0xFF
+    p.write_bytes(bytes(data))
+    for rc, out, _err in _launch(d / "manifest.json", [0, 1, 2, 3], 4):
+        assert rc == 1
+        report = json.loads(out)
+        assert report["failed_ranks"] == [3]
+        assert any("model-tp01-pp01.safetensors: sha256" in x for x in report["problems"])
+
+
+@pytest.mark.heavy
+def test_distributed_rank_never_joins(builds):
+    t0 = time.monotonic()
+    results = _launch(builds[2, 2, "bf16"] / "manifest.json", [0, 1, 2], 4, timeout=5)
+    assert time.monotonic() - t0 < 90
+    for rc, _out, err in results:
+        assert rc == 1
+        assert "rank(s) [3] never joined" in err, err
