@@ -203,3 +203,19 @@ def load_model(ref: str | Path) -> ModelSpec:
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelError(f"cannot read {path}: {exc}", key="model") from None
     return model_from_config(cfg)
+
+
+def model_for_source(source: str, override: str | None = None) -> ModelSpec:
+    """The model a plan's source implies, without reading weights: ``override`` (preset or
+    config), a local directory's config.json, or the preset of a known hub repo (offline)."""
+    if override:
+        return load_model(override)
+    if source.startswith("hf://"):
+        repo = source.removeprefix("hf://").split("@", 1)[0].lower()
+        if repo in HUB_PRESETS:
+            return load_model(HUB_PRESETS[repo])
+        raise ModelError(
+            f"no built-in preset for {source}",
+            hint=f"pass --model with a preset ({', '.join(sorted(PRESETS))}) or a config.json",
+        )
+    return load_model(source.removeprefix("file://"))

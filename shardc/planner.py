@@ -279,3 +279,75 @@ def plan_dict(
     if dtype in QUANTIZED_DTYPES:
         out["quantization"] = {"ignore": list(DEFAULT_IGNORE)}
     return out
+
+
+# --- the figures of one candidate -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """The fullest GPU of a replica: where the memory rules bite first."""
+
+    stage: int
+    total: int
+    utilization: float
+    weights: int
+    overheads: dict[str, int]
+    kv_bytes_per_token: int
+    kv_available: float  # total x utilization - weights - overheads (may be negative)
+    kv_budget: float  # min(cap, available), or --kv-memory
+
+    @property
+    def usable(self) -> float:
+        return self.total * self.utilization
+
+    @property
+    def overhead(self) -> int:
+        return sum(self.overheads.values())
+
+    @property
+    def used(self) -> float:
+        return self.weights + self.overhead + max(self.kv_budget, 0.0)
+
+    @property
+    def used_fraction(self) -> float:
+        return self.used / self.total
+
+
+@dataclass(frozen=True)
+class KvFigures:
+    bytes_per_token: int  # per GPU, of the stage with the most layers
+    budget: float  # per GPU, of the limiting GPU
+    blocks: int  # per GPU, the minimum over stages: every stage must hold every token
+    tokens: int
+    max_model_len: int
+    sequences: int  # at the average context
+    request_len: int  # --max-model-len, else max_position_embeddings
+    request_bytes: int  # KV one request of request_len needs per GPU
+
+
+@dataclass(frozen=True)
+class Speed:
+    batch: int  # sequences decoded together
+    stage: int  # the slowest stage, whose figures follow
+    microbatches: int
+    bubble: float
+    memory_s: float  # of the slowest stage, per micro-batch pass
+    compute_s: float
+    allreduce_s: float
+    handoff_s: float
+    slot_s: float  # one micro-batch through one stage (the slowest)
+    tpot_s: float  # time per output token of every sequence: (m + p - 1) x slot
+    tokens_per_s: float
+    limited_by: str  # tpot | kv | max_num_seqs
+
+
+@dataclass(frozen=True)
+class Cost:
+    gpus: int
+    dollars_per_mtok: float
+    gpu_hours_per_mtok: float
+    replicas_per_node: int  # 0 when a replica spans nodes
+    replicas_in_cluster: int
+    replicas_for_demand: int | None
+    gpus_for_demand: int | None

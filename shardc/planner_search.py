@@ -24,8 +24,12 @@ from .plan import DTYPES, Plan, plan_from_dict
 from .planner import (
     ACT_BYTES,
     DTYPE_ORDER,
+    Cost,
+    GpuMemory,
+    KvFigures,
     Overheads,
     RankWeights,
+    Speed,
     SpeedParams,
     Workload,
     check_inputs,
@@ -44,77 +48,10 @@ from .planner import (
 )
 
 
-@dataclass(frozen=True)
-class GpuMemory:
-    """The fullest GPU of a replica: where the memory rules bite first."""
-
-    stage: int
-    total: int
-    utilization: float
-    weights: int
-    overheads: dict[str, int]
-    kv_bytes_per_token: int
-    kv_available: float  # total x utilization - weights - overheads (may be negative)
-    kv_budget: float  # min(cap, available), or --kv-memory
-
-    @property
-    def usable(self) -> float:
-        return self.total * self.utilization
-
-    @property
-    def overhead(self) -> int:
-        return sum(self.overheads.values())
-
-    @property
-    def used(self) -> float:
-        return self.weights + self.overhead + max(self.kv_budget, 0.0)
-
-    @property
-    def used_fraction(self) -> float:
-        return self.used / self.total
-
-
-@dataclass(frozen=True)
-class KvFigures:
-    bytes_per_token: int  # per GPU, of the stage with the most layers
-    budget: float  # per GPU, of the limiting GPU
-    blocks: int  # per GPU, the minimum over stages: every stage must hold every token
-    tokens: int
-    max_model_len: int
-    sequences: int  # at the average context
-    request_len: int  # --max-model-len, else max_position_embeddings
-    request_bytes: int  # KV one request of request_len needs per GPU
-
-
-@dataclass(frozen=True)
-class Speed:
-    batch: int  # sequences decoded together
-    stage: int  # the slowest stage, whose figures follow
-    microbatches: int
-    bubble: float
-    memory_s: float  # of the slowest stage, per micro-batch pass
-    compute_s: float
-    allreduce_s: float
-    handoff_s: float
-    slot_s: float  # one micro-batch through one stage (the slowest)
-    tpot_s: float  # time per output token of every sequence: (m + p - 1) x slot
-    tokens_per_s: float
-    limited_by: str  # tpot | kv | max_num_seqs
-
-
-@dataclass(frozen=True)
-class Cost:
-    gpus: int
-    dollars_per_mtok: float
-    gpu_hours_per_mtok: float
-    replicas_per_node: int  # 0 when a replica spans nodes
-    replicas_in_cluster: int
-    replicas_for_demand: int | None
-    gpus_for_demand: int | None
-
-
 @dataclass
 class Candidate:
+    """One (tp, pp, dtype): its figures when it was worked out, else the reasons it is out."""
+
     tp: int
     pp: int | None  # None: the reason holds for every pp and dtype at this tp
     dtype: str | None
@@ -143,7 +80,6 @@ class Candidate:
     @property
     def label(self) -> str:
         return f"tp={self.tp} pp={self.pp if self.pp else '*'} {self.dtype or '*'}"
-
 
     def to_json(self) -> dict[str, Any]:
         """Every figure of the candidate, plain JSON types."""
@@ -206,8 +142,9 @@ class Search:
         raise PlanError(
             f"{self.model_name} fits no candidate on {where}; {detail}",
             key="--model",
-            hint="add GPUs (--nodes), lower --kv-cache-cap or --max-model-len, try --dtype int8|fp8, "
-            "or pick a larger --gpu",
+            hint="add GPUs (--nodes), lower --kv-cache-cap or --max-model-len, "
+            + ("" if {"int8", "fp8"} & set(self.dtypes) else "try --dtype int8 or fp8, ")
+            + "or pick a larger --gpu",
         )
 
     def plan_for(self, cand: Candidate, source: str | None = None) -> dict[str, Any]:
@@ -268,6 +205,7 @@ def search(
             raise PlanError(f"unknown dtype {d!r}", key="--dtype", hint=f"use auto or one of {', '.join(DTYPES)}")
     s = Search(model, model_name, source or model_name, cluster, w, ov, sp, dts, param_count(model), [])
     total, gpn = cluster.total_gpus, cluster.gpus_per_node
+    domain = "NVLink domain" if cluster.gpu.nvlink else "node"
     pairs: list[tuple[int, int]] = []
     for tp in sorted(tps) if tps else range(1, total + 1):
         if tp > total:
@@ -281,7 +219,7 @@ def search(
             continue
         if tp > gpn:
             s.candidates.append(Candidate(tp, None, None, [
-                f"crosses the NVLink domain: tp={tp} > {gpn} GPUs per node"]))
+                f"crosses the {domain}: tp={tp} > {gpn} GPUs per node"]))
             continue
         pairs += [(tp, pp) for pp in (sorted(pps) if pps else range(1, min(model.num_layers, total // tp) + 1))]
     # TP first: pipeline candidates are only worked out when no pp = 1 candidate fits.
@@ -293,7 +231,7 @@ def search(
                 s.candidates.append(first[tp, d])
             elif fit:
                 s.candidates.append(Candidate(tp, pp, d, skipped=f"TP first: {fit[0].label} fits inside the "
-                                              "NVLink domain"))
+                                              f"{domain}"))
             else:
                 s.candidates.append(_evaluate(s, tp, pp, d))
     _recommend(s)
@@ -425,7 +363,7 @@ def _recommend(s: Search) -> None:
         first = min(tp_only, key=lambda c: (c.tp, DTYPE_ORDER.index(c.dtype or "bf16")))
         for c in fitting:
             if c.pp and c.pp > 1:
-                c.skipped = f"TP first: {first.label} fits inside the NVLink domain"
+                c.skipped = c.skipped or f"TP first: {first.label} fits inside one node"
     eligible = [c for c in fitting if not c.skipped and c.meets_target]
     if eligible:
         s.recommended = min(eligible, key=lambda c: (

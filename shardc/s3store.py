@@ -102,34 +102,34 @@ class S3Store(Store):
         return ObjectInfo(size=int(r["ContentLength"]), sha256=meta.get("sha256"), metadata=meta)
 
     def get_bytes(self, name: str, limit: int) -> bytes | None:
-        """A small object (the manifest). botocore retries the request, but not a body that breaks
-        off halfway; those reads are retried here, with the same bound and backoff."""
-        from botocore.exceptions import (
-            ConnectionClosedError,
-            ReadTimeoutError,
-            ResponseStreamingError,
-        )
+        """A small object (the manifest).
 
-        streaming = (ResponseStreamingError, ConnectionClosedError, ReadTimeoutError, OSError)
+        botocore retries the request but not a body that breaks off halfway (nor the error body
+        of a GET, e.g. the 404 of a first push); those are retried here, bounded the same way.
+        """
+        from botocore.exceptions import ResponseStreamingError
+        from urllib3.exceptions import ProtocolError
+
         for attempt in range(1, self.settings.max_attempts + 1):
             try:
                 r = self.client.get_object(Bucket=self.bucket, Key=self.key(name))
+                body = r["Body"]
+                try:
+                    if int(r.get("ContentLength") or 0) > limit:
+                        raise StoreError(f"{self.object_uri(name)} is {r['ContentLength']} bytes, too "
+                                         "large for a manifest",
+                                         hint="pass the URI of the manifest.json that shardc push wrote")
+                    return body.read()
+                finally:
+                    body.close()
+            except ShardcError:
+                raise
             except Exception as exc:
                 if _code(exc) in ("NoSuchKey", "404"):
                     return None
-                raise self._error(exc, f"reading {self.object_uri(name)}") from None
-            body = r["Body"]
-            try:
-                if int(r.get("ContentLength") or 0) > limit:
-                    raise StoreError(f"{self.object_uri(name)} is {r['ContentLength']} bytes, too large "
-                                     "for a manifest", hint="pass the URI of the manifest.json that shardc push wrote")
-                return body.read()
-            except streaming as exc:
-                if attempt == self.settings.max_attempts:
+                if not isinstance(exc, (ResponseStreamingError, ProtocolError)) or attempt == self.settings.max_attempts:
                     raise self._error(exc, f"reading {self.object_uri(name)}") from None
                 time.sleep(min(0.05 * 2**attempt, 5.0) * random.random())
-            finally:
-                body.close()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def put_bytes(self, name: str, data: bytes, metadata: dict[str, str]) -> None:
@@ -167,10 +167,27 @@ class S3Store(Store):
         return aborted
 
     def put_files(self, items: Iterable[PutItem], on_bytes: Callable[[int], None]) -> None:
-        """Upload in parallel. ``items`` is consumed lazily, so the caller can hash the next file
-        while earlier ones upload; at most ``max_files_in_flight`` are queued at once."""
+        """Upload in parallel. ``items`` is consumed lazily, so the caller can prepare the next file
+        while earlier ones upload; at most ``max_files_in_flight`` are queued at once.
+
+        An object appears in S3 only on PutObject / CompleteMultipartUpload. A botocore hook holds
+        those calls until the item's ``verified`` future resolved (and fails them if it raised), so
+        parts upload while the local file is still being hashed, yet nothing unverified completes.
+        """
         from boto3.s3.transfer import create_transfer_manager
 
+        gates: dict[str, Future[None]] = {}
+
+        def gate(params: dict[str, Any], **_: Any) -> None:
+            fut = gates.get(params.get("Key", ""))
+            if fut is not None:
+                fut.result()
+
+        events = self.client.meta.events
+        hooks = [(f"before-parameter-build.s3.{op}", f"shardc-verified-{op}")
+                 for op in ("PutObject", "CompleteMultipartUpload")]
+        for event, uid in hooks:
+            events.register(event, gate, unique_id=uid)
         manager = create_transfer_manager(self.client, self.transfer_config)
         inflight: deque[tuple[PutItem, Future]] = deque()
         sub = _Progress(on_bytes)
@@ -178,6 +195,8 @@ class S3Store(Store):
             for item in items:
                 while len(inflight) >= self.settings.max_files_in_flight:
                     self._finish_put(*inflight.popleft())
+                if item.verified is not None:
+                    gates[self.key(item.name)] = item.verified
                 extra = {"ChecksumAlgorithm": "SHA256", "Metadata": dict(item.metadata),
                          "ContentType": item.content_type}
                 fut = manager.upload(str(item.path), self.bucket, self.key(item.name),
@@ -190,6 +209,9 @@ class S3Store(Store):
             for item, _ in inflight:
                 item.cleanup()
             raise
+        finally:
+            for event, uid in hooks:
+                events.unregister(event, unique_id=uid)
         manager.shutdown()
 
     def _finish_put(self, item: PutItem, fut: Future) -> None:
@@ -198,6 +220,8 @@ class S3Store(Store):
         except ShardcError:
             raise
         except Exception as exc:
+            if item.verified is not None and item.verified.done() and item.verified.exception():
+                raise item.verified.exception() from None  # type: ignore[misc]
             raise self._error(exc, f"uploading {item.name} to {self.uri}") from None
         finally:
             item.cleanup()

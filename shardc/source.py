@@ -94,12 +94,11 @@ class Source:
             return f.get_tensor(name)
 
     # -- identity -----------------------------------------------------------------------------
-    def start_hashing(self, cache: dict[str, dict] | None = None) -> None:
+    def start_hashing(self) -> None:
         """Hash the source files in a background thread while the build runs."""
-        cache = cache or {}
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardc-srchash")
         for name in self.files:
-            self._hashes[name] = pool.submit(_hash_cached, self.directory / name, cache.get(name))
+            self._hashes[name] = pool.submit(cached_sha256, self.directory / name)
         pool.shutdown(wait=False)
 
     def identity(self) -> dict[str, Any]:
@@ -108,15 +107,16 @@ class Source:
             self.start_hashing()
         files = []
         for name in sorted(self._hashes):
-            size, mtime, digest = self._hashes[name].result()
+            size, digest = self._hashes[name].result()
             files.append({"name": name, "size": size, "sha256": digest})
         return {"uri": self.uri, "revision": self.revision, "files": files}
 
-    def hash_cache(self) -> dict[str, dict]:
-        out = {}
-        for name, fut in self._hashes.items():
-            size, mtime, digest = fut.result()
-            out[name] = {"size": size, "mtime_ns": mtime, "sha256": digest}
+    def fingerprint(self) -> list[list]:
+        """Cheap identity (name, size, mtime) for resume records; the manifest gets real hashes."""
+        out = []
+        for name in self.files:
+            st = os.stat(self.directory / name)
+            out.append([name, st.st_size, st.st_mtime_ns])
         return out
 
 
@@ -130,11 +130,46 @@ def sha256_file(path: str | Path, block: int = HASH_BLOCK) -> str:
     return h.hexdigest()
 
 
-def _hash_cached(path: Path, cached: dict | None) -> tuple[int, int, str]:
+def cache_dir() -> Path:
+    """$SHARDC_CACHE_DIR, else $XDG_CACHE_HOME/shardc, else ~/.cache/shardc."""
+    if env := os.environ.get("SHARDC_CACHE_DIR"):
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardc"
+
+
+_cache_lock = threading.Lock()
+
+
+def cached_sha256(path: Path) -> tuple[int, str]:
+    """(size, sha256) of a source file, remembered across builds by path, size, mtime and inode:
+    building several plans from one checkpoint hashes its 140 GB once, not once per plan."""
+    path = Path(path).resolve()
     st = os.stat(path)
-    if cached and cached.get("size") == st.st_size and cached.get("mtime_ns") == st.st_mtime_ns:
-        return st.st_size, st.st_mtime_ns, cached["sha256"]
-    return st.st_size, st.st_mtime_ns, sha256_file(path)
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    db = cache_dir() / "source-sha256.json"
+    with _cache_lock:
+        try:
+            entries = json.loads(db.read_text())
+        except (OSError, json.JSONDecodeError):
+            entries = {}
+    hit = entries.get(str(path))
+    if hit and hit.get("stamp") == stamp:
+        return st.st_size, hit["sha256"]
+    digest = sha256_file(path)
+    with _cache_lock:
+        try:
+            entries = json.loads(db.read_text())
+        except (OSError, json.JSONDecodeError):
+            entries = {}
+        entries[str(path)] = {"stamp": stamp, "sha256": digest}
+        try:
+            db.parent.mkdir(parents=True, exist_ok=True)
+            tmp = db.with_name(f".{db.name}.{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(entries, sort_keys=True))
+            os.replace(tmp, db)
+        except OSError:
+            pass  # a read-only home only costs speed
+    return st.st_size, digest
 
 
 _hub_lock = threading.Lock()

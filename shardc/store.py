@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -108,12 +109,16 @@ class ObjectInfo:
 
 @dataclasses.dataclass
 class PutItem:
+    """One file to upload. ``verified`` (if set) resolves once the local bytes are known to match
+    the manifest, or raises: backends must not let the object appear before it resolves."""
+
     name: str
     path: Path
     size: int
     metadata: dict[str, str]
     content_type: str = "application/octet-stream"
     cleanup: Callable[[], None] = lambda: None
+    verified: Future[None] | None = None
 
 
 @dataclasses.dataclass
@@ -269,10 +274,15 @@ class LocalStore(Store):
                         _copy(src, out.write, on_bytes)
                         out.flush()
                         os.fsync(out.fileno())
+                    if item.verified is not None:
+                        item.verified.result()
                     os.replace(tmp, dst)
                 except OSError as exc:
                     tmp.unlink(missing_ok=True)
                     raise StoreError(f"cannot write {dst}: {exc.strerror}") from None
+                except BaseException:
+                    tmp.unlink(missing_ok=True)
+                    raise
             finally:
                 item.cleanup()
         fsync_dir(self.root)
@@ -362,6 +372,7 @@ class VerifiedSink:
         self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
         self._plain = _HashWriter(self._f)
         self._raw = _HashWriter()
+        self._synced = False
         self._dec = None
         if compressed is not None:
             self._zstd = _zstd()
@@ -384,7 +395,14 @@ class VerifiedSink:
                 raise VerifyMismatch(f"{self.final.name}: the stored object is larger than the "
                                      f"manifest's {self.entry['size']} bytes", hint="push the build again")
             self._plain.write(data)
+        if self._plain.n == self.entry["size"] and not self._synced:
+            self._sync()  # here, in the transfer's I/O thread, overlapping other downloads
         return len(data)
+
+    def _sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._synced = True
 
     def commit(self) -> str:
         """Check everything, then rename into place. Returns the sha256 of the file."""
@@ -405,8 +423,8 @@ class VerifiedSink:
             raise VerifyMismatch(f"{name}: downloaded data does not match the manifest: "
                                  + "; ".join(problems),
                                  hint="the object was corrupted or replaced in the store; push the build again")
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        if not self._synced:
+            self._sync()
         self._f.close()
         os.replace(self.tmp, self.final)
         return sha
@@ -561,9 +579,11 @@ def push_build(
         store.delete(manifest_name)  # un-commit: its objects are about to change
 
     bar = _progress_bar(progress, f"push {store.uri}", 0)
+    hashers = ThreadPoolExecutor(2, thread_name_prefix="shardc-hash")
     try:
-        store.put_files(_prepared(todo, bar), bar.update)
+        store.put_files(_prepared(todo, bar, hashers), bar.update)
     finally:
+        hashers.shutdown(wait=True, cancel_futures=True)
         bar.close()
 
     for p in plan:  # every object there, with the right size, before the manifest
@@ -603,32 +623,45 @@ def _matches(info: ObjectInfo, p: dict[str, Any]) -> bool:
     return info.size == e["size"] and info.sha256 == e["sha256"]
 
 
-def _prepared(todo: list[dict[str, Any]], bar: Any) -> Iterator[PutItem]:
-    """Hash (or compress) each file and check it against the manifest before it is uploaded.
+def _prepared(todo: list[dict[str, Any]], bar: Any, hashers: ThreadPoolExecutor) -> Iterator[PutItem]:
+    """The uploads, each checked against the manifest before its object may appear.
 
-    A generator: the backend pulls the next file while earlier ones upload, so hashing overlaps
-    the transfers instead of adding to them.
+    Plain files start uploading at once while a hashing thread re-reads them; the backend holds
+    back the object's completion until the hash matched (``PutItem.verified``), so hashing
+    overlaps the transfer and a shard that rotted on disk is still never published. Compressed
+    files are hashed while they are compressed, before the upload. A generator: the backend pulls
+    the next item while earlier ones transfer.
     """
     for p in todo:
         e, local = p["entry"], p["local"]
+        verified: Future[None] | None = None
         if p["codec"]:
             tmp, sha, meta = _compress(local, ZSTD_LEVEL)
-            size = tmp.stat().st_size
+            if sha != e["sha256"]:
+                tmp.unlink(missing_ok=True)
+                raise _rotted(local, sha, e)
+            size, path = tmp.stat().st_size, tmp
             cleanup: Callable[[], None] = lambda t=tmp: t.unlink(missing_ok=True)  # noqa: E731
-            path = tmp
         else:
-            sha, size, path, meta = sha256_file(local), e["size"], local, {}
-            meta = {"sha256": sha}
+            verified = hashers.submit(_check_local, local, e)
+            size, path, meta = e["size"], local, {"sha256": e["sha256"]}
             cleanup = lambda: None  # noqa: E731
-        if sha != e["sha256"]:
-            cleanup()
-            raise VerifyMismatch(f"{local}: sha256 {sha[:16]}... does not match the manifest's "
-                                 f"{e['sha256'][:16]}...", hint="the file changed after the build; rebuild")
         p["stored"] = ObjectInfo(size, meta["sha256"], meta)
         bar.total = (bar.total or 0) + size
         bar.refresh()
         ctype = "application/json" if p["file"].endswith(".json") else "application/octet-stream"
-        yield PutItem(p["object"], path, size, meta, ctype, cleanup)
+        yield PutItem(p["object"], path, size, meta, ctype, cleanup, verified)
+
+
+def _check_local(local: Path, entry: dict[str, Any]) -> None:
+    sha = sha256_file(local)
+    if sha != entry["sha256"]:
+        raise _rotted(local, sha, entry)
+
+
+def _rotted(local: Path, sha: str, entry: dict[str, Any]) -> VerifyMismatch:
+    return VerifyMismatch(f"{local}: sha256 {sha[:16]}... does not match the manifest's "
+                          f"{entry['sha256'][:16]}...", hint="the file changed after the build; rebuild")
 
 
 def _remote_manifest(manifest: dict[str, Any], plan: list[dict[str, Any]]) -> dict[str, Any]:

@@ -29,3 +29,9 @@ def make_ckpt(tmp_path):
         return write_checkpoint(tmp_path / name, llama_config(**cfg), num_files=num_files, seed=seed)
 
     return make
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_hash_cache(tmp_path_factory):
+    """Keep the source-hash cache of test runs out of the user's ~/.cache."""
+    os.environ["SHARDC_CACHE_DIR"] = str(tmp_path_factory.mktemp("shardc-cache"))

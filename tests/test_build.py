@@ -236,3 +236,11 @@ def test_cli_has_no_torch_import():
     subprocess.run([sys.executable, "-c", code], check=True)
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "build" in r.stdout and "Examples" in r.stdout
+
+
+@pytest.mark.parametrize("plan_path", sorted((Path(__file__).parents[1] / "plans").glob("tp*.yaml")))
+def test_shipped_70b_plans_validate_offline(plan_path):
+    r = CliRunner().invoke(main, ["build", str(plan_path), "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert info["valid"] and len(info["ranks"]) == int(plan_path.name[2]) * int(plan_path.name[5])

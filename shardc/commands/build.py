@@ -13,6 +13,7 @@ Examples:
   shardc build plans/demo-tp3pp2-bf16.yaml --json
   shardc build plans/tp2pp1-int8.yaml --source /data/Llama-3.3-70B-Instruct --out /nvme/build
   shardc build plans/tp4pp2-fp16.yaml --upload --to s3://models/llama3-70b/fp16
+  shardc build plans/tp4pp2-fp16.yaml --dry-run      # validate against the 70B preset, offline
 """)
 @click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--source", help="Read weights from here instead of the plan's model.source "
@@ -27,18 +28,25 @@ Examples:
 @click.option("--upload", is_flag=True, help="Push the build to object storage afterwards.")
 @click.option("--to", "to_uri", help="With --upload: destination [default: the plan's manifest_uri directory].")
 @click.option("--endpoint-url", help="With --upload: S3 endpoint (or AWS_ENDPOINT_URL).")
+@click.option("--dry-run", is_flag=True, help="Validate the plan against the model and print the "
+              "per-rank layout; reads no weights (hub sources use the built-in presets).")
+@click.option("--model", "model_ref", help="With --dry-run: model preset or config.json to check against.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, upload, to_uri,
-              endpoint_url, quiet, as_json) -> None:
+              endpoint_url, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
-    from ..build import build
     from ..cli import echo_json, show_progress
     from ..plan import load_plan
 
     plan = load_plan(plan_file)
     if source:
         plan = plan.with_source(source)
+    if dry_run:
+        _dry_run(plan, model_ref, as_json)
+        return
+    from ..build import build
+
     result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
                    allow_pickle=allow_pickle, manifests_dir=manifests_dir)
     summary = result.summary()
@@ -64,6 +72,24 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     click.echo(f"manifest: {result.manifest_path}")
     if manifests_dir is not None:
         click.echo(f"record:   {Path(manifests_dir) / (summary['plan'] + '.json')}")
+
+
+def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
+    from ..cli import echo_json
+    from ..layout import build_layout
+    from ..model import model_for_source
+
+    layout = build_layout(model_for_source(plan.source, model_ref), plan)
+    ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
+              "layers": list(r.layers), "tensors": len(r.tensors), "bytes": r.nbytes} for r in layout.ranks]
+    if as_json:
+        echo_json({"plan": plan.name, "plan_sha256": plan.sha256, "valid": True, "ranks": ranks})
+        return
+    click.echo(f"{plan.name}: valid (tp={plan.tp} pp={plan.pp} dtype={plan.dtype}, "
+               f"{layout.model.architecture} {layout.model.num_layers} layers)")
+    for r in ranks:
+        click.echo(f"  {r['file']}  rank {r['rank']:>3}  layers {r['layers'][0]}:{r['layers'][1]}  "
+                   f"{r['tensors']:4d} tensors  {r['bytes'] / 2**30:8.3f} GiB")
 
 
 @click.command("inspect", epilog="""\b

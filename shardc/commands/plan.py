@@ -22,11 +22,11 @@ _UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "m
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
-def parse_size(text: str) -> float:
+def parse_size(text: str, *, allow_zero: bool = False) -> float:
     """'20GiB', '5.63 GiB', '512MiB', '80GB'; a bare number is GiB (like kv_cache_cap_gb in plans)."""
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS or float(m.group(1)) <= 0:
+    if not m or unit not in _UNITS or float(m.group(1)) < 0 or (float(m.group(1)) == 0 and not allow_zero):
         raise ValueError("must be a positive size such as 20GiB, 5.63GiB, 512MiB or 80GB")
     return float(m.group(1)) * _UNITS[unit]
 
@@ -34,8 +34,8 @@ def parse_size(text: str) -> float:
 class _Flag(click.ParamType):
     """A value parser whose failures are PlanErrors naming the flag (one line, exit 2)."""
 
-    def __init__(self, name: str, parse: Any) -> None:
-        self.name, self._parse = name, parse
+    def __init__(self, metavar: str, what: str | None, parse: Any) -> None:
+        self.name, self.what, self._parse = metavar, what, parse
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if not isinstance(value, str):
@@ -44,7 +44,7 @@ class _Flag(click.ParamType):
         try:
             return self._parse(value)
         except (ValueError, TypeError) as exc:
-            msg = str(exc) if self.name in ("size", "param") else f"must be a {self.name}"
+            msg = f"must be a {self.what}" if self.what else str(exc)
             raise PlanError(f"{msg}, found {value!r}", key=flag) from None
 
 
@@ -58,16 +58,25 @@ def _positive(kind: type) -> Any:
     return parse
 
 
-POS_INT = _Flag("positive integer", _positive(int))
-POS_FLOAT = _Flag("positive number", _positive(float))
-SIZE = _Flag("size", parse_size)
-DTYPE = _Flag("dtype (auto, fp16, bf16, int8, fp8)",
-              lambda t: t if t in ("auto", "fp16", "bf16", "int8", "fp8") else int("x"))
-KV_DTYPE = _Flag("KV dtype (auto, fp16, bf16, fp8)",
-                 lambda t: t if t in ("auto", "fp16", "bf16", "fp8") else int("x"))
+def _choice(*values: str) -> Any:
+    def parse(text: str) -> str:
+        if text not in values:
+            raise ValueError
+        return text
+
+    return parse
+
+
+POS_INT = _Flag("N", "positive integer", _positive(int))
+POS_FLOAT = _Flag("X", "positive number", _positive(float))
+SIZE = _Flag("SIZE", None, parse_size)
+DTYPE = _Flag("auto|fp16|bf16|int8|fp8", "dtype (auto, fp16, bf16, int8, fp8)",
+              _choice("auto", "fp16", "bf16", "int8", "fp8"))
+KV_DTYPE = _Flag("auto|fp16|bf16|fp8", "KV dtype (auto, fp16, bf16, fp8)", _choice("auto", "fp16", "bf16", "fp8"))
 
 
 def _param(text: str) -> tuple[str, float]:
+    """NAME=VALUE for one named assumption: an overhead (a size, may be 0) or a speed parameter."""
     from ..planner import Overheads, SpeedParams
 
     name, sep, value = text.partition("=")
@@ -75,14 +84,14 @@ def _param(text: str) -> tuple[str, float]:
     if not sep or name not in names:
         raise ValueError(f"must be NAME=VALUE with NAME one of {', '.join(names)}")
     if name in Overheads.__dataclass_fields__:
-        return name, int(parse_size(value)) if value not in ("0", "0GiB") else 0
+        return name, int(parse_size(value, allow_zero=True))
     number = float(value)
-    if number <= 0:
-        raise ValueError(f"{name} must be positive")
+    if number <= 0 or (name == "max_memory_fraction" and number > 1):
+        raise ValueError(f"{name} must be positive" + (" and at most 1" if name == "max_memory_fraction" else ""))
     return name, int(number) if name in ("microbatches", "max_num_seqs") else number
 
 
-PARAM = _Flag("param", _param)
+PARAM = _Flag("NAME=VALUE", None, _param)
 
 
 @click.command("plan", epilog="""\b
@@ -90,7 +99,8 @@ Examples:
   shardc plan --model llama-3.3-70b --gpu a100-80gb
   shardc plan --model llama-3.3-70b --gpu h100-sxm --dtype bf16 --target-tpot-ms 30 --out plans/l70.yaml
   shardc plan --model /data/Llama-3.3-70B-Instruct --gpu a100-80gb --nodes 2 --json
-  shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --kv-memory 5.63GiB --explain
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --kv-memory 5.63GiB \\
+      --target-tpot-ms 50 --explain      # reproduce vLLM's numbers for a measured KV budget
   shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
 """)
 @click.option("--model", "model_ref", required=True, metavar="PRESET|config.json|DIR",
@@ -101,9 +111,9 @@ Examples:
 @click.option("--gpus-per-node", type=POS_INT, default=8, show_default=True,
               help="GPUs per node: the NVLink domain that TP stays inside.")
 @click.option("--nodes", type=POS_INT, default=1, show_default=True, help="Nodes available.")
-@click.option("--dtype", type=DTYPE, default="auto", show_default=True,
+@click.option("--dtype", type=DTYPE, default="auto", show_default=True, metavar="auto|fp16|bf16|int8|fp8",
               help="Weight dtype; auto searches the checkpoint's 16-bit dtype, int8 and fp8.")
-@click.option("--kv-dtype", type=KV_DTYPE, default="auto", show_default=True,
+@click.option("--kv-dtype", type=KV_DTYPE, default="auto", show_default=True, metavar="auto|fp16|bf16|fp8",
               help="KV-cache dtype; auto = 16-bit.")
 @click.option("--max-model-len", type=POS_INT, help="Require that one request this long fits in the KV cache.")
 @click.option("--avg-context", type=POS_INT, default=2048, show_default=True,
@@ -125,7 +135,7 @@ Examples:
 @click.option("--hbm-bandwidth", type=POS_FLOAT, metavar="GB/S", help="Override the preset's HBM bandwidth.")
 @click.option("--nvlink-bandwidth", type=POS_FLOAT, metavar="GB/S",
               help="Override the intra-node link bandwidth (per GPU, per direction).")
-@click.option("--interconnect", default="ib-ndr", show_default=True,
+@click.option("--interconnect", default="ib-ndr", show_default=True, metavar="PRESET",
               help="Link between nodes: ib-ndr, ib-hdr, pcie4, pcie5, nvlink3, nvlink4.")
 @click.option("--param", "params", type=PARAM, multiple=True, metavar="NAME=VALUE",
               help="Override a named assumption: activations, cuda_context, nccl, cuda_graphs (sizes); "

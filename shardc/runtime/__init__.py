@@ -1,0 +1,11 @@
+"""Sharded Llama runtime: execute a built plan's shard files the way a serving replica would.
+
+Every rank loads only its own shard file (through verify's checked loader), tensor-parallel blocks
+all-reduce over a real torch.distributed group, and pipeline stages hand activations on with
+send/recv. ``api`` holds the library entry points (generate, score); importing this package does not
+import torch.
+"""
+
+from __future__ import annotations
+
+__all__ = ["api", "comm", "engine", "launch", "llama", "weights", "worker"]

@@ -1,0 +1,146 @@
+"""Library entry points of the runtime: open a build, generate, score, compare two builds.
+
+Each call builds a job and runs it on tp x pp processes (or, under torchrun, as this process's rank).
+The tokenizer travels with the shards (build copies tokenizer.json and records its sha256 in the
+manifest), so nothing here needs the source checkpoint or the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import ManifestError
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class BuildRef:
+    """A manifest and the directory holding its shard files."""
+
+    manifest_path: Path
+    directory: Path
+    manifest: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return str(self.manifest["plan"]["replica_group"]["name"])
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["layout"]["tp_degree"] * self.manifest["layout"]["pp_degree"])
+
+    def job_entry(self, name: str | None = None) -> dict[str, str]:
+        return {"manifest": str(self.manifest_path), "dir": str(self.directory), "name": name or self.name}
+
+
+def open_build(manifest: str | Path, directory: str | Path | None = None) -> BuildRef:
+    """A manifest.json (or a build directory holding one); shards default to the manifest's directory."""
+    from ..manifest import read_manifest
+
+    path = Path(str(manifest).removeprefix("file://"))
+    if path.is_dir():
+        path = path / "manifest.json"
+    m = read_manifest(path)
+    d = Path(directory) if directory is not None else path.parent
+    missing = [s["file"] for s in m["shards"] if not (d / s["file"]).is_file()]
+    if missing:
+        name = m["plan"]["replica_group"]["name"]
+        raise ManifestError(
+            f"{len(missing)} shard file(s) of plan {name} are not in {d} (first: {missing[0]})",
+            hint=f"pass the directory holding them (--dir / --baseline-dir / --candidate-dir), "
+                 f"e.g. build/{name}, or shardc pull them first",
+        )
+    return BuildRef(path.resolve(), d.resolve(), m)
+
+
+def eos_ids(ref: BuildRef) -> list[int]:
+    eos = ref.manifest["model"]["config"].get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def load_tokenizer(ref: BuildRef, override: str | Path | None = None) -> Any:
+    """The build's tokenizer.json (checked against the manifest's sha256), or one from ``override``."""
+    from tokenizers import Tokenizer
+
+    if override is not None:
+        p = Path(override)
+        p = p / "tokenizer.json" if p.is_dir() else p
+        if not p.is_file():
+            raise ManifestError(f"no tokenizer.json at {override}", hint="pass a tokenizer.json or its directory")
+        return Tokenizer.from_file(str(p))
+    p = ref.directory / "tokenizer.json"
+    if not p.is_file():
+        raise ManifestError(
+            f"the build at {ref.directory} has no tokenizer.json",
+            hint="build from a checkpoint with tokenizer files, pass --tokenizer, or give token ids",
+        )
+    entry = next((f for f in ref.manifest["files"] if f["name"] == "tokenizer.json"), None)
+    if entry is not None and hashlib.sha256(p.read_bytes()).hexdigest() != entry["sha256"]:
+        raise ManifestError(f"{p} does not match the sha256 in the manifest", hint="re-pull or rebuild")
+    return Tokenizer.from_file(str(p))
+
+
+def tokenizer_sha(ref: BuildRef) -> str | None:
+    entry = next((f for f in ref.manifest["files"] if f["name"] == "tokenizer.json"), None)
+    return entry["sha256"] if entry else None
+
+
+def _job(kind: str, refs: list[BuildRef], names: list[str] | None, timeout_s: float, device: str,
+         **extra: Any) -> dict[str, Any]:
+    names = names or [None] * len(refs)  # type: ignore[list-item]
+    return {
+        "kind": kind,
+        "replicas": [r.job_entry(n) for r, n in zip(refs, names, strict=True)],
+        "timeout_s": float(timeout_s),
+        "device": device,
+        **extra,
+    }
+
+
+def generate(ref: BuildRef, prompts: list[list[int]], max_new_tokens: int = 32, *,
+             eos: list[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
+             device: str = "cpu") -> dict[str, Any] | None:
+    """Greedy generation; returns {"tokens": [[...] per prompt], "seconds", "load_seconds"}."""
+    from .launch import run_job
+
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ManifestError("every prompt needs at least one token")
+    job = _job("generate", [ref], None, timeout_s, device, generate={
+        "prompts": [list(map(int, p)) for p in prompts], "max_new_tokens": int(max_new_tokens),
+        "eos": eos_ids(ref) if eos is None else list(eos),
+    })
+    return run_job(job)
+
+
+def score(ref: BuildRef, windows: Any, *, micro_batch: int = 1, return_logits: bool = False,
+          timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
+    """Forward [N, T] token windows; per-position NLL (and optionally fp32 logits) of the last stage."""
+    from .launch import run_job
+
+    job = _job("score", [ref], None, timeout_s, device,
+               score={"windows": _as_lists(windows), "micro_batch": micro_batch,
+                      "return_logits": return_logits})
+    return run_job(job)
+
+
+def compare(baseline: BuildRef, candidate: BuildRef, windows: Any, *, micro_batch: int = 1,
+            timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
+    """Run both builds side by side on the same windows: per-position NLL, KL and top-1 agreement."""
+    from .launch import run_job
+
+    job = _job("compare", [baseline, candidate], ["baseline", "candidate"], timeout_s, device,
+               score={"windows": _as_lists(windows), "micro_batch": micro_batch})
+    return run_job(job)
+
+
+def _as_lists(windows: Any) -> list[list[int]]:
+    rows = windows.tolist() if hasattr(windows, "tolist") else windows
+    if not rows or not all(len(r) == len(rows[0]) and len(r) > 1 for r in rows):
+        raise ManifestError("token windows must be equal-length rows of at least 2 tokens")
+    return [list(map(int, r)) for r in rows]

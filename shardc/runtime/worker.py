@@ -1,0 +1,237 @@
+"""One rank's process: join the world, load its own shard, run the job's schedule.
+
+Run by the built-in launcher (``python -m shardc.runtime.worker JOB.json``, torchrun-style env vars)
+or in-process under torchrun. A job is plain JSON: the replicas (manifest + shard directory), the
+kind of work and its inputs. The rank that holds the answer returns it (the launcher has it write
+``result.pt``); every other rank returns None.
+
+Kinds:
+  generate  greedy generation of ``prompts`` (token ids); result: tokens per prompt.
+  score     forward ``windows`` [N, T]; result: per-position NLL (fp32 log-softmax, fp64 kept),
+            optionally the fp32 logits themselves (tests).
+  compare   the gate: replica 0 (baseline) and replica 1 (candidate) score the same windows; the
+            candidate's last stage streams its logits to the baseline's, which computes per-position
+            NLL of both, KL(baseline || candidate) and top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from ..errors import DistributedError, ShardcError
+
+
+def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+    from ..manifest import read_manifest
+    from .comm import Replica
+
+    reps, manifests, base = [], [], 0
+    for i, spec in enumerate(job["replicas"]):
+        m = read_manifest(spec["manifest"])
+        tp, pp = m["layout"]["tp_degree"], m["layout"]["pp_degree"]
+        reps.append(Replica(i, spec.get("name") or m["plan"]["replica_group"]["name"], tp, pp, base))
+        manifests.append(m)
+        base += tp * pp
+    return reps, manifests
+
+
+def world_size(job: dict[str, Any]) -> int:
+    """Processes the job needs: the sum of its replicas' tp * pp."""
+    reps, _ = _replicas(job)
+    return sum(r.size for r in reps)
+
+
+def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -> dict[str, Any] | None:
+    """Run this rank's part of ``job``. Returns the result on the rank that holds it, else None."""
+    import torch
+
+    from ..manifest import layout_of
+    from .comm import Comm, open_store
+    from .engine import StageRunner, Timer
+    from .llama import StageModel
+    from .weights import compute_dtype, load_stage, local_dims
+
+    reps, manifests = _replicas(job)
+    need = sum(r.size for r in reps)
+    if world != need:
+        raise DistributedError(
+            f"WORLD_SIZE={world} but the job needs {need} processes "
+            f"({' + '.join(f'{r.name}: {r.tp}x{r.pp}' for r in reps)})",
+            hint=f"launch {need} processes (torchrun --nproc-per-node {need})",
+        )
+    if job.get("threads"):
+        torch.set_num_threads(int(job["threads"]))
+    device = torch.device(job.get("device", "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = float(job.get("timeout_s", 120.0))
+    store = open_store(rank, world, timeout, hosted=hosted_store, prefix=f"shardc/{job['id']}")
+    comm = Comm(rank, world, reps, store, timeout, backend, device)
+    try:
+        rep = comm.replica
+        manifest = manifests[rep.index]
+        layout = layout_of(manifest)
+        directory = Path(job["replicas"][rep.index]["dir"])
+        t_load = time.perf_counter()
+        weights = load_stage(manifest, directory, layout, comm.tp_rank, comm.pp_stage, device)
+        model = StageModel(weights, local_dims(layout), manifest["model"], comm,
+                           compute_dtype(manifest), device)
+        load_s = time.perf_counter() - t_load
+        comm.mark("loaded")
+        comm.wait_all("loaded", float(job.get("load_timeout_s", max(timeout, 600.0))),
+                      "waiting for every rank to load its shard")
+        runner = StageRunner(comm, model)
+        timer = Timer()
+        kind = job["kind"]
+        if kind == "generate":
+            result = _generate(job, runner, comm)
+        elif kind == "score":
+            result = _score(job, runner, comm)
+        elif kind == "compare":
+            result = _compare(job, runner, comm, reps)
+        else:
+            raise ValueError(f"unknown job kind {kind!r}")
+        seconds = timer.seconds()
+        comm.barrier("final barrier")  # nobody tears down while a peer still waits on it
+        if result is not None:
+            result["seconds"] = seconds
+            result["load_seconds"] = load_s
+        return result
+    finally:
+        comm.close()
+
+
+def _generate(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None:
+    g = job["generate"]
+    prompts = [list(map(int, p)) for p in g["prompts"]]
+    max_new = int(g["max_new_tokens"])
+    max_len = max(len(p) for p in prompts) + max_new
+    tokens = runner.generate(prompts, max_new, set(g.get("eos", [])), max_len)
+    holder = comm.replica.rank(0, comm.replica.pp - 1)
+    return {"tokens": tokens} if comm.rank == holder else None
+
+
+def _windows(job: dict[str, Any]) -> Any:
+    import numpy as np
+    import torch
+
+    s = job["score"]
+    arr = np.load(s["windows_file"]) if "windows_file" in s else np.asarray(s["windows"], dtype=np.int64)
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+
+
+def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None:
+    import torch
+
+    windows = _windows(job)
+    keep_logits = bool(job["score"].get("return_logits", False))
+    nll, logits_out = [], []
+
+    def on_logits(m: int, logits: torch.Tensor | None) -> None:
+        if logits is None:
+            return
+        mb = int(job["score"].get("micro_batch", 1))
+        targets = windows[m * mb : (m + 1) * mb, 1:]
+        lp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        nll.append(-lp.gather(-1, targets[..., None].to(lp.device))[..., 0].double().cpu())
+        if keep_logits:
+            logits_out.append(logits.cpu())
+
+    runner.score(windows, int(job["score"].get("micro_batch", 1)), on_logits)
+    if comm.rank != comm.replica.rank(0, comm.replica.pp - 1):
+        return None
+    out: dict[str, Any] = {"nll": torch.cat(nll), "tokens": int(windows.numel())}
+    if keep_logits:
+        out["logits"] = torch.cat(logits_out)
+    return out
+
+
+def _compare(job: dict[str, Any], runner: Any, comm: Any, reps: list[Any]) -> dict[str, Any] | None:
+    """Gate: both replicas score the same windows; the baseline's last TP-0 rank compares."""
+    import torch
+
+    from .comm import describe
+
+    windows = _windows(job)
+    mb = int(job["score"].get("micro_batch", 1))
+    base_rank = reps[0].rank(0, reps[0].pp - 1)
+    cand_rank = reps[1].rank(0, reps[1].pp - 1)
+    cols: dict[str, list[torch.Tensor]] = {"nll_base": [], "nll_cand": [], "kl": [], "top1": []}
+    pending: list[Any] = []
+
+    def on_logits(m: int, logits: torch.Tensor | None) -> None:
+        if logits is None:
+            return
+        if comm.rank == cand_rank:
+            pending.append(comm.isend(logits, base_rank, f"sending window {m} logits to the baseline "
+                                                        f"({describe(reps, base_rank)})"))
+            if len(pending) > 2:
+                pending.pop(0).wait()
+            return
+        other = comm.recv(tuple(logits.shape), torch.float32, cand_rank,
+                          f"receiving window {m} logits from the candidate ({describe(reps, cand_rank)})")
+        targets = windows[m * mb : (m + 1) * mb, 1:, None].to(logits.device)
+        lb = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        lc = torch.log_softmax(other[:, :-1].float(), dim=-1)
+        cols["nll_base"].append(-lb.gather(-1, targets)[..., 0].double().cpu())
+        cols["nll_cand"].append(-lc.gather(-1, targets)[..., 0].double().cpu())
+        # KL(base || cand) = sum_v p_b (log p_b - log p_c): fp32 terms, fp64 sum over the vocabulary.
+        cols["kl"].append((lb.exp() * (lb - lc)).double().sum(-1).clamp_min(0).cpu())
+        cols["top1"].append((lb.argmax(-1) == lc.argmax(-1)).cpu())
+        del other, lb, lc
+
+    runner.score(windows, mb, on_logits)
+    for p in pending:
+        p.wait()
+    if comm.rank != base_rank:
+        return None
+    out: dict[str, Any] = {k: torch.cat(v) for k, v in cols.items()}
+    out["tokens"] = int(windows.numel())
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """Entry point for the built-in launcher: env RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT."""
+    job_path = Path(argv[1])
+    job = json.loads(job_path.read_text())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out_dir = job_path.parent
+    try:
+        result = execute(job, rank, world, hosted_store=True)
+        if result is not None:
+            import torch
+
+            tmp = out_dir / f".result-{rank}.tmp"
+            torch.save(result, tmp)
+            os.replace(tmp, out_dir / "result.pt")
+        code = 0
+    except BaseException as exc:  # report everything, including KeyboardInterrupt, to the launcher
+        report = {
+            "rank": rank,
+            "type": exc.__class__.__name__,
+            "shardc": isinstance(exc, ShardcError),
+            "message": exc.one_line() if isinstance(exc, ShardcError) else f"{exc.__class__.__name__}: {exc}",
+            "peer": isinstance(exc, DistributedError),
+            "traceback": traceback.format_exc(),
+        }
+        tmp = out_dir / f".error-{rank}.tmp"
+        tmp.write_text(json.dumps(report))
+        os.replace(tmp, out_dir / f"error-{rank}.json")
+        print(report["traceback"], file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a process group whose peer died can block in its destructors.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
