@@ -246,6 +246,7 @@ def build(
     """Compile ``plan`` into shard files. Validates everything before writing anything."""
     t0 = time.perf_counter()
     source = open_source(plan.source, allow_pickle=allow_pickle)
+    source.uri = plan.source_uri
     model = model_from_config(source.config)
     layout = build_layout(model, plan)
     source.check(model)
@@ -372,7 +373,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "generation_config.json")
+                   "tokenizer.model", "generation_config.json", "chat_template.jinja")
 
 
 def _tokenizer_files(source: Source) -> list[str]:

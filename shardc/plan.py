@@ -134,6 +134,7 @@ class Plan:
     base_dtype: str | None
     kv_cache_cap_gb: float | None
     data: dict[str, Any]
+    source_label: str | None = None  # the source as written, when ``source`` was resolved from it
 
     @property
     def world_size(self) -> int:
@@ -156,7 +157,13 @@ class Plan:
         The recorded plan (and so its sha256) keeps ``model.source`` as written, so the same plan
         file gives the same shard bytes wherever the checkout or the weights live.
         """
-        return dataclasses.replace(self, source=source)
+        return dataclasses.replace(self, source=source, source_label=None)
+
+    @property
+    def source_uri(self) -> str:
+        """What the manifest records: the plan's own words unless overridden (no absolute
+        checkout paths, so the record is the same in every clone)."""
+        return self.source_label or self.source
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -255,5 +262,5 @@ def load_plan(path: str | Path) -> Plan:
     plan = plan_from_dict(raw)
     src = plan.source
     if "://" not in src and not Path(src).is_absolute():
-        plan = plan.with_source(str((path.parent / src).resolve()))
+        plan = dataclasses.replace(plan, source=str((path.parent / src).resolve()), source_label=src)
     return plan

@@ -9,8 +9,9 @@ Push protocol (manifest last, so a reader that finds a manifest can fetch everyt
 1. objects already in the store with the right size and recorded sha256 are skipped (resume);
 2. if anything must be (re)written and the store holds a different manifest under the same name,
    that manifest is deleted first: no reader may see it while its objects change;
-3. every other file is hashed against the local manifest (a shard that rotted on disk is never
-   published) and uploaded, in parallel, with its sha256 as object metadata;
+3. every other file is uploaded, in parallel, with its sha256 as object metadata, while it is
+   hashed against the local manifest; an object is only completed once its hash matched (a shard
+   that rotted on disk is never published);
 4. every object is checked to exist with the right size;
 5. the manifest is written last.
 
@@ -49,10 +50,12 @@ from .manifest import dumps, fsync_dir, loads, read_manifest, write_atomic
 
 MANIFEST_NAME = "manifest.json"
 CODECS = ("zstd",)
-# zstd saves 10-22% on weight shards but compresses at ~0.2-0.6 GB/s per core: slower than a
-# datacenter link to S3. Off unless asked (figures in the issue 5 closing note / bench_store.py).
+# zstd stores bf16 shards in 78% of their size, fp8 in 79-82%, int8 in 82-90% (random-like
+# mantissas do not compress), at ~0.3-0.7 GB/s per core each way: slower than a datacenter link to
+# S3, so it is off unless asked for (scripts/bench_store.py --zstd). Level 1: same ratio as 3 on
+# weights, 1.5-3x faster.
 DEFAULT_COMPRESS: str | None = None
-ZSTD_LEVEL = 3
+ZSTD_LEVEL = 1
 MAX_MANIFEST_BYTES = 256 << 20
 BLOCK = 16 << 20
 MiB = 1 << 20
@@ -569,7 +572,9 @@ def push_build(
     store.abort_incomplete([p["object"] for p in plan])
     todo = []
     for p in plan:
-        info = store.head(p["object"], digest=True)
+        info = store.head(p["object"])
+        if info is not None and info.sha256 is None and (p["codec"] or info.size == p["entry"]["size"]):
+            info = store.head(p["object"], digest=True)  # a backend without recorded hashes
         if info is not None and _matches(info, p):
             p["stored"], p["action"] = info, "present"
         else:
@@ -717,6 +722,30 @@ def _select(manifest: dict[str, Any], ranks: list[tuple[int, int]] | None,
     return sorted(unique.values(), key=lambda s: s["rank"])
 
 
+def _present(path: Path, entry: dict[str, Any]) -> str | None:
+    """The sha256 of a file already at its destination, if it is the right one."""
+    if path.is_file() and path.stat().st_size == entry["size"]:
+        sha = sha256_file(path)
+        if sha == entry["sha256"]:
+            return sha
+    return None
+
+
+def _compressed(entry: dict[str, Any], fname: str) -> dict[str, Any] | None:
+    """The entry's ``compressed`` record, checked: names from a manifest never escape ``dest``."""
+    comp = entry.get("compressed")
+    if comp is None:
+        return None
+    from .manifest import safe_name
+
+    if (not isinstance(comp, dict) or comp.get("codec") not in CODECS
+            or not isinstance(comp.get("size"), int) or not isinstance(comp.get("sha256"), str)):
+        raise ManifestError(f"the manifest's compressed record of {fname} is malformed or uses an "
+                            f"unknown codec", hint="push the build again with this shardc version")
+    safe_name(comp.get("object"), "compressed object name")
+    return comp
+
+
 def pull_build(
     manifest_uri: str,
     dest_dir: Path,
@@ -740,34 +769,37 @@ def pull_build(
     shards = _select(remote, ranks, global_ranks)
     wanted = [(f["name"], f) for f in remote["files"]] + [(s["file"], s) for s in shards]
 
+    local = _strip_compressed(remote)
+    local_bytes = dumps(local)
+    comps = {fname: _compressed(entry, fname) for fname, entry in wanted}
+
     dest = Path(dest_dir)
     try:
         dest.mkdir(parents=True, exist_ok=True)
+        old = dest / MANIFEST_NAME
+        if old.is_file() and old.read_bytes() != local_bytes:
+            old.unlink()  # it no longer describes the directory once files start changing
     except OSError as exc:
-        raise StoreError(f"cannot create {dest}: {exc.strerror}") from None
+        raise StoreError(f"cannot prepare {dest}: {exc.strerror}") from None
+    for fname, _ in wanted:
+        _remove_stale_partials(dest, fname)
     digests: dict[str, str] = {}
     files, todo = [], []
-    for fname, entry in wanted:
-        _remove_stale_partials(dest, fname)
-        final = dest / fname
-        if final.is_file() and final.stat().st_size == entry["size"]:
-            sha = sha256_file(final)
-            if sha == entry["sha256"]:
-                digests[fname] = sha
-                files.append({"name": fname, "size": entry["size"], "action": "present"})
-                continue
-        todo.append((fname, entry))
+    with ThreadPoolExecutor(4, thread_name_prefix="shardc-hash") as pool:
+        present = list(pool.map(lambda w: _present(dest / w[0], w[1]), wanted))
+    for (fname, entry), sha in zip(wanted, present, strict=True):
+        if sha is not None:
+            digests[fname] = sha
+            files.append({"name": fname, "size": entry["size"], "action": "present"})
+        else:
+            todo.append((fname, entry))
 
     items: list[GetItem] = []
     total = 0
     try:
         for fname, entry in todo:
-            comp = entry.get("compressed")
+            comp = comps[fname]
             obj = comp["object"] if comp else fname
-            if comp is not None:
-                from .manifest import safe_name
-
-                safe_name(obj, "compressed object name")
             items.append(GetItem(obj, VerifiedSink(dest / fname, entry, comp)))
             total += comp["size"] if comp else entry["size"]
     except BaseException:
@@ -805,8 +837,7 @@ def pull_build(
     if other:
         raise other[0]
 
-    local = _strip_compressed(remote)
-    write_atomic(dest / MANIFEST_NAME, dumps(local))
+    write_atomic(dest / MANIFEST_NAME, local_bytes)
     report = verify_pulled(local, dest, shards, digests)
     if not report["ok"]:
         raise VerifyMismatch(report["problems"][0], hint="run shardc verify for the full report")

@@ -244,3 +244,22 @@ def test_shipped_70b_plans_validate_offline(plan_path):
     assert r.exit_code == 0, r.output
     info = json.loads(r.output)
     assert info["valid"] and len(info["ranks"]) == int(plan_path.name[2]) * int(plan_path.name[5])
+
+
+def test_source_hash_cache_follows_file_changes(make_ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = make_ckpt(**MODELS["gqa"])
+    plan = plan_from_dict(plan_dict(2, 1)).with_source(str(ckpt))
+    a = build(plan, tmp_path / "a")
+    b = build(plan, tmp_path / "b")  # second plan from the same source: hashes come from the cache
+    assert a.manifest["source"] == b.manifest["source"]
+    sd = load_file(ckpt / "model.safetensors")
+    sd["model.norm.weight"][0] += 1
+    save_file(sd, str(ckpt / "model.safetensors"))
+    c = build(plan, tmp_path / "a")
+    assert not c.up_to_date and c.built
+    fa = {f["name"]: f["sha256"] for f in a.manifest["source"]["files"]}
+    fc = {f["name"]: f["sha256"] for f in c.manifest["source"]["files"]}
+    assert fc["model.safetensors"] == hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+    assert fa["model.safetensors"] != fc["model.safetensors"]

@@ -60,7 +60,7 @@ def hf_model(src: Path, dtype: torch.dtype = torch.bfloat16, row_split: int = 1)
         def patch(lin: torch.nn.Linear) -> None:
             def forward(x: torch.Tensor) -> torch.Tensor:
                 parts = zip(x.chunk(row_split, -1), lin.weight.chunk(row_split, -1), strict=True)
-                return sum(F.linear(a, w).float() for a, w in parts).to(x.dtype)
+                return sum(F.linear(a.contiguous(), w.contiguous()).float() for a, w in parts).to(x.dtype)
             lin.forward = forward
 
         for layer in model.model.layers:

@@ -377,19 +377,30 @@ def test_corrupted_local_store_and_bad_local_files(builds, tmp_path):
     assert out["verify"]["ok"] and (dest / victim).read_bytes() == good
 
 
-def test_push_refuses_a_shard_that_rotted_on_disk(builds, tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_push_refuses_a_shard_that_rotted_on_disk(builds, s3, bucket, tmp_path, where):
+    """The local file no longer matches the manifest: exit 1, and its object never appears (on S3
+    the parts upload while the file is hashed, but the upload is not completed)."""
     import shutil
 
     b = builds["bf16"]
     copy = tmp_path / "build"
     shutil.copytree(b.out_dir, copy)
-    victim = b.manifest["shards"][0]["file"]
+    victim = b.manifest["shards"][1]["file"]
     with open(copy / victim, "r+b") as f:
         f.seek(5000)
         f.write(b"\x00\x01\x02")
-    res = run_cli("push", "--manifest", str(copy / "manifest.json"), "--to", str(tmp_path / "store"))
+    dest = str(tmp_path / "store") if where == "local" else f"s3://{bucket}/rot"
+    res = run_cli("push", "--manifest", str(copy / "manifest.json"), "--to", dest, "--endpoint-url", s3.endpoint)
     assert res.exit_code == 1 and victim in one_error_line(res)
-    assert not (tmp_path / "store" / "manifest.json").exists()
+    if where == "local":
+        assert not (tmp_path / "store" / "manifest.json").exists()
+        assert not (tmp_path / "store" / victim).exists()
+    else:
+        c = s3.client()
+        keys = {o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])}
+        assert "rot/manifest.json" not in keys and f"rot/{victim}" not in keys
+        assert c.list_multipart_uploads(Bucket=bucket).get("Uploads") is None
 
 
 # --- faults -------------------------------------------------------------------------------------

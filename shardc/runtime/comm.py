@@ -180,12 +180,21 @@ class Comm:
 
     # -- tensor parallel -----------------------------------------------------------------------
     def all_reduce_sum(self, x: torch.Tensor, what: str) -> torch.Tensor:
-        """Sum over the TP group, formed in fp32 and rounded once to x's dtype."""
+        """Sum over the TP group in fp32, in TP-rank order, rounded once to x's dtype.
+
+        Implemented as all-gather + local ordered sum rather than the backend's all-reduce, whose
+        reduction order is unspecified: this way every rank and every run gets the same bits, and
+        the result equals summing the partials of a tp-way split in order (the tests' reference).
+        """
         if self.tp == 1:
             return x
-        y = x.float()
-        self._run(what, dist.all_reduce, y, group=self.tp_group)
-        return y.to(x.dtype)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.tp)]
+        self._run(what, dist.all_gather, parts, x, group=self.tp_group)
+        total = parts[0].float()
+        for p in parts[1:]:
+            total += p.float()
+        return total.to(x.dtype)
 
     def gather_vocab(self, x: torch.Tensor, what: str, everyone: bool) -> torch.Tensor | None:
         """Concatenate vocabulary slices along the last dim (rank order = vocabulary order)."""

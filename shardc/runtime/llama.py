@@ -4,7 +4,7 @@ Numerics follow Hugging Face's LlamaForCausalLM (RMSNorm in fp32 then weight * x
 rotary tables computed in fp32 and cast, SDPA attention, SwiGLU), so a tp1pp1 replica reproduces the
 reference. Tensor parallel is the Megatron pattern: column-parallel q/k/v/gate/up need no
 communication, row-parallel o/down produce partial sums that are all-reduced (formed in fp32 and
-rounded once), the embedding is vocabulary-parallel (masked lookup + all-reduce) and the lm_head
+rounded once, in rank order), the embedding is vocabulary-parallel (masked lookup + all-reduce) and the lm_head
 produces a vocabulary slice of the logits that is gathered before any softmax.
 """
 
