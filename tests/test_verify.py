@@ -239,3 +239,13 @@ def test_distributed_rank_never_joins(builds):
     for rc, _out, err in results:
         assert rc == 1
         assert "rank(s) [3] never joined" in err, err
+
+
+@pytest.mark.heavy
+def test_under_torchrun(builds):
+    r = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         "-m", "shardc.cli", "verify", "--manifest", str(builds[2, 2, "bf16"] / "manifest.json"),
+         "--timeout", "30"], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("all good") == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
@@ -56,7 +57,7 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
 
         if not torch.cuda.is_available():
             raise ManifestError(f"--device {device} but CUDA is not available here", hint="use --device cpu")
-    if distributed:
+    if distributed or "TORCHELASTIC_RUN_ID" in os.environ:  # --distributed, or launched by torchrun
         from ..distverify import distributed_verify
 
         report = distributed_verify(manifest, directory, device=device, deep=deep_source, timeout_s=timeout_s)
