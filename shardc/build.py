@@ -105,7 +105,7 @@ def as_bytes(t):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-class _Materializer:
+class Materializer:
     """Reads a source tensor once and produces what the specs ask: cast, or quantized + scales."""
 
     def __init__(self, source: Source, layout: Layout) -> None:
@@ -134,10 +134,10 @@ class _Materializer:
 
 
 def _write_stage(
-    layout: Layout, stage: int, ranks: list[RankLayout], out_dir: Path, source: Source,
-    mat: _Materializer, bar: Any,
+    layout: Layout, ranks: list[RankLayout], out_dir: Path, mat: Materializer, bar: Any
 ) -> dict[str, tuple[int, str]]:
-    """Write every listed rank of one stage. Returns file -> (size, sha256)."""
+    """Write the listed TP ranks of one stage together: each source tensor is read once and every
+    rank's slice goes to that rank's writer thread. Returns file -> (size, sha256)."""
     writers = {
         rl.file: ShardWriter(
             out_dir / rl.file, [(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl)
@@ -193,10 +193,11 @@ def output_config(layout: Layout) -> dict[str, Any]:
         from .layout import QUANTIZABLE
         from .quantize import quantization_config
 
-        quantized = {t.source for rl in layout.ranks for t in rl.tensors if t.quant}
-        all_linear = {n.rsplit(".", 1)[0] for rl in layout.ranks for t in rl.tensors
-                      if QUANTIZABLE.fullmatch(n := t.source)}
-        ignored = sorted(all_linear - {n.rsplit(".", 1)[0] for n in quantized}) + ["lm_head"]
+        specs = [t for rl in layout.ranks for t in rl.tensors]
+        quantized = {t.source for t in specs if t.quant}
+        linear = {t.source for t in specs if QUANTIZABLE.fullmatch(t.source)}
+        # compressed-tensors lists modules left in 16 bits: lm_head and any plan-ignored projection
+        ignored = sorted(n.removesuffix(".weight") for n in linear - quantized) + ["lm_head"]
         cfg["quantization_config"] = quantization_config(layout.plan.dtype, ignored)
     return cfg
 
@@ -294,7 +295,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     for stale in out.glob(".*.partial"):
         stale.unlink()
     key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
-    mat = _Materializer(source, layout)
+    mat = Materializer(source, layout)
     hashes: dict[str, tuple[int, str]] = {}
     bar = None
     if progress:
@@ -317,7 +318,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
             if not todo:
                 continue
             try:
-                written = _write_stage(layout, stage, todo, out, source, mat, bar)
+                written = _write_stage(layout, todo, out, mat, bar)
             except ShardcError:
                 # Bad input found mid-build (NaN in a late layer): leave nothing of this run behind.
                 for f in result.built:

@@ -164,11 +164,11 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
     import torch
     from safetensors import safe_open
 
-    from .build import _Materializer, cut
+    from .build import Materializer, cut
     from .source import open_source
 
     source = open_source(source_uri)
-    mat = _Materializer(source, layout)
+    mat = Materializer(source, layout)
     with safe_open(path, framework="pt") as f:
         for spec in rl.tensors:
             want = cut(mat.full(spec), spec)

@@ -7,7 +7,7 @@ stages. References are transformers models of the same checkpoint.
 Tolerances, in one place (the reasoning is in each test):
 * tp1pp1 runs the very kernels transformers runs (bf16 GEMMs, SDPA, fp32 RMSNorm statistics) in the
   same order, so logits agree to the bit; EXACT_ATOL only leaves room for an equivalent kernel choice.
-* tp > 1 changes one thing: a row-parallel projection (o_proj, down_proj) is the sum of tp partial
+* tp > 1 changes shapes and order: a row-parallel projection (o_proj, down_proj) is the sum of tp partial
   GEMMs, each rounded to bf16 before the (fp32) all-reduce. A transformers model patched to sum its
   row-parallel projections in exactly that order is the summation-order reference: against it the
   sharded run must again agree to EXACT_ATOL. Against tp1 the drift is bf16 rounding noise, bounded
@@ -49,23 +49,50 @@ def build_plan(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> B
     return open_build(res.manifest_path)
 
 
-def hf_model(src: Path, dtype: torch.dtype = torch.bfloat16, row_split: int = 1) -> torch.nn.Module:
-    """transformers' LlamaForCausalLM; with row_split > 1 its o_proj/down_proj sum ``row_split``
-    bf16 partial GEMMs in fp32 and round once: the summation order of a tp = row_split replica."""
+def hf_model(src: Path, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> torch.nn.Module:
+    """transformers' LlamaForCausalLM. With tp > 1 every projection runs as a tp-way replica computes
+    it: column-parallel q/k/v/gate/up and the vocab-parallel lm_head as one GEMM per rank slice
+    (GEMM kernels block differently for different shapes, so slices can differ in the last bit from
+    one big GEMM), row-parallel o/down as tp partial GEMMs rounded to bf16 and summed in fp32 in rank
+    order. Same shapes, same order: the single-process reference for a sharded run."""
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(src, dtype=dtype).eval()
-    if row_split > 1:
-        def patch(lin: torch.nn.Linear) -> None:
-            def forward(x: torch.Tensor) -> torch.Tensor:
-                parts = zip(x.chunk(row_split, -1), lin.weight.chunk(row_split, -1), strict=True)
-                return sum(F.linear(a.contiguous(), w.contiguous()).float() for a, w in parts).to(x.dtype)
-            lin.forward = forward
+    if tp == 1:
+        return model
 
-        for layer in model.model.layers:
-            patch(layer.self_attn.o_proj)
-            patch(layer.mlp.down_proj)
+    def column(lin: torch.nn.Linear, n: int, rows: int | None = None) -> None:
+        w = lin.weight.detach()
+        pad = (rows or w.shape[0]) - w.shape[0]  # vocab padding: zero rows, as the shards hold
+        w = torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
+        parts = [c.contiguous() for c in w.chunk(n, 0)]
+        true = lin.weight.shape[0]
+        lin.forward = lambda x: torch.cat([F.linear(x, c) for c in parts], -1)[..., :true]
+
+    def row(lin: torch.nn.Linear, n: int) -> None:
+        parts = [c.contiguous() for c in lin.weight.detach().chunk(n, 1)]
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            xs = [c.contiguous() for c in x.chunk(n, -1)]
+            total = F.linear(xs[0], parts[0]).float()
+            for a, w in zip(xs[1:], parts[1:], strict=True):
+                total += F.linear(a, w).float()
+            return total.to(x.dtype)
+        lin.forward = forward
+
+    kv = model.config.num_key_value_heads
+    for layer in model.model.layers:
+        att, mlp = layer.self_attn, layer.mlp
+        column(att.q_proj, tp)
+        column(att.k_proj, min(tp, kv))  # tp > kv heads: each rank computes one whole KV head
+        column(att.v_proj, min(tp, kv))
+        column(mlp.gate_proj, tp)
+        column(mlp.up_proj, tp)
+        row(att.o_proj, tp)
+        row(mlp.down_proj, tp)
+    vocab = model.config.vocab_size
+    column(model.lm_head, tp, -(-vocab // tp) * tp)
     return model
 
 
@@ -134,7 +161,7 @@ def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows):
 
     got = score(demo["tp3pp2"], demo_windows, return_logits=True, timeout_s=60)["logits"]
     # Same summation order as a tp=3 replica: agreement to the bit (see the module docstring).
-    same_order = hf_logits(hf_model(demo["src"], row_split=3), demo_windows)
+    same_order = hf_logits(hf_model(demo["src"], tp=3), demo_windows)
     torch.testing.assert_close(got, same_order, rtol=0, atol=EXACT_ATOL)
     # Against tp1pp1 the only difference is bf16 rounding of the partial sums: its size must stay
     # within the model's own bf16 noise (bf16 vs fp32 transformers on the same tokens).
@@ -206,7 +233,7 @@ def test_synthetic_tp_pp_against_reference(synth, kind, tp, pp):
     x = _ids(3, 24, 99, seed=tp * 10 + pp)  # 3 micro-batches through the pipeline
     got = score(ref, x, return_logits=True, timeout_s=60)["logits"]
     assert got.shape == (3, 24, 99)  # padded vocabulary rows dropped
-    torch.testing.assert_close(got, hf_logits(hf_model(src, row_split=tp), x), rtol=0, atol=EXACT_ATOL)
+    torch.testing.assert_close(got, hf_logits(hf_model(src, tp=tp), x), rtol=0, atol=EXACT_ATOL)
     # Drift from the tp1 reference is bf16 rounding of the partial sums: a few bf16 ulps of the
     # logits (|logit| < 1 here, ulp <= 2^-8).
     torch.testing.assert_close(got, hf_logits(hf_model(src), x), rtol=0, atol=4 * 2**-8)
@@ -219,7 +246,7 @@ def test_quantized_plans_dequantize_at_load(synth, dtype):
 
     src = synth["untied"]
     ref = build_plan(src, synth["out"], 2, 1, dtype)
-    hf = hf_model(src, row_split=2)
+    hf = hf_model(src, tp=2)
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("_proj.weight"):
