@@ -331,6 +331,9 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
                 result.built.append(rl.file)
                 write_atomic(_done_path(out, rl.file),
                              canonical_json({"key": key, "size": size, "sha256": sha}))
+            if bar is not None:
+                done = len(result.built) + len(result.skipped)
+                bar.set_postfix_str(f"shards {done}/{len(layout.ranks)}")
     finally:
         if bar is not None:
             bar.close()
