@@ -153,8 +153,9 @@ def _write_stage(
             for rl in ranks:
                 spec = rl.tensors[i]
                 assert spec.name == name
-                piece = as_bytes(cut(mat.full(spec), spec))
-                futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], piece, spec, bar))
+                # slicing + cast run on the writer threads too: the main thread only reads
+                # (and quantizes), so the per-rank work spreads over the cores
+                futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], mat.full(spec), spec, bar))
             pending.append(futures)
             if len(pending) > 1:  # at most two tensors in flight: memory stays bounded
                 for f in pending.pop(0):
@@ -174,8 +175,8 @@ def _write_stage(
             p.shutdown(wait=True)
 
 
-def _write_piece(writer: ShardWriter, piece, spec: TensorSpec, bar: Any) -> None:
-    writer.write(piece)
+def _write_piece(writer: ShardWriter, full, spec: TensorSpec, bar: Any) -> None:
+    writer.write(as_bytes(cut(full, spec)))
     if spec.pad_rows:
         row = spec.nbytes // spec.shape[0]
         writer.write(bytes(spec.pad_rows * row))

@@ -15,6 +15,8 @@ Why it looks the way it does:
   killed process are swept by :meth:`S3Store.abort_incomplete` at the start of the next push.
 * Downloads are written to a non-seekable sink, which makes the transfer manager hand the bytes over
   in order, so the sink can hash (and decompress) them as a stream: no second read of the file.
+  The price is memory: ranges that arrive ahead of the next expected byte wait in RAM, at most
+  about ``max_concurrency x multipart_chunksize`` (640 MiB with the defaults).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class S3Store(Store):
             read_timeout=s.read_timeout,
             max_pool_connections=s.max_concurrency + 4,
             user_agent_extra="shardc",
+            # Every byte we download is checked against the manifest's sha256 as it streams in;
+            # botocore re-hashing whole-object GETs (SHA-256 for our objects) would do it twice.
+            response_checksum_validation="when_required",
         )
         try:
             session = boto3.session.Session()
@@ -313,18 +318,20 @@ def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str, atte
             return StoreError(f"{what}: HTTP {status} {code or ''} after {attempts} attempts{detail}",
                               hint=_RETRY_HINT)
         return StoreError(f"{what}: {code or status}: {msg}".rstrip(": "))
-    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError, bce.ReadTimeoutError,
-                        bce.ConnectionClosedError, bce.HTTPClientError)):
+    from s3transfer.exceptions import RetriesExceededError
+    from urllib3.exceptions import ProtocolError
+
+    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
         return StoreError(f"{what}: cannot reach {endpoint} after {attempts} attempts ({type(exc).__name__})",
                           hint="check the endpoint (--endpoint-url / AWS_ENDPOINT_URL) and that the server is up")
-    try:
-        from s3transfer.exceptions import RetriesExceededError
-    except ImportError:  # pragma: no cover
-        RetriesExceededError = ()  # type: ignore[assignment]  # noqa: N806
+    if isinstance(exc, bce.ReadTimeoutError):
+        return StoreError(f"{what}: {endpoint} stopped answering (read timeout) after {attempts} attempts",
+                          hint=_RETRY_HINT + " / SHARDC_S3_READ_TIMEOUT")
     if isinstance(exc, RetriesExceededError):
-        last = getattr(exc, "last_exception", None)
-        return StoreError(f"{what}: the download kept breaking off after {attempts} attempts "
-                          f"({type(last).__name__ if last else 'error'})", hint=_RETRY_HINT)
+        exc = getattr(exc, "last_exception", None) or exc
+    if isinstance(exc, (bce.HTTPClientError, ProtocolError, RetriesExceededError)):
+        return StoreError(f"{what}: the connection to {endpoint} kept breaking off after {attempts} "
+                          f"attempts ({type(exc).__name__})", hint=_RETRY_HINT)
     if isinstance(exc, bce.BotoCoreError):
         return StoreError(f"{what}: {type(exc).__name__}: {exc}", hint=_RETRY_HINT)
     if isinstance(exc, OSError):

@@ -67,6 +67,7 @@ class Faults:
     delay: float = 0.0  # seconds added to every request
     bandwidth: float = 0.0  # bytes/second for request bodies (0: unlimited)
     seed: int = 0
+    match: str = ""  # faults only for requests whose path contains this
 
 
 @dataclass
@@ -142,9 +143,11 @@ class FaultProxy:
         self._httpd.shutdown()
         self._httpd.server_close()
 
-    def _decide(self, method: str) -> str | None:
+    def _decide(self, method: str, path: str) -> str | None:
         with self.state.lock:
             f, r = self.state.faults, self.state.rng.random()
+        if f.match and f.match not in path:
+            return None
         if r < f.p500:
             return "500"
         if r < f.p500 + f.preset:
@@ -207,7 +210,7 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(f.delay)
         if f.bandwidth and body:
             time.sleep(len(body) / f.bandwidth)
-        fault = owner._decide(self.command)
+        fault = owner._decide(self.command, self.path)
         if fault == "500":
             rec.status, rec.end = 500, time.monotonic()
             self.send_response(500)

@@ -49,16 +49,26 @@ def build_plan(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> B
     return open_build(res.manifest_path)
 
 
-def hf_model(src: Path, dtype: torch.dtype = torch.bfloat16, tp: int = 1) -> torch.nn.Module:
+def hf_model(src: Path, dtype: torch.dtype = torch.bfloat16, tp: int = 1,
+             quant: str | None = None) -> torch.nn.Module:
     """transformers' LlamaForCausalLM. With tp > 1 every projection runs as a tp-way replica computes
     it: column-parallel q/k/v/gate/up and the vocab-parallel lm_head as one GEMM per rank slice
     (GEMM kernels block differently for different shapes, so slices can differ in the last bit from
     one big GEMM), row-parallel o/down as tp partial GEMMs rounded to bf16 and summed in fp32 in rank
-    order. Same shapes, same order: the single-process reference for a sharded run."""
+    order. Same shapes, same order: the single-process reference for a sharded run. ``quant``
+    replaces every projection weight by its int8/fp8 round trip (weight-only quantization)."""
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
+    from shardc.quantize import dequantize, quantize
+
     model = LlamaForCausalLM.from_pretrained(src, dtype=dtype).eval()
+    if quant:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("_proj.weight"):
+                    q, scale, _ = quantize(name, p.detach(), quant)
+                    p.copy_(dequantize(q, scale, p.dtype))
     if tp == 1:
         return model
 
@@ -242,16 +252,9 @@ def test_synthetic_tp_pp_against_reference(synth, kind, tp, pp):
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_quantized_plans_dequantize_at_load(synth, dtype):
     """Weight-only int8/fp8: the runtime equals transformers running the dequantized weights."""
-    from shardc.quantize import dequantize, quantize
-
     src = synth["untied"]
     ref = build_plan(src, synth["out"], 2, 1, dtype)
-    hf = hf_model(src, tp=2)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("_proj.weight"):
-                q, scale, _ = quantize(name, p.detach(), dtype)
-                p.copy_(dequantize(q, scale, torch.bfloat16))
+    hf = hf_model(src, tp=2, quant=dtype)
     x = _ids(2, 16, 99, seed=7)
     got = score(ref, x, return_logits=True, timeout_s=60)["logits"]
     torch.testing.assert_close(got, hf_logits(hf, x), rtol=0, atol=EXACT_ATOL)
@@ -331,7 +334,7 @@ def test_torchrun_launch(pipe2):
     """The same command under torchrun: every rank in-process, the last stage prints."""
     direct = generate(pipe2, [[5, 6, 7]], 4, eos=[], timeout_s=60)["tokens"][0]
     p = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "0",
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "shardc.cli", "run", "--manifest", str(pipe2.manifest_path), "--prompt-ids", "5,6,7",
          "--max-new-tokens", "4", "--json", "--timeout", "60"],
         capture_output=True, text=True, cwd=ROOT, timeout=300,

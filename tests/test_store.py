@@ -154,7 +154,8 @@ def test_local_round_trip(builds, tmp_path, dtype, scheme):
     assert again["uploaded"] == 0 and again["manifest"] == "unchanged"
 
     dest = tmp_path / "node"
-    out = pull_build(f"{uri}/manifest.json", dest)
+    durable = TransferSettings.from_env(fsync_downloads=dtype == "fp8")  # both ways of committing
+    out = pull_build(f"{uri}/manifest.json", dest, settings=durable)
     assert out["verify"]["ok"] and len(out["verify"]["ranks"]) == len(b.manifest["shards"])
     assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
@@ -428,12 +429,22 @@ def test_push_and_pull_survive_faults(builds, s3, proxy, bucket, tmp_path):
         assert {k: v for k, v in tree(tmp_path / d).items() if k != "manifest.json"} == build_files(b)
 
 
-@pytest.mark.parametrize("fault", ["500", "reset"])
+ENDLESS = {
+    "500": (Faults(p500=1.0), "HTTP 500 InternalError after 3 attempts"),
+    "reset": (Faults(preset=1.0), "kept breaking off after 3 attempts"),
+    "cut": (Faults(pcut=1.0), "kept breaking off after 3 attempts"),
+    # only the data transfers fail (the manifest and HEADs get through)
+    "shards-500": (Faults(p500=1.0, match=".safetensors"), "after 3 attempts"),
+    "shards-cut": (Faults(pcut=1.0, preset=0.0, match=".safetensors"), "kept breaking off after 3 attempts"),
+}
+
+
+@pytest.mark.parametrize("fault", list(ENDLESS))
 def test_endless_faults_fail_clearly(builds, s3, proxy, bucket, tmp_path, monkeypatch, fault):
     b = builds["bf16"]
     push_build(b.manifest_path, f"s3://{bucket}/x", endpoint_url=s3.endpoint)
     monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "3")
-    proxy.faults = Faults(p500=1.0) if fault == "500" else Faults(preset=1.0)
+    proxy.faults, says = ENDLESS[fault]
     try:
         t0 = time.monotonic()
         push = run_cli("push", "--manifest", str(b.manifest_path), "--to", f"s3://{bucket}/y",
@@ -443,12 +454,17 @@ def test_endless_faults_fail_clearly(builds, s3, proxy, bucket, tmp_path, monkey
         elapsed = time.monotonic() - t0
     finally:
         proxy.faults = Faults()
-    for res in (push, pull):
+    for res in (push, pull) if fault != "shards-cut" else (pull,):  # cuts hit GETs only
         assert res.exit_code == 2
-        line = one_error_line(res)
-        assert "after 3 attempts" in line
-        assert ("HTTP 500" in line) if fault == "500" else ("cannot reach" in line)
+        assert says in one_error_line(res)
     assert elapsed < 30
+    if fault.startswith("shards"):
+        assert "model-tp" in one_error_line(pull)  # names the file it could not fetch
+        assert not list((tmp_path / "n").glob("model-*")) and not list((tmp_path / "n").glob(".*partial*"))
+    c = s3.client()
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads") is None  # failed pushes aborted
+    keys = {o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    assert ("y/manifest.json" in keys) == (push.exit_code == 0)
 
 
 def test_dead_endpoint_fails_fast(builds, tmp_path, monkeypatch):
@@ -489,6 +505,18 @@ def test_bad_input_is_one_line_exit_2(builds, s3, bucket, tmp_path):
         res = run_cli(*args)
         assert res.exit_code == 2, (args, res.output)
         assert expect in one_error_line(res), (expect, res.stderr)
+
+
+def test_environment_problems_are_one_line(builds, tmp_path):
+    """A directory where a shard should go (like a full disk): exit 2, one line, nothing left."""
+    b = builds["bf16"]
+    push_build(b.manifest_path, str(tmp_path / "store"))
+    dest = tmp_path / "node"
+    victim = b.manifest["shards"][0]["file"]
+    (dest / victim).mkdir(parents=True)
+    res = run_cli("pull", "--manifest", str(tmp_path / "store"), "--all", "--dest", str(dest))
+    assert res.exit_code == 2 and victim in one_error_line(res)
+    assert not list(dest.glob(".*.partial-*")) and not (dest / "manifest.json").exists()
 
 
 def test_no_credentials(builds, s3, bucket, tmp_path):

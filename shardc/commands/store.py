@@ -35,7 +35,8 @@ push. The manifest is uploaded last: a reader that finds it can fetch every file
               help="Where the shards are, if not next to --manifest (nor in build/<plan name>).")
 @click.option("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS).")
 @click.option("--compress", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
-              help="Store shards as .zst objects (pays only on slow links; see README).")
+              help="Store shards as .zst objects: ~20% smaller, but zstd runs at ~0.3-0.7 GB/s "
+              "per core, so it pays only on links slower than that.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, endpoint_url: str | None,

@@ -90,6 +90,7 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
                       "waiting for every rank to load its shard")
         runner = StageRunner(comm, model)
         timer = Timer()
+        cpu0 = time.process_time()
         kind = job["kind"]
         if kind == "generate":
             result = _generate(job, runner, comm)
@@ -100,10 +101,12 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
         else:
             raise ValueError(f"unknown job kind {kind!r}")
         seconds = timer.seconds()
+        cpu = time.process_time() - cpu0
         comm.barrier("final barrier")  # nobody tears down while a peer still waits on it
         if result is not None:
             result["seconds"] = seconds
             result["load_seconds"] = load_s
+            result["cpu_seconds"] = cpu  # this rank's process CPU time (all threads) while computing
         return result
     finally:
         comm.close()
@@ -134,6 +137,7 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
     windows = _windows(job)
     keep_logits = bool(job["score"].get("return_logits", False))
     nll, logits_out = [], []
+    marks = [time.perf_counter()]  # when each micro-batch's scores were done: steady-state rates
 
     def on_logits(m: int, logits: torch.Tensor | None) -> None:
         if logits is None:
@@ -144,11 +148,13 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
         nll.append(-lp.gather(-1, targets[..., None].to(lp.device))[..., 0].double().cpu())
         if keep_logits:
             logits_out.append(logits.cpu())
+        marks.append(time.perf_counter())
 
     runner.score(windows, int(job["score"].get("micro_batch", 1)), on_logits)
     if comm.rank != comm.replica.rank(0, comm.replica.pp - 1):
         return None
-    out: dict[str, Any] = {"nll": torch.cat(nll), "tokens": int(windows.numel())}
+    out: dict[str, Any] = {"nll": torch.cat(nll), "tokens": int(windows.numel()),
+                           "batch_seconds": torch.tensor(marks).diff()}
     if keep_logits:
         out["logits"] = torch.cat(logits_out)
     return out

@@ -1,0 +1,251 @@
+"""The golden-set gate: metrics, verdicts and exit codes, on synthetic and on the demo model."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from shardc.errors import ManifestError
+from shardc.gate import (
+    GoldenError,
+    Thresholds,
+    check_compatible,
+    golden_text,
+    make_windows,
+    paired_bootstrap_ci,
+    summarize,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# -- pure parts ------------------------------------------------------------------------------------------
+def test_pydoc_golden_text_is_bundled_and_stable():
+    text, label = golden_text("pydoc")
+    assert label == "pydoc" and len(text) > 100_000
+    assert golden_text("pydoc")[0] == text  # sorted topics: the same bytes every run
+
+
+def test_text_and_jsonl_golden_files(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world")
+    assert golden_text(str(tmp_path / "a.txt"))[0] == "hello world"
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n\n"two"\n')
+    assert golden_text(str(tmp_path / "b.jsonl"))[0] == "one\n\ntwo"
+    (tmp_path / "c.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(GoldenError, match="c.jsonl:1 has no string 'text'"):
+        golden_text(str(tmp_path / "c.jsonl"))
+    with pytest.raises(GoldenError, match="cannot read"):
+        golden_text(str(tmp_path / "missing.txt"))
+
+
+def test_windows_are_identical_non_overlapping_slices():
+    ids = list(range(1000))
+    w = make_windows(ids, 128, 700)
+    assert len(w) == 5 and all(len(x) == 128 for x in w)
+    assert w[1][0] == 128 and w[-1][-1] == 639
+    with pytest.raises(GoldenError, match="fewer than one window"):
+        make_windows(ids[:10], 128, 700)
+
+
+def _res(nb: np.ndarray, nc: np.ndarray, kl: float = 0.0, agree: float = 1.0) -> dict:
+    n = nb.size
+    top1 = np.zeros(n, dtype=bool)
+    top1[: int(round(agree * n))] = True
+    return {"nll_base": nb, "nll_cand": nc, "kl": np.full(n, kl), "top1": top1}
+
+
+def test_identical_plans_pass_with_zero_delta():
+    nb = np.random.default_rng(0).gamma(2.0, 1.5, size=(8, 63))
+    r = summarize(_res(nb, nb.copy()), 8, Thresholds())
+    assert r["pass"] and r["ppl_delta_pct"] == 0.0 and r["ppl_delta_ci95_pct"] == [0.0, 0.0]
+    assert r["baseline_ppl"] == pytest.approx(math.exp(nb.mean()))
+    assert r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0
+
+
+def test_drift_fails_and_thresholds_apply():
+    nb = np.random.default_rng(1).gamma(2.0, 1.5, size=(8, 63))
+    r = summarize(_res(nb, nb + 0.01, kl=0.02, agree=0.9), 8, Thresholds())
+    assert r["ppl_delta_pct"] == pytest.approx((math.exp(0.01) - 1) * 100)  # +1.005%
+    assert not r["pass"] and [c["name"] for c in r["checks"]] == ["ppl_delta_pct"]
+    lo, hi = r["ppl_delta_ci95_pct"]
+    assert lo == pytest.approx(hi) == pytest.approx(r["ppl_delta_pct"])  # a constant shift
+    r = summarize(_res(nb, nb, kl=0.02, agree=0.9), 8, Thresholds(0.5, max_kl=0.01, min_top1=0.95))
+    assert not r["pass"]
+    assert {c["name"]: c["ok"] for c in r["checks"]} == {
+        "ppl_delta_pct": True, "kl_mean": False, "top1_agreement": False}
+
+
+def test_paired_bootstrap_brackets_the_estimate():
+    rng = np.random.default_rng(2)
+    nb = rng.gamma(2.0, 1.5, size=(16, 127))
+    nc = nb + rng.normal(0.0, 0.05, size=nb.shape)
+    lo, hi = paired_bootstrap_ci(nb, nc, 2000, 0)
+    delta = (math.exp((nc.sum() - nb.sum()) / nb.size) - 1) * 100
+    assert lo < delta < hi and hi - lo < 1.0
+    assert paired_bootstrap_ci(nb, nc, 2000, 0) == (lo, hi)  # seeded: reproducible reports
+
+
+def test_different_models_are_refused():
+    m = {"model": {"hidden_size": 64, "vocab_size": 96}, "files": []}
+    with pytest.raises(ManifestError, match="vocab_size"):
+        check_compatible(m, {"model": {"hidden_size": 64, "vocab_size": 128}, "files": []})
+
+
+# -- end to end on synthetic models (tiny word-level tokenizer shipped with the checkpoint) --------------
+def _gate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "shardc.cli", "gate", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=600)
+
+
+def _build(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> Path:
+    from shardc.build import build
+    from shardc.plan import plan_from_dict
+
+    name = f"{src.name}-tp{tp}pp{pp}-{dtype}"
+    plan = plan_from_dict({
+        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
+                          "gpus_per_replica": tp * pp},
+        "model": {"source": str(src)},
+    })
+    return build(plan, out_dir=out / name).manifest_path
+
+
+@pytest.fixture(scope="module")
+def synth_builds(tmp_path_factory):
+    pytest.importorskip("torch")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from shardc.synthetic import llama_config, write_checkpoint
+
+    root = tmp_path_factory.mktemp("gate-synth")
+    words = golden_text("pydoc")[0].split()[:5000]
+    vocab = {"[UNK]": 0}
+    for w in words:
+        if len(vocab) < 96:
+            vocab.setdefault(w, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    out = {}
+    for name, seed in (("model", 0), ("other", 5)):
+        src = write_checkpoint(root / name, llama_config(num_layers=2), seed=seed)
+        tok.save(str(src / "tokenizer.json"))
+        out[name] = src
+    return {
+        "tp1pp1": _build(out["model"], root / "b", 1, 1),
+        "tp2pp2": _build(out["model"], root / "b", 2, 2),
+        "other": _build(out["other"], root / "b", 1, 1),
+    }
+
+
+def test_gate_cli_pass_fail_and_bad_input(synth_builds, tmp_path):
+    common = ["--max-tokens", "256", "--window", "64", "--timeout", "60"]
+    report = tmp_path / "gate.json"
+    p = _gate("--baseline", str(synth_builds["tp1pp1"]), "--candidate", str(synth_builds["tp2pp2"]),
+              "--min-top1", "0.9", "--report", str(report), *common)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "PASS" in p.stdout
+    r = json.loads(report.read_text())
+    assert r["pass"] and abs(r["ppl_delta_pct"]) < 0.05 and r["golden"]["windows"] == 4
+    assert r["positions"] == 4 * 63 and r["candidate"]["tp"] == 2
+
+    # Same shapes, different weights: perplexity of two near-uniform random models may match, but
+    # their top-1 predictions do not.
+    p = _gate("--baseline", str(synth_builds["tp1pp1"]), "--candidate", str(synth_builds["other"]),
+              "--min-top1", "0.9", "--json", *common)
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert not r["pass"] and r["top1_agreement"] < 0.5
+
+    p = _gate("--baseline", str(synth_builds["tp1pp1"]), "--candidate", str(synth_builds["tp2pp2"]),
+              "--golden", str(tmp_path / "nope.jsonl"), *common)
+    assert p.returncode == 2 and "cannot read golden text" in p.stderr
+
+
+# -- the demo model ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def demo_builds(demo_model_dir, tmp_path_factory):
+    pytest.importorskip("torch")
+    out = tmp_path_factory.mktemp("gate-demo")
+    return {
+        "tp1pp1": _build(demo_model_dir, out, 1, 1),
+        "tp3pp2": _build(demo_model_dir, out, 3, 2),
+        "int8": _build(demo_model_dir, out, 1, 1, "int8"),
+        "fp8": _build(demo_model_dir, out, 1, 1, "fp8"),
+        "out": out,
+    }
+
+
+DEMO = ["--max-tokens", "1024", "--window", "256", "--timeout", "120", "--json"]
+
+
+@pytest.mark.heavy
+def test_demo_bf16_tp3pp2_passes(demo_builds):
+    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(demo_builds["tp3pp2"]), *DEMO)
+    assert p.returncode == 0, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    # Only bf16 rounding of the row-parallel partial sums differs: delta ~ 0, far inside 0.5%.
+    assert r["pass"] and abs(r["ppl_delta_pct"]) < 0.3
+    assert r["kl_mean"] < 5e-3 and r["top1_agreement"] > 0.95
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_demo_quantized_measured_honestly(demo_builds, dtype, capsys):
+    """int8 / fp8 are measured, not assumed: the verdict is whatever the threshold says."""
+    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(demo_builds[dtype]), *DEMO)
+    assert p.returncode in (0, 1), p.stderr
+    r = json.loads(p.stdout)
+    assert r["pass"] == (abs(r["ppl_delta_pct"]) <= 0.5) == (p.returncode == 0)
+    assert r["kl_mean"] > 0 and r["top1_agreement"] < 1.0  # quantization is visible
+    with capsys.disabled():
+        print(f"\n[gate {dtype}] ppl delta {r['ppl_delta_pct']:+.3f}% CI {r['ppl_delta_ci95_pct']} "
+              f"KL {r['kl_mean']:.2e} top1 {r['top1_agreement']:.4f} -> {'PASS' if r['pass'] else 'FAIL'}")
+
+
+def _swap_row_parallel(build_dir: Path, layer: int) -> None:
+    """Corrupt a tp3pp2 build the way a buggy resharder would: layer ``layer``'s row-parallel
+    shards (o_proj, down_proj) swapped between TP ranks 0 and 1. Manifest hashes are updated so
+    every file still verifies; only the model is wrong. (Swapping *all* of a layer's tensors would
+    be harmless: heads and MLP columns are permutation-invariant.)"""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shardc.manifest import dumps, read_manifest
+    from shardc.source import sha256_file
+
+    m = read_manifest(build_dir / "manifest.json")
+    stage = next(s for s in m["shards"] if s["layers"][0] <= layer < s["layers"][1])["pp_stage"]
+    entries = {s["tp_rank"]: s for s in m["shards"] if s["pp_stage"] == stage}
+    data, meta = {}, {}
+    for r in (0, 1):
+        with safe_open(build_dir / entries[r]["file"], "pt") as f:
+            meta[r] = f.metadata()
+            data[r] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for name in (f"model.layers.{layer}.self_attn.o_proj.weight", f"model.layers.{layer}.mlp.down_proj.weight"):
+        data[0][name], data[1][name] = data[1][name], data[0][name]
+    for r in (0, 1):
+        path = build_dir / entries[r]["file"]
+        save_file(data[r], str(path), metadata=meta[r])
+        entries[r]["size"], entries[r]["sha256"] = path.stat().st_size, sha256_file(path)
+    (build_dir / "manifest.json").write_bytes(dumps(m))
+
+
+@pytest.mark.heavy
+def test_demo_broken_candidate_fails_loudly(demo_builds):
+    import shutil
+
+    broken = demo_builds["out"] / "broken"
+    shutil.copytree(demo_builds["tp3pp2"].parent, broken)
+    _swap_row_parallel(broken, layer=20)
+    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(broken / "manifest.json"),
+              "--min-top1", "0.9", *DEMO)
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert not r["pass"] and r["ppl_delta_pct"] > 5 and r["top1_agreement"] < 0.9
+    assert all(not c["ok"] for c in r["checks"])
