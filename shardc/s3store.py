@@ -47,6 +47,25 @@ def _boto3() -> Any:
     return boto3
 
 
+_LOADER: Any = None
+_LOADER_LOCK = threading.Lock()
+
+
+def _session(boto3: Any) -> Any:
+    """A fresh session (credentials and settings re-read from their sources every time) sharing
+    one botocore data loader, so the S3 service model is parsed once per process (~0.1 s)."""
+    import botocore.session
+
+    global _LOADER
+    core = botocore.session.get_session()
+    with _LOADER_LOCK:
+        if _LOADER is None:
+            _LOADER = core.get_component("data_loader")
+        else:
+            core.register_component("data_loader", _LOADER)
+    return boto3.session.Session(botocore_session=core)
+
+
 class S3Store(Store):
     """Objects under ``s3://bucket/prefix``."""
 
@@ -72,7 +91,7 @@ class S3Store(Store):
             response_checksum_validation="when_required",
         )
         try:
-            session = boto3.session.Session()
+            session = _session(boto3)
             self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
         except Exception as exc:  # bad profile, malformed endpoint URL, ...
             raise StoreError(f"cannot set up the S3 client for {self.uri}: {exc}",

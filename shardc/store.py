@@ -66,7 +66,7 @@ MiB = 1 << 20
 class TransferSettings:
     """Knobs of the S3 backend. Environment variables override the defaults, so a subprocess (CI,
     tests) can be tuned without code: SHARDC_S3_MAX_ATTEMPTS, SHARDC_S3_RETRY_MODE (or boto's
-    AWS_RETRY_MODE), SHARDC_S3_CONNECT_TIMEOUT, SHARDC_S3_READ_TIMEOUT, SHARDC_MULTIPART_THRESHOLD,
+    AWS_RETRY_MODE; SHARDC_S3_MAX_ATTEMPTS wins over AWS_MAX_ATTEMPTS), SHARDC_S3_CONNECT_TIMEOUT, SHARDC_S3_READ_TIMEOUT, SHARDC_MULTIPART_THRESHOLD,
     SHARDC_MULTIPART_CHUNKSIZE, SHARDC_S3_CONCURRENCY, SHARDC_FSYNC_DOWNLOADS."""
 
     max_attempts: int = 6  # total tries per request (botocore counts the first one)
@@ -84,6 +84,7 @@ class TransferSettings:
         env = os.environ
         values: dict[str, Any] = {}
         for field, var, conv in (
+            ("max_attempts", "AWS_MAX_ATTEMPTS", int),  # boto's own variable, then ours
             ("max_attempts", "SHARDC_S3_MAX_ATTEMPTS", int),
             ("connect_timeout", "SHARDC_S3_CONNECT_TIMEOUT", float),
             ("read_timeout", "SHARDC_S3_READ_TIMEOUT", float),
@@ -103,6 +104,8 @@ class TransferSettings:
                 raise StoreError(f"retry mode {mode!r} is unknown", hint="use standard or adaptive")
             values["retry_mode"] = mode
         values.update(overrides)
+        if values.get("max_attempts", 1) < 1:
+            raise StoreError("the number of S3 attempts must be at least 1")
         return cls(**values)
 
 
@@ -339,13 +342,14 @@ def _zstd_file_digests(path: Path) -> dict[str, str]:
     """Metadata of a stored .zst file, recomputed: its own sha256 and its content's size/sha256."""
     zstd = _zstd()
     raw, content = hashlib.sha256(), _HashWriter()
-    with open(path, "rb") as f, zstd.ZstdDecompressor().stream_writer(content, write_size=BLOCK, closefd=False) as w:
-        while chunk := f.read(BLOCK):
-            raw.update(chunk)
-            try:
+    try:
+        with open(path, "rb") as f, zstd.ZstdDecompressor().stream_writer(
+                content, write_size=BLOCK, closefd=False) as w:
+            while chunk := f.read(BLOCK):
+                raw.update(chunk)
                 w.write(chunk)
-            except zstd.ZstdError:
-                return {"sha256": raw.hexdigest()}  # not a valid stream: never matches
+    except zstd.ZstdError:
+        return {"sha256": sha256_file(path)}  # not a valid stream: never matches a manifest
     return {"sha256": raw.hexdigest(), "codec": "zstd", "content-size": str(content.n),
             "content-sha256": content.h.hexdigest()}
 
@@ -376,7 +380,7 @@ class VerifiedSink:
     the final name (the page cache outlives it), and after a power loss every reader of a pulled
     file hashes it first (pull's present check, verify, the runtime's checked load), so a torn
     file is re-downloaded, never used. Waiting for the disk would cost the cold start the whole
-    write-back of the shard (measured: pull at 0.5-0.7x of plain boto3 with it, ~1.0x without).
+    write-back of the shard (scripts/bench_store.py on the dev VM: about a third of pull's speed).
     """
 
     def __init__(self, final: Path, entry: dict[str, Any], compressed: dict[str, Any] | None,

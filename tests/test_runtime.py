@@ -341,3 +341,18 @@ def test_torchrun_launch(pipe2):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout)["outputs"][0]["tokens"] == direct
+
+
+def test_pipeline_keeps_micro_batches_in_flight(tmp_path):
+    """pp 2, 6 micro-batches: stage 0 starts micro-batch k+1 while stage 1 still computes k (the
+    sends are asynchronous), which is what makes the bubble (pp-1)/(M+pp-1) rather than (pp-1)/pp."""
+    from shardc.synthetic import llama_config, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "wide", llama_config(hidden_size=256, intermediate_size=768,
+                                                            num_layers=4, vocab_size=99), seed=4)
+    res = score(build_plan(src, tmp_path, 1, 2), _ids(6, 128, 99, seed=3), timeout_s=60)
+    s0, s1 = ({m: (a, b) for m, a, b in res["trace"][r]} for r in (0, 1))
+    assert sorted(s0) == sorted(s1) == list(range(6))
+    overlapped = [k for k in range(5) if s0[k + 1][0] < s1[k][1]]
+    assert overlapped, (s0, s1)
+    assert res["pipeline"]["bubble_formula"] == pytest.approx(1 / 7)

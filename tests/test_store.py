@@ -30,8 +30,6 @@ from s3server import FaultProxy, Faults, S3Server  # noqa: E402
 
 SECRET = "shardc-test-secret-DO-NOT-PRINT"
 ROOT = Path(__file__).resolve().parents[1]
-FAST = TransferSettings.from_env(multipart_threshold=1 << 20, multipart_chunksize=5 << 20,
-                                 max_attempts=8, connect_timeout=2, read_timeout=10)
 _bucket_ids = itertools.count()
 
 
@@ -143,14 +141,16 @@ def test_uris(tmp_path):
 
 # --- round trips --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype,scheme", [("bf16", "path"), ("int8", "file"), ("fp8", "path")])
-def test_local_round_trip(builds, tmp_path, dtype, scheme):
+@pytest.mark.parametrize("dtype,scheme,compress", [("bf16", "path", None), ("int8", "file", "zstd"),
+                                                   ("fp8", "path", None)])
+def test_local_round_trip(builds, tmp_path, dtype, scheme, compress):
     b = builds[dtype]
     store = tmp_path / "store"
     uri = f"file://{store}" if scheme == "file" else str(store)
-    res = push_build(b.manifest_path, uri)
+    res = push_build(b.manifest_path, uri, compress=compress)
     assert res["uploaded"] == len(res["objects"]) and (store / "manifest.json").is_file()
-    again = push_build(b.manifest_path, uri)
+    assert all((store / o["object"]).is_file() for o in res["objects"])
+    again = push_build(b.manifest_path, uri, compress=compress)
     assert again["uploaded"] == 0 and again["manifest"] == "unchanged"
 
     dest = tmp_path / "node"
@@ -284,6 +284,7 @@ def test_repush_replaces_changed_objects_behind_the_manifest(builds, s3, bucket)
     assert [o["action"] for o in res["objects"]] == ["present", "present", "uploaded"]
 
 
+@pytest.mark.heavy
 def test_interrupted_push_resumes(builds, s3, proxy, bucket, tmp_path):
     """A real `shardc push` subprocess, slowed by the proxy, killed mid-upload; then a rerun."""
     b = builds["bf16"]

@@ -121,12 +121,17 @@ def generate(ref: BuildRef, prompts: list[list[int]], max_new_tokens: int = 32, 
 def score(ref: BuildRef, windows: Any, *, micro_batch: int = 1, return_logits: bool = False,
           timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
     """Forward [N, T] token windows; per-position NLL (and optionally fp32 logits) of the last stage."""
+    from .engine import pipeline_stats
     from .launch import run_job
 
     job = _job("score", [ref], None, timeout_s, device,
                score={"windows": _as_lists(windows), "micro_batch": micro_batch,
                       "return_logits": return_logits})
-    return run_job(job)
+    res = run_job(job)
+    if res is not None:
+        lay = ref.manifest["layout"]
+        res["pipeline"] = pipeline_stats(res["trace"], lay["tp_degree"], lay["pp_degree"])
+    return res
 
 
 def compare(baseline: BuildRef, candidate: BuildRef, windows: Any, *, micro_batch: int = 1,

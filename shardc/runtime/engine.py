@@ -36,6 +36,9 @@ class StageRunner:
         self.next = rep.rank(comm.tp_rank, comm.pp_stage + 1) if not self.last else None
         self.hidden = model.d.hidden
         self._sends: deque[Any] = deque()
+        # (micro-batch, start, end) of this rank's compute, wall clock (comparable across processes):
+        # shows micro-batches overlapping across stages, and the measured bubble.
+        self.trace: list[tuple[int, float, float]] = []
 
     def _send(self, x: torch.Tensor, dst: int, what: str) -> None:
         self._sends.append(self.comm.isend(x, dst, what))
@@ -64,11 +67,15 @@ class StageRunner:
             self.comm.beat()
             what = f"micro-batch {m} activations"
             with torch.inference_mode():
-                h = self.model.layers(self._stage_input(chunk, what))
+                x = self._stage_input(chunk, what)
+                t0 = time.time()
+                h = self.model.layers(x)
                 if not self.last:
+                    self.trace.append((m, t0, time.time()))
                     self._send(h, self.next, f"sending {what} to pipeline stage {self.comm.pp_stage + 1}")
                     continue
                 logits = self.model.logits(h, everyone=False)
+                self.trace.append((m, t0, time.time()))
             on_logits(m, logits)
         self.drain()
 
@@ -127,3 +134,21 @@ class Timer:
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
+
+
+def pipeline_stats(trace: dict[int, list[list[float]]], tp: int, pp: int) -> dict[str, float]:
+    """Measured pipeline bubble from the per-rank compute traces (TP rank 0 of each stage) next to
+    GPipe's (pp - 1) / (M + pp - 1) for M micro-batches: the idle share of each stage's span."""
+    stages = [trace[s * tp] for s in range(pp) if s * tp in trace]
+    if not stages or not stages[0]:
+        return {}
+    start = min(t0 for st in stages for _, t0, _ in st)
+    end = max(t1 for st in stages for _, _, t1 in st)
+    span = max(end - start, 1e-9)
+    busy = [sum(t1 - t0 for _, t0, t1 in st) for st in stages]
+    m = len(stages[0])
+    return {
+        "micro_batches": m,
+        "bubble_measured": 1.0 - sum(busy) / (len(stages) * span),
+        "bubble_formula": (pp - 1) / (m + pp - 1),
+    }

@@ -144,9 +144,19 @@ class StageModel:
         self.dtype, self.device = dtype, device
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
+        cfg = model.get("config") or {}
+        # Sliding-window attention (Mistral, some Qwen2) equals full attention only inside the window.
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+        self.max_len = int(window) if window else None
 
     def _rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         need = start + length
+        if self.max_len is not None and need > self.max_len:
+            raise ModelError(
+                f"sequence of {need} tokens exceeds the model's sliding_window={self.max_len}, "
+                "which the shardc runtime does not implement",
+                hint="use shorter windows / prompts",
+            )
         if need > self._rope_len:
             size = max(need, 2 * self._rope_len, 256)
             cos, sin = rope_tables(self.model, size, self.dtype)

@@ -91,7 +91,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         lm_head = get("lm_head.weight") if "lm_head.weight" in specs else embed
     # The first vocabulary row of this rank's slice, as the Layout cut it (rows after it are padding).
     vocab_spec = specs.get("model.embed_tokens.weight") or specs.get("lm_head.weight")
-    vocab_start = vocab_spec.start or 0 if vocab_spec is not None else 0
+    vocab_start = (vocab_spec.start or 0) if vocab_spec is not None else 0
     return StageWeights(
         layers=layers,
         embed=embed,

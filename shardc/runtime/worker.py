@@ -151,10 +151,13 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
         marks.append(time.perf_counter())
 
     runner.score(windows, int(job["score"].get("micro_batch", 1)), on_logits)
+    comm.store.set(f"trace/{comm.rank}", json.dumps(runner.trace))
     if comm.rank != comm.replica.rank(0, comm.replica.pp - 1):
         return None
+    comm.wait_all("trace", comm.timeout_s, "collecting compute traces")
+    trace = {r: json.loads(comm.store.get(f"trace/{r}")) for r in range(comm.world)}
     out: dict[str, Any] = {"nll": torch.cat(nll), "tokens": int(windows.numel()),
-                           "batch_seconds": torch.tensor(marks).diff()}
+                           "batch_seconds": torch.tensor(marks).diff(), "trace": trace}
     if keep_logits:
         out["logits"] = torch.cat(logits_out)
     return out
