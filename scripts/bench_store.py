@@ -39,7 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardc.store import TransferSettings, pull_build, push_build  # noqa: E402
+from shardc.store import TransferSettings  # noqa: E402
+from shardc.transfer import pull_build, push_build  # noqa: E402
 
 SMALL = dict(hidden_size=1024, intermediate_size=4096, num_heads=8, num_kv_heads=4, vocab_size=32000)
 

@@ -17,6 +17,11 @@ Schema (format_version 1)::
     }
 
 File names in ``shards`` and ``files`` are relative to the manifest's own directory (or prefix).
+
+A manifest pushed with ``--compress zstd`` adds to each compressed entry ``"compressed": {"codec":
+"zstd", "size": int, "sha256": hex, "object": "<file>.zst"}`` (the stored object); the entry's own
+size and sha256 stay those of the uncompressed file. ``shardc pull`` strips the key again, so a
+pulled manifest.json is byte-identical to the build's.
 """
 
 from __future__ import annotations

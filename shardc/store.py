@@ -1,31 +1,9 @@
-"""Object storage: push a build to a store and pull (parts of) it back, verified.
+"""Object storage: a narrow interface over where builds live, and the local backend.
 
 Stores are named by URI: a plain path or ``file://`` (the default; no services needed) or
 ``s3://bucket/prefix`` (boto3, imported only then; see :mod:`shardc.s3store`). Both sit behind the
-small :class:`Store` interface, so push and pull hold the protocol and the backends hold the I/O.
-
-Push protocol (manifest last, so a reader that finds a manifest can fetch everything it names):
-
-1. objects already in the store with the right size and recorded sha256 are skipped (resume);
-2. if anything must be (re)written and the store holds a different manifest under the same name,
-   that manifest is deleted first: no reader may see it while its objects change;
-3. every other file is uploaded, in parallel, with its sha256 as object metadata, while it is
-   hashed against the local manifest; an object is only completed once its hash matched (a shard
-   that rotted on disk is never published);
-4. every object is checked to exist with the right size;
-5. the manifest is written last.
-
-With ``compress="zstd"`` shards are stored as ``<file>.zst`` and the manifest pushed to the store
-gets, in each such shard entry, ``"compressed": {"codec": "zstd", "size": int, "sha256": hex,
-"object": "<file>.zst"}`` next to the uncompressed size and sha256 (config.json and other small
-files stay plain). The local build manifest is unchanged; pull strips the key again, so the pulled
-``manifest.json`` is byte-identical to the build's.
-
-Pull: fetch the manifest, then only the requested shards plus the side files. Each download is
-streamed into a temp name next to its destination, hashed (and decompressed, checking both hashes)
-on the way, and renamed into place only when it matches; files already present and matching are
-kept. The local manifest is written after the files, then the ranks are verified like
-``shardc verify`` does.
+small :class:`Store` interface, so the push/pull protocol (:mod:`shardc.transfer`) holds the
+rules and the backends hold the I/O.
 
 Object metadata (S3 ``x-amz-meta-*``): ``sha256`` of the stored bytes; for ``.zst`` objects also
 ``codec``, ``content-size`` and ``content-sha256`` of the uncompressed file.
@@ -35,19 +13,16 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import functools
 import hashlib
 import os
-import sys
-import tempfile
-import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import ManifestError, ShardcError, StoreError, VerifyMismatch
-from .manifest import dumps, fsync_dir, loads, read_manifest, write_atomic
+from .errors import ShardcError, StoreError, VerifyMismatch
+from .manifest import fsync_dir, write_atomic
+from .source import sha256_file
 
 MANIFEST_NAME = "manifest.json"
 CODECS = ("zstd",)
@@ -77,7 +52,9 @@ class TransferSettings:
     multipart_chunksize: int = 64 * MiB  # S3 allows 10,000 parts: 625 GiB per file at 64 MiB
     max_concurrency: int = 10
     max_files_in_flight: int = 4  # bounds the look-ahead of hashing/compressing during a push
-    fsync_downloads: bool = False  # see VerifiedSink: the sha256 checks make it optional
+    # DESIGN §4: temp + fsync + rename. SHARDC_FSYNC_DOWNLOADS=0 trades durability after a power
+    # loss (verify re-hashes at every cold start anyway) for ~1/3 more pull throughput.
+    fsync_downloads: bool = True
 
     @classmethod
     def from_env(cls, **overrides: Any) -> TransferSettings:
@@ -237,7 +214,7 @@ class LocalStore(Store):
         if not digest:
             return ObjectInfo(size, None, {})
         if name.endswith(".zst"):
-            meta = _zstd_file_digests(p)
+            meta = zstd_file_digests(p)
             return ObjectInfo(size, meta["sha256"], meta)
         sha = sha256_file(p)
         return ObjectInfo(size, sha, {"sha256": sha})
@@ -264,7 +241,7 @@ class LocalStore(Store):
         self._path(name).unlink(missing_ok=True)
 
     def abort_incomplete(self, names: Iterable[str]) -> int:
-        return sum(_remove_stale_partials(self.root, n) for n in names)
+        return sum(remove_stale_partials(self.root, n) for n in names)
 
     def _mkdir(self) -> None:
         try:
@@ -277,7 +254,7 @@ class LocalStore(Store):
         for item in items:
             try:
                 dst = self._path(item.name)
-                tmp = _partial_name(dst)
+                tmp = partial_name(dst)
                 try:
                     with open(item.path, "rb") as src, open(tmp, "wb") as out:
                         _copy(src, out.write, on_bytes)
@@ -319,17 +296,7 @@ def _copy(src: BinaryIO, write: Callable[[bytes], Any], on_bytes: Callable[[int]
         on_bytes(len(chunk))
 
 
-# --- hashing, compression, verified sinks -------------------------------------------------------
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(BLOCK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _zstd() -> Any:
+def zstd_module() -> Any:
     try:
         import zstandard
     except ImportError:  # pragma: no cover - depends on the environment
@@ -338,10 +305,10 @@ def _zstd() -> Any:
     return zstandard
 
 
-def _zstd_file_digests(path: Path) -> dict[str, str]:
+def zstd_file_digests(path: Path) -> dict[str, str]:
     """Metadata of a stored .zst file, recomputed: its own sha256 and its content's size/sha256."""
-    zstd = _zstd()
-    raw, content = hashlib.sha256(), _HashWriter()
+    zstd = zstd_module()
+    raw, content = hashlib.sha256(), HashWriter()
     try:
         with open(path, "rb") as f, zstd.ZstdDecompressor().stream_writer(
                 content, write_size=BLOCK, closefd=False) as w:
@@ -354,7 +321,7 @@ def _zstd_file_digests(path: Path) -> dict[str, str]:
             "content-sha256": content.h.hexdigest()}
 
 
-class _HashWriter:
+class HashWriter:
     """Counts and hashes what is written to it; optionally passes it on."""
 
     def __init__(self, out: BinaryIO | None = None) -> None:
@@ -372,105 +339,11 @@ class _HashWriter:
             self.out.flush()
 
 
-class VerifiedSink:
-    """Receives a file's bytes in order, hashes them (decompressing a zstd stream first) into a temp
-    name next to ``final``, and renames into place only if size and sha256 match the manifest.
-
-    No fsync before the rename unless ``fsync``: a killed process never leaves a partial file under
-    the final name (the page cache outlives it), and after a power loss every reader of a pulled
-    file hashes it first (pull's present check, verify, the runtime's checked load), so a torn
-    file is re-downloaded, never used. Waiting for the disk would cost the cold start the whole
-    write-back of the shard (scripts/bench_store.py on the dev VM: about a third of pull's speed).
-    """
-
-    def __init__(self, final: Path, entry: dict[str, Any], compressed: dict[str, Any] | None,
-                 fsync: bool = False) -> None:
-        self.final, self.entry, self.compressed, self.fsync = final, entry, compressed, fsync
-        self.tmp = _partial_name(final)
-        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in commit/abort
-        self._plain = _HashWriter(self._f)
-        self._raw = _HashWriter()
-        self._dec = None
-        if compressed is not None:
-            self._zstd = _zstd()
-            self._dec = self._zstd.ZstdDecompressor().stream_writer(
-                _Bounded(self._plain, entry["size"], final.name), write_size=BLOCK, closefd=False)
-
-    def seekable(self) -> bool:  # makes s3transfer deliver bytes in order
-        return False
-
-    def write(self, data: bytes) -> int:
-        if self._dec is not None:
-            self._raw.write(data)
-            try:
-                self._dec.write(data)
-            except self._zstd.ZstdError as exc:
-                raise VerifyMismatch(f"{self.final.name}: the stored .zst object is not a valid zstd "
-                                     f"stream ({exc})", hint="push the build again") from None
-        else:
-            if self._plain.n + len(data) > self.entry["size"]:
-                raise VerifyMismatch(f"{self.final.name}: the stored object is larger than the "
-                                     f"manifest's {self.entry['size']} bytes", hint="push the build again")
-            self._plain.write(data)
-        return len(data)
-
-    def commit(self) -> str:
-        """Check everything, then rename into place. Returns the sha256 of the file."""
-        name, problems = self.final.name, []
-        if self._dec is not None:
-            c = self.compressed or {}
-            self._dec.flush()
-            if self._raw.n != c.get("size") or self._raw.h.hexdigest() != c.get("sha256"):
-                problems.append(f"compressed object {c.get('object')}: {self._raw.n} bytes, sha256 "
-                                f"{self._raw.h.hexdigest()[:16]}..., expected {c.get('size')} bytes, "
-                                f"{str(c.get('sha256'))[:16]}...")
-        sha = self._plain.h.hexdigest()
-        if self._plain.n != self.entry["size"] or sha != self.entry["sha256"]:
-            problems.append(f"{self._plain.n} bytes, sha256 {sha[:16]}..., expected "
-                            f"{self.entry['size']} bytes, {self.entry['sha256'][:16]}...")
-        if problems:
-            self.abort()
-            raise VerifyMismatch(f"{name}: downloaded data does not match the manifest: "
-                                 + "; ".join(problems),
-                                 hint="the object was corrupted or replaced in the store; push the build again")
-        try:
-            self._f.flush()
-            if self.fsync:
-                os.fsync(self._f.fileno())
-            self._f.close()
-            os.replace(self.tmp, self.final)
-        except OSError:
-            self.abort()
-            raise
-        return sha
-
-    def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-class _Bounded:
-    """Stops a decompression stream that grows past the manifest's size (no zstd bombs)."""
-
-    def __init__(self, out: _HashWriter, limit: int, name: str) -> None:
-        self.out, self.limit, self.name = out, limit, name
-
-    def flush(self) -> None:
-        self.out.flush()
-
-    def write(self, data: bytes) -> int:
-        if self.out.n + len(data) > self.limit:
-            raise VerifyMismatch(f"{self.name}: the stored object decompresses to more than the "
-                                 f"manifest's {self.limit} bytes", hint="push the build again")
-        return self.out.write(data)
-
-
-def _partial_name(final: Path) -> Path:
+def partial_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.partial-{os.getpid()}")
 
 
-def _remove_stale_partials(directory: Path, name: str) -> int:
+def remove_stale_partials(directory: Path, name: str) -> int:
     """Temp files of killed processes (their pid is gone) are removed; live ones are left alone."""
     n = 0
     for p in directory.glob(f".{name}.partial-*"):
@@ -486,425 +359,3 @@ def _remove_stale_partials(directory: Path, name: str) -> int:
         p.unlink(missing_ok=True)
         n += 1
     return n
-
-
-def _compress(src: Path, level: int) -> tuple[Path, str, dict[str, str]]:
-    """Compress to a temp file, hashing input and output on the way. -> (tmp, content sha, metadata)."""
-    zstd = _zstd()
-    fd, tmp_name = tempfile.mkstemp(prefix=f"shardc-{src.name}-", suffix=".zst")
-    tmp = Path(tmp_name)
-    content = _HashWriter()
-    try:
-        with open(src, "rb") as f, os.fdopen(fd, "wb") as out:
-            packed = _HashWriter(out)
-            cctx = zstd.ZstdCompressor(level=level, threads=-1, write_checksum=True)
-            with cctx.stream_writer(packed, size=src.stat().st_size, closefd=False) as w:
-                while chunk := f.read(BLOCK):
-                    content.write(chunk)
-                    w.write(chunk)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    meta = {"sha256": packed.h.hexdigest(), "codec": "zstd", "content-size": str(content.n),
-            "content-sha256": content.h.hexdigest()}
-    return tmp, content.h.hexdigest(), meta
-
-
-# --- push ---------------------------------------------------------------------------------------
-
-def _entries(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
-    """(file name, manifest entry, is_shard) for every file a build consists of, manifest aside."""
-    return [(f["name"], f, False) for f in manifest["files"]] + [(s["file"], s, True) for s in manifest["shards"]]
-
-
-def _build_dir(manifest_path: Path, manifest: dict[str, Any], build_dir: Path | None) -> Path:
-    """Where the shards are: next to the manifest, or (for a copy in manifests/) build/<plan name>."""
-    names = [n for n, _, _ in _entries(manifest)]
-    name = manifest["plan"]["replica_group"]["name"]
-    candidates = [Path(build_dir)] if build_dir else [
-        manifest_path.parent, Path("build") / name, manifest_path.parent.parent / "build" / name]
-    for c in candidates:
-        if all((c / n).is_file() for n in names):
-            return c
-    missing = next(n for n in names if not (candidates[0] / n).is_file())
-    raise StoreError(f"the build's files are not next to {manifest_path} (missing {missing})",
-                     hint="pass the manifest.json inside the build directory, or --build-dir DIR")
-
-
-def _destination(manifest: dict[str, Any], dest_uri: str | None) -> tuple[str, str]:
-    if dest_uri:
-        if dest_uri.endswith(".json"):
-            return split_object_uri(dest_uri)
-        parse_uri(dest_uri)
-        return dest_uri.rstrip("/") or "/", MANIFEST_NAME
-    uri = ((manifest["plan"].get("replica_group") or {}).get("checkpoint") or {}).get("manifest_uri")
-    if not uri:
-        raise StoreError("no destination: the plan has no replica_group.checkpoint.manifest_uri",
-                         hint="pass --to URI (a local directory, file:// or s3://bucket/prefix)")
-    return split_object_uri(uri)
-
-
-def _progress_bar(progress: bool, desc: str, total: int) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                disable=not progress, file=sys.stderr, leave=False)
-
-
-def _os_errors(fn: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-    """A full disk or a read-only directory is an environment problem: one line, exit 2."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> dict[str, Any]:
-        try:
-            return fn(*args, **kwargs)
-        except OSError as exc:
-            where = f"{exc.filename}: " if exc.filename else ""
-            raise StoreError(f"{where}{exc.strerror or exc}", hint="check free space and permissions") from None
-
-    return wrapper
-
-
-@_os_errors
-def push_build(
-    manifest_path: Path,
-    dest_uri: str | None = None,
-    *,
-    endpoint_url: str | None = None,
-    compress: str | None = None,
-    progress: bool = False,
-    build_dir: Path | None = None,
-    settings: TransferSettings | None = None,
-) -> dict[str, Any]:
-    """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes."""
-    t0 = time.perf_counter()
-    manifest_path = Path(manifest_path)
-    manifest = read_manifest(manifest_path)
-    if compress is not None and compress not in CODECS:
-        raise StoreError(f"unknown compression {compress!r}", hint=f"use one of: {', '.join(CODECS)}")
-    src = _build_dir(manifest_path, manifest, build_dir)
-    root, manifest_name = _destination(manifest, dest_uri)
-    store = open_store(root, endpoint_url=endpoint_url, settings=settings)
-
-    plan: list[dict[str, Any]] = []
-    for name, entry, shard in _entries(manifest):
-        local = src / name
-        if local.stat().st_size != entry["size"]:
-            raise VerifyMismatch(f"{local}: {local.stat().st_size} bytes, the manifest says {entry['size']}",
-                                 hint="the build directory changed after the build; rebuild")
-        obj = name + ".zst" if (compress and shard) else name
-        plan.append({"file": name, "object": obj, "entry": entry, "local": local, "codec": compress if shard else None})
-
-    old = store.get_bytes(manifest_name, MAX_MANIFEST_BYTES)  # also the first contact: bucket, creds
-    store.abort_incomplete([p["object"] for p in plan])
-    todo = []
-    for p in plan:
-        info = store.head(p["object"])
-        if info is not None and info.sha256 is None and (p["codec"] or info.size == p["entry"]["size"]):
-            info = store.head(p["object"], digest=True)  # a backend without recorded hashes
-        if info is not None and _matches(info, p):
-            p["stored"], p["action"] = info, "present"
-        else:
-            p["action"] = "uploaded"
-            todo.append(p)
-    if todo and old is not None:
-        store.delete(manifest_name)  # un-commit: its objects are about to change
-
-    bar = _progress_bar(progress, f"push {store.uri}", 0)
-    hashers = ThreadPoolExecutor(2, thread_name_prefix="shardc-hash")
-    try:
-        store.put_files(_prepared(todo, bar, hashers), bar.update)
-    finally:
-        hashers.shutdown(wait=True, cancel_futures=True)
-        bar.close()
-
-    for p in plan:  # every object there, with the right size, before the manifest
-        info = store.head(p["object"])
-        want = p["stored"].size
-        if info is None or info.size != want:
-            raise StoreError(f"after upload, {store.object_uri(p['object'])} is "
-                             f"{'missing' if info is None else f'{info.size} bytes, expected {want}'}",
-                             hint="another writer changed the store during the push; rerun")
-    remote = _remote_manifest(manifest, plan)
-    data = dumps(remote)
-    state = "unchanged"
-    if data != old or todo:
-        store.put_bytes(manifest_name, data, {"sha256": hashlib.sha256(data).hexdigest()})
-        state = "uploaded"
-    return {
-        "dest": store.uri,
-        "manifest_uri": store.object_uri(manifest_name),
-        "manifest": state,
-        "compress": compress,
-        "objects": [{"file": p["file"], "object": p["object"], "size": p["stored"].size,
-                     "action": p["action"]} for p in plan],
-        "uploaded": sum(p["action"] == "uploaded" for p in plan),
-        "present": sum(p["action"] == "present" for p in plan),
-        "bytes_uploaded": sum(p["stored"].size for p in todo),
-        "bytes_total": sum(p["stored"].size for p in plan),
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
-
-
-def _matches(info: ObjectInfo, p: dict[str, Any]) -> bool:
-    e = p["entry"]
-    if p["codec"]:
-        md = info.metadata
-        return (md.get("codec") == p["codec"] and md.get("content-sha256") == e["sha256"]
-                and md.get("content-size") == str(e["size"]) and bool(info.sha256))
-    return info.size == e["size"] and info.sha256 == e["sha256"]
-
-
-def _prepared(todo: list[dict[str, Any]], bar: Any, hashers: ThreadPoolExecutor) -> Iterator[PutItem]:
-    """The uploads, each checked against the manifest before its object may appear.
-
-    Plain files start uploading at once while a hashing thread re-reads them; the backend holds
-    back the object's completion until the hash matched (``PutItem.verified``), so hashing
-    overlaps the transfer and a shard that rotted on disk is still never published. Compressed
-    files are hashed while they are compressed, before the upload. A generator: the backend pulls
-    the next item while earlier ones transfer.
-    """
-    for p in todo:
-        e, local = p["entry"], p["local"]
-        verified: Future[None] | None = None
-        if p["codec"]:
-            tmp, sha, meta = _compress(local, ZSTD_LEVEL)
-            if sha != e["sha256"]:
-                tmp.unlink(missing_ok=True)
-                raise _rotted(local, sha, e)
-            size, path = tmp.stat().st_size, tmp
-            cleanup: Callable[[], None] = lambda t=tmp: t.unlink(missing_ok=True)  # noqa: E731
-        else:
-            verified = hashers.submit(_check_local, local, e)
-            size, path, meta = e["size"], local, {"sha256": e["sha256"]}
-            cleanup = lambda: None  # noqa: E731
-        p["stored"] = ObjectInfo(size, meta["sha256"], meta)
-        bar.total = (bar.total or 0) + size
-        bar.refresh()
-        ctype = "application/json" if p["file"].endswith(".json") else "application/octet-stream"
-        yield PutItem(p["object"], path, size, meta, ctype, cleanup, verified)
-
-
-def _check_local(local: Path, entry: dict[str, Any]) -> None:
-    sha = sha256_file(local)
-    if sha != entry["sha256"]:
-        raise _rotted(local, sha, entry)
-
-
-def _rotted(local: Path, sha: str, entry: dict[str, Any]) -> VerifyMismatch:
-    return VerifyMismatch(f"{local}: sha256 {sha[:16]}... does not match the manifest's "
-                          f"{entry['sha256'][:16]}...", hint="the file changed after the build; rebuild")
-
-
-def _remote_manifest(manifest: dict[str, Any], plan: list[dict[str, Any]]) -> dict[str, Any]:
-    """The build manifest plus, for compressed objects, what was stored."""
-    if not any(p["codec"] for p in plan):
-        return manifest
-    remote = dict(manifest)
-    stored = {p["file"]: p for p in plan if p["codec"]}
-
-    def add(entry: dict[str, Any], name: str) -> dict[str, Any]:
-        p = stored.get(name)
-        if p is None:
-            return entry
-        s = p["stored"]
-        return {**entry, "compressed": {"codec": p["codec"], "size": s.size, "sha256": s.sha256,
-                                        "object": p["object"]}}
-
-    remote["shards"] = [add(s, s["file"]) for s in manifest["shards"]]
-    remote["files"] = [add(f, f["name"]) for f in manifest["files"]]
-    return remote
-
-
-def _strip_compressed(manifest: dict[str, Any]) -> dict[str, Any]:
-    local = dict(manifest)
-    local["shards"] = [{k: v for k, v in s.items() if k != "compressed"} for s in manifest["shards"]]
-    local["files"] = [{k: v for k, v in f.items() if k != "compressed"} for f in manifest["files"]]
-    return local
-
-
-# --- pull ---------------------------------------------------------------------------------------
-
-def _select(manifest: dict[str, Any], ranks: list[tuple[int, int]] | None,
-            global_ranks: list[int] | None) -> list[dict[str, Any]]:
-    shards = manifest["shards"]
-    if ranks is None and global_ranks is None:
-        return list(shards)
-    by_pair = {(s["tp_rank"], s["pp_stage"]): s for s in shards}
-    by_rank = {s["rank"]: s for s in shards}
-    tp, pp = manifest["layout"]["tp_degree"], manifest["layout"]["pp_degree"]
-    out: list[dict[str, Any]] = []
-    for pair in ranks or []:
-        if tuple(pair) not in by_pair:
-            raise ManifestError(f"tp_rank={pair[0]} pp_stage={pair[1]} is outside this build "
-                                f"(tp_degree={tp}, pp_degree={pp})",
-                                hint=f"tp ranks 0..{tp - 1}, pp stages 0..{pp - 1}")
-        out.append(by_pair[tuple(pair)])
-    for r in global_ranks or []:
-        if r not in by_rank:
-            raise ManifestError(f"rank {r} is outside this build (world size {tp * pp})",
-                                hint=f"ranks 0..{tp * pp - 1}")
-        out.append(by_rank[r])
-    unique = {s["file"]: s for s in out}
-    return sorted(unique.values(), key=lambda s: s["rank"])
-
-
-def _present(path: Path, entry: dict[str, Any]) -> str | None:
-    """The sha256 of a file already at its destination, if it is the right one."""
-    if path.is_file() and path.stat().st_size == entry["size"]:
-        sha = sha256_file(path)
-        if sha == entry["sha256"]:
-            return sha
-    return None
-
-
-def _compressed(entry: dict[str, Any], fname: str) -> dict[str, Any] | None:
-    """The entry's ``compressed`` record, checked: names from a manifest never escape ``dest``."""
-    comp = entry.get("compressed")
-    if comp is None:
-        return None
-    from .manifest import safe_name
-
-    if (not isinstance(comp, dict) or comp.get("codec") not in CODECS
-            or not isinstance(comp.get("size"), int) or not isinstance(comp.get("sha256"), str)):
-        raise ManifestError(f"the manifest's compressed record of {fname} is malformed or uses an "
-                            f"unknown codec", hint="push the build again with this shardc version")
-    safe_name(comp.get("object"), "compressed object name")
-    return comp
-
-
-@_os_errors
-def pull_build(
-    manifest_uri: str,
-    dest_dir: Path,
-    *,
-    ranks: list[tuple[int, int]] | None = None,
-    endpoint_url: str | None = None,
-    progress: bool = False,
-    global_ranks: list[int] | None = None,
-    settings: TransferSettings | None = None,
-) -> dict[str, Any]:
-    """Fetch the manifest and the requested ranks' shards (default: all) plus the side files into
-    ``dest_dir``, every file verified before it gets its final name; then verify the ranks."""
-    t0 = time.perf_counter()
-    settings = settings or TransferSettings.from_env()
-    root, name = split_object_uri(manifest_uri)
-    store = open_store(root, endpoint_url=endpoint_url, settings=settings)
-    data = store.get_bytes(name, MAX_MANIFEST_BYTES)
-    if data is None:
-        raise StoreError(f"no manifest at {store.object_uri(name)}",
-                         hint="check the URI; a build is visible only once shardc push has finished")
-    remote = loads(data, store.object_uri(name))
-    shards = _select(remote, ranks, global_ranks)
-    wanted = [(f["name"], f) for f in remote["files"]] + [(s["file"], s) for s in shards]
-
-    local = _strip_compressed(remote)
-    local_bytes = dumps(local)
-    comps = {fname: _compressed(entry, fname) for fname, entry in wanted}
-
-    dest = Path(dest_dir)
-    try:
-        dest.mkdir(parents=True, exist_ok=True)
-        old = dest / MANIFEST_NAME
-        if old.is_file() and old.read_bytes() != local_bytes:
-            old.unlink()  # it no longer describes the directory once files start changing
-    except OSError as exc:
-        raise StoreError(f"cannot prepare {dest}: {exc.strerror}") from None
-    for fname, _ in wanted:
-        _remove_stale_partials(dest, fname)
-    digests: dict[str, str] = {}
-    files, todo = [], []
-    with ThreadPoolExecutor(4, thread_name_prefix="shardc-hash") as pool:
-        present = list(pool.map(lambda w: _present(dest / w[0], w[1]), wanted))
-    for (fname, entry), sha in zip(wanted, present, strict=True):
-        if sha is not None:
-            digests[fname] = sha
-            files.append({"name": fname, "size": entry["size"], "action": "present"})
-        else:
-            todo.append((fname, entry))
-
-    items: list[GetItem] = []
-    total = 0
-    bar = None
-    try:
-        for fname, entry in todo:
-            comp = comps[fname]
-            obj = comp["object"] if comp else fname
-            items.append(GetItem(obj, VerifiedSink(dest / fname, entry, comp, settings.fsync_downloads)))
-            total += comp["size"] if comp else entry["size"]
-        bar = _progress_bar(progress, f"pull {store.uri}", total)
-        errors = store.get_files(items, bar.update)
-    except BaseException:
-        for i in items:
-            i.sink.abort()
-        raise
-    finally:
-        if bar is not None:
-            bar.close()
-
-    mismatches: list[ShardcError] = []
-    other: list[ShardcError] = []
-    for (fname, entry), item, err in zip(todo, items, errors, strict=True):
-        if err is None:
-            try:
-                digests[fname] = item.sink.commit()
-                files.append({"name": fname, "size": entry["size"], "action": "downloaded"})
-                continue
-            except VerifyMismatch as exc:
-                err = exc
-            except OSError as exc:
-                err = StoreError(f"cannot write {dest / fname}: {exc.strerror}",
-                                 hint="check free space, permissions and what is at that path")
-        item.sink.abort()
-        target = mismatches if isinstance(err, VerifyMismatch) else other
-        target.append(err if isinstance(err, ShardcError) else StoreError(str(err)))
-    if settings.fsync_downloads:
-        fsync_dir(dest)
-    if mismatches:
-        first = mismatches[0]
-        more = f" (and {len(mismatches) - 1} more file(s))" if len(mismatches) > 1 else ""
-        raise VerifyMismatch(first.message + more, hint=first.hint)
-    if other:
-        raise other[0]
-
-    write_atomic(dest / MANIFEST_NAME, local_bytes)
-    report = verify_pulled(local, dest, shards, digests)
-    if not report["ok"]:
-        raise VerifyMismatch(report["problems"][0], hint="run shardc verify for the full report")
-    return {
-        "manifest_uri": store.object_uri(name),
-        "dest": str(dest),
-        "manifest": str(dest / MANIFEST_NAME),
-        "ranks": [{k: s[k] for k in ("file", "tp_rank", "pp_stage", "rank")} for s in shards],
-        "files": sorted(files, key=lambda f: f["name"]),
-        "downloaded": sum(f["action"] == "downloaded" for f in files),
-        "present": sum(f["action"] == "present" for f in files),
-        "bytes_downloaded": total,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "verify": report,
-    }
-
-
-def verify_pulled(manifest: dict[str, Any], dest: Path, shards: list[dict[str, Any]],
-                  digests: dict[str, str]) -> dict[str, Any]:
-    """The checks of ``shardc verify`` for the pulled ranks.
-
-    The files were hashed while they were downloaded (or found present); passing those digests
-    spares a second read of every byte. If verify_build grows a ``hashed`` argument this becomes a
-    plain call of it; until then it is verify_build's own composition of the per-rank checks.
-    """
-    import inspect
-
-    from . import verify
-    from .manifest import layout_of
-
-    layout = layout_of(manifest)
-    rls = [layout.rank(s["tp_rank"], s["pp_stage"]) for s in shards]
-    if "hashed" in inspect.signature(verify.verify_build).parameters:
-        return verify.verify_build(manifest, dest, rls, hashed=digests)  # type: ignore[call-arg]
-    problems = verify.check_manifest_against_layout(manifest, layout)
-    results = [verify.verify_rank(manifest, dest, layout, rl, hashed=digests.get(rl.file)) for rl in rls]
-    problems += [p for r in results for p in r.problems]
-    return {"ok": not problems, "plan": layout.plan.name, "plan_sha256": layout.plan.sha256,
-            "problems": problems, "ranks": [r.as_dict() for r in results]}
-

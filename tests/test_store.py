@@ -23,7 +23,8 @@ from click.testing import CliRunner
 from shardc.cli import main
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
 from shardc.manifest import dumps, loads
-from shardc.store import TransferSettings, parse_uri, pull_build, push_build, split_object_uri
+from shardc.store import TransferSettings, parse_uri, split_object_uri
+from shardc.transfer import pull_build, push_build
 
 sys.path.insert(0, str(Path(__file__).parent))
 from s3server import FaultProxy, Faults, S3Server  # noqa: E402
@@ -200,6 +201,11 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
     assert [r["rank"] for r in info["ranks"]] == [last["rank"]] and info["verify"]["ok"]
     assert sorted(tree(dest)) == sorted(["config.json", "manifest.json", last["file"]])
     assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
+    # the node's cold-start check can read the manifest straight from the store
+    ver = run_cli("verify", "--manifest", f"{uri}/manifest.json", "--dir", str(dest), "--rank",
+                  str(last["rank"]), "--endpoint-url", s3.endpoint)
+    assert ver.exit_code == 0, ver.output
+    assert run_cli("verify", "--manifest", f"{uri}/manifest.json", "--endpoint-url", s3.endpoint).exit_code == 2
 
     full = pull_build(f"{uri}/manifest.json", dest, endpoint_url=s3.endpoint)
     assert full["present"] == 2 and full["downloaded"] == len(b.manifest["shards"]) - 1

@@ -32,18 +32,22 @@ Examples:
 @click.option("--distributed", is_flag=True, help="One process per rank (torchrun env); the group agrees.")
 @click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
               help="Seconds any distributed wait may take before it is an error.")
+@click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
 @click.option("--json", "as_json", is_flag=True, help="Per-rank result objects for orchestration.")
 @click.pass_context
 def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage, all_ranks, device,
-               deep_source, jobs, distributed, timeout_s, as_json) -> None:
+               deep_source, jobs, distributed, timeout_s, endpoint_url, as_json) -> None:
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
     from ..cli import echo_json
     from ..errors import ManifestError
     from ..manifest import layout_of
     from ..verify import select_ranks, verify_build
 
-    manifest, default_dir = _load_manifest(manifest_path)
+    manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
+    if directory is None:
+        raise ManifestError("a manifest from a store needs --dir: where this node's shards are",
+                            hint="shardc verify --manifest s3://bucket/prefix/manifest.json --dir /models/x")
     if plan_file is not None:
         from ..plan import load_plan
 
@@ -82,14 +86,14 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
     ctx.exit(0 if report["ok"] else 1)
 
 
-def _load_manifest(ref: str):
-    """A local manifest path, or a URI fetched through the store."""
+def _load_manifest(ref: str, endpoint_url: str | None):
+    """A local manifest path (its directory is the default --dir), or a URI fetched from a store."""
     from ..manifest import read_manifest
 
     if "://" in ref and not ref.startswith("file://"):
-        from ..store import fetch_manifest
+        from ..transfer import fetch_manifest
 
-        return fetch_manifest(ref), Path(".")
+        return fetch_manifest(ref, endpoint_url=endpoint_url), None
     path = Path(ref.removeprefix("file://"))
     if path.is_dir():
         path = path / "manifest.json"
