@@ -20,6 +20,7 @@ demo: setup
 	$(BIN)/shardc build plans/demo-tp3pp2-bf16.yaml
 	$(BIN)/shardc verify --manifest build/demo-tp3pp2-bf16/manifest.json
 	$(BIN)/shardc inspect build/demo-tp3pp2-bf16/manifest.json
+	$(BIN)/shardc run --manifest build/demo-tp3pp2-bf16 --prompt "The capital of France is" --max-new-tokens 12
 
 test: setup
 	$(BIN)/python scripts/setup_demo.py

@@ -25,7 +25,7 @@ Examples:
   shardc build plans/tp4pp2-fp16.yaml
   shardc verify --manifest build/llama3-70b-fp16-primary/manifest.json --rank 0
   shardc push --manifest manifests/llama3-70b-fp16-primary.json --to s3://models/llama3-70b/fp16
-  shardc gate --baseline manifests/demo-tp1pp1-bf16.json --candidate manifests/demo-tp3pp2-bf16.json
+  shardc gate --baseline build/demo-tp1pp1-bf16 --candidate build/demo-tp3pp2-bf16
 """
 
 
