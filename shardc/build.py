@@ -135,9 +135,9 @@ class Materializer:
 
 def _write_stage(
     layout: Layout, ranks: list[RankLayout], out_dir: Path, mat: Materializer, bar: Any
-) -> dict[str, tuple[int, str]]:
+) -> dict[str, ShardWriter]:
     """Write the listed TP ranks of one stage together: each source tensor is read once and every
-    rank's slice goes to that rank's writer thread. Returns file -> (size, sha256)."""
+    rank's slice goes to that rank's writer thread. Returns the filled, uncommitted writers."""
     writers = {
         rl.file: ShardWriter(
             out_dir / rl.file, [(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl)
@@ -163,7 +163,7 @@ def _write_stage(
         for fs in pending:
             for f in fs:
                 f.result()
-        return {name: w.commit() for name, w in writers.items()}
+        return writers
     except BaseException:
         for p in pools.values():
             p.shutdown(wait=True, cancel_futures=True)
@@ -304,6 +304,20 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
 
         bar = tqdm(total=sum(rl.nbytes for rl in layout.ranks), unit="B", unit_scale=True,
                    unit_divisor=1024, desc=f"build {plan.name}")
+    # A stage's shards are committed (fsync, rename, resume record) on a background thread while
+    # the next stage is written: the fsync waits for the disk, not for the CPU.
+    committer = ThreadPoolExecutor(1, thread_name_prefix="shardc-commit")
+    commits: list[tuple[list[RankLayout], Future]] = []
+
+    def commit(todo: list[RankLayout], writers: dict[str, ShardWriter]) -> dict[str, tuple[int, str]]:
+        done = {}
+        for rl in todo:
+            size, sha = done[rl.file] = writers[rl.file].commit()
+            write_atomic(_done_path(out, rl.file), canonical_json({"key": key, "size": size, "sha256": sha}))
+        if bar is not None:
+            bar.set_postfix_str(f"stage {todo[0].pp_stage + 1}/{plan.pp} committed")
+        return done
+
     try:
         for stage in range(plan.pp):
             todo = []
@@ -316,26 +330,24 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
                         bar.update(rl.nbytes)
                 else:
                     todo.append(rl)
-            if not todo:
-                continue
-            try:
-                written = _write_stage(layout, todo, out, mat, bar)
-            except ShardcError:
-                # Bad input found mid-build (NaN in a late layer): leave nothing of this run behind.
-                for f in result.built:
-                    (out / f).unlink(missing_ok=True)
-                    _done_path(out, f).unlink(missing_ok=True)
-                raise
+            if todo:
+                writers = _write_stage(layout, todo, out, mat, bar)
+                commits.append((todo, committer.submit(commit, todo, writers)))
+        for todo, fut in commits:
+            written = fut.result()
             for rl in todo:
-                size, sha = written[rl.file]
-                hashes[rl.file] = (size, sha)
+                hashes[rl.file] = written[rl.file]
                 result.built.append(rl.file)
-                write_atomic(_done_path(out, rl.file),
-                             canonical_json({"key": key, "size": size, "sha256": sha}))
-            if bar is not None:
-                done = len(result.built) + len(result.skipped)
-                bar.set_postfix_str(f"shards {done}/{len(layout.ranks)}")
+    except ShardcError:
+        # Bad input found mid-build (NaN in a late layer): leave nothing of this run behind.
+        committer.shutdown(wait=True)
+        for todo, _ in commits:
+            for rl in todo:
+                (out / rl.file).unlink(missing_ok=True)
+                _done_path(out, rl.file).unlink(missing_ok=True)
+        raise
     finally:
+        committer.shutdown(wait=True)
         if bar is not None:
             bar.close()
 
