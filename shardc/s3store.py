@@ -253,16 +253,18 @@ class S3Store(Store):
     def get_files(
         self, items: list[GetItem], on_bytes: Callable[[int], None]
     ) -> list[BaseException | None]:
-        """Download in parallel into each item's sink. Returns one error (or None) per item."""
+        """Download each item into its sink (parts in parallel). Returns one error (or None) per item."""
         from boto3.s3.transfer import create_transfer_manager
 
         manager = create_transfer_manager(self.client, self.transfer_config)
         sub = _Progress(on_bytes)
         errors: list[BaseException | None] = []
         try:
-            futures = [manager.download(self.bucket, self.key(i.name), i.sink, subscribers=[sub])
-                       for i in items]
-            for item, fut in zip(items, futures, strict=True):
+            for item in items:
+                # One file at a time, each with full part concurrency (parts land at their offsets
+                # in a seekable sink): bounded memory, and a shard completes (and is verified and
+                # renamed) as early as possible.
+                fut = manager.download(self.bucket, self.key(item.name), item.sink, subscribers=[sub])
                 try:
                     fut.result()
                     errors.append(None)

@@ -349,7 +349,7 @@ def remove_stale_partials(directory: Path, name: str) -> int:
     """Temp files of killed processes (their pid is gone) are removed; live ones are left alone."""
     n = 0
     for p in directory.glob(f".{name}.partial-*"):
-        pid = p.name.rsplit("-", 1)[-1]
+        pid = p.name.rsplit("-", 1)[-1].removesuffix(".zst")
         if pid.isdigit() and int(pid) != os.getpid():
             try:
                 os.kill(int(pid), 0)
