@@ -300,19 +300,6 @@ class Layout:
             )
         return self.ranks[pp_stage * self.plan.tp + tp_rank]
 
-    def stage_of_layer(self, layer: int) -> int:
-        for s, (a, b) in enumerate(self.stages):
-            if a <= layer < b:
-                return s
-        raise LayoutError(f"layer {layer} is outside the model")
-
-    def by_source(self) -> dict[str, list[tuple[RankLayout, TensorSpec]]]:
-        """Source tensor -> every (rank, spec) cut from it: read each source tensor once."""
-        out: dict[str, list[tuple[RankLayout, TensorSpec]]] = {}
-        for rl in self.ranks:
-            for spec in rl.tensors:
-                out.setdefault(spec.source, []).append((rl, spec))
-        return out
 
 
 def build_layout(model: ModelSpec, plan: Plan) -> Layout:

@@ -144,10 +144,3 @@ def layout_of(manifest: dict[str, Any]) -> Layout:
     plan = plan_from_dict(manifest["plan"])
     model = model_from_config(manifest["model"]["config"])
     return build_layout(model, plan)
-
-
-def shard_entry(manifest: dict[str, Any], tp_rank: int, pp_stage: int) -> dict[str, Any]:
-    for s in manifest["shards"]:
-        if s["tp_rank"] == tp_rank and s["pp_stage"] == pp_stage:
-            return s
-    raise ManifestError(f"the manifest has no shard for tp_rank={tp_rank} pp_stage={pp_stage}")
