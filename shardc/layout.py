@@ -301,7 +301,6 @@ class Layout:
         return self.ranks[pp_stage * self.plan.tp + tp_rank]
 
 
-
 def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     """Check every precondition, then list every rank's tensors."""
     check_degrees(model, plan)
