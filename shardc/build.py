@@ -11,22 +11,28 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from . import __version__
-from .errors import ShardcError, SourceError
+from .arrays import from_torch, np_dtype, to_torch
+from .errors import OutputError, ShardcError, SourceError
 from .layout import Layout, RankLayout, TensorSpec, build_layout
 from .manifest import dumps, loads, new_manifest, write_atomic
 from .model import model_from_config
 from .plan import Plan, canonical_json
 from .source import Source, open_source, sha256_file
 from .stwriter import ShardWriter
+from .units import human_size
 
 LOCK = ".shardc-build.lock"
 
@@ -78,35 +84,75 @@ def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
     }
 
 
-def _torch_dtype(name: str):
-    import torch
-
-    return {
-        "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-        "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
-    }[name]
-
-
-def cut(full, spec: TensorSpec):
-    """The rank's slice of a full tensor (source or quantized), in the spec's dtype, contiguous.
-    Casting after slicing fuses the cast with the copy a column slice needs anyway. Pads are
-    written separately."""
+def region(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """The rank's slice of a full tensor (source or quantized) as a view: nothing is copied."""
     if spec.dim == 0:
-        full = full[spec.start : spec.stop]
-    elif spec.dim == 1:
-        full = full[:, spec.start : spec.stop]
-    dtype = _torch_dtype(spec.dtype)
-    return full.to(dtype).contiguous() if full.dtype != dtype else full.contiguous()
+        return full[spec.start : spec.stop]
+    if spec.dim == 1:
+        return full[:, spec.start : spec.stop]
+    return full
 
 
-def as_bytes(t):
-    import torch
+def cut(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """The rank's slice in the spec's dtype, as a contiguous array of its own. Pads are not
+    included (they are written separately)."""
+    part = region(full, spec)
+    out = np.empty(part.shape, np_dtype(spec.dtype))
+    _cast(out, part)
+    return out
 
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+# Each writer thread streams its slices a chunk of rows at a time: the cast lands in cache, and
+# the hash and the copy to disk read it from there.
+CHUNK_BYTES = 1 << 20
+_thread = threading.local()
+
+
+def _chunk_buffer(nbytes: int) -> np.ndarray:
+    """The writer thread's spare buffer (reused: fresh multi-MB allocations cost a zeroed page
+    fault per 4 KiB)."""
+    buf = getattr(_thread, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _thread.buf = np.empty(max(nbytes, CHUNK_BYTES), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def stream_region(writer: ShardWriter, full: np.ndarray, spec: TensorSpec) -> None:
+    """Write the rank's slice of ``full`` in the spec's dtype, a few rows at a time.
+
+    Each chunk of rows is sliced and cast straight into the writer's staging buffer (no
+    intermediate copy, and the GIL is free meanwhile); only a chunk that straddles the end of a
+    staging buffer goes through the thread's own buffer and a plain ``write``."""
+    part = region(full, spec)
+    dtype = np_dtype(spec.dtype)
+    row_bytes = max(1, math.prod(part.shape[1:]) * dtype.itemsize)
+    step = max(1, CHUNK_BYTES // row_bytes)
+    r0 = 0
+    while r0 < part.shape[0]:
+        rows = min(step, part.shape[0] - r0, writer.room() // row_bytes) or 1
+        piece = part[r0 : r0 + rows]
+        n = piece.size * dtype.itemsize
+        staged = writer.reserve(n)
+        if staged is not None:
+            _cast(np.frombuffer(staged, dtype=dtype).reshape(piece.shape), piece)
+            writer.advance(n)
+        else:
+            out = _chunk_buffer(n).view(dtype).reshape(piece.shape)
+            _cast(out, piece)
+            writer.write(out.reshape(-1).view(np.uint8))
+        r0 += rows
+
+
+def _cast(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src, rounding to nearest even. NaN, inf and overflow pass through as torch's
+    casts do (a 16-bit plan copies the checkpoint as it is), so numpy's warnings are off."""
+    with np.errstate(all="ignore"):
+        np.copyto(dst, src, casting="unsafe")
 
 
 class Materializer:
-    """Reads a source tensor once and produces what the specs ask: cast, or quantized + scales."""
+    """Reads a source tensor once and produces what the specs ask: the source view (sliced and
+    cast later, per rank), or quantized values + scales."""
 
     def __init__(self, source: Source, layout: Layout) -> None:
         self.source, self.layout = source, layout
@@ -114,17 +160,17 @@ class Materializer:
         self._value: Any = None
         self.stats: dict[str, dict] = {}
 
-    def full(self, spec: TensorSpec):
+    def full(self, spec: TensorSpec) -> np.ndarray:
         key = (spec.source, spec.quant)
         if key != self._key:
             self._value = None  # release the previous tensor before reading the next
-            w = self.source.read(spec.source)
+            w = self.source.view(spec.source)
             if spec.quant:
                 from .quantize import quantize
 
-                q, scale, stats = quantize(spec.source, w, spec.quant)
+                q, scale, stats = quantize(spec.source, to_torch(w), spec.quant)
                 self.stats[spec.source] = stats
-                self._value = (q, scale)
+                self._value = (from_torch(q), from_torch(scale))
             else:
                 self._value = w
             self._key = key
@@ -176,7 +222,7 @@ def _write_stage(
 
 
 def _write_piece(writer: ShardWriter, full, spec: TensorSpec, bar: Any) -> None:
-    writer.write(as_bytes(cut(full, spec)))
+    stream_region(writer, full, spec)
     if spec.pad_rows:
         row = spec.nbytes // spec.shape[0]
         writer.write(bytes(spec.pad_rows * row))
@@ -263,16 +309,19 @@ def build(
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
-    import torch
+    torch = None
+    if plan.quantized:  # only quantization needs torch; 16-bit plans never import it
+        import torch
 
-    # Parallelism comes from the per-rank writer threads; intra-op threads on top of them only
-    # spin against each other (measured 5x slower element-wise ops on 2 cores).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+        # Parallelism comes from the per-rank writer threads and the quantizer's row chunks;
+        # intra-op threads on top only spin against them (measured 5x slower ops on 2 cores).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
     try:
         return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     finally:
-        torch.set_num_threads(threads)
+        if torch is not None:
+            torch.set_num_threads(threads)
         lock.close()
 
 
@@ -295,6 +344,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     (out / "manifest.json").unlink(missing_ok=True)
     for stale in out.glob(".*.partial"):
         stale.unlink()
+    _check_space(out, layout)
     key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
     mat = Materializer(source, layout)
     hashes: dict[str, tuple[int, str]] = {}
@@ -311,9 +361,14 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
 
     def commit(todo: list[RankLayout], writers: dict[str, ShardWriter]) -> dict[str, tuple[int, str]]:
         done = {}
-        for rl in todo:
-            size, sha = done[rl.file] = writers[rl.file].commit()
-            write_atomic(_done_path(out, rl.file), canonical_json({"key": key, "size": size, "sha256": sha}))
+        try:
+            for rl in todo:
+                size, sha = done[rl.file] = writers[rl.file].commit()
+                write_atomic(_done_path(out, rl.file), canonical_json({"key": key, "size": size, "sha256": sha}))
+        except BaseException:
+            for w in writers.values():
+                w.abort()  # the ones not committed yet: no temp file stays behind
+            raise
         if bar is not None:
             bar.set_postfix_str(f"stage {todo[0].pp_stage + 1}/{plan.pp} committed")
         return done
@@ -331,6 +386,9 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
                 else:
                     todo.append(rl)
             if todo:
+                # Old files in the way are deleted on the commit thread while the stage is written
+                # (a GB takes ~0.4 s on a filesystem mounted with discard), before its renames.
+                committer.submit(_remove, [out / rl.file for rl in todo if (out / rl.file).exists()])
                 writers = _write_stage(layout, todo, out, mat, bar)
                 commits.append((todo, committer.submit(commit, todo, writers)))
         for todo, fut in commits:
@@ -346,6 +404,15 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
                 (out / rl.file).unlink(missing_ok=True)
                 _done_path(out, rl.file).unlink(missing_ok=True)
         raise
+    except OSError as exc:
+        # The disk, not the input: keep the committed stages, a rerun resumes from them.
+        committer.shutdown(wait=True)
+        what = Path(exc.filename2 or exc.filename).name.removeprefix(".").removesuffix(".partial") \
+            if exc.filename else "the shards"
+        raise OutputError(
+            f"cannot write {what} in {out}: {exc.strerror or exc}",
+            hint="free space or fix the disk, then rerun the same build: finished stages are kept",
+        ) from None
     finally:
         committer.shutdown(wait=True)
         if bar is not None:
@@ -358,7 +425,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
             if name not in mat.stats:
                 from .quantize import quantize
 
-                mat.stats[name] = quantize(name, source.read(name), plan.dtype)[2]
+                mat.stats[name] = quantize(name, to_torch(source.view(name)), plan.dtype)[2]
 
     cfg_bytes = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
     write_atomic(out / "config.json", cfg_bytes)
@@ -387,6 +454,28 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     _copy_manifest(result, manifests_dir)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _check_space(out: Path, layout: Layout) -> None:
+    """Refuse up front a build the disk cannot hold (files it replaces count as free)."""
+    need = 0
+    for rl in layout.ranks:
+        p = out / rl.file
+        need += rl.nbytes - (p.stat().st_size if p.is_file() else 0)
+    free = shutil.disk_usage(out).free
+    if need > free:
+        raise OutputError(
+            f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more",
+            hint="free space, or build elsewhere with --out DIR",
+        )
+
+
+def _remove(paths: list[Path]) -> None:
+    for p in paths:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass  # not removable (a directory?): the rename into place reports it
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

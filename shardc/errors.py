@@ -43,6 +43,13 @@ class QuantizationError(ShardcError):
     """A weight cannot be quantized (NaN/Inf) or a quantization override names nothing real."""
 
 
+class OutputError(ShardcError):
+    """The output cannot be written: too little disk space, or the disk failed mid-build. Not
+    the input's fault, hence exit code 1; completed stages are kept so a rerun resumes."""
+
+    exit_code = 1
+
+
 class ManifestError(ShardcError):
     """A manifest is missing, unreadable, or not a shardc manifest."""
 

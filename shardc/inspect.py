@@ -7,11 +7,8 @@ from typing import Any
 
 from .errors import ManifestError
 from .manifest import read_manifest
+from .units import human_size
 from .verify import read_header
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
 
 
 def describe(path: Path) -> dict[str, Any]:
@@ -30,13 +27,13 @@ def describe(path: Path) -> dict[str, Any]:
         f"heads={model['num_heads']}/{model['num_kv_heads']} vocab={model['vocab_size']}"
         f" (padded {model['padded_vocab_size']}) tied={model['tie_word_embeddings']}",
         f"source     {m['source']['uri']}" + (f" @ {m['source']['revision']}" if m["source"]["revision"] else ""),
-        f"shards     {len(m['shards'])} files, {_gib(sum(s['size'] for s in m['shards']))}",
+        f"shards     {len(m['shards'])} files, {human_size(sum(s['size'] for s in m['shards']))}",
     ]
     tensors = []
     for s in m["shards"]:
         lines.append(f"  {s['file']}  rank {s['rank']} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
                      f"layers {s['layers'][0]}:{s['layers'][1]}  {len(s['tensors'])} tensors  "
-                     f"{_gib(s['size'])}  {s['sha256'][:12]}")
+                     f"{human_size(s['size'])}  {s['sha256'][:12]}")
         for name, t in s["tensors"].items():
             tensors.append({"file": s["file"], "name": name, **t})
     return {"kind": "manifest", "lines": lines, "tensors": tensors}
@@ -49,7 +46,7 @@ def _describe_shard(path: Path) -> dict[str, Any]:
         raise ManifestError(f"{path} is not a readable safetensors file ({exc})") from None
     meta = header.pop("__metadata__", {}) or {}
     size = path.stat().st_size
-    lines = [f"file       {path.name}  {_gib(size)}  {len(header)} tensors"]
+    lines = [f"file       {path.name}  {human_size(size)}  {len(header)} tensors"]
     if "shardc.plan" in meta:
         lines.append(f"plan       {meta['shardc.plan']}  (sha256 {meta.get('shardc.plan_sha256', '')[:12]})")
         lines.append(f"rank       {meta.get('shardc.rank')} (tp {meta.get('shardc.tp_rank')}/"

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import mmap
 import os
 import re
+import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from .arrays import from_torch, np_dtype
 from .errors import SourceError
-from .layout import source_tensors
+from .layout import DTYPE_BYTES, source_tensors
 from .manifest import safe_name
 from .model import ModelSpec
 
@@ -35,6 +41,7 @@ class TensorInfo:
     file: str
     dtype: str
     shape: tuple[int, ...]
+    offset: int | None = None  # where the tensor's bytes start in a safetensors file
 
 
 @dataclass
@@ -80,6 +87,25 @@ class Source:
                 )
 
     # -- reading ------------------------------------------------------------------------------
+    def view(self, name: str) -> np.ndarray:
+        """The tensor as a zero-copy, read-only numpy view of the source file's page cache.
+
+        Only this tensor's bytes are mapped, and the mapping goes away with the last reference to
+        the view, so peak memory stays bounded by the largest tensor. Readers slice and cast from
+        it straight into their output buffers: no intermediate copy of the whole tensor. Pickled
+        sources are loaded (``read``) instead.
+        """
+        info = self.tensors[name]
+        if self.pickled or info.offset is None:
+            return from_torch(self.read(name))
+        count = math.prod(info.shape)
+        start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
+        length = info.offset - start + count * DTYPE_BYTES[info.dtype]
+        with open(self.directory / info.file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=start)
+        a = np.frombuffer(mm, dtype=np_dtype(info.dtype), count=count, offset=info.offset - start)
+        return a.reshape(info.shape)
+
     def read(self, name: str):
         """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""
         import torch
@@ -256,14 +282,26 @@ def _index_safetensors(directory: Path, files: list[str]) -> dict[str, TensorInf
     for fname in files:
         try:
             with safe_open(directory / fname, framework="numpy") as f:
+                offsets = data_offsets(directory / fname)
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                     sl = f.get_slice(name)
                     if name in out:
                         raise SourceError(f"tensor {name!r} appears in {out[name].file} and {fname}")
-                    out[name] = TensorInfo(fname, sl.get_dtype(), tuple(sl.get_shape()))
+                    out[name] = TensorInfo(fname, sl.get_dtype(), tuple(sl.get_shape()), offsets[name])
         except SafetensorError as exc:
             raise SourceError(f"{fname} is not a readable safetensors file: {exc}") from None
     return out
+
+
+def data_offsets(path: Path) -> dict[str, int]:
+    """Absolute byte offset of every tensor's data in a safetensors file, from its header.
+
+    safetensors validates the file (``safe_open`` above) but does not expose offsets; the header
+    is the format's documented 8-byte length plus JSON, so this is the only parsing we do."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def _index_pickles(directory: Path, files: list[str]) -> dict[str, TensorInfo]:

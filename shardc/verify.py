@@ -161,9 +161,10 @@ def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -
 
 def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_uri: str) -> None:
     """Reassemble against the source: byte-exact for 16-bit, re-quantized for int8/fp8."""
-    import torch
+    import numpy as np
     from safetensors import safe_open
 
+    from .arrays import as_bytes, from_torch
     from .build import Materializer, cut
     from .source import open_source
 
@@ -172,12 +173,12 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
     with safe_open(path, framework="pt") as f:
         for spec in rl.tensors:
             want = cut(mat.full(spec), spec)
-            got = f.get_tensor(spec.name)
+            got = from_torch(f.get_tensor(spec.name))
             if spec.pad_rows:
-                if got[got.shape[0] - spec.pad_rows :].view(torch.uint8).any():
+                if as_bytes(got[got.shape[0] - spec.pad_rows :]).any():
                     res.fail(f"tensor {spec.name}: padded vocab rows are not zero")
                 got = got[: got.shape[0] - spec.pad_rows]
-            if got.shape != want.shape or not torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8)):
+            if got.shape != want.shape or not np.array_equal(as_bytes(got), as_bytes(want)):
                 res.fail(f"tensor {spec.name} differs from source {spec.source} (deep check)")
     res.checks.append("deep")
 
