@@ -154,8 +154,8 @@ class Materializer:
     """Reads a source tensor once and produces what the specs ask: the source view (sliced and
     cast later, per rank), or quantized values + scales."""
 
-    def __init__(self, source: Source, layout: Layout) -> None:
-        self.source, self.layout = source, layout
+    def __init__(self, source: Source, layout: Layout, torch_ready: Future | None = None) -> None:
+        self.source, self.layout, self.torch_ready = source, layout, torch_ready
         self._key: tuple | None = None
         self._value: Any = None
         self.stats: dict[str, dict] = {}
@@ -166,17 +166,23 @@ class Materializer:
             self._value = None  # release the previous tensor before reading the next
             w = self.source.view(spec.source)
             if spec.quant:
-                from .quantize import quantize
-
-                q, scale, stats = quantize(spec.source, to_torch(w), spec.quant)
-                self.stats[spec.source] = stats
-                self._value = (from_torch(q), from_torch(scale))
+                self._value = self.quantize(spec.source, spec.quant, w)
             else:
                 self._value = w
             self._key = key
         if spec.quant:
             return self._value[1] if spec.scale_of else self._value[0]
         return self._value
+
+    def quantize(self, name: str, scheme: str, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Quantized values and scales of a source tensor; records its error stats."""
+        if self.torch_ready is not None:
+            self.torch_ready.result()  # torch imported and set to one intra-op thread
+        from .quantize import quantize
+
+        w = self.source.view(name) if w is None else w
+        q, scale, self.stats[name] = quantize(name, to_torch(w), scheme)
+        return from_torch(q), from_torch(scale)
 
 
 def _write_stage(
@@ -309,23 +315,39 @@ def build(
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
-    torch = None
-    if plan.quantized:  # only quantization needs torch; 16-bit plans never import it
+    # Only quantization needs torch (16-bit plans never import it). Its import takes 1-2 s, so
+    # it runs on a thread while the first tensors, embeddings or lm_head, which stay 16-bit, are
+    # written; the quantizer waits for it.
+    torch_ready = _import_torch() if plan.quantized else None
+    try:
+        return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0, torch_ready)
+    finally:
+        if torch_ready is not None:
+            torch, threads = torch_ready.result()
+            torch.set_num_threads(threads)
+        lock.close()
+
+
+def _import_torch() -> Future:
+    """Import torch on a thread; the future gives (torch, its intra-op thread count before)."""
+
+    def load() -> tuple[Any, int]:
         import torch
 
         # Parallelism comes from the per-rank writer threads and the quantizer's row chunks;
         # intra-op threads on top only spin against them (measured 5x slower ops on 2 cores).
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        return torch, threads
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="shardc-torch")
     try:
-        return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
+        return pool.submit(load)
     finally:
-        if torch is not None:
-            torch.set_num_threads(threads)
-        lock.close()
+        pool.shutdown(wait=False)
 
 
-def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0) -> BuildResult:
+def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0, torch_ready) -> BuildResult:
     # Source hashes are computed in the background while the shards are written (or come from
     # the cache when size and mtime are unchanged); they are awaited only where needed.
     source.start_hashing()
@@ -346,7 +368,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
         stale.unlink()
     _check_space(out, layout)
     key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
-    mat = Materializer(source, layout)
+    mat = Materializer(source, layout, torch_ready)
     hashes: dict[str, tuple[int, str]] = {}
     bar = None
     if progress:
@@ -423,9 +445,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     if plan.quantized:
         for name in sorted({t.source for rl in layout.ranks for t in rl.tensors if t.quant}):
             if name not in mat.stats:
-                from .quantize import quantize
-
-                mat.stats[name] = quantize(name, to_torch(source.view(name)), plan.dtype)[2]
+                mat.quantize(name, plan.dtype)
 
     cfg_bytes = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
     write_atomic(out / "config.json", cfg_bytes)

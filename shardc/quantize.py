@@ -21,7 +21,7 @@ QDTYPE = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 _E4M3_TO_F32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 # Rows are processed in chunks through preallocated fp32 buffers: bounded memory, no page faults
 # from fresh multi-MB allocations, and few passes over each element.
-_CHUNK_ELEMS = 1 << 21
+_CHUNK_ELEMS = 1 << 20
 
 
 def _nonfinite(name: str, w: torch.Tensor) -> QuantizationError:
@@ -53,31 +53,35 @@ def quantize(
     local = threading.local()
 
     def run(r0: int) -> tuple[float, float, float]:
+        # fewest passes over the chunk: amax/amin instead of abs + amax, copy_ into q instead
+        # of a converted temporary, the error in one addcmul (each ~0.4 ms per 2M elements here)
         if not hasattr(local, "bufs"):
-            local.bufs = (torch.empty((step, in_f)), torch.empty((step, in_f)))
+            local.bufs = (torch.empty((step, in_f)), torch.empty((step, in_f)),
+                          torch.empty(step * in_f, dtype=torch.int32))
         n = min(step, out_f - r0)
-        wf, x = local.bufs[0][:n], local.bufs[1][:n]
+        wf, x, idx = local.bufs[0][:n], local.bufs[1][:n], local.bufs[2][: n * in_f]
         wf.copy_(w[r0 : r0 + n])
-        torch.abs(wf, out=x)
-        s = x.amax(dim=1, keepdim=True)
+        s = torch.maximum(wf.amax(dim=1, keepdim=True), wf.amin(dim=1, keepdim=True).neg_())
         if not bool(torch.isfinite(s).all()):
             raise _nonfinite(name, w)
         s.div_(QMAX[scheme])
         s[s == 0] = 1.0  # an all-zero row: any scale reproduces it; 1 by convention
         torch.div(wf, s, out=x)
+        qc = q[r0 : r0 + n]
         if scheme == "int8":  # torch.round is round-half-to-even
             x.round_().clamp_(-127, 127)
-            q[r0 : r0 + n] = x.to(torch.int8)
+            qc.copy_(x)
         else:
             x.clamp_(-448.0, 448.0)
-            qc = x.to(torch.float8_e4m3fn)
-            q[r0 : r0 + n] = qc
+            qc.copy_(x)
             # back to fp32 through a 256-entry table: 5x faster than torch's e4m3 -> fp32 cast here
-            torch.index_select(_E4M3_TO_F32, 0, qc.view(torch.uint8).view(-1).int(), out=x.view(-1))
+            idx.copy_(qc.view(torch.uint8).view(-1))
+            torch.index_select(_E4M3_TO_F32, 0, idx, out=x.view(-1))
         scale[r0 : r0 + n] = s
-        x.mul_(s).sub_(wf)  # dequantization error
+        torch.addcmul(wf, x, s, value=-1, out=x)  # w - q * scale: the dequantization error
         flat, wflat = x.view(-1), wf.view(-1)
-        return float(x.abs_().amax()), float(torch.dot(flat, flat)), float(torch.dot(wflat, wflat))
+        max_err = max(float(flat.amax()), -float(flat.amin()))
+        return max_err, float(torch.dot(flat, flat)), float(torch.dot(wflat, wflat))
 
     if workers == 1:
         parts = [run(r0) for r0 in starts]

@@ -99,7 +99,8 @@ def small_fs(tmp_path):
 
 def _cli_build(plan_file: Path, ckpt: Path, out: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file), "--source",
-                           str(ckpt), "--out", str(out), "--quiet"], capture_output=True, text=True)
+                           str(ckpt), "--out", str(out), "--manifests-dir", str(out.parent / "m"),
+                           "--quiet"], capture_output=True, text=True)
 
 
 def test_too_little_disk_is_refused_before_writing(make_ckpt, tmp_path, small_fs):
@@ -136,7 +137,8 @@ def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_p
     assert not list(out.glob(".*.partial"))
     (out / "model-tp01-pp01.safetensors").rmdir()
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file), "--source", str(ckpt),
-                        "--out", str(out), "--quiet", "--json"], capture_output=True, text=True, check=True)
+                        "--out", str(out), "--manifests-dir", str(tmp_path / "m"), "--quiet", "--json"],
+                       capture_output=True, text=True, check=True)
     summary = json.loads(r.stdout)
     assert {"model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"} <= set(summary["skipped"])
     assert "model-tp01-pp01.safetensors" in summary["built"]
