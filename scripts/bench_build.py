@@ -7,18 +7,19 @@ On a synthetic checkpoint with real Llama-3-70B tensor shapes (embeddings, lm_he
   verify --all                                      vs  `sha256sum` over the shards  (target <= 0.6x)
   verify --rank 0                                   vs  `sha256sum` of that one file (target <= 1.1x)
 
-Every timed command starts alike: dirty pages flushed, the source read into the page cache, an
-empty destination. cp and each build run --repeat times (default 3) and medians are compared;
-the cp baseline is re-measured next to each dtype because this VM's speed drifts over minutes.
+Every timed command starts alike: dirty pages flushed, an empty destination, and the source
+either read into the page cache ("warm") or evicted from it ("cold", needs root: the state a
+140 GB checkpoint is always in, since it never fits in memory). cp -r, cp -r && sync and the
+build run interleaved, --repeat times each (default 3), and medians are compared: this VM's
+speed drifts over minutes, so each ratio compares neighbours.
 
-Example (needs ~30 GB free disk, ~10 min):  python scripts/bench_build.py --layers 2
+Example (needs ~30 GB free disk, ~15 min):  python scripts/bench_build.py --layers 2
 Quick smoke run on small shapes:            python scripts/bench_build.py --small --repeat 1
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shutil
@@ -37,18 +38,30 @@ sys.path.insert(0, str(ROOT))
 from shardc.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint  # noqa: E402
 
 
-def run(cmd: list[str], warm: list[Path] = ()) -> tuple[float, int]:
+def drop_page_cache() -> bool:
+    """Empty the page cache (root only): the state a 140 GB checkpoint is always in."""
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def run(cmd: list[str], source: list[Path] = (), cache: str = "warm") -> tuple[float, int]:
     """Wall seconds and peak RSS (KiB, as the kernel reports ru_maxrss) of one child process.
 
-    Before it: dirty pages are flushed and the ``warm`` files read, so every command, cp or
-    shardc, starts from the same state (source in the page cache, nothing left to write back).
+    Before it, dirty pages are flushed and the ``source`` files are read into the page cache
+    (``cache="warm"``) or the page cache is emptied (``"cold"``), so cp and shardc start alike.
     """
     subprocess.run(["sync"], check=True)
-    for f in warm:
-        with open(f, "rb") as fh:
-            while fh.read(16 << 20):
-                pass
     time.sleep(1)  # let discards and writeback of earlier deletions settle
+    if cache == "cold":
+        drop_page_cache()
+    else:
+        for f in source:
+            with open(f, "rb") as fh:
+                while fh.read(16 << 20):
+                    pass
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -56,17 +69,6 @@ def run(cmd: list[str], warm: list[Path] = ()) -> tuple[float, int]:
     if os.waitstatus_to_exitcode(status) not in (0,):
         raise SystemExit(f"command failed: {' '.join(cmd)}")
     return dt, usage.ru_maxrss
-
-
-def repeat(n: int, cmd: list[str], warm: list[Path], after) -> tuple[list[float], int]:
-    """``n`` timed runs of ``cmd`` (``after`` cleans up between them): the times, and the peak RSS."""
-    times, rss = [], 0
-    for _ in range(n):
-        dt, r = run(cmd, warm)
-        times.append(dt)
-        rss = max(rss, r)
-        after()
-    return times, rss
 
 
 def spread(ts: list[float]) -> str:
@@ -90,6 +92,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp16,int8,fp8")
     ap.add_argument("--workdir", default=None, help="where to put the checkpoints [default: build/bench]")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per command; medians are compared")
+    ap.add_argument("--cache", choices=["warm", "cold", "both"], default="both",
+                    help="source in the page cache, or not (cold needs root) [default: both]")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     shardc = [sys.executable, "-m", "shardc.cli"]
@@ -107,25 +111,17 @@ def main() -> None:
         size = sum(f.stat().st_size for f in src.iterdir())
         print(f"source: {size / 2**30:.2f} GiB, {a.layers} layers (+ a {2 * a.layers}-layer copy for RSS)")
 
-        warm = sorted(src.iterdir())
+        files = sorted(src.iterdir())
         cp_dst = tmp / "cp"
-
-        def rm_cp() -> None:
-            shutil.rmtree(cp_dst)
+        caches = ["warm", "cold"] if a.cache == "both" else [a.cache]
+        if "cold" in caches and not drop_page_cache():
+            print("cannot empty the page cache (needs root): warm-cache runs only")
+            caches = ["warm"]
 
         # Source sha256s are cached across builds (path, size, mtime, inode): the first build of a
-        # checkpoint hashes it ("cold"), later plans from the same checkpoint do not ("warm").
+        # checkpoint hashes it, later plans from the same checkpoint do not.
         os.environ["SHARDC_CACHE_DIR"] = str(tmp / "hash-cache")
         for i, dtype in enumerate(a.dtypes.split(",")):
-            # Baseline next to each dtype's builds (this VM's speed drifts over minutes): `cp -r`
-            # into a new directory, and the durable `cp -r && sync` (shardc fsyncs every shard,
-            # DESIGN §4; cp leaves its writes in the page cache).
-            cp_t, _ = repeat(a.repeat, ["cp", "-r", str(src), str(cp_dst)], warm, rm_cp)
-            cps_t, _ = repeat(a.repeat, ["sh", "-c", f"cp -r '{src}' '{cp_dst}' && sync"], warm, rm_cp)
-            cp_s, cps_s = statistics.median(cp_t), statistics.median(cps_t)
-            print(f"[{dtype}] cp -r                 {spread(cp_t)}")
-            print(f"[{dtype}] cp -r && sync         {spread(cps_t)}")
-            results.update({f"cp_seconds_{dtype}": cp_s, f"cp_sync_seconds_{dtype}": cps_s})
             pf = plan_file(tmp, dtype)
             out = tmp / f"out-{dtype}"
             # like cp -r, every timed build writes into an empty directory: deleting old shards
@@ -133,24 +129,38 @@ def main() -> None:
             cmd = shardc + ["build", str(pf), "--out", str(out), "--manifests-dir", str(tmp / "m"),
                             "--quiet", "--source", str(src)]
             if i == 0:
-                dt, rss = run(cmd, warm)
-                results[f"build_{dtype}_cold_seconds"] = dt
-                results[f"build_{dtype}_cold_ratio_vs_cp"] = dt / cp_s
-                print(f"[{dtype}] build tp4pp2, cold    {dt:6.2f} s  {dt / cp_s:5.2f}x cp -r  "
-                      f"{dt / cps_s:5.2f}x cp+sync   (hashes the source too; later builds reuse it)")
+                dt, _ = run(cmd, files)
+                results["first_build_seconds"] = dt
+                print(f"[{dtype}] first build (hashes the source too)  {dt:6.2f} s")
                 shutil.rmtree(out)
-            bt, rss = repeat(a.repeat, cmd, warm, functools.partial(shutil.rmtree, out))
-            dt = statistics.median(bt)
-            results.update({f"build_{dtype}_seconds": dt, f"build_{dtype}_ratio_vs_cp": dt / cp_s,
-                            f"build_{dtype}_ratio_vs_cp_sync": dt / cps_s})
-            print(f"[{dtype}] build tp4pp2          {spread(bt)}")
-            print(f"[{dtype}]   = {dt / cp_s:.2f}x cp -r (target <= 1.5), {dt / cps_s:.2f}x cp -r && sync;"
-                  f" peak RSS {rss / 2**20:.2f} GiB")
-            # one more build, kept for the verify timings
-            run(cmd, warm)
-            if i == 0:
-                files = sorted(out.glob("*.safetensors"))
-                sha_all, _ = run(["sha256sum", *map(str, files)])
+            rss = 0
+            for cache in caches:
+                # cp -r, the durable cp -r && sync (shardc fsyncs every shard, DESIGN §4; cp
+                # leaves its writes in the page cache) and the build, interleaved: this VM's
+                # speed drifts over minutes, and each ratio should compare neighbours
+                times: dict[str, list[float]] = {"cp": [], "cp+sync": [], "build": []}
+                for _ in range(a.repeat):
+                    times["cp"].append(run(["cp", "-r", str(src), str(cp_dst)], files, cache)[0])
+                    shutil.rmtree(cp_dst)
+                    times["cp+sync"].append(run(["sh", "-c", f"cp -r '{src}' '{cp_dst}' && sync"], files, cache)[0])
+                    shutil.rmtree(cp_dst)
+                    dt, r = run(cmd, files, cache)
+                    times["build"].append(dt)
+                    rss = max(rss, r)
+                    shutil.rmtree(out)
+                cp_s, cps_s, dt = (statistics.median(times[k]) for k in ("cp", "cp+sync", "build"))
+                print(f"[{dtype}, {cache} page cache] cp -r          {spread(times['cp'])}")
+                print(f"[{dtype}, {cache} page cache] cp -r && sync  {spread(times['cp+sync'])}")
+                print(f"[{dtype}, {cache} page cache] build tp4pp2   {spread(times['build'])}")
+                print(f"[{dtype}, {cache} page cache]   = {dt / cp_s:.2f}x cp -r (target <= 1.5), "
+                      f"{dt / cps_s:.2f}x cp -r && sync")
+                results.update({f"{dtype}_{cache}_cp_seconds": cp_s, f"{dtype}_{cache}_cp_sync_seconds": cps_s,
+                                f"{dtype}_{cache}_build_seconds": dt, f"{dtype}_{cache}_ratio_vs_cp": dt / cp_s,
+                                f"{dtype}_{cache}_ratio_vs_cp_sync": dt / cps_s})
+            if i == 0:  # one more build, kept for the verify timings
+                run(cmd, files)
+                shards = sorted(out.glob("*.safetensors"))
+                sha_all, _ = run(["sha256sum", *map(str, shards)])
                 ver_all, _ = run(shardc + ["verify", "--manifest", str(out / "manifest.json")])
                 one = str(out / "model-tp00-pp00.safetensors")
                 sha_one, _ = run(["sha256sum", one])
@@ -164,13 +174,13 @@ def main() -> None:
                 print(f"openssl sha256 one shard   {ossl_one:7.2f} s")
                 print(f"verify --rank 0            {ver_one:7.2f} s   {ver_one / sha_one:5.2f}x sha256sum (target <= 1.1), "
                       f"{ver_one / ossl_one:5.2f}x openssl")
-            shutil.rmtree(out)  # disk: the 2x-layer output and source are the biggest of all
+                shutil.rmtree(out)  # disk: the 2x-layer output and source are the biggest of all
             out2 = tmp / f"out-{dtype}-2x"
             _, rss2 = run(shardc + ["build", str(pf), "--out", str(out2), "--manifests-dir",
                                     str(tmp / "m"), "--quiet", "--source", str(srcs[2 * a.layers])])
             results[f"rss_{dtype}_gib"] = rss / 2**20
             results[f"rss_{dtype}_2x_layers_ratio"] = rss2 / rss
-            print(f"[{dtype}] peak RSS {2 * a.layers} vs {a.layers} layers  {rss2 / 2**20:.2f} / "
+            print(f"[{dtype}] peak RSS {2 * a.layers} vs {a.layers} layers: {rss2 / 2**20:.2f} / "
                   f"{rss / 2**20:.2f} GiB = {rss2 / rss:5.3f}x (target <= 1.10)")
             shutil.rmtree(out2)
     finally:
