@@ -362,11 +362,11 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0,
             result.seconds = time.perf_counter() - t0
             return result
 
+    _check_space(out, layout)  # before anything is touched: a refused build loses nothing
     # From here on the old manifest no longer describes the directory: remove it first.
     (out / "manifest.json").unlink(missing_ok=True)
     for stale in out.glob(".*.partial"):
         stale.unlink()
-    _check_space(out, layout)
     key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
     mat = Materializer(source, layout, torch_ready)
     hashes: dict[str, tuple[int, str]] = {}
@@ -477,12 +477,13 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0,
 
 
 def _check_space(out: Path, layout: Layout) -> None:
-    """Refuse up front a build the disk cannot hold (files it replaces count as free)."""
+    """Refuse up front a build the disk cannot hold (files it replaces, and leftovers of a killed
+    run, count as free)."""
     need = 0
     for rl in layout.ranks:
         p = out / rl.file
         need += rl.nbytes - (p.stat().st_size if p.is_file() else 0)
-    free = shutil.disk_usage(out).free
+    free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in out.glob(".*.partial"))
     if need > free:
         raise OutputError(
             f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more",

@@ -108,21 +108,23 @@ def _cli_build(plan_file: Path, ckpt: Path, out: Path) -> subprocess.CompletedPr
 
 
 def test_too_little_disk_is_refused_before_writing(make_ckpt, tmp_path, small_fs):
-    ckpt = make_ckpt(**{**TINY, "vocab_size": 8192})  # 10.6 MiB of shards at bf16
     plan_file = tmp_path / "p.yaml"
     plan_file.write_text(yaml.safe_dump(plan_dict(2, 1)))
-    r = _cli_build(plan_file, ckpt, small_fs / "o")
+    # a build that fits: tmpfs takes it, with or without O_DIRECT, byte for byte
+    small = make_ckpt("small", **TINY)  # 2.5 MiB of shards
+    r = _cli_build(plan_file, small, small_fs / "o")
+    assert r.returncode == 0, r.stderr
+    before = digests(small_fs / "o")
+    assert before == digests(build(plan_from_dict(plan_dict(2, 1)).with_source(str(small)), tmp_path / "ref").out_dir)
+    # one that does not: refused up front, and the build already there is left whole
+    big = make_ckpt("big", **{**TINY, "vocab_size": 8192})  # 10.6 MiB
+    r = _cli_build(plan_file, big, small_fs / "o")
     assert r.returncode == 1, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "MiB free" in lines[0] and "--out" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
-    assert [p.name for p in (small_fs / "o").iterdir()] == [".shardc-build.lock"]
-    # the same build fits once the model is small enough: tmpfs takes it, with or without O_DIRECT
-    small = make_ckpt("small", **TINY)  # 2.5 MiB
-    r = _cli_build(plan_file, small, small_fs / "o")
-    assert r.returncode == 0, r.stderr
-    assert digests(small_fs / "o") == digests(build(
-        plan_from_dict(plan_dict(2, 1)).with_source(str(small)), tmp_path / "ref").out_dir)
+    assert digests(small_fs / "o") == before and (small_fs / "o" / "manifest.json").is_file()
+    assert not list((small_fs / "o").glob(".*.partial"))
 
 
 def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_path):
