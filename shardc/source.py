@@ -1,9 +1,10 @@
 """Checkpoint readers: a local Hugging Face directory or ``hf://org/repo[@rev]``.
 
-Tensors are read lazily, one at a time, through safetensors' ``safe_open``; the file is opened per
-tensor so the mapping (and the page-cache pages it pins in our RSS) is released right after, which
-keeps peak memory bounded by the largest tensor rather than by the model. Pickled ``.bin``
-checkpoints are refused unless explicitly allowed, and then loaded with ``weights_only=True``.
+safetensors validates each file and lists its tensors; the build then reads a tensor as a
+zero-copy view of a mapping of just that tensor's bytes (``Source.view``), released with the
+view, so the page-cache pages it pins in our RSS stay bounded by the largest tensor rather than
+by the model. Pickled ``.bin`` checkpoints are refused unless explicitly allowed, and then loaded
+with ``weights_only=True``.
 """
 
 from __future__ import annotations
