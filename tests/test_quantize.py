@@ -146,3 +146,49 @@ def test_dequantize_roundtrip_function():
     q, s, stats = quantize("w", w, "int8")
     assert torch.allclose(dequantize(q, s), w, atol=float(s.max()) / 2 + 1e-6)
     assert stats["rel_rms_err"] < 0.01
+
+
+def _edge_rows(dtype: torch.dtype) -> torch.Tensor:
+    """Rows that take the kernel's rare paths: all zero, one outlier, scales too small to be
+    normal floats (the clamp is needed there), scales whose 2^120 multiple overflows, and, in
+    fp32, sums of squares past fp32's range."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 300, generator=g) * 0.02
+    w[0] = 0
+    w[1, 7] = 60.0
+    if dtype == torch.float32:
+        w[2] = torch.randn(300, generator=g) * 1e-39  # subnormal weights: subnormal scales
+        w[3, :4] = torch.tensor([3e-40, -1e-45, 0.0, 1e-41])
+        w[4] = torch.randn(300, generator=g) * 3e5  # scale >= 2^8: s * 2^120 would overflow
+        w[5, 0] = -3.0e38  # the squares overflow fp32
+    elif dtype == torch.bfloat16:
+        w[2] = torch.randn(300, generator=g) * 1e-38
+        w[4] = torch.randn(300, generator=g) * 1e30
+    else:
+        w[2] = torch.randn(300, generator=g) * 1e-6  # fp16 subnormals
+        w[4] = torch.randn(300, generator=g).clamp(-4, 4) * 1.5e4
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_kernel_edge_rows_values_and_stats_against_reference(dtype, scheme):
+    """Values and scales byte for byte; the error statistics as float64 computes them."""
+    from shardc.quantize import quantize
+
+    w = _edge_rows(dtype)
+    for workers in (1, 2):
+        q, s, stats = quantize("w", w, scheme, workers=workers)
+        if scheme == "int8":
+            q_ref, s_ref = (torch.from_numpy(a) for a in ref_int8(w.float().numpy()))
+        else:
+            q_ref, s_ref = ref_fp8(w)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(s, s_ref)
+        deq = q_ref.double() * s_ref.double()
+        err = w.double() - deq
+        max_err = float(err.abs().max())
+        rel = float(err.square().sum().sqrt() / w.double().square().sum().sqrt())
+        assert stats["max_abs_err"] == pytest.approx(max_err, rel=1e-3)
+        assert stats["rel_rms_err"] == pytest.approx(rel, rel=1e-3)
+        assert all(np.isfinite(v) for v in stats.values())

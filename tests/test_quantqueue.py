@@ -1,0 +1,95 @@
+"""The quantizer that runs ahead of the writers: order, memory budget, buffer reuse, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from shardc.errors import QuantizationError
+from shardc.quantize import quantize
+from shardc.quantqueue import QuantQueue
+
+SHAPES = {"a": (64, 32), "b": (64, 32), "c": (16, 32), "d": (64, 32)}
+
+
+def tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {n: (rng.standard_normal(s) * 0.02).astype(np.float32) for n, s in SHAPES.items()}
+
+
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+def test_results_equal_direct_quantization_and_buffers_are_reused(scheme):
+    src = tensors()
+    stats: dict[str, dict] = {}
+    budget = 2 * 64 * 32  # two of the big tensors at a time
+    queue = QuantQueue([(n, scheme) for n in src], src.__getitem__, stats, budget)
+    try:
+        for name, w in src.items():
+            q, s = queue.get((name, scheme))
+            q_ref, s_ref, st_ref = quantize(name, torch.from_numpy(w), scheme)
+            assert np.array_equal(q.view(np.uint8), q_ref.view(torch.uint8).numpy()), name
+            assert np.array_equal(s, s_ref.numpy()), name
+            assert stats[name] == st_ref
+            queue.release((name, scheme))
+        assert queue.peak_held <= budget
+        # a and b need two buffers; c its own size; d reuses a's
+        assert queue.allocations == 3
+    finally:
+        queue.close()
+
+
+def test_budget_holds_the_quantizer_back_until_release():
+    src = tensors()
+    done: list[str] = []
+
+    def view(name: str) -> np.ndarray:
+        done.append(name)
+        return src[name]
+
+    queue = QuantQueue([(n, "int8") for n in src], view, {}, budget=64 * 32)
+    try:
+        queue.get(("a", "int8"))
+        threading.Event().wait(0.3)
+        assert done == ["a", "b"]  # b is read, but waits for room before it is quantized
+        assert queue.peak_held == 64 * 32
+        queue.release(("a", "int8"))
+        for name in ("b", "c"):
+            queue.get((name, "int8"))
+            queue.release((name, "int8"))
+        queue.get(("d", "int8"))
+    finally:
+        queue.close()
+
+
+def test_a_tensor_larger_than_the_budget_is_still_produced_alone():
+    src = tensors()
+    queue = QuantQueue([("a", "fp8")], src.__getitem__, {}, budget=10)
+    try:
+        q, _ = queue.get(("a", "fp8"))
+        assert q.shape == SHAPES["a"]
+    finally:
+        queue.close()
+
+
+def test_nan_is_raised_to_the_consumer_for_that_tensor_and_the_rest():
+    src = tensors()
+    src["b"][3, 4] = np.nan
+    queue = QuantQueue([(n, "int8") for n in src], src.__getitem__, {}, budget=1 << 20)
+    try:
+        queue.get(("a", "int8"))
+        for name in ("b", "c"):
+            with pytest.raises(QuantizationError, match="'b' holds NaN or Inf"):
+                queue.get((name, "int8"))
+    finally:
+        queue.close()
+
+
+def test_close_stops_a_queue_that_waits_for_room():
+    src = tensors()
+    queue = QuantQueue([(n, "int8") for n in src], src.__getitem__, {}, budget=64 * 32)
+    queue.get(("a", "int8"))
+    queue.close()  # b waits for room that never comes: close must not hang
+    assert queue.peak_held == 64 * 32
