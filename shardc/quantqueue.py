@@ -16,11 +16,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 import numpy as np
-
-from .arrays import from_torch, to_torch
 
 Key = tuple[str, str]  # (source tensor name, scheme)
 
@@ -44,9 +41,9 @@ class QuantQueue:
         self._results: dict[Key, Future] = {k: Future() for k in self._keys}
         self._cond = threading.Condition()
         self._held = 0  # bytes of results handed out or waiting to be
-        self._pool: dict[int, list[Any]] = {}  # spare output buffers (torch uint8) by size
+        self._pool: dict[int, list[np.ndarray]] = {}  # spare output buffers (uint8) by size
         self._sizes: dict[Key, int] = {}
-        self._buffers: dict[Key, Any] = {}
+        self._buffers: dict[Key, np.ndarray] = {}
         self._closed = False
         self.peak_held = 0  # the most result bytes held at once (for tests and benchmarks)
         self.allocations = 0  # output buffers allocated fresh rather than reused
@@ -64,7 +61,7 @@ class QuantQueue:
             if buf is None:
                 return
             self._held -= self._sizes[key]
-            self._pool.setdefault(buf.numel(), []).append(buf)
+            self._pool.setdefault(buf.size, []).append(buf)
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -78,8 +75,8 @@ class QuantQueue:
     def _run(self) -> None:
         try:
             if self._ready is not None:
-                self._ready.result()  # torch imported, one intra-op thread
-            from .quantize import quantize
+                self._ready.result()  # torch imported (fp8), one intra-op thread
+            from .quantize import quantize_array
 
             for key in self._keys:
                 name, scheme = key
@@ -88,10 +85,10 @@ class QuantQueue:
                 if buf is None:  # closed
                     break
                 try:
-                    q, scale, self._stats[name] = quantize(name, to_torch(w), scheme, workers=self._workers, out=buf)
+                    q, scale, self._stats[name] = quantize_array(name, w, scheme, self._workers, out=buf)
                 finally:
                     del w  # unmap the source tensor now: RSS stays bounded
-                self._results[key].set_result((from_torch(q), from_torch(scale)))
+                self._results[key].set_result((q, scale))
         except BaseException as exc:  # noqa: BLE001 - NaN in the source: whoever waits raises it
             for fut in self._results.values():
                 if not fut.done():
@@ -100,10 +97,8 @@ class QuantQueue:
             for fut in self._results.values():
                 fut.cancel()  # closed early: nobody waits for these
 
-    def _reserve(self, key: Key, nbytes: int) -> Any:
+    def _reserve(self, key: Key, nbytes: int) -> np.ndarray | None:
         """An output buffer of ``nbytes`` for ``key`` once the budget allows (None if closed)."""
-        import torch
-
         with self._cond:
             while not self._closed and self._held and self._held + nbytes > self._budget:
                 self._cond.wait()
@@ -121,6 +116,6 @@ class QuantQueue:
             self.peak_held = max(self.peak_held, self._held)
             if buf is None:
                 self.allocations += 1
-                buf = torch.empty(nbytes, dtype=torch.uint8)
+                buf = np.empty(nbytes, np.uint8)
             self._buffers[key], self._sizes[key] = buf, nbytes
         return buf
