@@ -55,6 +55,17 @@ class _Buffers(threading.local):
 _buffers = _Buffers()
 
 
+def _chunk(w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows as fp32 (``w`` itself if it is fp32, else a copy in the first buffer), the first
+    buffer and a scratch buffer, all of ``w``'s shape."""
+    n, in_f = w.shape
+    wbuf, x = (b[: n * in_f].reshape(n, in_f) for b in _buffers.get(n * in_f))
+    if w.dtype == np.float32:
+        return w, wbuf, x
+    np.copyto(wbuf, w, casting="unsafe")
+    return wbuf, wbuf, x
+
+
 def _scales(wf: np.ndarray, s: np.ndarray, qmax: float) -> bool:
     """Row absmax / qmax into ``s`` (an all-zero row gets 1); True if the clamp is needed.
 
@@ -80,13 +91,7 @@ def _int8_rows(w: np.ndarray, q: np.ndarray, s: np.ndarray) -> list[float]:
     """int8 for the rows ``w`` into ``q`` with scales into ``s`` (views of the outputs), in
     numpy. Returns the error statistics of these rows: error = source - q * scale, the product
     rounded to fp32 as the runtime dequantizes."""
-    n, in_f = w.shape
-    wbuf, x = (b[: n * in_f].reshape(n, in_f) for b in _buffers.get(n * in_f))
-    if w.dtype == np.float32:
-        wf = w
-    else:
-        wf = wbuf
-        np.copyto(wf, w, casting="unsafe")
+    wf, _, x = _chunk(w)
     clamp = _scales(wf, s, QMAX["int8"])
     np.divide(wf, s, out=x)
     np.rint(x, out=x)  # round half to even
@@ -103,13 +108,7 @@ def _fp8_rows(w: np.ndarray, q: np.ndarray, s: np.ndarray) -> list[float]:
     numpy code; torch does the passes between, for its e4m3 cast (numpy has no fast one)."""
     import torch
 
-    n, in_f = w.shape
-    wbuf, x = (b[: n * in_f].reshape(n, in_f) for b in _buffers.get(n * in_f))
-    if w.dtype == np.float32:
-        wf = w
-    else:
-        wf = wbuf
-        np.copyto(wf, w, casting="unsafe")
+    wf, wbuf, x = _chunk(w)
     clamp = _scales(wf, s, QMAX["fp8"])
     xt, st, qt = torch.from_numpy(x), torch.from_numpy(s), to_torch(q)
     torch.div(to_torch(wf), st, out=xt)
