@@ -3,8 +3,8 @@
 A quantized build is CPU-bound while it quantizes and disk-bound while it streams the big 16-bit
 tensors (embeddings, lm_head). A background thread quantizes the weights in file order, as far
 ahead of the writers as ``budget`` bytes of quantized output allow, so that work overlaps the
-16-bit streaming instead of following it (measured with the source cached: 5-20% less wall time
-than quantizing one tensor ahead).
+16-bit streaming instead of following it. (On these 2 cores, half the largest tensor ahead and
+about one tensor ahead measured the same, in time and in peak RSS, within this VM's noise.)
 
 Output buffers go back to a pool when the writers are done with a tensor, and the next tensor
 of that size reuses them: a fresh buffer costs a zeroed page fault per 4 KiB (~25% of int8
