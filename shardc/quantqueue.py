@@ -42,7 +42,6 @@ class QuantQueue:
         self._cond = threading.Condition()
         self._held = 0  # bytes of results handed out or waiting to be
         self._pool: dict[int, list[np.ndarray]] = {}  # spare output buffers (uint8) by size
-        self._sizes: dict[Key, int] = {}
         self._buffers: dict[Key, np.ndarray] = {}
         self._closed = False
         self.peak_held = 0  # the most result bytes held at once (for tests and benchmarks)
@@ -60,7 +59,7 @@ class QuantQueue:
             buf = self._buffers.pop(key, None)
             if buf is None:
                 return
-            self._held -= self._sizes[key]
+            self._held -= buf.size
             self._pool.setdefault(buf.size, []).append(buf)
             self._cond.notify_all()
 
@@ -117,5 +116,5 @@ class QuantQueue:
             if buf is None:
                 self.allocations += 1
                 buf = np.empty(nbytes, np.uint8)
-            self._buffers[key], self._sizes[key] = buf, nbytes
+            self._buffers[key] = buf
         return buf

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+import time
 
 import numpy as np
 import pytest
@@ -52,8 +52,12 @@ def test_budget_holds_the_quantizer_back_until_release():
     queue = QuantQueue([(n, "int8") for n in src], view, {}, budget=64 * 32)
     try:
         queue.get(("a", "int8"))
-        threading.Event().wait(0.3)
-        assert done == ["a", "b"]  # b is read, but waits for room before it is quantized
+        deadline = time.monotonic() + 30
+        while len(done) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # room for a wrong quantizer to go past the budget
+        assert done == ["a", "b"]  # b is mapped, but waits for room before it is quantized
+        assert not queue._results[("b", "int8")].done()
         assert queue.peak_held == 64 * 32
         queue.release(("a", "int8"))
         for name in ("b", "c"):
