@@ -32,16 +32,18 @@ from .layout import DTYPE_BYTES, Layout, RankLayout, TensorSpec, build_layout
 from .manifest import dumps, loads, new_manifest, write_atomic
 from .model import model_from_config
 from .plan import Plan, canonical_json
+from .quantize import quantize_array
 from .quantqueue import QuantQueue
 from .source import Source, open_source, sha256_file
 from .stwriter import ShardWriter
 from .units import human_size
 
 LOCK = ".shardc-build.lock"
-# Threads quantizing a tensor's row chunks. Each chunk is a dozen short numpy (int8) or torch
-# (fp8) ops that take the GIL between them; measured on 2 cores, 2 threads cut the wall time
-# ~25% for ~30% more CPU.
-QUANT_WORKERS = min(2, os.cpu_count() or 1)
+# Threads quantizing a tensor's row chunks: half the cores, at most 4. The numba kernels take
+# ~1 ns per weight on one thread, so one thread quantizes a 70B layer (0.86G weights) in ~1 s,
+# about what reading its 1.7 GB takes; the other cores hash and write. On 2 cores one thread
+# measured the same wall time as two, for 0.8 s less CPU per 1.7G weights.
+QUANT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
 @dataclass
@@ -161,8 +163,8 @@ class Materializer:
     """Reads a source tensor once and produces what the specs ask: the source view (sliced and
     cast later, per rank), or quantized values + scales (from the QuantQueue when one runs)."""
 
-    def __init__(self, source: Source, layout: Layout, torch_ready: Future | None = None) -> None:
-        self.source, self.layout, self.torch_ready = source, layout, torch_ready
+    def __init__(self, source: Source, layout: Layout) -> None:
+        self.source, self.layout = source, layout
         self._key: tuple | None = None
         self._value: Any = None
         self.stats: dict[str, dict] = {}
@@ -177,7 +179,7 @@ class Materializer:
         infos = self.source.tensors
         largest = max(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in infos.values())
         budget = max(largest // 2, max(math.prod(infos[n].shape) for n, _ in keys))
-        self.queue = QuantQueue(keys, self.source.view, self.stats, budget, self.torch_ready, QUANT_WORKERS)
+        self.queue = QuantQueue(keys, self.source.view, self.stats, budget, QUANT_WORKERS)
 
     def close(self) -> None:
         if self.queue is not None:
@@ -208,10 +210,6 @@ class Materializer:
 
     def quantize(self, name: str, scheme: str, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Quantized values and scales of a source tensor, here and now; records its error stats."""
-        if self.torch_ready is not None:
-            self.torch_ready.result()  # torch imported and set to one intra-op thread
-        from .quantize import quantize_array
-
         w = self.source.view(name) if w is None else w
         q, scale, self.stats[name] = quantize_array(name, w, scheme, QUANT_WORKERS)
         return q, scale
@@ -369,44 +367,18 @@ def build(
     except OSError:
         raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
     # The cyclic garbage collector finds next to nothing in a build (checked: 0-600 objects) but
-    # costs ~0.5 s of CPU per quantized build, mostly scanning torch's import: it waits.
+    # scans every container each time allocations pile up: it waits.
     gc_was_enabled = gc.isenabled()
     gc.disable()
-    # Only fp8 needs torch (its e4m3 cast; 16-bit and int8 plans never import it). Its import
-    # takes 1-2 s, so it runs on a thread while the first tensors, embeddings or lm_head, which
-    # stay 16-bit, are written; the quantizer waits for it.
-    torch_ready = _import_torch() if plan.dtype == "fp8" else None
     try:
-        return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0, torch_ready)
+        return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     finally:
         if gc_was_enabled:
             gc.enable()
-        if torch_ready is not None:
-            torch, threads = torch_ready.result()
-            torch.set_num_threads(threads)
         lock.close()
 
 
-def _import_torch() -> Future:
-    """Import torch on a thread; the future gives (torch, its intra-op thread count before)."""
-
-    def load() -> tuple[Any, int]:
-        import torch
-
-        # Parallelism comes from the per-rank writer threads and the quantizer's row chunks;
-        # intra-op threads on top only spin against them (measured 5x slower ops on 2 cores).
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        return torch, threads
-
-    pool = ThreadPoolExecutor(1, thread_name_prefix="shardc-torch")
-    try:
-        return pool.submit(load)
-    finally:
-        pool.shutdown(wait=False)
-
-
-def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0, torch_ready) -> BuildResult:
+def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0) -> BuildResult:
     # Source hashes are computed in the background while the shards are written (or come from
     # the cache when size and mtime are unchanged); they are awaited only where needed.
     source.start_hashing()
@@ -427,7 +399,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0,
     for stale in out.glob(".*.partial"):
         stale.unlink()
     key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
-    mat = Materializer(source, layout, torch_ready)
+    mat = Materializer(source, layout)
     hashes: dict[str, tuple[int, str]] = {}
     bar = None
     if progress:

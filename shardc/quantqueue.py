@@ -19,6 +19,8 @@ from concurrent.futures import Future
 
 import numpy as np
 
+from .quantize import quantize_array
+
 Key = tuple[str, str]  # (source tensor name, scheme)
 
 
@@ -33,11 +35,10 @@ class QuantQueue:
         view: Callable[[str], np.ndarray],
         stats: dict[str, dict],
         budget: int,
-        ready: Future | None = None,
         workers: int = 1,
     ) -> None:
         self._keys, self._view, self._stats, self._budget = list(dict.fromkeys(keys)), view, stats, budget
-        self._ready, self._workers = ready, workers
+        self._workers = workers
         self._results: dict[Key, Future] = {k: Future() for k in self._keys}
         self._cond = threading.Condition()
         self._held = 0  # bytes of results handed out or waiting to be
@@ -73,10 +74,6 @@ class QuantQueue:
 
     def _run(self) -> None:
         try:
-            if self._ready is not None:
-                self._ready.result()  # torch imported (fp8), one intra-op thread
-            from .quantize import quantize_array
-
             for key in self._keys:
                 name, scheme = key
                 w = self._view(name)

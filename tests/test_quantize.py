@@ -139,6 +139,19 @@ def test_nan_is_rejected_and_nothing_written(make_ckpt, tmp_path):
     assert not list((tmp_path / "o").glob("*.safetensors")) and not (tmp_path / "o" / "manifest.json").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scheme", ["int8", "fp8"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_weights_are_named_for_every_source_dtype(dtype, scheme, bad):
+    from shardc.errors import QuantizationError
+    from shardc.quantize import quantize
+
+    w = torch.randn(50, 64, generator=torch.Generator().manual_seed(2))
+    w[37, 5] = bad
+    with pytest.raises(QuantizationError, match=r"'w\.x' holds NaN or Inf \(first at index \[37, 5\]\)"):
+        quantize("w.x", w.to(dtype), scheme, workers=2)
+
+
 def test_dequantize_roundtrip_function():
     from shardc.quantize import dequantize, quantize
 
@@ -193,3 +206,39 @@ def test_kernel_edge_rows_values_and_stats_against_reference(dtype, scheme):
         assert stats["max_abs_err"] == pytest.approx(max_err, rel=1e-3)
         assert stats["rel_rms_err"] == pytest.approx(rel, rel=1e-3)
         assert all(np.isfinite(v) for v in stats.values())
+
+
+def test_fp8_kernel_cast_matches_torch_on_ties_boundaries_and_subnormals():
+    """The kernel's e4m3 rounding against torch's cast, with scale 1: every e4m3 value, the
+    midpoints between neighbours (ties to even) and the floats either side of them, a sweep
+    over the subnormal range and the lowest binades, random values across the range, and
+    values past ±448 (clamped), with both signs. Its error output is exact too."""
+    from shardc.qkernels import fp8_rows
+
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
+    mids = ((grid[:-1].astype(np.float64) + grid[1:]) / 2).astype(np.float32)
+    near = [np.nextafter(v, np.float32(np.inf)) for v in (grid, mids)]
+    near += [np.nextafter(v, np.float32(0)) for v in (grid, mids)]
+    sweep = np.arange(0, 0x3D000000, 4099, dtype=np.uint32).view(np.float32)  # up to 2^-5
+    rand = np.random.default_rng(0).uniform(0, 448, 1 << 16).astype(np.float32)
+    top = np.float32([448 * (1 + 2**-23), 460, 1e30, 1e-45, 1e-30])
+    y = np.concatenate([grid, mids, *near, sweep, rand, top]).astype(np.float32)
+    y = np.concatenate([y, -y]).reshape(1, -1)
+    want = torch.from_numpy(y).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q, err = np.empty(y.shape, np.uint8), np.empty(y.shape, np.float32)
+    fp8_rows(y, np.ones((1, 1), np.float32), q, err)
+    assert np.array_equal(q, want.view(torch.uint8).numpy())
+    assert np.array_equal(err, np.abs(y) - want.float().abs().numpy())
+
+
+def test_kernels_compile_without_a_writable_cache():
+    """Where numba finds nowhere to cache machine code (here: a function with no source file),
+    the kernels still compile, in memory, instead of failing the build."""
+    from shardc.qkernels import _jit
+
+    ns: dict = {}
+    exec("def f(a):\n    return a + 1\n", ns)
+    f = _jit(ns["f"])
+    assert f(np.float32(1)) == 2
+    assert type(f._cache).__name__ == "NullCache"
