@@ -162,9 +162,9 @@ def test_dequantize_roundtrip_function():
 
 
 def _edge_rows(dtype: torch.dtype) -> torch.Tensor:
-    """Rows that take the kernel's rare paths: all zero, one outlier, scales too small to be
-    normal floats (the clamp is needed there), scales whose 2^120 multiple overflows, and, in
-    fp32, sums of squares past fp32's range."""
+    """Rows at the edges of the kernels' arithmetic: all zero, one outlier, scales too small to
+    be normal floats (w / scale can overflow: the clamp matters there), huge scales, and, in
+    fp32, squares past fp32's range (the sums are float64)."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(40, 300, generator=g) * 0.02
     w[0] = 0
@@ -172,7 +172,7 @@ def _edge_rows(dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.float32:
         w[2] = torch.randn(300, generator=g) * 1e-39  # subnormal weights: subnormal scales
         w[3, :4] = torch.tensor([3e-40, -1e-45, 0.0, 1e-41])
-        w[4] = torch.randn(300, generator=g) * 3e5  # scale >= 2^8: s * 2^120 would overflow
+        w[4] = torch.randn(300, generator=g) * 3e5  # scales >= 2^8
         w[5, 0] = -3.0e38  # the squares overflow fp32
     elif dtype == torch.bfloat16:
         w[2] = torch.randn(300, generator=g) * 1e-38
