@@ -366,8 +366,8 @@ def build(
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
-    # The cyclic garbage collector finds next to nothing in a build (checked: 0-600 objects) but
-    # scans every container each time allocations pile up: it waits.
+    # The cyclic garbage collector finds next to nothing in a build (checked: 0-600 objects), yet
+    # ran ~200 times (~70 ms) in a quantized demo build, mostly while numba loads: it waits.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
