@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _build(src: Path, out: Path, tp: int, pp: int) -> Path:
-    from shardc.build import build
-    from shardc.plan import plan_from_dict
+    from shardc.build.compile import build
+    from shardc.spec.plan import plan_from_dict
 
     name = f"bench-demo-tp{tp}pp{pp}-bf16"
     plan = plan_from_dict({
@@ -75,8 +75,8 @@ def main() -> int:
     from setup_demo import ensure_demo_model
     from tokenizers import Tokenizer
 
-    from shardc.gate import golden_text, make_windows
     from shardc.runtime.api import open_build, score
+    from shardc.runtime.gate import golden_text, make_windows
 
     src = ensure_demo_model(ROOT / ".cache" / "demo")
     ids = Tokenizer.from_file(str(src / "tokenizer.json")).encode(golden_text("pydoc")[0]).ids

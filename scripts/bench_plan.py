@@ -53,9 +53,9 @@ def main() -> None:
         check=True, capture_output=True, text=True, cwd=ROOT,
     ).stdout.split()
 
-    from shardc.gpus import Cluster, get_gpu
-    from shardc.planner import resolve_model
-    from shardc.planner_search import search
+    from shardc.planner.formulas import resolve_model
+    from shardc.planner.gpus import Cluster, get_gpu
+    from shardc.planner.search import search
 
     model, name, source = resolve_model("llama-3.3-70b")
     t0 = time.perf_counter()

@@ -39,8 +39,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardc.store import TransferSettings  # noqa: E402
-from shardc.transfer import pull_build, push_build  # noqa: E402
+from shardc.store.base import TransferSettings  # noqa: E402
+from shardc.store.transfer import pull_build, push_build  # noqa: E402
 
 SMALL = dict(hidden_size=1024, intermediate_size=4096, num_heads=8, num_kv_heads=4, vocab_size=32000)
 
@@ -68,9 +68,9 @@ def start_moto(port: int, tmp: Path) -> subprocess.Popen:
 
 
 def make_build(work: Path, args: argparse.Namespace, dtype: str, tp: int, pp: int) -> Any:
-    from shardc.build import build
-    from shardc.plan import plan_from_dict
-    from shardc.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint
+    from shardc.build.compile import build
+    from shardc.build.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint
+    from shardc.spec.plan import plan_from_dict
 
     shapes = LLAMA3_70B_SHAPES if args.llama3_70b_shapes else SMALL
     ckpt = work / "ckpt"

@@ -8,12 +8,12 @@ import pytest
 import torch
 from reassemble import load_source, reassemble
 
-from shardc.build import build
-from shardc.layout import QUANTIZABLE
-from shardc.manifest import read_manifest
-from shardc.plan import load_plan
-from shardc.quantize import quantize
-from shardc.verify import verify_build
+from shardc.build.compile import build
+from shardc.build.quantize import quantize
+from shardc.formats.manifest import read_manifest
+from shardc.spec.layout import QUANTIZABLE
+from shardc.spec.plan import load_plan
+from shardc.verify.checks import verify_build
 
 PLANS = Path(__file__).resolve().parents[1] / "plans"
 pytestmark = pytest.mark.heavy

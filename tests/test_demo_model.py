@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from shardc.layout import source_tensors
-from shardc.model import load_model
+from shardc.spec.layout import source_tensors
+from shardc.spec.model import load_model
 
 pytestmark = pytest.mark.heavy
 

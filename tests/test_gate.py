@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from shardc.errors import ManifestError
-from shardc.gate import (
+from shardc.runtime.gate import (
     GoldenError,
     Thresholds,
     check_compatible,
@@ -104,8 +104,8 @@ def _gate(*args: str) -> subprocess.CompletedProcess:
 
 
 def _build(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> Path:
-    from shardc.build import build
-    from shardc.plan import plan_from_dict
+    from shardc.build.compile import build
+    from shardc.spec.plan import plan_from_dict
 
     name = f"{src.name}-tp{tp}pp{pp}-{dtype}"
     plan = plan_from_dict({
@@ -121,7 +121,7 @@ def synth_builds(tmp_path_factory):
     pytest.importorskip("torch")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from shardc.synthetic import llama_config, write_checkpoint
+    from shardc.build.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("gate-synth")
     words = golden_text("pydoc")[0].split()[:5000]
@@ -216,8 +216,8 @@ def _swap_row_parallel(build_dir: Path, layer: int) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardc.manifest import dumps, read_manifest
-    from shardc.source import sha256_file
+    from shardc.build.source import sha256_file
+    from shardc.formats.manifest import dumps, read_manifest
 
     m = read_manifest(build_dir / "manifest.json")
     stage = next(s for s in m["shards"] if s["layers"][0] <= layer < s["layers"][1])["pp_stage"]

@@ -17,13 +17,10 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from shardc.build.synthetic import llama_config
 from shardc.cli import main
 from shardc.errors import PlanError
-from shardc.gpus import GIB, GPUS, Cluster, get_gpu, get_interconnect, override_gpu
-from shardc.layout import build_layout
-from shardc.model import HUB_PRESETS, load_model, model_from_config
-from shardc.plan import load_plan, plan_from_dict
-from shardc.planner import (
+from shardc.planner.formulas import (
     PRESET_SOURCES,
     Overheads,
     SpeedParams,
@@ -41,8 +38,11 @@ from shardc.planner import (
     round_to_blocks,
     sequences_at,
 )
-from shardc.planner_search import Candidate, Search, search
-from shardc.synthetic import llama_config
+from shardc.planner.gpus import GIB, GPUS, Cluster, get_gpu, get_interconnect, override_gpu
+from shardc.planner.search import Candidate, Search, search
+from shardc.spec.layout import build_layout
+from shardc.spec.model import HUB_PRESETS, load_model, model_from_config
+from shardc.spec.plan import load_plan, plan_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 L70 = load_model("llama-3.3-70b")
@@ -219,7 +219,7 @@ def test_ties_go_to_the_smaller_tp_group():
         c = _only(L70, 8, 1, "bf16")
         return dataclasses.replace(c, tp=tp, cost=dataclasses.replace(c.cost, dollars_per_mtok=cost))
 
-    from shardc.planner_search import _recommend
+    from shardc.planner.search import _recommend
 
     s = Search(L70, "m", "m", A100, Workload(), Overheads(), SpeedParams(), ("bf16",), 0,
                [fake(8, 1.0), fake(4, 1.0), fake(2, 1.2)])
@@ -304,7 +304,7 @@ def test_cli_out_preset_plan_validates(tmp_path):
 
 def test_cli_out_builds(tmp_path, make_ckpt):
     """The plan written by --out validates and compiles with shardc build."""
-    build = pytest.importorskip("shardc.build")
+    build = pytest.importorskip("shardc.build.compile")
     ckpt = make_ckpt(**TINY)
     out = tmp_path / "plans" / "tiny.yaml"
     r = _run("--model", str(ckpt), "--gpu", "l40s", "--dtype", "int8", "--tp", "2", "--out", str(out))
@@ -346,7 +346,7 @@ def test_plan_does_not_import_torch():
         "import sys\n"
         "from click.testing import CliRunner\n"
         "from shardc.cli import main\n"
-        "import shardc.planner, shardc.planner_search, shardc.planner_report, shardc.commands.plan\n"
+        "import shardc.planner.formulas, shardc.planner.search, shardc.planner.report, shardc.commands.plan\n"
         "r = CliRunner().invoke(main, ['plan', '--model', 'llama-3.3-70b', '--gpu', 'a100-80gb', '--json'])\n"
         "assert r.exit_code == 0, r.output\n"
         "assert 'torch' not in sys.modules, 'shardc plan imported torch'\n"

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from shardc.build.quantize import quantize
+from shardc.build.quantqueue import QuantQueue
 from shardc.errors import QuantizationError
-from shardc.quantize import quantize
-from shardc.quantqueue import QuantQueue
 
 SHAPES = {"a": (64, 32), "b": (64, 32), "c": (16, 32), "d": (64, 32)}
 

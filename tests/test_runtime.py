@@ -26,10 +26,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shardc.build import build  # noqa: E402
+from shardc.build.compile import build  # noqa: E402
 from shardc.errors import DistributedError, ManifestError  # noqa: E402
-from shardc.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import BuildRef, generate, open_build, score  # noqa: E402
+from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 EXACT_ATOL = 1e-3
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def hf_model(src: Path, dtype: torch.dtype = torch.bfloat16, tp: int = 1,
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
-    from shardc.quantize import dequantize, quantize
+    from shardc.build.quantize import dequantize, quantize
 
     model = LlamaForCausalLM.from_pretrained(src, dtype=dtype).eval()
     if quant:
@@ -123,7 +123,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 def golden_windows(tokenizer_json: Path, n: int, t: int) -> torch.Tensor:
     from tokenizers import Tokenizer
 
-    from shardc.gate import golden_text
+    from shardc.runtime.gate import golden_text
 
     ids = Tokenizer.from_file(str(tokenizer_json)).encode(golden_text("pydoc")[0][:40000]).ids
     return torch.tensor(ids[: n * t]).view(n, t)
@@ -191,7 +191,7 @@ def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows):
 # -- synthetic models ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    from shardc.synthetic import llama_config, write_checkpoint
+    from shardc.build.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("synth")
     # 4 heads / 2 KV heads: tp 4 holds one replicated KV head per rank; vocab 99 pads at tp 2 and 4.
@@ -211,8 +211,8 @@ def test_llama3_rope_frequencies_match_transformers(synth):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from shardc.model import load_model
     from shardc.runtime.llama import rope_inv_freq
+    from shardc.spec.model import load_model
 
     spec = load_model(synth["llama3rope"]).summary()
     ours, _ = rope_inv_freq(spec)
@@ -346,7 +346,7 @@ def test_torchrun_launch(pipe2):
 def test_pipeline_keeps_micro_batches_in_flight(tmp_path):
     """pp 2, 6 micro-batches: stage 0 starts micro-batch k+1 while stage 1 still computes k (the
     sends are asynchronous), which is what makes the bubble (pp-1)/(M+pp-1) rather than (pp-1)/pp."""
-    from shardc.synthetic import llama_config, write_checkpoint
+    from shardc.build.synthetic import llama_config, write_checkpoint
 
     src = write_checkpoint(tmp_path / "wide", llama_config(hidden_size=256, intermediate_size=768,
                                                             num_layers=4, vocab_size=99), seed=4)

@@ -23,9 +23,9 @@ from click.testing import CliRunner
 
 from shardc.cli import main
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
-from shardc.manifest import dumps, loads
-from shardc.store import TransferSettings, parse_uri, split_object_uri
-from shardc.transfer import pull_build, push_build
+from shardc.formats.manifest import dumps, loads
+from shardc.store.base import TransferSettings, parse_uri, split_object_uri
+from shardc.store.transfer import pull_build, push_build
 
 sys.path.insert(0, str(Path(__file__).parent))
 from s3server import FaultProxy, Faults, S3Server  # noqa: E402
@@ -79,10 +79,10 @@ def bucket(s3):
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Real builds (shardc.build) of one seeded synthetic checkpoint: bf16, int8 and fp8."""
-    from shardc.build import build
-    from shardc.plan import plan_from_dict
-    from shardc.synthetic import llama_config, write_checkpoint
+    """Real builds (shardc.build.compile) of one seeded synthetic checkpoint: bf16, int8 and fp8."""
+    from shardc.build.compile import build
+    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.spec.plan import plan_from_dict
 
     base = tmp_path_factory.mktemp("builds")
     ckpt = write_checkpoint(base / "ckpt", llama_config(
@@ -245,8 +245,8 @@ def test_cli_push_pull_and_build_upload(builds, s3, bucket, tmp_path, monkeypatc
 
 def test_default_destination_is_plan_manifest_uri(builds, tmp_path):
     """No --to: the directory of the plan's checkpoint.manifest_uri (here a file:// one)."""
-    from shardc.build import build
-    from shardc.plan import plan_from_dict
+    from shardc.build.compile import build
+    from shardc.spec.plan import plan_from_dict
 
     src = builds["bf16"].manifest
     data = json.loads(json.dumps(src["plan"]))

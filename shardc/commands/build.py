@@ -37,7 +37,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
               endpoint_url, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
     from ..cli import echo_json, show_progress
-    from ..plan import load_plan
+    from ..spec.plan import load_plan
 
     plan = load_plan(plan_file)
     if source:
@@ -45,13 +45,13 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     if dry_run:
         _dry_run(plan, model_ref, as_json)
         return
-    from ..build import build
+    from ..build.compile import build
 
     result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
                    allow_pickle=allow_pickle, manifests_dir=manifests_dir)
     summary = result.summary()
     if upload:
-        from ..transfer import push_build
+        from ..store.transfer import push_build
 
         summary["upload"] = push_build(result.manifest_path, to_uri, endpoint_url=endpoint_url,
                                        progress=show_progress(quiet) and not as_json)
@@ -76,8 +76,8 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
 
 def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
     from ..cli import echo_json
-    from ..layout import build_layout
-    from ..model import model_for_source
+    from ..spec.layout import build_layout
+    from ..spec.model import model_for_source
 
     layout = build_layout(model_for_source(plan.source, model_ref), plan)
     ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
@@ -103,7 +103,7 @@ Examples:
 def inspect_cmd(path: Path, tensors: bool, as_json: bool) -> None:
     """Summarize a manifest, a build directory or one shard file."""
     from ..cli import echo_json
-    from ..inspect import describe
+    from ..verify.inspect import describe
 
     info = describe(path)
     if as_json:

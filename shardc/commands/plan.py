@@ -77,7 +77,7 @@ KV_DTYPE = _Flag("auto|fp16|bf16|fp8", "KV dtype (auto, fp16, bf16, fp8)", _choi
 
 def _param(text: str) -> tuple[str, float]:
     """NAME=VALUE for one named assumption: an overhead (a size, may be 0) or a speed parameter."""
-    from ..planner import Overheads, SpeedParams
+    from ..planner.formulas import Overheads, SpeedParams
 
     name, sep, value = text.partition("=")
     names = [*Overheads.__dataclass_fields__, *SpeedParams.__dataclass_fields__]
@@ -155,11 +155,11 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, nodes: int, dtyp
              out_file: Path | None) -> None:
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick."""
     from ..cli import echo_json
-    from ..gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
-    from ..planner import Overheads, SpeedParams, Workload, resolve_model
-    from ..planner_report import explain as explain_lines
-    from ..planner_report import header, summary, table
-    from ..planner_search import search
+    from ..planner.formulas import Overheads, SpeedParams, Workload, resolve_model
+    from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
+    from ..planner.report import explain as explain_lines
+    from ..planner.report import header, summary, table
+    from ..planner.search import search
 
     model, name, source = resolve_model(model_ref)
     gpu = override_gpu(

@@ -112,8 +112,8 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
              report_path: Path | None) -> None:
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
     from ..cli import echo_json
-    from ..gate import Thresholds, format_report, run_gate
-    from ..plan import canonical_json
+    from ..runtime.gate import Thresholds, format_report, run_gate
+    from ..spec.plan import canonical_json
 
     report = run_gate(
         baseline, candidate, golden=golden, max_tokens=max_tokens, window=window,
@@ -123,7 +123,7 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
     if not report:  # under torchrun, only the rank that holds the comparison reports
         return
     if report_path is not None:
-        from ..manifest import write_atomic
+        from ..formats.manifest import write_atomic
 
         write_atomic(report_path, canonical_json(report))
     if as_json:

@@ -40,8 +40,8 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
     from ..cli import echo_json
     from ..errors import ManifestError
-    from ..manifest import layout_of
-    from ..verify import select_ranks, verify_build
+    from ..formats.manifest import layout_of
+    from ..verify.checks import select_ranks, verify_build
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
@@ -49,7 +49,7 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
         raise ManifestError("a manifest from a store needs --dir: where this node's shards are",
                             hint="shardc verify --manifest s3://bucket/prefix/manifest.json --dir /models/x")
     if plan_file is not None:
-        from ..plan import load_plan
+        from ..spec.plan import load_plan
 
         want = load_plan(plan_file).sha256
         if want != manifest["plan_sha256"]:
@@ -62,7 +62,7 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
         if not torch.cuda.is_available():
             raise ManifestError(f"--device {device} but CUDA is not available here", hint="use --device cpu")
     if distributed or "TORCHELASTIC_RUN_ID" in os.environ:  # --distributed, or launched by torchrun
-        from ..distverify import distributed_verify
+        from ..verify.distributed import distributed_verify
 
         report = distributed_verify(manifest, directory, device=device, deep=deep_source, timeout_s=timeout_s)
     else:
@@ -88,10 +88,10 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
 
 def _load_manifest(ref: str, endpoint_url: str | None):
     """A local manifest path (its directory is the default --dir), or a URI fetched from a store."""
-    from ..manifest import read_manifest
+    from ..formats.manifest import read_manifest
 
     if "://" in ref and not ref.startswith("file://"):
-        from ..transfer import fetch_manifest
+        from ..store.transfer import fetch_manifest
 
         return fetch_manifest(ref, endpoint_url=endpoint_url), None
     path = Path(ref.removeprefix("file://"))

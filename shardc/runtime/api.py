@@ -39,7 +39,7 @@ class BuildRef:
 
 def open_build(manifest: str | Path, directory: str | Path | None = None) -> BuildRef:
     """A manifest.json (or a build directory holding one); shards default to the manifest's directory."""
-    from ..manifest import read_manifest
+    from ..formats.manifest import read_manifest
 
     path = Path(str(manifest).removeprefix("file://"))
     if path.is_dir():

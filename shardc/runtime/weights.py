@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import ManifestError
-from ..layout import SCALE_SUFFIX, Layout, RankLayout
+from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout
 from .llama import Dims, LayerWeights, StageWeights
 
 BASE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
@@ -51,7 +51,7 @@ def load_stage(
     device: torch.device,
 ) -> StageWeights:
     """Load, check and arrange one rank's tensors (dequantizing int8/fp8)."""
-    from ..verify import load_rank_tensors
+    from ..verify.checks import load_rank_tensors
 
     rl = layout.rank(tp_rank, pp_stage)
     raw = load_rank_tensors(manifest, directory, tp_rank, pp_stage, device="cpu")

@@ -28,7 +28,7 @@ from ..errors import DistributedError, ShardcError
 
 
 def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    from ..manifest import read_manifest
+    from ..formats.manifest import read_manifest
     from .comm import Replica
 
     reps, manifests, base = [], [], 0
@@ -51,7 +51,7 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
     """Run this rank's part of ``job``. Returns the result on the rank that holds it, else None."""
     import torch
 
-    from ..manifest import layout_of
+    from ..formats.manifest import layout_of
     from .comm import Comm, open_store
     from .engine import StageRunner, Timer
     from .llama import StageModel

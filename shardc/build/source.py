@@ -24,11 +24,11 @@ from typing import Any
 
 import numpy as np
 
-from .arrays import from_torch, np_dtype
-from .errors import SourceError
-from .layout import DTYPE_BYTES, source_tensors
-from .manifest import safe_name
-from .model import ModelSpec
+from ..errors import SourceError
+from ..formats.manifest import safe_name
+from ..spec.dtypes import from_torch, np_dtype
+from ..spec.layout import DTYPE_BYTES, source_tensors
+from ..spec.model import ModelSpec
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from .errors import PlanError
+from ..errors import PlanError
 
 DTYPES = ("fp16", "bf16", "int8", "fp8")
 QUANTIZED_DTYPES = ("int8", "fp8")

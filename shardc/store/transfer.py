@@ -44,10 +44,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .errors import ManifestError, ShardcError, StoreError, VerifyMismatch
-from .manifest import dumps, fsync_dir, loads, read_manifest, write_atomic
-from .source import sha256_file
-from .store import (
+from ..build.source import sha256_file
+from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
+from ..formats.manifest import dumps, fsync_dir, loads, read_manifest, write_atomic
+from .base import (
     BLOCK,
     CODECS,
     MANIFEST_NAME,
@@ -457,7 +457,7 @@ def _compressed(entry: dict[str, Any], fname: str) -> dict[str, Any] | None:
     comp = entry.get("compressed")
     if comp is None:
         return None
-    from .manifest import safe_name
+    from ..formats.manifest import safe_name
 
     if (not isinstance(comp, dict) or comp.get("codec") not in CODECS
             or not isinstance(comp.get("size"), int) or not isinstance(comp.get("sha256"), str)):
@@ -600,8 +600,8 @@ def verify_pulled(manifest: dict[str, Any], dest: Path, shards: list[dict[str, A
     """
     import inspect
 
-    from . import verify
-    from .manifest import layout_of
+    from ..formats.manifest import layout_of
+    from ..verify import checks as verify
 
     layout = layout_of(manifest)
     rls = [layout.rank(s["tp_rank"], s["pp_stage"]) for s in shards]

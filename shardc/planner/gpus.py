@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .errors import PlanError
+from ..errors import PlanError
 
 GIB = 1 << 30
 GB = 10**9

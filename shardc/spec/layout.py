@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .errors import LayoutError, QuantizationError
+from ..errors import LayoutError, QuantizationError
 from .model import ModelSpec
 from .plan import Plan
 

@@ -13,9 +13,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .errors import DistributedError, ManifestError
-from .manifest import layout_of
-from .verify import verify_build
+from ..errors import DistributedError, ManifestError
+from ..formats.manifest import layout_of
+from .checks import verify_build
 
 
 def _env_int(name: str) -> int:

@@ -8,7 +8,7 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 from __future__ import annotations
 
 from .gpus import GB, GIB
-from .planner_search import Candidate, Search, default_dtypes
+from .search import Candidate, Search, default_dtypes
 
 BAR_WIDTH = 24
 BAR_LEGEND = "bar: # weights  = KV cache  + overheads  . free  (whole GPU as CUDA reports it; | at 95%)"

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .layout import source_tensors
-from .model import model_from_config
-from .stwriter import ShardWriter
+from ..formats.safetensors import ShardWriter
+from ..spec.layout import source_tensors
+from ..spec.model import model_from_config
 
 _DT = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelError
+from ..errors import ModelError
 
 # Architecture -> which projections carry a bias. Everything else about the split table is shared.
 ARCHITECTURES: dict[str, dict[str, bool]] = {

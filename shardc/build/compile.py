@@ -25,18 +25,18 @@ from typing import Any
 
 import numpy as np
 
-from . import __version__
-from .arrays import np_dtype
-from .errors import OutputError, ShardcError, SourceError
-from .layout import DTYPE_BYTES, Layout, RankLayout, TensorSpec, build_layout
-from .manifest import dumps, loads, new_manifest, write_atomic
-from .model import model_from_config
-from .plan import Plan, canonical_json
+from .. import __version__
+from ..errors import OutputError, ShardcError, SourceError
+from ..formats.files import human_size
+from ..formats.manifest import dumps, loads, new_manifest, write_atomic
+from ..formats.safetensors import ShardWriter
+from ..spec.dtypes import np_dtype
+from ..spec.layout import DTYPE_BYTES, Layout, RankLayout, TensorSpec, build_layout
+from ..spec.model import model_from_config
+from ..spec.plan import Plan, canonical_json
 from .quantize import quantize_array
 from .quantqueue import QuantQueue
 from .source import Source, open_source, sha256_file
-from .stwriter import ShardWriter
-from .units import human_size
 
 LOCK = ".shardc-build.lock"
 # Threads quantizing a tensor's row chunks: half the cores, at most 4. The numba kernels take
@@ -289,12 +289,12 @@ def _write_piece(writer: ShardWriter, full, spec: TensorSpec, bar: Any) -> None:
 
 def output_config(layout: Layout) -> dict[str, Any]:
     """config.json next to the shards: the model config plus quantization_config when quantized."""
-    from .layout import base_dtype
+    from ..spec.layout import base_dtype
 
     cfg = json.loads(json.dumps(layout.model.config))
     cfg["torch_dtype"] = {"F16": "float16", "BF16": "bfloat16"}[base_dtype(layout.model, layout.plan)]
     if layout.plan.quantized:
-        from .layout import QUANTIZABLE
+        from ..spec.layout import QUANTIZABLE
         from .quantize import quantization_config
 
         specs = [t for rl in layout.ranks for t in rl.tensors]

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ManifestError, VerifyMismatch
-from .layout import Layout, RankLayout
-from .manifest import layout_of
-from .source import sha256_file
+from ..build.source import sha256_file
+from ..errors import ManifestError, VerifyMismatch
+from ..formats.manifest import layout_of
+from ..spec.layout import Layout, RankLayout
 
 MAX_HEADER = 100 << 20
 
@@ -94,7 +94,7 @@ def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> l
 
 
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
-    from .build import shard_metadata
+    from ..build.compile import shard_metadata
 
     try:
         header = read_header(path)
@@ -164,9 +164,9 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
     import numpy as np
     from safetensors import safe_open
 
-    from .arrays import as_bytes, from_torch
-    from .build import Materializer, cut
-    from .source import open_source
+    from ..build.compile import Materializer, cut
+    from ..build.source import open_source
+    from ..spec.dtypes import as_bytes, from_torch
 
     source = open_source(source_uri)
     mat = Materializer(source, layout)

@@ -20,9 +20,9 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .errors import ShardcError, StoreError, VerifyMismatch
-from .manifest import fsync_dir, write_atomic
-from .source import sha256_file
+from ..build.source import sha256_file
+from ..errors import ShardcError, StoreError, VerifyMismatch
+from ..formats.manifest import fsync_dir, write_atomic
 
 MANIFEST_NAME = "manifest.json"
 CODECS = ("zstd",)
@@ -177,7 +177,7 @@ def open_store(uri: str, *, endpoint_url: str | None = None,
                settings: TransferSettings | None = None) -> Store:
     scheme, bucket, path = parse_uri(uri)
     if scheme == "s3":
-        from .s3store import S3Store
+        from .s3 import S3Store
 
         return S3Store(bucket, path, endpoint_url=endpoint_url, settings=settings)
     return LocalStore(Path(path))

@@ -16,12 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import LayoutError, PlanError
-from .gpus import GIB, Cluster
-from .layout import check_degrees
-from .model import ModelSpec
-from .plan import DTYPES, Plan, plan_from_dict
-from .planner import (
+from ..errors import LayoutError, PlanError
+from ..spec.layout import check_degrees
+from ..spec.model import ModelSpec
+from ..spec.plan import DTYPES, Plan, plan_from_dict
+from .formulas import (
     ACT_BYTES,
     DTYPE_ORDER,
     Cost,
@@ -46,6 +45,7 @@ from .planner import (
     round_to_blocks,
     sequences_at,
 )
+from .gpus import GIB, Cluster
 
 
 @dataclass

@@ -20,8 +20,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from .arrays import from_torch, to_torch
-from .errors import QuantizationError
+from ..errors import QuantizationError
+from ..spec.dtypes import from_torch, to_torch
 
 QMAX = {"int8": 127.0, "fp8": 448.0}
 QDTYPE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
@@ -57,7 +57,7 @@ def _rows(scheme: str, w: np.ndarray, q: np.ndarray, s: np.ndarray) -> np.ndarra
     Returns [max |error|, sum error^2, sum w^2] of these rows, where error = source - q * scale,
     the product rounded to fp32 as the runtime dequantizes. A NaN/Inf row gets a non-finite
     scale; the caller rejects the tensor."""
-    from . import qkernels as k  # numba: imported only where something is quantized
+    from . import kernels as k  # numba: imported only where something is quantized
 
     n, in_f = w.shape
     wf, err = (b[: n * in_f].reshape(n, in_f) for b in _buffers.get(n * in_f))

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from .layout import DTYPE_BYTES
+from ..spec.layout import DTYPE_BYTES
 
 ALIGN = 8
 STAGE_BYTES = 8 << 20  # per write; a multiple of any block size O_DIRECT asks for

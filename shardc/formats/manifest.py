@@ -32,11 +32,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .errors import ManifestError
-from .layout import Layout, build_layout
-from .model import model_from_config
-from .plan import canonical_json, plan_from_dict
+from .. import __version__
+from ..errors import ManifestError
+from ..spec.layout import Layout, build_layout
+from ..spec.model import model_from_config
+from ..spec.plan import canonical_json, plan_from_dict
 
 FORMAT = "shardc-manifest"
 FORMAT_VERSION = 1
@@ -56,7 +56,7 @@ def new_manifest(
     layout: Layout, source: dict[str, Any], shards: list[dict[str, Any]], files: list[dict[str, Any]]
 ) -> dict[str, Any]:
     plan, model = layout.plan, layout.model
-    from .layout import base_dtype
+    from ..spec.layout import base_dtype
 
     return {
         "format": FORMAT,

@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from .errors import ShardcError, StoreError, VerifyMismatch
-from .store import GetItem, ObjectInfo, PutItem, Store, TransferSettings
+from ..errors import ShardcError, StoreError, VerifyMismatch
+from .base import GetItem, ObjectInfo, PutItem, Store, TransferSettings
 
 _CRED_HINT = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run where an instance role "

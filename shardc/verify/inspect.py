@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .errors import ManifestError
-from .manifest import read_manifest
-from .units import human_size
-from .verify import read_header
+from ..errors import ManifestError
+from ..formats.files import human_size
+from ..formats.manifest import read_manifest
+from .checks import read_header
 
 
 def describe(path: Path) -> dict[str, Any]:

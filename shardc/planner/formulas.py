@@ -17,11 +17,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import PlanError
+from ..errors import PlanError
+from ..spec.layout import build_layout, check_degrees, layer_of, stage_ranges
+from ..spec.model import ModelSpec
+from ..spec.plan import DEFAULT_IGNORE, DEFAULT_SHARD_PREFIX, QUANTIZED_DTYPES, Plan
 from .gpus import GIB, Cluster
-from .layout import build_layout, check_degrees, layer_of, stage_ranges
-from .model import ModelSpec
-from .plan import DEFAULT_IGNORE, DEFAULT_SHARD_PREFIX, QUANTIZED_DTYPES, Plan
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
@@ -224,7 +224,7 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
 
 def param_count(model: ModelSpec) -> int:
     """Parameters of the checkpoint (tied embeddings counted once), from the Layout's tensor list."""
-    from .layout import source_tensors
+    from ..spec.layout import source_tensors
 
     return sum(math.prod(t.shape) for t in source_tensors(model))
 
@@ -245,7 +245,7 @@ def resolve_model(ref: str) -> tuple[ModelSpec, str, str]:
     """--model as (spec, short name, plan source): a preset, a config.json or a checkpoint dir."""
     from pathlib import Path
 
-    from .model import PRESETS, load_model
+    from ..spec.model import PRESETS, load_model
 
     spec = load_model(ref)
     key = ref.lower()

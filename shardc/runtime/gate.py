@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ManifestError, ShardcError
+from ..errors import ManifestError, ShardcError
 
 DEFAULT_MAX_PPL_DELTA_PCT = 0.5
 DEFAULT_WINDOW = 512
@@ -168,7 +168,7 @@ def run_gate(
     timeout_s: float = 120.0, device: str = "cpu",
 ) -> dict[str, Any]:
     """Score both builds on the golden windows and return the report (``report["pass"]``)."""
-    from .runtime.api import compare, load_tokenizer, open_build
+    from .api import compare, load_tokenizer, open_build
 
     base = open_build(baseline, baseline_dir)
     cand = open_build(candidate, candidate_dir)

@@ -1,0 +1,1 @@
+"""The compiler: source checkpoint -> per-rank shard files (+ quantization)."""

@@ -1,0 +1,1 @@
+"""File formats shardc writes and reads: safetensors shards, the manifest, file helpers."""

@@ -1,0 +1,1 @@
+"""`shardc plan`: memory/speed arithmetic, candidate search, report."""

@@ -1,0 +1,1 @@
+"""Checks of a build: per rank, distributed, and the human-readable inspector."""
