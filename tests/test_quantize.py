@@ -28,7 +28,7 @@ def plan(dtype: str, tp: int, pp: int = 1, **quant) -> object:
 
 
 def ref_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """DESIGN.md §3.4 in numpy: scale = absmax/127 (fp32), round half to even, clamp ±127."""
+    """docs/architecture.md §5 in numpy: scale = absmax/127 (fp32), round half to even, clamp ±127."""
     w = w.astype(np.float32)
     scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
     scale[scale == 0] = 1

@@ -39,10 +39,9 @@ from .quantqueue import QuantQueue
 from .source import Source, open_source, sha256_file
 
 LOCK = ".shardc-build.lock"
-# Threads quantizing a tensor's row chunks: half the cores, at most 4. The numba kernels take
-# ~1 ns per weight on one thread, so one thread quantizes a 70B layer (0.86G weights) in ~1 s,
-# about what reading its 1.7 GB takes; the other cores hash and write. On 2 cores one thread
-# measured the same wall time as two, for 0.8 s less CPU per 1.7G weights.
+# Threads quantizing a tensor's row chunks: half the cores, at most 4. One thread of the numba
+# kernels keeps pace with reading a layer from disk; the other cores hash and write. On 2 cores
+# one thread gives the same wall time as two for less CPU (docs/performance.md §2).
 QUANT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
@@ -366,8 +365,8 @@ def build(
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
-    # The cyclic garbage collector finds next to nothing in a build (checked: 0-600 objects), yet
-    # ran ~200 times (~70 ms) in a quantized demo build, mostly while numba loads: it waits.
+    # The cyclic garbage collector finds next to nothing in a build, yet runs hundreds of times
+    # (mostly while numba loads; docs/performance.md §2): it waits until the build is done.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -444,7 +443,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
         mat.start_queue([(t.source, t.quant) for todo in stages for t in todo[0].tensors if t.quant])
         for todo in stages:
             # Old files in the way are deleted on the commit thread while the stage is written
-            # (a GB takes ~0.4 s on a filesystem mounted with discard), before its renames.
+            # (slow on a filesystem mounted with discard), before its renames.
             committer.submit(_remove, [out / rl.file for rl in todo if (out / rl.file).exists()])
             writers = _write_stage(layout, todo, out, mat, bar)
             commits.append((todo, committer.submit(commit, todo, writers)))

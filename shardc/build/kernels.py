@@ -1,18 +1,17 @@
 """The quantizers' per-element work, compiled with numba into vectorized loops.
 
-As chains of numpy ufuncs the fp8 cast alone took a dozen passes over each chunk (~2.6 ns per
-weight; ml_dtypes' scalar cast ~11 ns) and int8 half a dozen. Here each step is one loop that
-LLVM vectorizes: quantizing costs ~1 ns per weight on one core here, fp8 and int8 alike (it was
-~4-5 ns for fp8 with numpy's or torch's cast, ~2 ns for int8).
+As chains of numpy ufuncs the fp8 cast alone took a dozen passes over each chunk and int8 half
+a dozen. Here each step is one loop that LLVM vectorizes, so both schemes cost a few times less
+per weight than numpy's or torch's casts did (figures: docs/performance.md §2).
 
 The quantizing loops hold no reduction and run without fast-math: every operation is the IEEE
 one numpy would do, on any vector width, so the results are byte-identical to the formulas of
-DESIGN.md §3.4 (tests check them against torch). The maxima are taken over float bits as
+docs/architecture.md §5 (tests check them against torch). The maxima are taken over float bits as
 integers, which is exact and vectorizes. Only ``error_stats`` may reorder its float64 sums
 (``reassoc``), and its figures are rounded to 4 digits for the manifest.
 
-Compiled code is cached on disk (``cache=True``): the first quantized build after an install
-spends ~1.7 s compiling; later ones import numba and load it in ~0.5 s.
+Compiled code is cached on disk (``cache=True``): only the first quantized build after an
+install pays for compiling; later ones import numba and load the machine code.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Weight-only int8 / fp8 (e4m3fn) quantization: pure functions plus a naming convention.
 
-Per output channel, symmetric (DESIGN.md §3.4). The FULL tensor is quantized, then sliced, so an
+Per output channel, symmetric (docs/architecture.md §5). The FULL tensor is quantized, then sliced, so an
 int8/fp8 plan at any TP degree holds the same quantized model. ``X.weight`` gets the quantized
 values and ``X.weight_scale`` the float32 ``[out, 1]`` scales; ``w ~= q * scale``.
 
-The arithmetic is numba loops (``qkernels``); this module splits a tensor into row chunks for
-threads and combines their statistics. No torch: a build never imports it (its import costs
-1-2 s of CPU, ~4 s from a cold page cache).
+The arithmetic is numba loops (``kernels``); this module splits a tensor into row chunks for
+threads and combines their statistics. No torch: a build never imports it (its import alone
+would cost seconds of a build's budget; docs/performance.md §2).
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 A quantized build is CPU-bound while it quantizes and disk-bound while it streams the big 16-bit
 tensors (embeddings, lm_head). A background thread quantizes the weights in file order, as far
 ahead of the writers as ``budget`` bytes of quantized output allow, so that work overlaps the
-16-bit streaming instead of following it. (On these 2 cores, half the largest tensor ahead and
-about one tensor ahead measured the same, in time and in peak RSS, within this VM's noise.)
+16-bit streaming instead of following it. (How far ahead matters little within that budget:
+docs/performance.md §2.)
 
 Output buffers go back to a pool when the writers are done with a tensor, and the next tensor
 of that size reuses them: zeroing a fresh buffer's pages costs about as much CPU as quantizing
-into it (~1 ns per byte measured here, against ~1 ns per weight for the kernels).
+into it (docs/performance.md §2).
 """
 
 from __future__ import annotations

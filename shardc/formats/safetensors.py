@@ -1,4 +1,4 @@
-"""Incremental safetensors writer (DESIGN.md §3.2).
+"""Incremental safetensors writer (the shard-file format: docs/architecture.md §3.2).
 
 ``safetensors.torch.save_file`` needs a whole file's tensors in memory; one rank of a 70B model is
 9-35 GB. The format is simple enough to stream: 8-byte little-endian header length, the JSON header
@@ -57,8 +57,8 @@ class ShardWriter:
     Bytes are staged in page-aligned buffers and written with ``O_DIRECT`` where the filesystem
     allows it, by a background thread while the next buffer fills. A shard must be durable
     before it is renamed (fsync), so its bytes go to the disk either way; going around the page
-    cache saves the kernel's copy into it (about as much CPU as hashing the bytes, on the
-    machines measured) and leaves nothing for the final fsync to wait for. Where ``O_DIRECT`` is
+    cache saves the kernel's copy into it (about as much CPU as hashing the bytes; see
+    docs/performance.md §2) and leaves nothing for the final fsync to wait for. Where ``O_DIRECT`` is
     refused (tmpfs, some network filesystems) the same buffers are written through the cache.
     ``SHARDC_DIRECT_IO=0`` turns it off.
     """

@@ -265,7 +265,7 @@ def plan_dict(
     name: str, source: str, tp: int, pp: int, dtype: str, *, kv_cache_cap_gib: float | None = None,
     max_concurrent_sequences: int | None = None,
 ) -> dict[str, Any]:
-    """A plan file's content (the schema of plan.py), ready for ``plan_from_dict``/YAML."""
+    """A plan file's content (the schema of spec/plan.py), ready for ``plan_from_dict``/YAML."""
     rg: dict[str, Any] = {
         "name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * pp,
         "nvlink_domain": "node-local",

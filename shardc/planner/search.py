@@ -1,4 +1,4 @@
-"""Candidate search: every (tp, pp, dtype) the cluster allows, judged with planner.py's arithmetic.
+"""Candidate search: every (tp, pp, dtype) the cluster allows, judged with formulas.py's arithmetic.
 
 Rules (the issue's, in order): tp stays inside the NVLink domain and satisfies the head rules of the
 Layout; pp stays within the layer count; tp x pp fits the GPUs available. A candidate fits when every

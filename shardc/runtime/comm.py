@@ -2,7 +2,7 @@
 
 A world holds one replica (``shardc run``) or two side by side (``shardc gate`` runs baseline and
 candidate together so their logits can be compared position by position). Inside a replica, global
-rank = base + pp_stage * tp + tp_rank (TP groups contiguous, DESIGN §3.2). Each (replica, stage) gets
+rank = base + pp_stage * tp + tp_rank (TP groups contiguous, docs/architecture.md §3.2). Each (replica, stage) gets
 its own TP group; pipeline hand-offs are point-to-point on the world group between equal TP ranks.
 
 Every collective and point-to-point wait runs under the process-group timeout. A failure is

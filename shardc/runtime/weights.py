@@ -1,6 +1,6 @@
 """Turn one rank's shard tensors into the runtime's weights.
 
-The tensors come from ``shardc.verify.load_rank_tensors`` (sha256 + header checked against the
+The tensors come from ``shardc.verify.checks.load_rank_tensors`` (sha256 + header checked against the
 Layout before a byte is used). What each tensor is, and which vocabulary rows a rank holds, is read
 from the Layout's TensorSpecs, never re-derived. int8 / fp8 weights are dequantized here with their
 per-channel scales (weight-only quantization: activations stay in the 16-bit base dtype).

@@ -1,10 +1,11 @@
 """Tensor bytes as numpy arrays: the build's data path needs no torch.
 
-A 16-bit build only maps source tensors, slices them and casts 16-bit floats; numpy does that
-with ml_dtypes supplying bfloat16 and float8_e4m3fn, and imports in 0.1 s where torch takes 1-2 s
-(on a 10 s build, that is most of the margin). ml_dtypes casts round to nearest even, like torch,
-and release the GIL, so the per-rank writer threads run them in parallel. Quantization still runs
-in torch; ``to_torch``/``from_torch`` cross over without copying.
+A build only maps source tensors, slices them and casts them; numpy does that with ml_dtypes
+supplying bfloat16 and float8_e4m3fn, and imports in a fraction of torch's import time, which
+would be a large part of a build's budget (docs/performance.md §2). ml_dtypes casts round to
+nearest even, like torch, and release the GIL, so the per-rank writer threads run them in
+parallel. Quantization is numba (build/kernels.py); the runtime and verify's device checks use
+torch, and ``to_torch``/``from_torch`` cross over without copying.
 """
 
 from __future__ import annotations

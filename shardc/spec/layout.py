@@ -1,7 +1,8 @@
 """The Layout: which slice of which source tensor goes to which rank. Pure: no I/O, no torch.
 
 Split rules are data (``SPLIT_RULES``), interpreted by one function (``_slice_for_rank``). build,
-verify, reshard, the runtime and the planner all ask the Layout; none of them re-derives a rule.
+verify, the runtime and the planner all ask the Layout; none of them re-derives a rule
+(docs/architecture.md §4).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Object storage: a narrow interface over where builds live, and the local backend.
 
 Stores are named by URI: a plain path or ``file://`` (the default; no services needed) or
-``s3://bucket/prefix`` (boto3, imported only then; see :mod:`shardc.s3store`). Both sit behind the
-small :class:`Store` interface, so the push/pull protocol (:mod:`shardc.transfer`) holds the
-rules and the backends hold the I/O.
+``s3://bucket/prefix`` (boto3, imported only then; see :mod:`shardc.store.s3`). Both sit behind
+the small :class:`Store` interface, so the push/pull protocol (:mod:`shardc.store.transfer`)
+holds the rules and the backends hold the I/O (docs/architecture.md §2, §6).
 
 Object metadata (S3 ``x-amz-meta-*``): ``sha256`` of the stored bytes; for ``.zst`` objects also
 ``codec``, ``content-size`` and ``content-sha256`` of the uncompressed file.
@@ -26,10 +26,9 @@ from ..formats.manifest import fsync_dir, write_atomic
 
 MANIFEST_NAME = "manifest.json"
 CODECS = ("zstd",)
-# zstd stores bf16 shards in 78% of their size, fp8 in 79-82%, int8 in 82-90% (random-like
-# mantissas do not compress), at ~0.3-0.7 GB/s per core each way: slower than a datacenter link to
-# S3, so it is off unless asked for (scripts/bench_store.py --zstd). Level 1: same ratio as 3 on
-# weights, 1.5-3x faster.
+# zstd saves little on weights (random-like mantissas do not compress) and runs slower per core
+# than a datacenter link to S3, so it is off unless asked for; level 1 compresses weights as well
+# as 3, faster. Figures: docs/performance.md §2 (scripts/bench_store.py --zstd).
 DEFAULT_COMPRESS: str | None = None
 ZSTD_LEVEL = 1
 MAX_MANIFEST_BYTES = 256 << 20
@@ -54,8 +53,8 @@ class TransferSettings:
     max_files_in_flight: int = 4  # bounds the look-ahead of hashing/compressing during a push
     # Pulled files are renamed into place only after their sha256 matched, and every later pull
     # and verify re-hashes them: a file torn by a power loss is caught and fetched again, never
-    # used. So pull skips the fsync by default (it halves pull throughput here: 0.70x vs 1.26x of
-    # plain boto3 in scripts/bench_store.py); SHARDC_FSYNC_DOWNLOADS=1 turns it on.
+    # used. So pull skips the fsync by default (it costs about half of pull's throughput;
+    # docs/performance.md §2); SHARDC_FSYNC_DOWNLOADS=1 turns it on.
     fsync_downloads: bool = False
 
     @classmethod

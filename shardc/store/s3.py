@@ -1,4 +1,4 @@
-"""The S3 backend of :mod:`shardc.store` (boto3, imported only when an ``s3://`` URI is used).
+"""The S3 backend of :class:`shardc.store.base.Store` (boto3, imported only for ``s3://`` URIs).
 
 Why it looks the way it does:
 
@@ -53,7 +53,7 @@ _LOADER_LOCK = threading.Lock()
 
 def _session(boto3: Any) -> Any:
     """A fresh session (credentials and settings re-read from their sources every time) sharing
-    one botocore data loader, so the S3 service model is parsed once per process (~0.1 s)."""
+    one botocore data loader, so the S3 service model (a noticeable parse) is read once per process."""
     import botocore.session
 
     global _LOADER

@@ -1,8 +1,9 @@
 """Push a build to a store and pull (parts of) it back, verified.
 
 Stores are named by URI: a plain path or ``file://`` (the default; no services needed) or
-``s3://bucket/prefix`` (boto3, imported only then; see :mod:`shardc.s3store`). Both sit behind the
-small :class:`Store` interface, so push and pull hold the protocol and the backends hold the I/O.
+``s3://bucket/prefix`` (boto3, imported only then; see :mod:`shardc.store.s3`). Both sit behind
+the small :class:`Store` interface, so push and pull hold the protocol and the backends hold the
+I/O. What each promises under faults: docs/architecture.md §6.
 
 Push protocol (manifest last, so a reader that finds a manifest can fetch everything it names):
 
