@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("shardc", "scripts", "tests")
 
@@ -40,13 +42,13 @@ def test_no_code_cites_the_design_doc_outside_the_repo() -> None:
     assert not bad, f"cite docs/architecture.md instead of DESIGN.md: {bad}"
 
 
-def test_cited_architecture_sections_exist() -> None:
-    text = (ROOT / "docs" / "architecture.md").read_text()
+@pytest.mark.parametrize("doc", ["architecture.md", "performance.md"])
+def test_cited_doc_sections_exist(doc: str) -> None:
+    text = (ROOT / "docs" / doc).read_text()
     sections = set(re.findall(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", text, re.M))
+    pattern = rf"docs/{re.escape(doc)}[^§\n]{{0,3}}§(\d+(?:\.\d+)?)"
     cited = {(str(p.relative_to(ROOT)), s) for p in _sources() + [ROOT / "README.md"]
-             for s in re.findall(r"docs/architecture\.md[^§\n]{0,3}§(\d+(?:\.\d+)?)", p.read_text())}
-    cited |= {("docs/performance.md", s) for s in
-              re.findall(r"architecture\.md[^§\n]{0,3}§(\d+(?:\.\d+)?)", (ROOT / "docs/performance.md").read_text())}
-    assert cited, "nothing cites docs/architecture.md: the pattern is stale"
+             for s in re.findall(pattern, p.read_text())}
+    assert cited, f"nothing cites docs/{doc}: the pattern is stale"
     unknown = sorted((f, s) for f, s in cited if s not in sections)
-    assert not unknown, f"citations of sections docs/architecture.md does not have: {unknown}"
+    assert not unknown, f"citations of sections docs/{doc} does not have: {unknown}"
