@@ -192,8 +192,8 @@ def test_demand_sizes_replicas():
 # --- search rules and the recommendation -----------------------------------------------------
 
 
-def test_default_recommendation_is_cheapest_meeting_target_and_cap():
-    s = search(L70, A100, model_name="llama-3.3-70b")
+def test_cost_objective_is_cheapest_meeting_target_and_cap():
+    s = search(L70, A100, model_name="llama-3.3-70b", objective="cost")
     rec = s.recommended
     assert rec is not None and rec.pp == 1 and rec.meets_target and rec.kv.budget == 20 * GIB
     eligible = [c for c in s.candidates if c.fits and not c.skipped and c.meets_target]
@@ -219,11 +219,11 @@ def test_ties_go_to_the_smaller_tp_group():
         c = _only(L70, 8, 1, "bf16")
         return dataclasses.replace(c, tp=tp, cost=dataclasses.replace(c.cost, dollars_per_mtok=cost))
 
-    from shardc.planner.search import _recommend
+    from shardc.planner.policy import recommend
 
     s = Search(L70, "m", "m", A100, Workload(), Overheads(), SpeedParams(), ("bf16",), 0,
-               [fake(8, 1.0), fake(4, 1.0), fake(2, 1.2)])
-    _recommend(s)
+               [fake(8, 1.0), fake(4, 1.0), fake(2, 1.2)], objective="cost")
+    recommend(s)
     assert s.recommended.tp == 4
 
 
@@ -236,7 +236,7 @@ def test_more_than_95_percent_of_memory_is_infeasible():
 
 def test_max_model_len_is_a_requirement():
     c = _only(L70, 2, 1, "int8", Workload(max_model_len=131_072, kv_cache_cap=4 * GIB))
-    assert "< --max-model-len 131,072" in c.reasons[0]
+    assert "< the max model length 131,072" in c.reasons[0]
 
 
 def test_gpu_presets_and_overrides():
@@ -265,7 +265,8 @@ def _run(*args: str):
 def test_cli_table_explain_and_json():
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb")
     assert r.exit_code == 0, r.output
-    assert "recommended: tp=" in r.stdout and "[#" in r.stdout and "not feasible:" in r.stdout
+    assert "recommended (fit): tp=4 pp=1" in r.stdout and "[#" in r.stdout and "not feasible:" in r.stdout
+    assert "fastest alternative: tp=8 pp=1 bf16" in r.stdout
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--tp", "2", "--dtype", "bf16",
              "--kv-memory", "5.63GiB", "--target-tpot-ms", "100", "--explain")
     assert r.exit_code == 0, r.output
