@@ -95,7 +95,7 @@ def _choice(*values: str) -> Any:
 
 
 POS_INT = _Flag("N", "positive integer", _positive(int))
-OBJECTIVE = _Flag("fit|cost|latency", "objective (fit, cost, latency)", _choice("fit", "cost", "latency"))
+OBJECTIVE = _Flag("fit|cost|latency", "known objective (fit, cost, latency)", _choice("fit", "cost", "latency"))
 POS_FLOAT = _Flag("X", "positive number", _positive(float))
 SIZE = _Flag("SIZE", None, parse_size)
 DTYPE = _Flag("auto|fp16|bf16|int8|fp8", "dtype (auto, fp16, bf16, int8, fp8)",

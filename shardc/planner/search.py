@@ -279,8 +279,8 @@ def search(
             continue
         if tp > limit:
             s.candidates.append(Candidate(tp, None, None, [
-                f"over the {cluster.gpu.link.name} TP limit: tp={tp} > {limit} (all-reduce crosses the root "
-                f"complex; stages instead: tp={limit} x pp={-(-tp // limit)})"]))
+                f"over the {cluster.gpu.link.name} TP limit: tp={tp} > {limit} (stages instead: "
+                f"tp={limit} x pp={-(-tp // limit)})"]))
             continue
         pairs += [(tp, pp) for pp in (sorted(pps) if pps else range(1, min(model.num_layers, total // tp) + 1))]
     # TP first, per dtype: a dtype's pipeline candidates are only worked out when none of its pp = 1 fits.
