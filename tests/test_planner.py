@@ -567,3 +567,20 @@ def test_planner_names_fields_not_flags():
                 assert not re.search(r"(^|[\s(])--[a-z]", node.value), f"{path.name}: {node.value!r}"
             if isinstance(node, ast.ImportFrom) and node.level == 2:  # from ..x import y
                 assert (node.module or "").split(".")[0] in ("spec", "errors"), f"{path.name}: ..{node.module}"
+
+
+def test_help_examples_run(tmp_path):
+    """Every `shardc plan --help` example (but the local-checkpoint one) exits 0 as written."""
+    import shlex
+
+    from shardc.commands.plan import plan_cmd
+
+    text = plan_cmd.epilog.replace("\\\n", " ")
+    examples = [line.split("#")[0].strip() for line in text.splitlines() if line.strip().startswith("shardc plan")]
+    assert len(examples) >= 8
+    for ex in examples:
+        if "/data/" in ex:
+            continue
+        args = [str(tmp_path / "p.yaml") if a.startswith("plans/") else a for a in shlex.split(ex)[2:]]
+        r = _run(*args)
+        assert r.exit_code == 0, (ex, r.output)

@@ -7,10 +7,11 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 
 from __future__ import annotations
 
+from .candidate import Candidate, attn_flops, kv_bpt
 from .gpus import GB, GIB
 from .mla import MlaModel, experts_touched
 from .policy import OBJECTIVE_WORDS
-from .search import Candidate, Search, attn_flops, default_dtypes, kv_bpt
+from .search import Search, default_dtypes
 
 BAR_WIDTH = 24
 BAR_LEGEND = "bar: # weights  = KV cache  + overheads  . free  (whole GPU as CUDA reports it; | at 95%)"
