@@ -1,4 +1,4 @@
-"""The planner: memory, KV-cache, speed and cost arithmetic for TP x PP x dtype, and the pick.
+"""The planner's formulas: memory, KV-cache, speed and cost arithmetic for TP x PP x dtype.
 
 Pure arithmetic on the model config and GPU spec sheets (no torch, no I/O), so ``shardc plan``
 answers instantly. Weight bytes per GPU come from the Layout, the same records ``shardc build``
@@ -7,6 +7,7 @@ replication, vocab padding or quantization scales. KV math follows vLLM exactly 
 ``block_size`` tokens; a budget holds ``block * floor(budget / (block * bytes_per_token))``
 tokens), because vLLM refuses deployments with this arithmetic and ours must agree with it.
 Everything else (overheads, efficiencies) is a named parameter printed by ``--explain``.
+candidate.py applies these to one replica shape, search.py lists the shapes, policy.py picks one.
 """
 
 from __future__ import annotations

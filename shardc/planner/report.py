@@ -211,8 +211,8 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
         o.append(f"  KV budget = `kv_memory` {gib(w.kv_memory)} (as the serving engine measured it)")
     else:
         o.append(f"  KV budget = min(cap {gib(w.cap)}, {gib(mem.kv_available)}) = {gib(mem.kv_budget)}")
-    o.append(f"  in use = {mem.weights / GIB:.2f} + {(mem.extra + mem.overhead) / GIB:.2f} + "
-             f"{max(mem.kv_budget, 0) / GIB:.2f} = "
+    o.append(f"  in use = {mem.weights / GIB:.2f} + " + (f"{mem.extra / GIB:.2f} + " if mem.extra else "")
+             + f"{mem.overhead / GIB:.2f} + {max(mem.kv_budget, 0) / GIB:.2f} = "
              f"{gib(mem.used)} = {mem.used_fraction:.1%} of {gib(g.memory)} (limit {sp.max_memory_fraction:.0%})")
     o += ["", "KV capacity (vLLM's block rounding):",
           f"  blocks = floor({gib(kv.budget)} / ({w.block_size} x {kv.bytes_per_token:,} B)) = {kv.blocks:,}"
@@ -230,7 +230,9 @@ def _extra_line(s: Search, c: Candidate) -> str:
     parts = []
     if w.lora_adapters:
         q, kvo = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-        parts.append(f"LoRA {w.lora_adapters} x rank {w.lora_rank} x layers x (7 x {m.hidden_size:,} + 2 x {q:,} + "
+        rw = next(r for r in c.weights if r.pp_stage == mem.stage)
+        parts.append(f"LoRA {w.lora_adapters} x rank {w.lora_rank} x {rw.layers[1] - rw.layers[0]} layers x "
+                     f"(7 x {m.hidden_size:,} + 2 x {q:,} + "
                      f"2 x {kvo:,} + 3 x {m.intermediate_size:,}) x 2 B / tp={c.tp}")
     if s.draft_params:
         parts.append(f"draft {s.draft_params:,} params x 2 B / {c.tp * c.pp} GPUs")
