@@ -89,8 +89,13 @@ class MlaModel:
     def latent_dim(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
-    def is_moe_layer(self, i: int) -> bool:
-        return bool(self.n_routed_experts) and i >= self.first_k_dense_replace and i % self.moe_layer_freq == 0
+    def moe_layers(self, start: int, stop: int) -> int:
+        """MoE layers among [start, stop): from first_k_dense_replace on, every moe_layer_freq-th.
+        Counted, not iterated, so a config with absurd layer counts costs nothing."""
+        if not self.n_routed_experts:
+            return 0
+        a, f = max(start, self.first_k_dense_replace), self.moe_layer_freq
+        return max(0, -(-stop // f) - -(-a // f)) if stop > a else 0
 
     def summary(self) -> dict[str, Any]:
         keys = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads", "kv_lora_rank",
@@ -192,18 +197,11 @@ def mla_rank_weights(model: MlaModel, tp: int, pp: int, dtype: str, ranges: list
     active = model.num_experts_per_tok
     out = []
     for st, (a, b) in enumerate(ranges):
-        nbytes = linear = experts = 0
-        for i in range(a, b):
-            nbytes += a_bytes + 2 * norms
-            linear += a_elems
-            if model.is_moe_layer(i):
-                routed = model.n_routed_experts * expert_b
-                nbytes += shared_b + routed + 2 * router
-                experts += routed
-                linear += shared_e + active * expert_e + router
-            else:
-                nbytes += dense_b
-                linear += dense_e
+        moe = model.moe_layers(a, b)
+        dense = b - a - moe
+        experts = moe * model.n_routed_experts * expert_b
+        nbytes = (b - a) * (a_bytes + 2 * norms) + dense * dense_b + moe * (shared_b + 2 * router) + experts
+        linear = (b - a) * a_elems + dense * dense_e + moe * (shared_e + active * expert_e + router)
         read = nbytes
         if st == 0:
             nbytes += 2 * vocab  # the embedding lookup reads a few rows, not the table
@@ -219,15 +217,12 @@ def mla_param_count(model: MlaModel) -> int:
     """Parameters of the checkpoint (no multi-token-prediction head), from the same matrices."""
     attn, norms = _attention(model)
     per = sum(r * c for r, c, _ in attn) + norms
-    total = 0
-    for i in range(model.num_layers):
-        total += per
-        if model.is_moe_layer(i):
-            total += sum(r * c for r, c, _ in _mlp(model.hidden_size, model.moe_intermediate_size,
-                                                   model.n_routed_experts + model.n_shared_experts))
-            total += model.n_routed_experts * model.hidden_size
-        else:
-            total += sum(r * c for r, c, _ in _mlp(model.hidden_size, model.intermediate_size))
+    moe = model.moe_layers(0, model.num_layers)
+    experts = sum(r * c for r, c, _ in _mlp(model.hidden_size, model.moe_intermediate_size,
+                                            model.n_routed_experts + model.n_shared_experts))
+    dense = sum(r * c for r, c, _ in _mlp(model.hidden_size, model.intermediate_size))
+    total = model.num_layers * per + moe * (experts + model.n_routed_experts * model.hidden_size)
+    total += (model.num_layers - moe) * dense
     embed = model.vocab_size * model.hidden_size
     return total + embed * (1 if model.tie_word_embeddings else 2) + model.hidden_size
 
