@@ -587,3 +587,14 @@ def test_help_examples_run(tmp_path):
         args = [str(tmp_path / "p.yaml") if a.startswith("plans/") else a for a in shlex.split(ex)[2:]]
         r = _run(*args)
         assert r.exit_code == 0, (ex, r.output)
+
+
+def test_fabric_override_sets_the_tp_limit_and_json_is_deterministic():
+    bridged = Cluster(override_gpu(get_gpu("a100-80gb-pcie"), fabric="nvlink-bridge"))
+    assert bridged.tp_limit == 2 and not bridged.calibrated and "nvlink-bridge fabric" in bridged.fabric()
+    # minimum 3 cards (as on SXM: same memory), no valid TP >= 3 inside a pair: tp=2, pp = ceil(3 / 2) = 2
+    s = search(L70, bridged, dtypes=["bf16"])
+    assert s.trails[0].minimum == 3 and s.recommended.label == "tp=2 pp=2 bf16"
+    assert Cluster(get_gpu("h200"), gpus_per_node=16).tp_limit == 16  # NVLink: the whole domain
+    args = ("--model", "llama-3.3-70b", "--gpu", "a100-80gb-pcie", "--draft-model", "llama-3.1-8b", "--json")
+    assert _run(*args).stdout == _run(*args).stdout

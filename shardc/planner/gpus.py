@@ -179,6 +179,6 @@ class Cluster:
     def fabric(self) -> str:
         """The fabric in words, as the header and --json say it."""
         link = self.gpu.link
-        domain = "NVLink domain" if self.gpu.nvlink else f"{link.name} fabric"
+        domain = "NVLink domain" if self.gpu.nvlink and link.calibrated else f"{link.name} fabric"
         out = f"{domain}: TP up to {self.tp_limit}"
         return out if link.calibrated else out + " (reduced calibration: speed defaults set on NVLink)"
