@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,16 +30,19 @@ from shardc.planner.formulas import (
     gpipe_bubble,
     kv_blocks,
     kv_bytes_per_token,
+    lora_bytes_per_layer,
     max_model_len,
     param_count,
     plan_dict,
     rank_weights,
     request_kv_bytes,
+    resolve_model,
     ring_allreduce_s,
     round_to_blocks,
     sequences_at,
 )
 from shardc.planner.gpus import GIB, GPUS, Cluster, get_gpu, get_interconnect, override_gpu
+from shardc.planner.report import summary
 from shardc.planner.search import Candidate, Search, search
 from shardc.spec.layout import build_layout
 from shardc.spec.model import HUB_PRESETS, load_model, model_from_config
@@ -192,8 +196,8 @@ def test_demand_sizes_replicas():
 # --- search rules and the recommendation -----------------------------------------------------
 
 
-def test_default_recommendation_is_cheapest_meeting_target_and_cap():
-    s = search(L70, A100, model_name="llama-3.3-70b")
+def test_cost_objective_is_cheapest_meeting_target_and_cap():
+    s = search(L70, A100, model_name="llama-3.3-70b", objective="cost")
     rec = s.recommended
     assert rec is not None and rec.pp == 1 and rec.meets_target and rec.kv.budget == 20 * GIB
     eligible = [c for c in s.candidates if c.fits and not c.skipped and c.meets_target]
@@ -219,11 +223,11 @@ def test_ties_go_to_the_smaller_tp_group():
         c = _only(L70, 8, 1, "bf16")
         return dataclasses.replace(c, tp=tp, cost=dataclasses.replace(c.cost, dollars_per_mtok=cost))
 
-    from shardc.planner.search import _recommend
+    from shardc.planner.policy import recommend
 
     s = Search(L70, "m", "m", A100, Workload(), Overheads(), SpeedParams(), ("bf16",), 0,
-               [fake(8, 1.0), fake(4, 1.0), fake(2, 1.2)])
-    _recommend(s)
+               [fake(8, 1.0), fake(4, 1.0), fake(2, 1.2)], objective="cost")
+    recommend(s)
     assert s.recommended.tp == 4
 
 
@@ -236,7 +240,7 @@ def test_more_than_95_percent_of_memory_is_infeasible():
 
 def test_max_model_len_is_a_requirement():
     c = _only(L70, 2, 1, "int8", Workload(max_model_len=131_072, kv_cache_cap=4 * GIB))
-    assert "< --max-model-len 131,072" in c.reasons[0]
+    assert "< the max model length 131,072" in c.reasons[0]
 
 
 def test_gpu_presets_and_overrides():
@@ -265,7 +269,8 @@ def _run(*args: str):
 def test_cli_table_explain_and_json():
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb")
     assert r.exit_code == 0, r.output
-    assert "recommended: tp=" in r.stdout and "[#" in r.stdout and "not feasible:" in r.stdout
+    assert "recommended (fit): tp=4 pp=1" in r.stdout and "[#" in r.stdout and "not feasible:" in r.stdout
+    assert "fastest alternative: tp=8 pp=1 bf16" in r.stdout
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--tp", "2", "--dtype", "bf16",
              "--kv-memory", "5.63GiB", "--target-tpot-ms", "100", "--explain")
     assert r.exit_code == 0, r.output
@@ -331,6 +336,11 @@ def test_cli_out_builds(tmp_path, make_ckpt):
     (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--avg-context", "200000"], "--avg-context: 200,000 is longer"),
     (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--interconnect", "carrier-pigeon"], "unknown interconnect"),
     (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--target-tpot-ms", "1"], "meets the TPOT target"),
+    (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--lora-adapters", "8"], "--lora-rank: LoRA needs both"),
+    (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--objective", "cheap"], "--objective: must be a known objective"),
+    (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--fabric", "smoke"], "--fabric: unknown interconnect"),
+    (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--draft-model", "nope"], "--draft-model: no model preset"),
+    (["--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--block-size", "0"], "--block-size: must be a positive"),
 ])
 def test_bad_input_one_line_exit_2(args, text, tmp_path):
     out = tmp_path / "p.yaml"
@@ -352,3 +362,239 @@ def test_plan_does_not_import_torch():
         "assert 'torch' not in sys.modules, 'shardc plan imported torch'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# --- the fit rules (#18), each case's arithmetic worked by hand here ---------------------------
+# Llama-3.3-70B: per layer q 8192x8192 = 67,108,864; k, v 1024x8192 = 8,388,608 each; o 67,108,864;
+# gate, up, down 28672x8192 = 234,881,024 each; 2 norms 8,192 -> 855,654,400 params, 16,384 of them
+# norms (replicated). 161 norm vectors in all: 161 x 8,192 x 2 B = 2,637,824 B.
+L70_BF16 = 70_553_706_496 * 2  # 141,107,412,992 B = 131.42 GiB
+OVER = GIB + GIB // 2 + GIB // 4 + GIB // 2  # activations + cuda_context + nccl + cuda_graphs = 2.25 GiB
+
+
+def _l70_tp_bytes(tp: int) -> int:
+    """bf16 bytes of one TP rank at pp=1: the split part / tp, plus the norms whole."""
+    return (L70_BF16 - 2_637_824) // tp + 2_637_824
+
+
+def test_fit_a100_sxm_bf16_70b_is_tp4_with_tp8_beside_it():
+    gpu = A100.gpu  # 84,987,740,160 B as CUDA reports it
+    usable = gpu.memory * 0.9  # 76,488,966,144 B
+    replicated = OVER + 20 * GIB  # 23,890,755,584 B: overheads + the per-GPU KV reservation
+    assert L70_BF16 / (usable - replicated) == pytest.approx(2.683, abs=1e-3)  # -> at least 3 GPUs
+    s = search(L70, A100, dtypes=["bf16"], model_name="llama-3.3-70b")
+    (trail,) = s.trails
+    assert (trail.weights, trail.replicated, trail.minimum) == (L70_BF16, replicated, 3)
+    assert trail.valid_tps == [1, 2, 4, 8]  # divide 64 heads and 8 KV heads; 3 does not
+    rec = s.recommended  # the smallest valid TP >= 3
+    assert (rec.tp, rec.pp, rec.dtype) == (4, 1, "bf16") and s.objective == "fit"
+    assert rec.memory.weights == _l70_tp_bytes(4) == 35_278_831_616
+    assert rec.memory.used == 35_278_831_616 + OVER + 20 * GIB  # 59,169,587,200 B = 69.6%
+    assert f"{rec.memory.used_fraction:.1%}" == "69.6%"
+    # tp=2 would leave 76,488,966,144 - 70,555,025,408 - 2,415,919,104 = 3,518,021,632 B for KV < 20 GiB
+    two = next(c for c in s.candidates if c.label == "tp=2 pp=1 bf16")
+    assert two.memory.kv_available == pytest.approx(3_518_021_632) and not two.fits
+    alt = s.alternative  # the only single-node TP unit with more than 4 cards
+    assert alt.label == "tp=8 pp=1 bf16" and alt.speed.tpot1_s < rec.speed.tpot1_s
+    assert not s.warnings  # tp=4 meets the default 25 ms target
+
+
+def test_fit_pcie_tp_limit_gives_tp4_pp2_where_sxm_gives_tp8():
+    pcie = Cluster(get_gpu("a100-40gb-pcie"))  # 42,297,786,368 B
+    w = Workload(kv_cache_cap=8 * GIB)
+    # room per card = 42,297,786,368 x 0.9 - (2.25 + 8) GiB = 27,062,154,035 B; 141.1 GB / 27.06 GB = 5.21 -> 6
+    s = search(L70, pcie, w, dtypes=["bf16"], model_name="llama-3.3-70b")
+    (trail,) = s.trails
+    assert trail.minimum == 6 and trail.tp_limit == 4 and trail.valid_tps == [1, 2, 4]
+    rec = s.recommended  # no valid TP >= 6 inside PCIe's limit of 4: tp=4, pp = ceil(6 / 4) = 2
+    assert rec.label == "tp=4 pp=2 bf16"
+    # stage 1 is the fuller: 40 layers x (855,654,400 - 16,384) / 4 + 16,384 params x 2 B = 17,114,071,040
+    # + final norm 16,384 + lm_head 32,064 x 8,192 x 2 B = 525,336,576 -> 17,639,424,000 B
+    assert rec.memory.stage == 1 and rec.memory.weights == 17_639_424_000
+    assert f"{rec.memory.used_fraction:.1%}" == "67.7%"  # (17,639,424,000 + 2.25 + 8 GiB) / 42,297,786,368
+    assert rec.speed.bubble == pytest.approx(1 / (rec.speed.microbatches + 1))  # (p-1)/(m+p-1), p = 2
+    tp8 = next(c for c in s.candidates if c.tp == 8)
+    assert "over the pcie4 TP limit: tp=8 > 4" in tp8.reasons[0]
+    assert not s.cluster.calibrated and "reduced calibration" in summary(s)[0]
+    sxm = search(L70, Cluster(get_gpu("a100-40gb")), w, dtypes=["bf16"])
+    assert sxm.recommended.label == "tp=8 pp=1 bf16" and sxm.cluster.calibrated  # valid TP >= 6 in NVLink
+    # the issue's command: 80 GB PCIe cards hold 70B bf16 on 4 (as SXM does), and tp=8 is refused
+    p80 = search(L70, Cluster(get_gpu("a100-80gb-pcie")), dtypes=["bf16"])
+    assert p80.recommended.label == "tp=4 pp=1 bf16" and p80.alternative is None
+
+
+def test_fit_one_card_when_everything_fits():
+    l8 = load_model("llama-3.1-8b")
+    # per layer q 4096^2 = 16,777,216; k, v 1024x4096 = 4,194,304 each; o 16,777,216; mlp 3 x 14336x4096 =
+    # 176,160,768; norms 8,192 -> 218,112,000 x 32 = 6,979,584,000; embed + lm_head 2 x 128,256 x 4,096 =
+    # 1,050,673,152; final norm 4,096 -> 8,030,261,248 params = 16,060,522,496 B in bf16
+    assert param_count(l8) == 8_030_261_248
+    h200 = Cluster(get_gpu("h200"))
+    s = search(l8, h200, dtypes=["bf16"])
+    (trail,) = s.trails
+    # one card: 16,060,522,496 <= 139.80 GiB x 0.9 - (1 + 0.5 + 0.5 GiB, no NCCL, + 20 GiB KV)
+    assert trail.one_card_replicated == 22 * GIB and trail.minimum == 1
+    assert 16_060_522_496 <= h200.gpu.memory * 0.9 - 22 * GIB
+    rec = s.recommended
+    assert rec.label == "tp=1 pp=1 bf16" and rec.memory.weights == 16_060_522_496
+    assert rec.memory.overheads["nccl"] == 0
+    assert s.alternative is not None and s.alternative.tp > 1 and s.alternative.pp == 1
+
+
+def test_lora_and_draft_are_sharded_memory():
+    l8 = load_model("llama-3.1-8b")
+    # LoRA per layer: 7h + 2q + 2kv + 3i = 57,344 + 16,384 + 2,048 + 86,016 = 161,792 (in + out of the 7
+    # projections); 48 adapters x rank 64 x 161,792 x 2 B = 994,050,048 B per layer, x 80 = 79,524,003,840 B
+    assert lora_bytes_per_layer(8192, 8192, 1024, 28672, 48, 64) == 994_050_048
+    w = Workload(lora_adapters=48, lora_rank=64)
+    s = search(L70, A100, w, dtypes=["bf16"], draft=l8)
+    (trail,) = s.trails
+    assert (trail.lora, trail.draft) == (79_524_003_840, 16_060_522_496)
+    # minimum = ceil((141,107,412,992 + 79,524,003,840 + 16,060,522,496) / 52,598,210,560) = ceil(4.5) = 5
+    assert trail.minimum == 5
+    rec = s.recommended  # the smallest valid TP >= 5 is 8 (without LoRA and draft: 4)
+    assert rec.label == "tp=8 pp=1 bf16"
+    assert rec.memory.extra == 79_524_003_840 // 8 + 16_060_522_496 // 8 == 11_948_065_792
+    assert rec.memory.kv_available == pytest.approx(
+        A100.gpu.memory * 0.9 - _l70_tp_bytes(8) - 11_948_065_792 - OVER)
+    four = next(c for c in s.candidates if c.label == "tp=4 pp=1 bf16")
+    # 76,488,966,144 - 35,278,831,616 - (19,881,000,960 + 4,015,130,624) - 2,415,919,104 = 14.9 GB < 20 GiB
+    assert four.memory.kv_available == pytest.approx(14_898_083_840) and not four.fits
+    assert search(L70, A100, dtypes=["bf16"]).recommended.tp == 4
+
+
+MLA_TINY = {
+    "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048,
+    "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": None,
+    "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+    "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+}
+
+
+def test_mla_latent_kv_is_not_divided_by_tp(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MLA_TINY))
+    model, name, _ = resolve_model(str(cfg))
+    # per layer q 768x1024 = 786,432; kv_a (128+32)x1024 = 163,840; kv_b 8x(64+64) x 128 = 131,072;
+    # o 1024 x 512 = 524,288; mlp 3 x 2048x1024 = 6,291,456; norms 2 x 1024 + 128 = 2,176 -> 7,899,264 x 4
+    # = 31,597,056; embed + lm_head 2 x 1000 x 1024 = 2,048,000; final norm 1,024 -> 33,646,080
+    assert param_count(model) == 33_646_080
+    s = search(model, Cluster(get_gpu("h100-sxm")), dtypes=["bf16"], tps=[1, 2, 4, 8], pps=[1], objective="cost")
+    by_tp = {c.tp: c for c in s.candidates}
+    # latent per token per GPU: 4 layers x (128 + 32) x 2 B = 1,280 B at every TP (Llama math would halve it)
+    assert {tp: c.kv.bytes_per_token for tp, c in by_tp.items()} == {1: 1280, 2: 1280, 4: 1280, 8: 1280}
+    # tp=2 per rank: q 393,216 + kv_a 163,840 (replicated) + kv_b 65,536 + o 262,144 + mlp 3,145,728 + norms
+    # 2,176 = 4,032,640 x 4 = 16,130,560; embed + lm_head 2 x 500 x 1024 = 1,024,000; norm 1,024 -> x 2 B
+    assert by_tp[2].memory.weights == (16_130_560 + 1_024_000 + 1_024) * 2
+    # 20 GiB / (16 x 1,280 B) = 1,048,576 blocks = 16,777,216 tokens, capped at 4,096
+    assert (by_tp[2].kv.blocks, by_tp[2].kv.max_model_len) == (1_048_576, 4096)
+    assert s.advisory and "not Llama-family" in s.advisory and s.to_json()["plan"] is None
+    with pytest.raises(PlanError, match="advisory"):
+        s.plan_for(s.recommended)
+    v3 = search(resolve_model("deepseek-v3")[0], Cluster(get_gpu("h200")), dtypes=["fp8"], tps=[8], pps=[1])
+    assert v3.candidates[0].kv.bytes_per_token == 61 * (512 + 64) * 2 == 70_272  # DeepSeek-V3 bf16 KV
+    assert 670e9 < v3.params < 672e9  # "671B total parameters" (the model card, without the MTP module)
+    m = dataclasses.replace(resolve_model("deepseek-v3")[0], first_k_dense_replace=3, moe_layer_freq=2)
+    for a, b in ((0, 61), (0, 3), (3, 4), (4, 5), (5, 20), (30, 61)):  # counted, checked against a loop
+        assert m.moe_layers(a, b) == sum(1 for i in range(a, b) if i >= 3 and i % 2 == 0)
+
+
+def test_cli_mla_is_advisory_and_out_refuses(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(MLA_TINY))
+    r = _run("--model", str(cfg), "--gpu", "l40s", "--dtype", "bf16", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["advisory"] and data["plan"] is None and data["objective"] == "fit"
+    assert data["candidates"][data["recommended"]]["kv"]["bytes_per_token"] == 1280
+    out = tmp_path / "p.yaml"
+    r = _run("--model", str(cfg), "--gpu", "l40s", "--dtype", "bf16", "--out", str(out))
+    assert r.exit_code == 2 and not out.exists()
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --out: not written:") and "not Llama-family" in lines[0]
+    assert "ADVISORY" in r.stdout
+
+
+def test_objectives_pick_differently_and_json_says_which():
+    fit = search(L70, A100, dtypes=["bf16"])
+    cost = search(L70, A100, dtypes=["bf16"], objective="cost")
+    lat = search(L70, A100, dtypes=["bf16"], objective="latency")
+    assert fit.recommended.tp == 4
+    eligible = [c for c in cost.candidates if c.fits and not c.skipped and c.meets_target]
+    assert cost.recommended.cost.dollars_per_mtok == min(c.cost.dollars_per_mtok for c in eligible)
+    assert lat.recommended.speed.tpot1_s == min(c.speed.tpot1_s for c in lat.fitting() if not c.skipped)
+    r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16", "--json")
+    data = json.loads(r.stdout)
+    cands = data["candidates"]
+    assert data["objective"] == "fit" and cands[data["recommended"]]["tp"] == 4
+    assert cands[data["alternative"]]["tp"] == 8 and data["fit"][0]["minimum"] == 3
+    r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16", "--explain")
+    assert "Choice (objective fit" in r.stdout and "minimum = ceil(131.42 / (71.24 - 22.25)) = 3 GPUs" in r.stdout
+    assert "fastest alternative (single-node TP unit" in r.stdout
+
+
+def test_no_default_target_exit_405b_h200_16_per_node():
+    """#17: with no --target-tpot-ms, a pick that misses the default 25 ms is shown with a warning."""
+    args = ["--model", "llama-3.1-405b", "--gpu", "h200", "--gpus-per-node", "16", "--dtype", "bf16"]
+    r = _run(*args)
+    assert r.exit_code == 0, r.output
+    assert "recommended (fit): tp=8 pp=1 bf16" in r.stdout and "not feasible:" in r.stdout
+    assert "warning: tp=8 pp=1 bf16 misses the default 25 ms TPOT target" in r.stdout
+    assert "--target-tpot-ms" in r.stdout and "`" not in r.stdout  # fields shown as this command's flags
+    r = _run(*args, "--objective", "cost", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["candidates"][data["recommended"]]["tp"] == 16  # the fastest that fits
+    assert "recommending the fastest that fits" in data["warnings"][0]
+    assert r.stderr.startswith("warning: no candidate meets the default 25 ms")
+    r = _run(*args, "--target-tpot-ms", "25")
+    assert r.exit_code == 2 and "--target-tpot-ms: no candidate" in r.stderr
+
+
+def test_planner_names_fields_not_flags():
+    """Library errors carry the field; only shardc/commands/plan.py knows the flags."""
+    with pytest.raises(PlanError) as exc:
+        search(L70, A100, Workload(avg_context=200_000))
+    assert exc.value.key == "avg_context" and "--" not in exc.value.one_line()
+    with pytest.raises(PlanError) as exc:
+        search(L70, A100, Workload(lora_adapters=4))
+    assert exc.value.key == "lora_rank"
+    import ast
+
+    for path in sorted((ROOT / "shardc" / "planner").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(
+            n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body and isinstance(n.body[0], ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                assert not re.search(r"(^|[\s(])--[a-z]", node.value), f"{path.name}: {node.value!r}"
+            if isinstance(node, ast.ImportFrom) and node.level == 2:  # from ..x import y
+                assert (node.module or "").split(".")[0] in ("spec", "errors"), f"{path.name}: ..{node.module}"
+
+
+def test_help_examples_run(tmp_path):
+    """Every `shardc plan --help` example (but the local-checkpoint one) exits 0 as written."""
+    import shlex
+
+    from shardc.commands.plan import plan_cmd
+
+    text = plan_cmd.epilog.replace("\\\n", " ")
+    examples = [line.split("#")[0].strip() for line in text.splitlines() if line.strip().startswith("shardc plan")]
+    assert len(examples) >= 8
+    for ex in examples:
+        if "/data/" in ex:
+            continue
+        args = [str(tmp_path / "p.yaml") if a.startswith("plans/") else a for a in shlex.split(ex)[2:]]
+        r = _run(*args)
+        assert r.exit_code == 0, (ex, r.output)
+
+
+def test_fabric_override_sets_the_tp_limit_and_json_is_deterministic():
+    bridged = Cluster(override_gpu(get_gpu("a100-80gb-pcie"), fabric="nvlink-bridge"))
+    assert bridged.tp_limit == 2 and not bridged.calibrated and "nvlink-bridge fabric" in bridged.fabric()
+    # minimum 3 cards (as on SXM: same memory), no valid TP >= 3 inside a pair: tp=2, pp = ceil(3 / 2) = 2
+    s = search(L70, bridged, dtypes=["bf16"])
+    assert s.trails[0].minimum == 3 and s.recommended.label == "tp=2 pp=2 bf16"
+    assert Cluster(get_gpu("h200"), gpus_per_node=16).tp_limit == 16  # NVLink: the whole domain
+    args = ("--model", "llama-3.3-70b", "--gpu", "a100-80gb-pcie", "--draft-model", "llama-3.1-8b", "--json")
+    assert _run(*args).stdout == _run(*args).stdout

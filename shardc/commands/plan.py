@@ -1,8 +1,9 @@
 """`shardc plan`: parse the flags, run the planner, print the table / --explain / --json, write --out.
 
 Flag values are parsed by small click types that raise ``PlanError``, so a bad value ends as one
-line on stderr with exit code 2 (the ShardcGroup contract) instead of click's usage block. Nothing
-here imports torch: the planner is arithmetic.
+line on stderr with exit code 2 (the ShardcGroup contract) instead of click's usage block. The
+planner names its inputs by field (``key="block_size"``, hints quote fields in backticks); ``FLAGS``
+maps them to this command's flags. Nothing here imports torch: the planner is arithmetic.
 """
 
 from __future__ import annotations
@@ -14,7 +15,33 @@ from typing import Any
 
 import click
 
-from ..errors import PlanError
+from ..errors import PlanError, ShardcError
+
+# planner field -> the flag that sets it (errors' keys and `field` mentions in hints and warnings)
+FLAGS = {
+    "model": "--model", "gpu": "--gpu", "gpus_per_node": "--gpus-per-node", "nodes": "--nodes",
+    "dtype": "--dtype", "kv_dtype": "--kv-dtype", "max_model_len": "--max-model-len",
+    "avg_context": "--avg-context", "kv_cache_cap": "--kv-cache-cap", "kv_memory": "--kv-memory",
+    "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size",
+    "price_per_gpu_hour": "--price-per-gpu-hour", "target_tpot_ms": "--target-tpot-ms",
+    "demand_tokens_per_s": "--demand-tokens-per-s", "objective": "--objective",
+    "lora_adapters": "--lora-adapters", "lora_rank": "--lora-rank", "draft_model": "--draft-model",
+    "gpu_memory": "--gpu-memory", "hbm_bandwidth": "--hbm-bandwidth", "interconnect": "--interconnect",
+    "fabric": "--fabric", "microbatches": "--param microbatches", "tp": "--tp", "pp": "--pp",
+}
+_FIELD = re.compile(r"`([a-z_]+)`")
+
+
+def flags(text: str) -> str:
+    """`field` -> its flag, in a hint, a warning or a report line (unknown names are left alone)."""
+    return _FIELD.sub(lambda m: FLAGS.get(m.group(1), m.group(0)), text)
+
+
+def _as_flags(exc: ShardcError, key: str | None = None) -> ShardcError:
+    """The planner's error, its key and hint in this command's terms."""
+    exc.key = key or FLAGS.get(exc.key or "", exc.key)
+    exc.hint = flags(exc.hint) if exc.hint else exc.hint
+    return exc
 
 _UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20,
           "gib": 1 << 30, "gi": 1 << 30, "tib": 1 << 40, "ti": 1 << 40, "kb": 10**3, "mb": 10**6,
@@ -68,6 +95,7 @@ def _choice(*values: str) -> Any:
 
 
 POS_INT = _Flag("N", "positive integer", _positive(int))
+OBJECTIVE = _Flag("fit|cost|latency", "known objective (fit, cost, latency)", _choice("fit", "cost", "latency"))
 POS_FLOAT = _Flag("X", "positive number", _positive(float))
 SIZE = _Flag("SIZE", None, parse_size)
 DTYPE = _Flag("auto|fp16|bf16|int8|fp8", "dtype (auto, fp16, bf16, int8, fp8)",
@@ -96,20 +124,27 @@ PARAM = _Flag("NAME=VALUE", None, _param)
 
 @click.command("plan", epilog="""\b
 Examples:
-  shardc plan --model llama-3.3-70b --gpu a100-80gb
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --dtype bf16     # smallest unit that fits: tp=4
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --objective cost # cheapest $/Mtok at the target
+  shardc plan --model llama-3.3-70b --gpu a100-40gb-pcie --dtype bf16 --kv-cache-cap 8GiB  # tp4 x pp2
   shardc plan --model llama-3.3-70b --gpu h100-sxm --dtype bf16 --target-tpot-ms 30 --out plans/l70.yaml
   shardc plan --model /data/Llama-3.3-70B-Instruct --gpu a100-80gb --nodes 2 --json
   shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --kv-memory 5.63GiB \\
       --target-tpot-ms 50 --explain      # reproduce vLLM's numbers for a measured KV budget
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --lora-adapters 8 --lora-rank 64 --draft-model llama-3.1-8b
+  shardc plan --model deepseek-v3 --gpu h200 --explain              # MLA: advisory, no --out
   shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
 """)
 @click.option("--model", "model_ref", required=True, metavar="PRESET|config.json|DIR",
-              help="Model preset (llama-3.1-8b, llama-3.3-70b, llama-3.1-70b, llama-3.1-405b), a "
-              "config.json, or a checkpoint directory.")
+              help="Model preset (llama-3.1-8b, llama-3.3-70b, llama-3.1-70b, llama-3.1-405b; advisory: "
+              "deepseek-v3, deepseek-v2-lite), a config.json, or a checkpoint directory.")
 @click.option("--gpu", "gpu_name", required=True, metavar="PRESET",
               help="a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100-sxm, h200, l40s.")
 @click.option("--gpus-per-node", type=POS_INT, default=8, show_default=True,
               help="GPUs per node: the NVLink domain that TP stays inside.")
+@click.option("--objective", type=OBJECTIVE, default="fit", show_default=True, metavar="fit|cost|latency",
+              help="fit: smallest unit that fits (TP first, then stages); cost: cheapest $/Mtok meeting the "
+              "TPOT target; latency: lowest TPOT at batch 1.")
 @click.option("--nodes", type=POS_INT, default=1, show_default=True, help="Nodes available.")
 @click.option("--dtype", type=DTYPE, default="auto", show_default=True, metavar="auto|fp16|bf16|int8|fp8",
               help="Weight dtype; auto searches the checkpoint's 16-bit dtype, int8 and fp8.")
@@ -126,9 +161,14 @@ Examples:
               help="Share of GPU memory the engine may use (vLLM's flag).")
 @click.option("--block-size", type=POS_INT, default=16, show_default=True, help="Paged-KV block size in tokens.")
 @click.option("--price-per-gpu-hour", type=POS_FLOAT, default=2.80, show_default=True, help="US$ per GPU-hour.")
-@click.option("--target-tpot-ms", type=POS_FLOAT, default=25.0, show_default=True,
-              help="Decode latency target: time per output token.")
+@click.option("--target-tpot-ms", type=POS_FLOAT,
+              help="Decode latency target (time per output token), a requirement when given. "
+              "[default: 25 ms, which only sizes the batch]")
 @click.option("--demand-tokens-per-s", type=POS_FLOAT, help="Output tokens/s to serve: sizes the replica count.")
+@click.option("--lora-adapters", type=POS_INT, help="LoRA adapters resident at once (memory, sharded).")
+@click.option("--lora-rank", type=POS_INT, help="Their largest LoRA rank.")
+@click.option("--draft-model", metavar="PRESET|config.json|DIR",
+              help="Speculative-decoding draft model: its 16-bit weights count as sharded memory.")
 @click.option("--tp", "tps", type=POS_INT, multiple=True, help="Only these TP degrees (repeatable).")
 @click.option("--pp", "pps", type=POS_INT, multiple=True, help="Only these PP degrees (repeatable).")
 @click.option("--gpu-memory", type=SIZE, help="Override the preset's memory (as CUDA reports it).")
@@ -137,6 +177,8 @@ Examples:
               help="Override the intra-node link bandwidth (per GPU, per direction).")
 @click.option("--interconnect", default="ib-ndr", show_default=True, metavar="PRESET",
               help="Link between nodes: ib-ndr, ib-hdr, pcie4, pcie5, nvlink3, nvlink4.")
+@click.option("--fabric", metavar="PRESET", help="Link inside a node, instead of the GPU preset's: nvlink3, "
+              "nvlink4, pcie4, pcie5 (TP up to 4), nvlink-bridge (pairs), xgmi. Sets the TP limit.")
 @click.option("--param", "params", type=PARAM, multiple=True, metavar="NAME=VALUE",
               help="Override a named assumption: activations, cuda_context, nccl, cuda_graphs (sizes); "
               "hbm_efficiency, compute_efficiency, link_efficiency, microbatches, max_num_seqs, "
@@ -145,15 +187,35 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Every figure of every candidate as JSON.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the recommended plan here (a plan file for `shardc build`).")
-def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, nodes: int, dtype: str, kv_dtype: str,
-             max_model_len: int | None, avg_context: int, kv_cache_cap: float | None,
+def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nodes: int, dtype: str,
+             kv_dtype: str, max_model_len: int | None, avg_context: int, kv_cache_cap: float | None,
              kv_memory: float | None, gpu_memory_utilization: float, block_size: int,
-             price_per_gpu_hour: float, target_tpot_ms: float, demand_tokens_per_s: float | None,
+             price_per_gpu_hour: float, target_tpot_ms: float | None, demand_tokens_per_s: float | None,
+             lora_adapters: int | None, lora_rank: int | None, draft_model: str | None,
              tps: tuple[int, ...], pps: tuple[int, ...], gpu_memory: float | None,
              hbm_bandwidth: float | None, nvlink_bandwidth: float | None, interconnect: str,
-             params: tuple[tuple[str, float], ...], explain: bool, as_json: bool,
+             fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool, as_json: bool,
              out_file: Path | None) -> None:
-    """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick."""
+    """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick.
+
+    The default objective (fit) recommends the smallest unit that holds the model within 95% of
+    every GPU: TP first, up to the fabric's limit (the NVLink domain; 4 on PCIe), pipeline stages
+    only when no TP is enough. Beside it: the fastest single-node TP unit with more GPUs.
+    """
+    try:
+        _plan(**locals())
+    except ShardcError as exc:
+        raise _as_flags(exc) from None
+
+
+def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nodes: int, dtype: str,
+          kv_dtype: str, max_model_len: int | None, avg_context: int, kv_cache_cap: float | None,
+          kv_memory: float | None, gpu_memory_utilization: float, block_size: int, price_per_gpu_hour: float,
+          target_tpot_ms: float | None, demand_tokens_per_s: float | None, lora_adapters: int | None,
+          lora_rank: int | None, draft_model: str | None, tps: tuple[int, ...], pps: tuple[int, ...],
+          gpu_memory: float | None, hbm_bandwidth: float | None, nvlink_bandwidth: float | None,
+          interconnect: str, fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool,
+          as_json: bool, out_file: Path | None) -> None:
     from ..cli import echo_json
     from ..planner.formulas import Overheads, SpeedParams, Workload, resolve_model
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
@@ -162,10 +224,16 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, nodes: int, dtyp
     from ..planner.search import search
 
     model, name, source = resolve_model(model_ref)
+    draft = None
+    if draft_model:
+        try:
+            draft = resolve_model(draft_model)[0]
+        except ShardcError as exc:
+            raise _as_flags(exc, "--draft-model") from None
     gpu = override_gpu(
         get_gpu(gpu_name), memory=int(gpu_memory) if gpu_memory else None,
         hbm_bandwidth=hbm_bandwidth * GB if hbm_bandwidth else None,
-        link_bandwidth=nvlink_bandwidth * GB if nvlink_bandwidth else None,
+        link_bandwidth=nvlink_bandwidth * GB if nvlink_bandwidth else None, fabric=fabric,
     )
     cluster = Cluster(gpu, gpus_per_node, nodes, get_interconnect(interconnect))
     workload = Workload(
@@ -173,23 +241,29 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, nodes: int, dtyp
         kv_cache_cap=int(kv_cache_cap) if kv_cache_cap else None, kv_memory=kv_memory,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, kv_dtype=kv_dtype,
         target_tpot_ms=target_tpot_ms, price_per_gpu_hour=price_per_gpu_hour,
-        demand_tokens_per_s=demand_tokens_per_s,
+        demand_tokens_per_s=demand_tokens_per_s, lora_adapters=lora_adapters or 0, lora_rank=lora_rank or 0,
     )
     named = dict(params)
     over = Overheads(**{k: v for k, v in named.items() if k in Overheads.__dataclass_fields__})
     speed = SpeedParams(**{k: v for k, v in named.items() if k in SpeedParams.__dataclass_fields__})
     result = search(model, cluster, workload, dtypes=None if dtype == "auto" else [dtype], tps=tps or None,
-                    pps=pps or None, overheads=over, speed=speed, model_name=name, source=source)
+                    pps=pps or None, overheads=over, speed=speed, model_name=name, source=source,
+                    objective=objective, draft=draft)
     if as_json:
         echo_json(result.to_json())
+        for warning in result.warnings:
+            click.echo(f"warning: {flags(warning)}", err=True)
     elif explain:
         evaluated = [c for c in result.candidates if c.memory is not None]
         target = result.recommended or (evaluated[0] if len(evaluated) == 1 else None)
         lines = explain_lines(result, target) if target else table(result)
-        click.echo("\n".join([*header(result), "", *lines, "", *summary(result)]))
+        click.echo(flags("\n".join([*header(result), "", *lines, "", *summary(result)])))
     else:
-        click.echo("\n".join(table(result)))
+        click.echo(flags("\n".join(table(result))))
     rec = result.require_recommendation()
+    if out_file is not None and result.advisory:
+        raise PlanError(f"not written: {result.advisory}", key="--out",
+                        hint="shardc build compiles Llama-family checkpoints only")
     if out_file is not None:
         write_plan(result.plan_for(rec, _source_for(source, model_ref, out_file)), out_file, result, rec)
         if not as_json:

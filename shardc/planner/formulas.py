@@ -1,4 +1,4 @@
-"""The planner: memory, KV-cache, speed and cost arithmetic for TP x PP x dtype, and the pick.
+"""The planner's formulas: memory, KV-cache, speed and cost arithmetic for TP x PP x dtype.
 
 Pure arithmetic on the model config and GPU spec sheets (no torch, no I/O), so ``shardc plan``
 answers instantly. Weight bytes per GPU come from the Layout, the same records ``shardc build``
@@ -7,6 +7,7 @@ replication, vocab padding or quantization scales. KV math follows vLLM exactly 
 ``block_size`` tokens; a budget holds ``block * floor(budget / (block * bytes_per_token))``
 tokens), because vLLM refuses deployments with this arithmetic and ours must agree with it.
 Everything else (overheads, efficiencies) is a named parameter printed by ``--explain``.
+candidate.py applies these to one replica shape, search.py lists the shapes, policy.py picks one.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from .gpus import GIB, Cluster
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
 DEFAULT_KV_CAP = 20 * GIB
+DEFAULT_TPOT_MS = 25.0  # sizes the batch when no target is given; a requirement only when given
+LORA_BYTES = 2  # adapters are served 16-bit
 DTYPE_ORDER = ("bf16", "fp16", "int8", "fp8")  # last tie-break: keep precision when cost is equal
 
 
@@ -72,9 +75,20 @@ class Workload:
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
     kv_dtype: str = "auto"  # auto: the 16-bit dtype of the model
-    target_tpot_ms: float = 25.0
+    target_tpot_ms: float | None = None  # None: DEFAULT_TPOT_MS sizes the batch but binds nothing
     price_per_gpu_hour: float = 2.80
     demand_tokens_per_s: float | None = None
+    lora_adapters: int = 0  # adapters resident at once (vLLM's max_loras)
+    lora_rank: int = 0  # their largest rank (max_lora_rank)
+
+    @property
+    def target_ms(self) -> float:
+        """The TPOT the batch is sized for: the user's target, else the default."""
+        return DEFAULT_TPOT_MS if self.target_tpot_ms is None else self.target_tpot_ms
+
+    @property
+    def target_set(self) -> bool:
+        return self.target_tpot_ms is not None
 
     @property
     def cap(self) -> float:
@@ -93,6 +107,23 @@ class Workload:
 def kv_bytes_per_token(layers: int, kv_heads: int, tp: int, head_dim: int, kv_bytes: int) -> int:
     """K and V for every layer on the GPU: 2 x layers x max(1, kv_heads // tp) x head_dim x bytes."""
     return 2 * layers * max(1, kv_heads // tp) * head_dim * kv_bytes
+
+
+def mla_kv_bytes_per_token(layers: int, kv_lora_rank: int, rope_dim: int, kv_bytes: int) -> int:
+    """MLA caches one latent per token and layer, whole on every TP rank: layers x (rank + rope) x bytes."""
+    return layers * (kv_lora_rank + rope_dim) * kv_bytes
+
+
+def lora_bytes_per_layer(hidden: int, q_dim: int, kv_dim: int, inter: int, adapters: int, rank: int) -> int:
+    """LoRA A (rank x in) and B (out x rank) for q, k, v, o, gate, up, down of one layer, all adapters:
+    adapters x rank x (in + out summed over the seven) x 2 B = adapters x rank x (7h + 2q + 2kv + 3i) x 2."""
+    return adapters * rank * (7 * hidden + 2 * q_dim + 2 * kv_dim + 3 * inter) * LORA_BYTES
+
+
+def min_cards(sharded: float, per_card: float, replicated: float) -> int | None:
+    """Rule 2: ceil(sharded memory / what one card has left after the replicated part); None: nothing left."""
+    room = per_card - replicated
+    return max(1, math.ceil(sharded / room)) if room > 0 else None
 
 
 def round_to_blocks(tokens: int, block: int) -> int:
@@ -138,36 +169,41 @@ def dollars_per_mtok(gpus: int, price_per_gpu_hour: float, tokens_per_s: float) 
 
 
 def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedParams) -> None:
-    """Nonsensical flags end here, as one PlanError naming the flag, before any arithmetic."""
+    """Nonsensical inputs end here, as one PlanError naming the field (``key``; hints quote other
+    fields in backticks), before any arithmetic. The CLI maps field names to its flags."""
     max_pos = model.max_position_embeddings
 
-    def bad(flag: str, message: str, hint: str | None = None) -> PlanError:
-        return PlanError(message, key=flag, hint=hint)
+    def bad(key: str, message: str, hint: str | None = None) -> PlanError:
+        return PlanError(message, key=key, hint=hint)
 
     if not 0 < w.gpu_memory_utilization <= 1:
-        raise bad("--gpu-memory-utilization", f"must be in (0, 1], found {w.gpu_memory_utilization:g}",
+        raise bad("gpu_memory_utilization", f"must be in (0, 1], found {w.gpu_memory_utilization:g}",
                   "vLLM's default is 0.9")
     if w.kv_dtype not in ("auto", *KV_DTYPE_BYTES):
-        raise bad("--kv-dtype", f"unknown KV dtype {w.kv_dtype!r}", "use auto, fp16, bf16 or fp8")
+        raise bad("kv_dtype", f"unknown KV dtype {w.kv_dtype!r}", "use auto, fp16, bf16 or fp8")
     if w.max_model_len is not None and w.max_model_len > max_pos:
-        raise bad("--max-model-len", f"{w.max_model_len:,} exceeds the model's max_position_embeddings "
-                  f"{max_pos:,}", f"use --max-model-len <= {max_pos}")
+        raise bad("max_model_len", f"{w.max_model_len:,} exceeds the model's max_position_embeddings "
+                  f"{max_pos:,}", f"use `max_model_len` <= {max_pos}")
     if w.avg_context > (w.max_model_len or max_pos):
-        raise bad("--avg-context", f"{w.avg_context:,} is longer than the longest request "
-                  f"({w.max_model_len or max_pos:,} tokens)", "lower --avg-context")
+        raise bad("avg_context", f"{w.avg_context:,} is longer than the longest request "
+                  f"({w.max_model_len or max_pos:,} tokens)", "lower `avg_context`")
     if w.kv_memory is not None and w.kv_memory >= cluster.gpu.memory:
-        raise bad("--kv-memory", f"{w.kv_memory / GIB:.2f} GiB is more than the GPU's "
+        raise bad("kv_memory", f"{w.kv_memory / GIB:.2f} GiB is more than the GPU's "
                   f"{cluster.gpu.memory / GIB:.2f} GiB", "give the KV memory of one GPU")
     if w.cap >= cluster.gpu.memory:
-        raise bad("--kv-cache-cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
+        raise bad("kv_cache_cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
                   f"{cluster.gpu.memory / GIB:.2f} GiB", "the cap is per GPU")
-    for name, value in (("--block-size", w.block_size), ("--avg-context", w.avg_context),
-                        ("--target-tpot-ms", w.target_tpot_ms), ("--price-per-gpu-hour", w.price_per_gpu_hour),
-                        ("--gpus-per-node", cluster.gpus_per_node), ("--nodes", cluster.nodes)):
+    for name, value in (("block_size", w.block_size), ("avg_context", w.avg_context),
+                        ("target_tpot_ms", w.target_ms), ("price_per_gpu_hour", w.price_per_gpu_hour),
+                        ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes)):
         if not value > 0:
             raise bad(name, f"must be positive, found {value}")
     if speed.microbatches is not None and speed.microbatches < 1:
-        raise bad("--microbatches", f"must be positive, found {speed.microbatches}")
+        raise bad("microbatches", f"must be positive, found {speed.microbatches}")
+    if (w.lora_adapters > 0) != (w.lora_rank > 0) or min(w.lora_adapters, w.lora_rank) < 0:
+        raise bad("lora_adapters" if w.lora_adapters <= 0 else "lora_rank",
+                  f"LoRA needs both a positive adapter count and rank, found {w.lora_adapters} adapters of "
+                  f"rank {w.lora_rank}", "give `lora_adapters` and `lora_rank` together")
 
 
 # --- weights from the Layout ------------------------------------------------------------------
@@ -184,6 +220,7 @@ class RankWeights:
     read_bytes: int  # streamed from HBM per decode step (all but the embedding-row lookup)
     linear_params: int  # matmul weight elements: 2 FLOPs each per token
     kv_heads: int  # KV heads this rank holds (one replicated head when tp > kv_heads)
+    expert_bytes: int = 0  # routed MoE experts among nbytes: a decode step reads only those routed to
 
 
 def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
@@ -222,9 +259,14 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
     return out
 
 
-def param_count(model: ModelSpec) -> int:
+def param_count(model: Any) -> int:
     """Parameters of the checkpoint (tied embeddings counted once), from the Layout's tensor list."""
     from ..spec.layout import source_tensors
+
+    if not isinstance(model, ModelSpec):  # an MLA model: no Layout, the config's matrices
+        from .mla import mla_param_count
+
+        return mla_param_count(model)
 
     return sum(math.prod(t.shape) for t in source_tensors(model))
 
@@ -241,14 +283,32 @@ PRESET_SOURCES = {
 }
 
 
-def resolve_model(ref: str) -> tuple[ModelSpec, str, str]:
-    """--model as (spec, short name, plan source): a preset, a config.json or a checkpoint dir."""
+def resolve_model(ref: str) -> tuple[Any, str, str]:
+    """The model as (spec, short name, plan source): a preset, a config.json or a checkpoint dir.
+
+    A Llama-family config gives a ModelSpec (what ``shardc build`` compiles); an MLA config
+    (kv_lora_rank, qk_rope_head_dim) or an MLA preset gives an MlaModel, planned as advisory."""
+    import json
     from pathlib import Path
 
+    from ..errors import ModelError
     from ..spec.model import PRESETS, load_model
+    from .mla import MLA_PRESETS, is_mla_config, mla_from_config
 
-    spec = load_model(ref)
     key = ref.lower()
+    if key in MLA_PRESETS:
+        return mla_from_config(MLA_PRESETS[key]), key, key
+    try:
+        spec: Any = load_model(ref)
+    except ModelError:
+        path = Path(ref) / "config.json" if Path(ref).is_dir() else Path(ref)
+        try:
+            cfg = json.loads(path.read_text()) if path.is_file() else None
+        except (OSError, ValueError):
+            cfg = None
+        if not is_mla_config(cfg):
+            raise
+        spec = mla_from_config(cfg)
     if key in PRESETS:
         return spec, key, PRESET_SOURCES.get(key, key)
     path = Path(ref)
@@ -294,8 +354,9 @@ class GpuMemory:
     weights: int
     overheads: dict[str, int]
     kv_bytes_per_token: int
-    kv_available: float  # total x utilization - weights - overheads (may be negative)
+    kv_available: float  # total x utilization - weights - extra - overheads (may be negative)
     kv_budget: float  # min(cap, available), or --kv-memory
+    extra: int = 0  # LoRA adapters and the draft model on this GPU (sharded like the weights)
 
     @property
     def usable(self) -> float:
@@ -307,7 +368,7 @@ class GpuMemory:
 
     @property
     def used(self) -> float:
-        return self.weights + self.overhead + max(self.kv_budget, 0.0)
+        return self.weights + self.extra + self.overhead + max(self.kv_budget, 0.0)
 
     @property
     def used_fraction(self) -> float:
@@ -340,6 +401,7 @@ class Speed:
     tpot_s: float  # time per output token of every sequence: (m + p - 1) x slot
     tokens_per_s: float
     limited_by: str  # tpot | kv | max_num_seqs
+    tpot1_s: float = 0.0  # time per output token at batch 1: the latency a lone request sees
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,11 @@ PyTorch print as "total capacity"), not the marketing size: an "80 GB" A100 give
 KV-budget figure downstream is a difference of such numbers, so the marketing size would overstate
 the KV cache by gigabytes. Bandwidths are per GPU and per direction. Every figure can be overridden
 from the command line (``--gpu-memory``, ``--hbm-bandwidth``, ``--nvlink-bandwidth``,
-``--interconnect``).
+``--interconnect``, ``--fabric``).
+
+The fabric (the link inside a node) also bounds tensor parallelism: an NVLink domain serves TP up
+to its size, PCIe up to 4 cards, an NVLink bridge a pair. Figures on fabrics other than NVLink are
+labelled "reduced calibration": the efficiency defaults were set on NVLink systems.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ class Interconnect:
     bandwidth: float  # bytes/s, per GPU, one direction
     latency: float  # seconds per ring hop (NCCL LL protocol, order of magnitude)
     description: str
+    tp_limit: int | None = None  # widest TP group the link serves well; None: the whole domain
+    calibrated: bool = True  # the speed defaults were set on this fabric (NVLink); else "reduced"
 
 
 INTERCONNECTS: dict[str, Interconnect] = {
@@ -34,8 +40,16 @@ INTERCONNECTS: dict[str, Interconnect] = {
     for i in (
         Interconnect("nvlink3", 300 * GB, 2e-6, "NVLink 3 (A100 SXM): 12 links x 25 GB/s per direction"),
         Interconnect("nvlink4", 450 * GB, 2e-6, "NVLink 4 (H100/H200 SXM): 18 links x 25 GB/s per direction"),
-        Interconnect("pcie4", 32 * GB, 5e-6, "PCIe 4.0 x16: 32 GB/s per direction, through the host"),
-        Interconnect("pcie5", 64 * GB, 5e-6, "PCIe 5.0 x16: 64 GB/s per direction, through the host"),
+        # PCIe: all-reduce traffic crosses the root complex, so a TP group wider than one switch's
+        # four cards loses to TP4 x PP2; the speed model was not calibrated on it.
+        Interconnect("pcie4", 32 * GB, 5e-6, "PCIe 4.0 x16: 32 GB/s per direction, through the host",
+                     tp_limit=4, calibrated=False),
+        Interconnect("pcie5", 64 * GB, 5e-6, "PCIe 5.0 x16: 64 GB/s per direction, through the host",
+                     tp_limit=4, calibrated=False),
+        Interconnect("nvlink-bridge", 300 * GB, 3e-6, "NVLink bridge (A100 PCIe pairs): 600 GB/s both "
+                     "directions between two cards", tp_limit=2, calibrated=False),
+        Interconnect("xgmi", 448 * GB, 3e-6, "AMD Infinity Fabric (xGMI), 8-GPU hive: 7 links x 64 GB/s per "
+                     "direction", calibrated=False),
         Interconnect("ib-hdr", 25 * GB, 6e-6, "InfiniBand HDR: one 200 Gb/s NIC per GPU"),
         Interconnect("ib-ndr", 50 * GB, 6e-6, "InfiniBand NDR: one 400 Gb/s NIC per GPU"),
     )
@@ -92,8 +106,8 @@ def get_gpu(name: str) -> GPU:
     if key not in GPUS:
         raise PlanError(
             f"unknown GPU preset {name!r}",
-            key="--gpu",
-            hint=f"presets: {', '.join(GPUS)} (override figures with --gpu-memory, --hbm-bandwidth)",
+            key="gpu",
+            hint=f"presets: {', '.join(GPUS)} (override figures with `gpu_memory`, `hbm_bandwidth`)",
         )
     return GPUS[key]
 
@@ -105,7 +119,7 @@ def get_interconnect(name: str) -> Interconnect:
     if key not in INTERCONNECTS:
         raise PlanError(
             f"unknown interconnect preset {name!r}",
-            key="--interconnect",
+            key="interconnect",
             hint=f"presets: {', '.join(INTERCONNECTS)}",
         )
     return INTERCONNECTS[key]
@@ -117,9 +131,16 @@ def override_gpu(
     memory: int | None = None,
     hbm_bandwidth: float | None = None,
     link_bandwidth: float | None = None,
+    fabric: str | None = None,
 ) -> GPU:
-    """The preset with spec-sheet figures replaced (a custom SKU, a measured bandwidth)."""
+    """The preset with spec-sheet figures replaced (a custom SKU, a measured bandwidth, the fabric
+    inside the node: e.g. PCIe cards paired by NVLink bridges)."""
     out = gpu
+    if fabric is not None:
+        try:
+            out = dataclasses.replace(out, link=get_interconnect(fabric))
+        except PlanError as exc:
+            raise PlanError(exc.message, key="fabric", hint=exc.hint) from None
     if memory is not None:
         out = dataclasses.replace(out, memory=memory)
     if hbm_bandwidth is not None:
@@ -145,3 +166,19 @@ class Cluster:
 
     def node_of(self, gpu_index: int) -> int:
         return gpu_index // self.gpus_per_node
+
+    @property
+    def tp_limit(self) -> int:
+        """Widest TP group: inside one node, and no wider than the fabric serves."""
+        return min(self.gpus_per_node, self.gpu.link.tp_limit or self.gpus_per_node)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.gpu.link.calibrated
+
+    def fabric(self) -> str:
+        """The fabric in words, as the header and --json say it."""
+        link = self.gpu.link
+        domain = "NVLink domain" if self.gpu.nvlink and link.calibrated else f"{link.name} fabric"
+        out = f"{domain}: TP up to {self.tp_limit}"
+        return out if link.calibrated else out + " (reduced calibration: speed defaults set on NVLink)"

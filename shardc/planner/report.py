@@ -7,8 +7,11 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 
 from __future__ import annotations
 
+from .candidate import Candidate, attn_flops, kv_bpt
 from .gpus import GB, GIB
-from .search import Candidate, Search, default_dtypes
+from .mla import MlaModel, experts_touched
+from .policy import OBJECTIVE_WORDS
+from .search import Search, default_dtypes
 
 BAR_WIDTH = 24
 BAR_LEGEND = "bar: # weights  = KV cache  + overheads  . free  (whole GPU as CUDA reports it; | at 95%)"
@@ -37,31 +40,43 @@ def memory_bar(c: Candidate, width: int = BAR_WIDTH, limit: float = 0.95) -> str
 def header(s: Search) -> list[str]:
     m, g, w, cl = s.model, s.cluster.gpu, s.workload, s.cluster
     kv = f"{w.kv_dtype if w.kv_dtype != 'auto' else default_dtypes(m)[0]} ({w.kv_bytes} B/value)"
-    budget = f"--kv-memory {gib(w.kv_memory)}" if w.kv_memory is not None else f"utilization {w.gpu_memory_utilization:g}"
-    return [
+    budget = f"`kv_memory` {gib(w.kv_memory)}" if w.kv_memory is not None else f"utilization {w.gpu_memory_utilization:g}"
+    attn = (f"MLA latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}" if isinstance(m, MlaModel) else
+            f"{m.num_kv_heads} KV heads x {m.head_dim}")
+    moe = (f", {m.n_routed_experts} routed experts (top {m.num_experts_per_tok})"
+           if isinstance(m, MlaModel) and m.n_routed_experts else "")
+    extras = ([f"{w.lora_adapters} LoRA adapters of rank {w.lora_rank}"] if w.lora_adapters else []) + (
+        [f"draft model {s.draft_params / 1e9:.2f} B parameters"] if s.draft_params else [])
+    out = [
         f"model   {s.model_name}: {s.params / 1e9:.2f} B parameters, {m.num_layers} layers, hidden {m.hidden_size:,}, "
-        f"{m.num_heads} heads / {m.num_kv_heads} KV heads x {m.head_dim}, vocab {m.vocab_size:,}"
+        f"{m.num_heads} heads / {attn}, vocab {m.vocab_size:,}{moe}"
         f"{', tied embeddings' if m.tie_word_embeddings else ''}",
         f"gpus    {cl.total_gpus} x {g.name} ({cl.nodes} node{'s' if cl.nodes > 1 else ''} x {cl.gpus_per_node}): "
         f"{gib(g.memory)} as CUDA reports it, HBM {g.hbm_bandwidth / GB:,.0f} GB/s, "
         f"{g.link.name} {g.link.bandwidth / GB:,.0f} GB/s"
         + (f", {cl.inter_node.name} between nodes" if cl.nodes > 1 else ""),
+        f"fabric  {cl.fabric()}",
         f"serve   avg context {w.avg_context:,}, KV cap {gib(w.cap)}/GPU, {budget}, block {w.block_size}, "
-        f"KV {kv}, TPOT <= {w.target_tpot_ms:g} ms, ${w.price_per_gpu_hour:.2f}/GPU-hour",
+        f"KV {kv}, TPOT <= {w.target_ms:g} ms{'' if w.target_set else ' (default: sizes the batch only)'}, "
+        f"${w.price_per_gpu_hour:.2f}/GPU-hour" + "".join(f", {e}" for e in extras),
+        f"choose  objective {s.objective}: {OBJECTIVE_WORDS[s.objective]}",
     ]
+    if s.advisory:
+        out.append(f"ADVISORY {s.advisory}")
+    return out
 
 
 def table(s: Search) -> list[str]:
     """Fitting candidates by cost, then why the others are out."""
     rows = [c for c in s.candidates if c.fits and not c.skipped]
-    rows.sort(key=lambda c: (c is not s.recommended, not c.meets_target,
+    rows.sort(key=lambda c: (c is not s.recommended, c is not s.alternative, not c.meets_target,
                              c.cost.dollars_per_mtok if c.cost else 0, c.tp, c.pp or 0))
     out = header(s) + [""]
     out.append(f"  {'candidate':<17}{'GPUs':>5}{'weights':>10}{'KV B/tok':>10}{'max len':>9}{'seqs':>6}"
                f"{'batch':>6}{'TPOT':>9}{'tok/s':>8}{'$/Mtok':>8}  memory per GPU")
     for c in rows:
         assert c.memory and c.kv and c.speed and c.cost
-        mark = "*" if c is s.recommended else ("!" if not c.meets_target else " ")
+        mark = "*" if c is s.recommended else "+" if c is s.alternative else "!" if not c.meets_target else " "
         out.append(
             f"{mark} {c.label:<17}{c.tp * (c.pp or 1):>5}{c.memory.weights / GIB:>6.2f} GiB"
             f"{c.kv.bytes_per_token:>10,}{c.kv.max_model_len:>9,}{c.kv.sequences:>6,}{c.speed.batch:>6,}"
@@ -70,14 +85,15 @@ def table(s: Search) -> list[str]:
         )
     if not rows:
         out.append("  (no candidate fits)")
-    out += ["  " + BAR_LEGEND, "  * recommended   ! misses the TPOT target (shown at batch 1)"]
+    out += ["  " + BAR_LEGEND,
+            "  * recommended   + fastest alternative   ! misses the TPOT target (shown at batch 1)"]
     bad = [c for c in s.candidates if c.reasons]
     if bad:
         out += ["", "not feasible:"] + [f"  {c.label:<17}{c.reasons[0]}" for c in bad]
     skipped = [c for c in s.candidates if c.skipped]
     if skipped:
         out += ["", f"pipeline candidates not considered: {len(skipped)} ({skipped[0].skipped}); "
-                    "--pp N forces a pipeline depth"]
+                    "`pp` forces a pipeline depth"]
     out += [""] + summary(s)
     return out
 
@@ -87,11 +103,20 @@ def summary(s: Search) -> list[str]:
     if c is None:
         return ["no recommendation (see the reasons above)"]
     assert c.speed and c.cost and c.kv
-    line = (f"recommended: {c.label} on {c.cost.gpus} GPU{'s' if c.cost.gpus > 1 else ''}: "
-            f"{c.speed.tokens_per_s:,.0f} tok/s per replica at {c.speed.tpot_s * 1e3:.1f} ms TPOT "
-            f"(batch {c.speed.batch}), ${c.cost.dollars_per_mtok:.2f} per million output tokens, "
-            f"max model length {c.kv.max_model_len:,}")
+    tags = ([] if s.cluster.calibrated else ["reduced calibration"]) + (["advisory"] if s.advisory else [])
+    line = (f"recommended ({s.objective}{''.join(', ' + t for t in tags)}): {c.label} on {c.cost.gpus} "
+            f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica at "
+            f"{c.speed.tpot_s * 1e3:.1f} ms TPOT (batch {c.speed.batch}), ${c.cost.dollars_per_mtok:.2f} per million "
+            f"output tokens, max model length {c.kv.max_model_len:,}")
     out = [line]
+    a = s.alternative
+    if a is not None and a.speed and a.cost:
+        out.append(f"fastest alternative: {a.label} on {a.cost.gpus} GPUs: {a.speed.tpot1_s * 1e3:.1f} ms TPOT at "
+                   f"batch 1 (recommended: {c.speed.tpot1_s * 1e3:.1f} ms), {a.speed.tokens_per_s:,.0f} tok/s at "
+                   f"batch {a.speed.batch}, ${a.cost.dollars_per_mtok:.2f}/Mtok")
+    else:
+        out.append("fastest alternative: none (no single-node TP unit with more GPUs fits)")
+    out += [f"warning: {x}" for x in s.warnings]
     if c.cost.replicas_for_demand is not None:
         out.append(f"demand {s.workload.demand_tokens_per_s:,.0f} tok/s: {c.cost.replicas_for_demand} replicas "
                    f"= {c.cost.gpus_for_demand} GPUs ({c.cost.replicas_in_cluster} fit in this cluster)")
@@ -100,14 +125,51 @@ def summary(s: Search) -> list[str]:
 
 def explain(s: Search, c: Candidate) -> list[str]:
     """The arithmetic for one candidate, line by line, with the numbers substituted."""
-    m, g, w, sp = s.model, s.cluster.gpu, s.workload, s.speed
+    m, g = s.model, s.cluster.gpu
     assert c.pp is not None and c.memory is not None and c.kv is not None
-    tp, pp, mem, kv = c.tp, c.pp, c.memory, c.kv
-    h, hd, inter, q, kvo = m.hidden_size, m.head_dim, m.intermediate_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    tp, pp, mem = c.tp, c.pp, c.memory
     kvh = max(1, m.num_kv_heads // tp)
     stage_w = [r for r in c.weights if r.pp_stage == mem.stage][0]
     layers = stage_w.layers[1] - stage_w.layers[0]
     o: list[str] = [f"== {s.model_name} as {c.label} on {tp * pp} x {g.name} =="]
+    if isinstance(m, MlaModel):
+        o += _explain_mla(s, c, layers)
+    else:
+        o += _explain_llama(s, c, layers, kvh)
+    o += _explain_memory(s, c)
+    if c.reasons:
+        o += ["", f"Verdict: infeasible: {'; '.join(c.reasons)}"]
+        return o
+    o += _explain_speed(s, c) + _explain_choice(s, c)
+    return o
+
+
+def _explain_mla(s: Search, c: Candidate, layers: int) -> list[str]:
+    m, w, mem = s.model, s.workload, c.memory
+    assert isinstance(m, MlaModel) and mem is not None and c.kv is not None
+    q = f"q_a {m.q_lora_rank:,} + q_b" if m.q_lora_rank else "q"
+    moe = (f"; MoE layers {m.n_routed_experts} routed + {m.n_shared_experts} shared experts of "
+           f"{m.moe_intermediate_size:,} (top {m.num_experts_per_tok}) from layer {m.first_k_dense_replace}"
+           if m.n_routed_experts else "")
+    return ["", f"Parameters (from config.json shapes; {m.architecture}, advisory estimate):",
+            f"  per layer MLA {q}, kv_a {m.latent_dim:,}x{m.hidden_size:,}, kv_b, o; dense MLP {m.intermediate_size:,}"
+            f"{moe} = {s.params:,} parameters",
+            "", "Weights per GPU (vLLM's split: column/row parallel over tp; q_a, kv_a, norms and router "
+            "replicated; experts split by tp):",
+            f"  = {mem.weights:,} B = {gib(mem.weights)}",
+            "", "KV cache per token per GPU (MLA latent, whole on every TP rank: not divided by tp):",
+            f"  {layers} layers x ({m.kv_lora_rank} kv_lora_rank + {m.qk_rope_head_dim} qk_rope_head_dim) x "
+            f"{w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
+            f"  one {c.kv.request_len:,}-token request: {c.kv.bytes_per_token:,} B x ceil({c.kv.request_len:,} / "
+            f"{w.block_size}) x {w.block_size} = {c.kv.request_bytes:,} B = {gib(c.kv.request_bytes)}"]
+
+
+def _explain_llama(s: Search, c: Candidate, layers: int, kvh: int) -> list[str]:
+    m, w, tp, mem, kv = s.model, s.workload, c.tp, c.memory, c.kv
+    assert mem is not None and kv is not None
+    h, hd, inter, q, kvo = m.hidden_size, m.head_dim, m.intermediate_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    stage_w = [r for r in c.weights if r.pp_stage == mem.stage][0]
+    o: list[str] = []
     o += ["", "Parameters (from config.json):",
           f"  embed_tokens {m.vocab_size:,} x {h:,}; per layer q {q:,}x{h:,}, k and v {kvo:,}x{h:,}, "
           f"o {h:,}x{q:,}, gate and up {inter:,}x{h:,}, down {h:,}x{inter:,}, 2 norms {h:,}"
@@ -129,17 +191,28 @@ def explain(s: Search, c: Candidate) -> list[str]:
           f"{w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
           f"  one {kv.request_len:,}-token request: {kv.bytes_per_token:,} B x ceil({kv.request_len:,} / "
           f"{w.block_size}) x {w.block_size} = {kv.request_bytes:,} B = {gib(kv.request_bytes)}"]
+    return o
+
+
+def _explain_memory(s: Search, c: Candidate) -> list[str]:
+    m, g, w, sp, mem, kv = s.model, s.cluster.gpu, s.workload, s.speed, c.memory, c.kv
+    assert mem is not None and kv is not None
+    o: list[str] = []
     over = " + ".join(f"{k} {v / GIB:.2f}" for k, v in mem.overheads.items())
     o += ["", "Memory per GPU:",
           f"  usable = {gib(g.memory)} (as CUDA reports it) x {w.gpu_memory_utilization:g} = {gib(mem.usable)}",
           f"  overheads = {over} = {gib(mem.overhead)}",
-          f"  KV available = {mem.usable / GIB:.2f} - {mem.weights / GIB:.2f} - {mem.overhead / GIB:.2f} = "
-          f"{gib(mem.kv_available)}"]
+          f"  KV available = {mem.usable / GIB:.2f} - {mem.weights / GIB:.2f}"
+          + (f" - {mem.extra / GIB:.2f} (LoRA/draft)" if mem.extra else "")
+          + f" - {mem.overhead / GIB:.2f} = {gib(mem.kv_available)}"]
+    if mem.extra:
+        o.insert(-2, _extra_line(s, c))
     if w.kv_memory is not None:
-        o.append(f"  KV budget = --kv-memory {gib(w.kv_memory)} (as the serving engine measured it)")
+        o.append(f"  KV budget = `kv_memory` {gib(w.kv_memory)} (as the serving engine measured it)")
     else:
         o.append(f"  KV budget = min(cap {gib(w.cap)}, {gib(mem.kv_available)}) = {gib(mem.kv_budget)}")
-    o.append(f"  in use = {mem.weights / GIB:.2f} + {mem.overhead / GIB:.2f} + {max(mem.kv_budget, 0) / GIB:.2f} = "
+    o.append(f"  in use = {mem.weights / GIB:.2f} + " + (f"{mem.extra / GIB:.2f} + " if mem.extra else "")
+             + f"{mem.overhead / GIB:.2f} + {max(mem.kv_budget, 0) / GIB:.2f} = "
              f"{gib(mem.used)} = {mem.used_fraction:.1%} of {gib(g.memory)} (limit {sp.max_memory_fraction:.0%})")
     o += ["", "KV capacity (vLLM's block rounding):",
           f"  blocks = floor({gib(kv.budget)} / ({w.block_size} x {kv.bytes_per_token:,} B)) = {kv.blocks:,}"
@@ -148,11 +221,22 @@ def explain(s: Search, c: Candidate) -> list[str]:
           f"max_position_embeddings {m.max_position_embeddings:,} -> {kv.max_model_len:,}",
           f"  sequences at {w.avg_context:,} tokens = floor({kv.blocks:,} / ceil({w.avg_context:,} / "
           f"{w.block_size})) = {kv.sequences:,}"]
-    if c.reasons:
-        o += ["", f"Verdict: infeasible: {'; '.join(c.reasons)}"]
-        return o
-    o += _explain_speed(s, c) + _explain_choice(s, c)
     return o
+
+
+def _extra_line(s: Search, c: Candidate) -> str:
+    m, w, mem = s.model, s.workload, c.memory
+    assert mem is not None and c.pp is not None
+    parts = []
+    if w.lora_adapters:
+        q, kvo = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+        rw = next(r for r in c.weights if r.pp_stage == mem.stage)
+        parts.append(f"LoRA {w.lora_adapters} x rank {w.lora_rank} x {rw.layers[1] - rw.layers[0]} layers x "
+                     f"(7 x {m.hidden_size:,} + 2 x {q:,} + "
+                     f"2 x {kvo:,} + 3 x {m.intermediate_size:,}) x 2 B / tp={c.tp}")
+    if s.draft_params:
+        parts.append(f"draft {s.draft_params:,} params x 2 B / {c.tp * c.pp} GPUs")
+    return f"  LoRA/draft (sharded like the weights) = {' + '.join(parts)} = {gib(mem.extra)}"
 
 
 def _explain_speed(s: Search, c: Candidate) -> list[str]:
@@ -162,14 +246,21 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     rw = max((r for r in c.weights if r.pp_stage == v.stage), key=lambda r: r.read_bytes)
     layers = rw.layers[1] - rw.layers[0]
     b = v.batch / v.microbatches
-    bpt = 2 * layers * max(1, m.num_kv_heads // tp) * m.head_dim * w.kv_bytes
+    bpt = kv_bpt(m, layers, tp, w.kv_bytes)
+    read, routed = rw.read_bytes, ""
+    if rw.expert_bytes and isinstance(m, MlaModel):
+        share = experts_touched(b, m.num_experts_per_tok, m.n_routed_experts)
+        read -= rw.expert_bytes * (1 - share)
+        routed = (f" (routed experts {gib(rw.expert_bytes)} x 1-(1-{m.num_experts_per_tok}/{m.n_routed_experts})"
+                  f"^{b:g} = {share:.0%} read)")
+    attn = (f"{attn_flops(m)} x {layers} layers x {m.num_heads // tp} heads" if isinstance(m, MlaModel) else
+            f"4 x {layers} layers x {m.num_heads // tp} heads x {m.head_dim}")
     link = g.link
     o = ["", f"Decode step (roofline), batch {v.batch} at {w.avg_context:,} tokens of context"
          + (f", {v.microbatches} micro-batches of {b:g}" if pp > 1 else "") + f"; slowest stage {v.stage}:",
-         f"  HBM: (weights read {gib(rw.read_bytes)} + KV {b:g} x {w.avg_context:,} x {bpt:,} B) / "
+         f"  HBM: (weights read {gib(read)}{routed} + KV {b:g} x {w.avg_context:,} x {bpt:,} B) / "
          f"({g.hbm_bandwidth / GB:,.0f} GB/s x {sp.hbm_efficiency:g}) = {v.memory_s * 1e3:.2f} ms",
-         f"  compute: {b:g} x (2 x {rw.linear_params:,} params + 4 x {layers} layers x {m.num_heads // tp} heads x "
-         f"{m.head_dim} x {w.avg_context:,}) FLOP / ({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) "
+         f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.avg_context:,}) FLOP / ({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) "
          f"= {v.compute_s * 1e3:.2f} ms",
          f"  roofline = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) = "
          f"{max(v.memory_s, v.compute_s) * 1e3:.2f} ms",
@@ -188,10 +279,10 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     else:
         o.append(f"  TPOT = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} = "
                  f"{v.tpot_s * 1e3:.2f} ms")
-    limit = {"tpot": f"the largest batch within the {w.target_tpot_ms:g} ms target",
+    limit = {"tpot": f"the largest batch within the {w.target_ms:g} ms target",
              "kv": "every sequence the KV cache holds", "max_num_seqs": f"max_num_seqs {sp.max_num_seqs}"}
     o.append(f"  batch {v.batch} = {limit[v.limited_by]}" if c.meets_target else
-             f"  batch 1 misses the {w.target_tpot_ms:g} ms target: no batch meets it")
+             f"  batch 1 misses the {w.target_ms:g} ms target: no batch meets it")
     k = c.cost
     world = tp * pp
     o += ["", "Throughput and cost:",
@@ -207,23 +298,56 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
 
 
 def _explain_choice(s: Search, c: Candidate) -> list[str]:
-    sp, ov = s.speed, s.overheads
-    eligible = [x for x in s.candidates if x.fits and not x.skipped and x.meets_target]
-    others = sorted((x for x in eligible if x is not c), key=lambda x: x.cost.dollars_per_mtok if x.cost else 0)
-    o = ["", "Choice:"]
-    if c is s.recommended:
+    o = ["", f"Choice (objective {s.objective}: {OBJECTIVE_WORDS[s.objective]}):"]
+    if s.objective == "fit":
+        o += _explain_fit(s)
+    elif s.objective == "cost":
+        eligible = [x for x in s.candidates if x.fits and not x.skipped and x.meets_target]
+        others = sorted((x for x in eligible if x is not c), key=lambda x: x.cost.dollars_per_mtok if x.cost else 0)
         o.append(f"  cheapest $/Mtok of {len(eligible)} candidates that fit the KV cap and meet the TPOT target "
                  "(ties go to the smaller TP group, then bf16/fp16, int8, fp8)")
         o += [f"  next: {x.label} ${x.cost.dollars_per_mtok:.3f}" for x in others[:3] if x.cost]
     else:
+        ranked = sorted((x for x in s.candidates if x.fits and not x.skipped and x.speed),
+                        key=lambda x: (x.speed.tpot1_s, x.tp * (x.pp or 1)))
+        o += [f"  {x.label}: {x.speed.tpot1_s * 1e3:.2f} ms at batch 1" for x in ranked[:4]]
+    if c is not s.recommended:
         o.append(f"  {c.label} is not the recommendation: status {c.status}")
+    a = s.alternative
+    if a is not None and a.speed:
+        o.append(f"  fastest alternative (single-node TP unit with more GPUs, lowest TPOT at batch 1): {a.label}, "
+                 f"{a.speed.tpot1_s * 1e3:.2f} ms")
+    o += [f"  warning: {x}" for x in s.warnings]
     skipped = [x for x in s.candidates if x.skipped]
     if skipped:
         o.append(f"  {len(skipped)} pipeline candidates not considered: {skipped[0].skipped}")
+    sp, ov = s.speed, s.overheads
     o += ["", "Assumptions (named parameters):",
           "  overheads per GPU: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in ov.per_gpu(2).items())
           + " (nccl only with > 1 GPU)",
           f"  hbm_efficiency {sp.hbm_efficiency:g}, compute_efficiency {sp.compute_efficiency:g}, "
           f"link_efficiency {sp.link_efficiency:g}, microbatches {sp.microbatches or 'one per stage'}, "
           f"max_num_seqs {sp.max_num_seqs}, max memory per GPU {sp.max_memory_fraction:.0%}"]
+    return o
+
+
+def _explain_fit(s: Search) -> list[str]:
+    """Rules 1-4 with the numbers substituted, per dtype walked."""
+    o: list[str] = []
+    for t in s.trails:
+        parts = f"weights {gib(t.weights)}" + (f" + LoRA {gib(t.lora)}" if t.lora else "") + (
+            f" + draft {gib(t.draft)}" if t.draft else "") + (f" = {gib(t.sharded)}" if t.lora or t.draft else "")
+        o.append(f"  {t.dtype}: sharded = {parts}; replicated per GPU = overheads + KV "
+                 f"reservation = {gib(t.replicated)} ({gib(t.one_card_replicated)} on one card, no NCCL)")
+        if t.minimum is None:
+            o.append(f"    the replicated part alone exceeds {gib(t.per_card)} usable per card")
+        else:
+            o.append(f"    one card: {gib(t.sharded)} <= {t.per_card / GIB:.2f} - {t.one_card_replicated / GIB:.2f}? "
+                     + ("yes -> minimum 1" if t.minimum == 1 else
+                        f"no -> minimum = ceil({t.sharded / GIB:.2f} / ({t.per_card / GIB:.2f} - "
+                        f"{t.replicated / GIB:.2f})) = {t.minimum} GPUs"))
+            o.append(f"    valid TP (divides the heads, <= the fabric limit {t.tp_limit}): "
+                     f"{', '.join(map(str, t.valid_tps)) or 'none'}")
+        o += [f"    {label}: {verdict}" for label, verdict in t.steps]
+        o.append(f"    -> {t.chosen}" if t.chosen else "    -> no unit of this dtype")
     return o

@@ -1,0 +1,257 @@
+"""One candidate (tp, pp, dtype) worked out: per-GPU memory, KV figures, decode speed and cost.
+
+The arithmetic of formulas.py applied to one replica shape, stage by stage: the fullest GPU sets
+the memory verdict, the stage with the fewest KV blocks the KV capacity, the slowest stage the
+decode step. Weights come from the Layout (Llama family) or from mla.py's matrices (advisory MLA
+models); LoRA adapters and a draft model are sharded like the weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import LayoutError
+from ..spec.plan import Plan, plan_from_dict
+from .formulas import (
+    ACT_BYTES,
+    Cost,
+    GpuMemory,
+    KvFigures,
+    RankWeights,
+    Speed,
+    Workload,
+    dollars_per_mtok,
+    gpipe_bubble,
+    kv_blocks,
+    kv_bytes_per_token,
+    lora_bytes_per_layer,
+    mla_kv_bytes_per_token,
+    plan_dict,
+    plan_name,
+    rank_weights,
+    request_kv_bytes,
+    ring_allreduce_s,
+    round_to_blocks,
+    sequences_at,
+)
+from .gpus import GIB
+from .mla import MlaModel, experts_touched, mla_rank_weights
+
+if TYPE_CHECKING:
+    from .search import Search
+
+@dataclass
+class Candidate:
+    """One (tp, pp, dtype): its figures when it was worked out, else the reasons it is out."""
+
+    tp: int
+    pp: int | None  # None: the reason holds for every pp and dtype at this tp
+    dtype: str | None
+    reasons: list[str] = field(default_factory=list)
+    skipped: str | None = None
+    plan: Plan | None = None
+    weights: list[RankWeights] = field(default_factory=list)
+    memory: GpuMemory | None = None
+    kv: KvFigures | None = None
+    speed: Speed | None = None
+    cost: Cost | None = None
+    meets_target: bool = False
+
+    @property
+    def fits(self) -> bool:
+        return not self.reasons and self.kv is not None
+
+    @property
+    def status(self) -> str:
+        if self.reasons:
+            return "infeasible"
+        if self.skipped:
+            return "skipped"
+        return "ok" if self.meets_target else "slow"
+
+    @property
+    def label(self) -> str:
+        return f"tp={self.tp} pp={self.pp if self.pp else '*'} {self.dtype or '*'}"
+
+    def to_json(self) -> dict[str, Any]:
+        """Every figure of the candidate, plain JSON types."""
+        out: dict[str, Any] = {
+            "tp": self.tp, "pp": self.pp, "dtype": self.dtype, "status": self.status,
+            "reasons": self.reasons, "skipped": self.skipped,
+            "gpus": self.tp * self.pp if self.pp else None,
+        }
+        for name in ("memory", "kv", "speed", "cost"):
+            part = getattr(self, name)
+            out[name] = dataclasses.asdict(part) if part is not None else None
+        if self.memory is not None:
+            m = self.memory
+            out["memory"].update(usable=m.usable, overhead=m.overhead, used=m.used, used_fraction=m.used_fraction)
+        out["ranks"] = [dataclasses.asdict(w) for w in self.weights]
+        return out
+
+
+def lora_bytes(model: Any, w: Workload, layers: int) -> int:
+    """LoRA adapters of ``layers`` layers, whole (before the TP split)."""
+    if not w.lora_adapters:
+        return 0
+    per = lora_bytes_per_layer(model.hidden_size, model.num_heads * model.head_dim,
+                               model.num_kv_heads * model.head_dim, model.intermediate_size,
+                               w.lora_adapters, w.lora_rank)
+    return layers * per
+
+
+def kv_bpt(model: Any, layers: int, tp: int, kv_bytes: int) -> int:
+    if isinstance(model, MlaModel):
+        return mla_kv_bytes_per_token(layers, model.kv_lora_rank, model.qk_rope_head_dim, kv_bytes)
+    return kv_bytes_per_token(layers, model.num_kv_heads, tp, model.head_dim, kv_bytes)
+
+
+def attn_flops(model: Any) -> int:
+    """Attention FLOPs per layer, head and context token: q.k and p.v (MLA: against the latent)."""
+    if isinstance(model, MlaModel):
+        return 2 * model.latent_dim + 2 * model.kv_lora_rank
+    return 4 * model.head_dim
+
+
+def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
+    c = Candidate(tp, pp, dtype)
+    if tp * pp > s.cluster.total_gpus:
+        c.reasons.append(f"tp x pp = {tp * pp} GPUs > the {s.cluster.total_gpus} available")
+        return c
+    try:
+        c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, tp, pp, dtype), s.source, tp, pp, dtype))
+        if isinstance(s.model, MlaModel):
+            if pp > s.model.num_layers:
+                raise LayoutError(f"pp_degree={pp} exceeds num_hidden_layers={s.model.num_layers}")
+            c.weights = mla_rank_weights(s.model, tp, pp, dtype, even_stages(s.model.num_layers, pp))
+        else:
+            c.weights = rank_weights(s.model, c.plan)
+    except LayoutError as exc:
+        c.reasons.append(exc.message)
+        return c
+    _memory(s, c)
+    if not c.reasons:
+        _speed(s, c)
+    return c
+
+
+def even_stages(n: int, pp: int) -> list[tuple[int, int]]:
+    """The Layout's default stage split (stage_ranges): even, the remainder to the first stages."""
+    base, extra = divmod(n, pp)
+    out, start = [], 0
+    for st in range(pp):
+        out.append((start, start + base + (1 if st < extra else 0)))
+        start = out[-1][1]
+    return out
+
+
+def _memory(s: Search, c: Candidate) -> None:
+    """Per-GPU memory of every stage, the KV figures of the replica, and the memory rules."""
+    model, w, gpu = s.model, s.workload, s.cluster.gpu
+    over = s.overheads.per_gpu(c.tp * c.pp)
+    draft = -(-2 * s.draft_params // (c.tp * c.pp))
+    stages = []
+    for st in range(c.pp):
+        rw = max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.nbytes)
+        layers = rw.layers[1] - rw.layers[0]
+        bpt = kv_bpt(model, layers, c.tp, w.kv_bytes)
+        extra = -(-lora_bytes(model, w, layers) // c.tp) + draft
+        avail = gpu.memory * w.gpu_memory_utilization - rw.nbytes - extra - sum(over.values())
+        budget = w.kv_memory if w.kv_memory is not None else min(w.cap, avail)
+        stages.append(GpuMemory(st, gpu.memory, w.gpu_memory_utilization, rw.nbytes, over, bpt, avail, budget,
+                                extra))
+    fullest = min(stages, key=lambda m: (m.kv_available, -m.kv_bytes_per_token))
+    blocks = min(kv_blocks(m.kv_budget, m.kv_bytes_per_token, w.block_size) for m in stages)
+    limiting = min(stages, key=lambda m: kv_blocks(m.kv_budget, m.kv_bytes_per_token, w.block_size))
+    bpt = max(m.kv_bytes_per_token for m in stages)
+    req = w.max_model_len or model.max_position_embeddings
+    tokens = blocks * w.block_size
+    c.memory = fullest
+    c.kv = KvFigures(bpt, limiting.kv_budget, blocks, tokens, min(tokens, model.max_position_embeddings),
+                     sequences_at(blocks, w.avg_context, w.block_size), req,
+                     request_kv_bytes(bpt, req, w.block_size))
+    g = GIB
+    if w.kv_memory is None and fullest.kv_available <= 0:
+        c.reasons.append(
+            f"does not fit: weights {fullest.weights / g:.2f} GiB + "
+            + (f"LoRA/draft {fullest.extra / g:.2f} GiB + " if fullest.extra else "")
+            + f"overheads {fullest.overhead / g:.2f} GiB "
+            f"> {fullest.usable / g:.2f} GiB usable ({gpu.memory / g:.2f} GiB x {w.gpu_memory_utilization:g})")
+    elif w.kv_memory is None and fullest.kv_available < w.cap:
+        c.reasons.append(f"KV budget {fullest.kv_available / g:.2f} GiB per GPU is below the "
+                         f"{w.cap / g:.2f} GiB cap")
+    worst = max(stages, key=lambda m: m.used_fraction)
+    if worst.used_fraction > s.speed.max_memory_fraction and not c.reasons:
+        c.reasons.append(f"GPU at {worst.used_fraction:.1%} of its memory "
+                         f"(> {s.speed.max_memory_fraction:.0%}): no headroom")
+    if not c.reasons and w.max_model_len and tokens < round_to_blocks(w.max_model_len, w.block_size):
+        c.reasons.append(
+            f"KV holds {tokens:,} tokens < the max model length {w.max_model_len:,} (one request needs "
+            f"{c.kv.request_bytes / g:.2f} GiB per GPU)")
+    if not c.reasons and c.kv.sequences < 1:
+        c.reasons.append(f"KV holds no sequence of {w.avg_context:,} tokens")
+
+
+def _speed(s: Search, c: Candidate) -> None:
+    """Decode roofline per micro-batch slot, GPipe schedule, then the batch that meets the TPOT target."""
+    model, gpu, sp, w, cl = s.model, s.cluster.gpu, s.speed, s.workload, s.cluster
+    tp, pp = c.tp, c.pp or 1
+    link = gpu.link
+    hbm, flops = gpu.hbm_bandwidth * sp.hbm_efficiency, gpu.flops * sp.compute_efficiency
+    heads, attn = model.num_heads // tp, attn_flops(model)
+    stages = [max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.read_bytes) for st in range(pp)]
+
+    def slot(b: float) -> tuple[float, ...]:
+        worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0, 0)
+        for st, rw in enumerate(stages):
+            layers = rw.layers[1] - rw.layers[0]
+            bpt = kv_bpt(model, layers, tp, w.kv_bytes)
+            read = rw.read_bytes
+            if rw.expert_bytes:  # MoE: a step reads the routed experts its tokens picked
+                share = experts_touched(b, model.num_experts_per_tok, model.n_routed_experts)
+                read -= rw.expert_bytes * (1 - share)
+            mem = (read + b * w.avg_context * bpt) / hbm
+            comp = b * (2 * rw.linear_params + layers * heads * attn * w.avg_context) / flops
+            ar = 2 * layers * ring_allreduce_s(tp, b * model.hidden_size * ACT_BYTES,
+                                               link.bandwidth * sp.link_efficiency, link.latency)
+            ho = 0.0
+            if st < pp - 1:
+                hop = link if cl.node_of(st * tp) == cl.node_of((st + 1) * tp) else cl.inter_node
+                ho = b * model.hidden_size * ACT_BYTES / (hop.bandwidth * sp.link_efficiency) + hop.latency
+            total = max(mem, comp) + ar + ho
+            if total > worst[0]:
+                worst = (total, mem, comp, ar, ho, st)
+        return worst
+
+    def at(batch: int) -> Speed:
+        m = min(sp.microbatches or pp, batch)
+        t, mem, comp, ar, ho, st = slot(batch / m)
+        tpot = (m + pp - 1) * t
+        return Speed(batch, int(st), m, gpipe_bubble(pp, m), mem, comp, ar, ho, t, tpot, batch / tpot, "")
+
+    kv = c.kv
+    assert kv is not None
+    cap = min(kv.sequences, sp.max_num_seqs)
+    target = w.target_ms / 1e3
+    lo, hi = 1, cap
+    if at(cap).tpot_s <= target:
+        lo = cap
+    else:
+        while lo < hi:  # the largest batch that meets the target; TPOT grows with the batch
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if at(mid).tpot_s <= target else (lo, mid - 1)
+    best = at(lo)
+    limited = "tpot" if lo < cap else ("kv" if kv.sequences <= sp.max_num_seqs else "max_num_seqs")
+    c.speed = dataclasses.replace(best, limited_by=limited, tpot1_s=at(1).tpot_s)
+    c.meets_target = best.tpot_s <= target
+    world = tp * pp
+    gpn, nodes = cl.gpus_per_node, cl.nodes
+    per_node = gpn // world if world <= gpn else 0
+    in_cluster = per_node * nodes if per_node else nodes // -(-world // gpn)
+    need = math.ceil(w.demand_tokens_per_s / best.tokens_per_s) if w.demand_tokens_per_s else None
+    c.cost = Cost(world, dollars_per_mtok(world, w.price_per_gpu_hour, best.tokens_per_s),
+                  world * 1e6 / (best.tokens_per_s * 3600), per_node, in_cluster, need,
+                  need * world if need is not None else None)

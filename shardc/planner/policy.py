@@ -1,0 +1,146 @@
+"""Which candidate to recommend: the objectives (fit, cost, latency) and the fastest alternative.
+
+``fit`` (the default) follows the calculator rules users were promised, per weight dtype in
+precision order (the checkpoint's 16-bit dtype first; int8/fp8 only when it fits nowhere):
+
+1. Memory splits into what shards across GPUs (weights, LoRA adapters, a draft model) and what every
+   GPU repeats (overheads, the NCCL workspace, and this planner's per-GPU KV reservation: the cap, or
+   the engine-measured ``kv_memory``, which the KV heads already divide). One card first.
+2. Minimum cards = ceil(sharded / (card's usable memory - replicated part)); usable is the card's
+   memory x min(gpu_memory_utilization, 95%).
+3. TP = the smallest valid TP (divides the heads) >= that minimum, up to the fabric's limit; each
+   step is judged with the full per-GPU arithmetic, and the next valid TP is tried if a card lands
+   above the limits.
+4. Only when no TP inside the fabric is enough: the largest valid TP, PP = ceil(minimum / TP), then
+   deeper pipelines until one fits. The speed model charges the GPipe bubble.
+
+With a user-given TPOT target the step must also meet it; without one, the default target only
+sizes the batch, and a pick that misses it comes with a warning instead of an error (#17). ``cost``
+is the cheapest $/Mtok meeting the target; ``latency`` the lowest TPOT at batch 1. Beside any pick:
+the fastest alternative, the lowest-TPOT single-node TP unit of the same dtype with more cards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from .formulas import DEFAULT_TPOT_MS, DTYPE_ORDER
+
+if TYPE_CHECKING:
+    from .search import Candidate, Search
+
+OBJECTIVES = ("fit", "cost", "latency")
+OBJECTIVE_WORDS = {
+    "fit": "the smallest unit that fits (TP first, then stages)",
+    "cost": "the cheapest $/Mtok meeting the TPOT target",
+    "latency": "the lowest TPOT at batch 1",
+}
+
+
+@dataclass
+class FitTrail:
+    """The fit rules worked for one dtype, as --explain and --json show them."""
+
+    dtype: str
+    weights: int  # the whole model at this dtype (tp=1, pp=1)
+    lora: int
+    draft: int
+    per_card: float  # memory x min(utilization, max fraction)
+    replicated: int  # overheads (with NCCL) + the KV reservation
+    one_card_replicated: int  # the same on a single card (no NCCL)
+    minimum: int | None  # cards; None: the replicated part alone fills a card
+    tp_limit: int
+    valid_tps: list[int]
+    steps: list[tuple[str, str]] = field(default_factory=list)  # (label, verdict)
+    chosen: str | None = None
+
+    @property
+    def sharded(self) -> int:
+        return self.weights + self.lora + self.draft
+
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "sharded": self.sharded}
+
+
+def _dtype_rank(c: Candidate) -> int:
+    return DTYPE_ORDER.index(c.dtype or "bf16")
+
+
+def _verdict(c: Candidate, need_target: bool, target_ms: float) -> str:
+    if c.reasons:
+        return c.reasons[0]
+    if c.skipped:
+        return c.skipped
+    used = f"fits: fullest GPU at {c.memory.used_fraction:.1%}" if c.memory else "fits"
+    if need_target and not c.meets_target:
+        return f"{used}, but misses the {target_ms:g} ms target ({c.speed.tpot1_s * 1e3:.1f} ms at batch 1)"
+    return used
+
+
+def _fit(s: Search) -> Candidate | None:
+    """Rules 1-4 per dtype in precision order; the trail of every dtype walked goes to s.trails."""
+    w = s.workload
+    need = w.target_set
+    for d in sorted(s.dtypes, key=DTYPE_ORDER.index):
+        mine = {(c.tp, c.pp): c for c in s.candidates if c.dtype == d and c.pp is not None}
+        trail = s.fit_trail(d)
+        s.trails.append(trail)
+        if trail.minimum is None:
+            trail.steps.append(("*", "the replicated part alone fills a card: no unit fits"))
+            continue
+        tps = sorted(tp for tp, pp in mine if pp == 1)
+        for tp in (t for t in tps if t >= trail.minimum):
+            c = mine[tp, 1]
+            trail.steps.append((c.label, _verdict(c, need, w.target_ms)))
+            if c.fits and not c.skipped and (c.meets_target or not need):
+                trail.chosen = c.label
+                return c
+        staged = [tp for tp, pp in mine if pp > 1]
+        if not staged:
+            continue
+        tp = max(staged)
+        start = max(2, math.ceil(trail.minimum / tp))
+        for pp in sorted(p for t, p in mine if t == tp and p >= start):
+            c = mine[tp, pp]
+            trail.steps.append((c.label, _verdict(c, need, w.target_ms)))
+            if c.fits and not c.skipped and (c.meets_target or not need):
+                trail.chosen = c.label
+                return c
+    return None
+
+
+def _fastest(cands: list[Candidate]) -> Candidate | None:
+    return min(cands, key=lambda c: (c.speed.tpot1_s, c.tp * (c.pp or 1), _dtype_rank(c)), default=None)
+
+
+def recommend(s: Search) -> None:
+    """Set s.recommended, s.alternative and s.warnings for s.objective."""
+    w = s.workload
+    fitting = [c for c in s.fitting() if not c.skipped]
+    meeting = [c for c in fitting if c.meets_target]
+    if s.objective == "fit":
+        rec = _fit(s)
+    elif s.objective == "cost":
+        rec = min(meeting, key=lambda c: (round(c.cost.dollars_per_mtok, 9), c.tp, c.pp, _dtype_rank(c)),
+                  default=None)
+        if rec is None and not w.target_set and fitting:
+            rec = _fastest(fitting)
+            s.warnings.append(
+                f"no candidate meets the default {DEFAULT_TPOT_MS:g} ms TPOT target; recommending the fastest "
+                f"that fits, {rec.label} ({rec.speed.tpot1_s * 1e3:.1f} ms at batch 1); give `target_tpot_ms` "
+                "to require a target")
+    else:
+        rec = _fastest(meeting if w.target_set else fitting)
+    s.recommended = rec
+    if rec is None:
+        return
+    if not rec.meets_target and not s.warnings:
+        s.warnings.append(
+            f"{rec.label} misses the default {DEFAULT_TPOT_MS:g} ms TPOT target ({rec.speed.tpot1_s * 1e3:.1f} ms "
+            f"at batch 1, costed at batch 1); recommended anyway as {OBJECTIVE_WORDS[s.objective]}, since no "
+            "`target_tpot_ms` was given")
+    cards = rec.tp * (rec.pp or 1)
+    s.alternative = _fastest([c for c in fitting if c.pp == 1 and c.dtype == rec.dtype and c.tp > cards])
