@@ -57,3 +57,10 @@ def test_demo_quantized_reassembles(demo_src, tmp_path, plan_name):
         assert torch.equal(rebuilt[name], src[name])
     stats = [t["stats"] for sh in res.manifest["shards"] for t in sh["tensors"].values() if "stats" in t]
     assert stats and max(s["rel_rms_err"] for s in stats) < (0.02 if scheme == "int8" else 0.06)
+
+
+@pytest.mark.parametrize("plan_name", sorted(p.stem for p in (PLANS.parent / "manifests").glob("demo-*.json")))
+def test_committed_demo_manifests_are_current(demo_model_dir, tmp_path, plan_name):
+    """manifests/*.json are the demo builds' records: a build today writes exactly those bytes."""
+    res = build(load_plan(PLANS / f"{plan_name}.yaml"), tmp_path / "o")
+    assert res.manifest_path.read_bytes() == (PLANS.parent / "manifests" / f"{plan_name}.json").read_bytes()
