@@ -36,8 +36,8 @@ Examples:
 def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, upload, to_uri,
               endpoint_url, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
-    from ..cli import echo_json, show_progress
     from ..spec.plan import load_plan
+    from .output import echo_json, show_progress
 
     plan = load_plan(plan_file)
     if source:
@@ -75,9 +75,9 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
 
 
 def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
-    from ..cli import echo_json
     from ..spec.layout import build_layout
     from ..spec.model import model_for_source
+    from .output import echo_json
 
     layout = build_layout(model_for_source(plan.source, model_ref), plan)
     ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
@@ -102,8 +102,8 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect_cmd(path: Path, tensors: bool, as_json: bool) -> None:
     """Summarize a manifest, a build directory or one shard file."""
-    from ..cli import echo_json
     from ..verify.inspect import describe
+    from .output import echo_json
 
     info = describe(path)
     if as_json:

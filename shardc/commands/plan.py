@@ -154,12 +154,12 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, nodes: int, dtyp
              params: tuple[tuple[str, float], ...], explain: bool, as_json: bool,
              out_file: Path | None) -> None:
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick."""
-    from ..cli import echo_json
     from ..planner.formulas import Overheads, SpeedParams, Workload, resolve_model
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
     from ..planner.report import explain as explain_lines
     from ..planner.report import header, summary, table
     from ..planner.search import search
+    from .output import echo_json
 
     model, name, source = resolve_model(model_ref)
     gpu = override_gpu(

@@ -33,9 +33,9 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
             prompt_ids: tuple[str, ...], max_new_tokens: int, tokenizer: Path | None, device: str,
             timeout_s: float, as_json: bool) -> None:
     """Generate text greedily from a built plan: every rank loads only its own shard file."""
-    from ..cli import echo_json
     from ..errors import ManifestError
     from ..runtime.api import generate, load_tokenizer, open_build
+    from .output import echo_json
 
     ref = open_build(manifest_path, directory)
     if not prompts and not prompt_ids:
@@ -111,9 +111,9 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
              tokenizer: Path | None, device: str, timeout_s: float, as_json: bool,
              report_path: Path | None) -> None:
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
-    from ..cli import echo_json
     from ..runtime.gate import Thresholds, format_report, run_gate
     from ..spec.plan import canonical_json
+    from .output import echo_json
 
     report = run_gate(
         baseline, candidate, golden=golden, max_tokens=max_tokens, window=window,

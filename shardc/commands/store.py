@@ -42,8 +42,8 @@ push. The manifest is uploaded last: a reader that finds it can fetch every file
 def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, endpoint_url: str | None,
              compress: str, quiet: bool, as_json: bool) -> None:
     """Upload a build to object storage, manifest last."""
-    from ..cli import echo_json, show_progress
     from ..store.transfer import push_build
+    from .output import echo_json, show_progress
 
     res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
                      compress=None if compress == "none" else compress,
@@ -80,9 +80,9 @@ are kept. Exit codes: 0 ok, 1 the store's data does not match its manifest, 2 ba
 def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_stage: int | None,
              all_ranks: bool, dest: Path, endpoint_url: str | None, quiet: bool, as_json: bool) -> None:
     """Download a build's shards for some ranks (or all), verified, then check them like verify."""
-    from ..cli import echo_json, show_progress
     from ..errors import StoreError
     from ..store.transfer import pull_build
+    from .output import echo_json, show_progress
 
     pair = tp_rank is not None or pp_stage is not None
     if (tp_rank is None) != (pp_stage is None):

@@ -38,10 +38,10 @@ Examples:
 def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage, all_ranks, device,
                deep_source, jobs, distributed, timeout_s, endpoint_url, as_json) -> None:
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
-    from ..cli import echo_json
     from ..errors import ManifestError
     from ..formats.manifest import layout_of
     from ..verify.checks import select_ranks, verify_build
+    from .output import echo_json
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
