@@ -105,7 +105,7 @@ def test_matrix_reassembles_and_shapes(make_ckpt, tmp_path, model, tp, pp):
     if cfg.get("tie_word_embeddings") and pp > 1:
         assert torch.equal(rebuilt["lm_head.weight"], src["model.embed_tokens.weight"])
     assert set(rebuilt) - {"lm_head.weight"} == set(src) - {"lm_head.weight"}
-    assert len(list((tmp_path / "out").glob("*.partial"))) == 0
+    assert len(list((tmp_path / "out").glob(".*.tmp"))) == 0
 
 
 def test_fp16_plan_casts_bf16_source(make_ckpt, tmp_path):

@@ -124,7 +124,7 @@ def test_too_little_disk_is_refused_before_writing(make_ckpt, tmp_path, small_fs
     assert len(lines) == 1 and "MiB free" in lines[0] and "--out" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     assert digests(small_fs / "o") == before and (small_fs / "o" / "manifest.json").is_file()
-    assert not list((small_fs / "o").glob(".*.partial"))
+    assert not list((small_fs / "o").glob(".*.tmp"))
 
 
 def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_path):
@@ -140,7 +140,7 @@ def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_p
     assert len(lines) == 1 and "model-tp01-pp01.safetensors" in lines[0] and "rerun" in lines[0], r.stderr
     assert not (out / "manifest.json").exists()
     assert (out / "model-tp00-pp00.safetensors").is_file() and (out / ".model-tp00-pp00.safetensors.done.json").is_file()
-    assert not list(out.glob(".*.partial"))
+    assert not list(out.glob(".*.tmp"))
     (out / "model-tp01-pp01.safetensors").rmdir()
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file), "--source", str(ckpt),
                         "--out", str(out), "--manifests-dir", str(tmp_path / "m"), "--quiet", "--json"],

@@ -216,7 +216,7 @@ def _swap_row_parallel(build_dir: Path, layer: int) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardc.build.source import sha256_file
+    from shardc.formats.files import sha256_file
     from shardc.formats.manifest import dumps, read_manifest
 
     m = read_manifest(build_dir / "manifest.json")

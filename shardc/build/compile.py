@@ -27,16 +27,24 @@ import numpy as np
 
 from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
-from ..formats.files import human_size
-from ..formats.manifest import dumps, loads, new_manifest, write_atomic
-from ..formats.safetensors import ShardWriter
-from ..spec.dtypes import np_dtype
-from ..spec.layout import DTYPE_BYTES, Layout, RankLayout, TensorSpec, build_layout
+from ..formats.files import (
+    copy_atomic,
+    final_name,
+    human_size,
+    sha256_file,
+    temp_files,
+    write_atomic,
+)
+from ..formats.manifest import dumps, loads, new_manifest
+from ..formats.safetensors import ShardWriter, shard_metadata
+from ..spec.dtypes import DTYPE_BYTES, torch_name
+from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, TensorSpec, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import Plan, canonical_json
+from .arrays import np_dtype
 from .quantize import quantize_array
 from .quantqueue import QuantQueue
-from .source import Source, open_source, sha256_file
+from .source import Source, open_source
 
 LOCK = ".shardc-build.lock"
 # Threads quantizing a tensor's row chunks: half the cores, at most 4. The numba kernels take
@@ -74,23 +82,6 @@ class BuildResult:
             ],
             "total_bytes": sum(s["size"] for s in m["shards"]),
         }
-
-
-def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
-    """safetensors __metadata__: catches a file that strays into the wrong directory."""
-    p = layout.plan
-    return {
-        "format": "pt",
-        "shardc.version": __version__,
-        "shardc.plan": p.name,
-        "shardc.plan_sha256": p.sha256,
-        "shardc.tp_degree": str(p.tp),
-        "shardc.pp_degree": str(p.pp),
-        "shardc.tp_rank": str(rl.tp_rank),
-        "shardc.pp_stage": str(rl.pp_stage),
-        "shardc.rank": str(rl.rank),
-        "shardc.layers": f"{rl.layers[0]}:{rl.layers[1]}",
-    }
 
 
 def region(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
@@ -292,7 +283,7 @@ def output_config(layout: Layout) -> dict[str, Any]:
     from ..spec.layout import base_dtype
 
     cfg = json.loads(json.dumps(layout.model.config))
-    cfg["torch_dtype"] = {"F16": "float16", "BF16": "bfloat16"}[base_dtype(layout.model, layout.plan)]
+    cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
     if layout.plan.quantized:
         from ..spec.layout import QUANTIZABLE
         from .quantize import quantization_config
@@ -396,7 +387,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     _check_space(out, layout)  # before anything is touched: a refused build loses nothing
     # From here on the old manifest no longer describes the directory: remove it first.
     (out / "manifest.json").unlink(missing_ok=True)
-    for stale in out.glob(".*.partial"):
+    for stale in temp_files(out):  # left by a killed run (the lock says none is running)
         stale.unlink()
     key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
     mat = Materializer(source, layout)
@@ -464,8 +455,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     except OSError as exc:
         # The disk, not the input: keep the committed stages, a rerun resumes from them.
         committer.shutdown(wait=True)
-        what = Path(exc.filename2 or exc.filename).name.removeprefix(".").removesuffix(".partial") \
-            if exc.filename else "the shards"
+        what = final_name(exc.filename2 or exc.filename) if exc.filename else "the shards"
         raise OutputError(
             f"cannot write {what} in {out}: {exc.strerror or exc}",
             hint="free space or fix the disk, then rerun the same build: finished stages are kept",
@@ -495,7 +485,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
             rec = t.record()
             if t.quant and not t.scale_of:
                 rec["stats"] = mat.stats[t.source]
-                rec["scale"] = t.name + "_scale"
+                rec["scale"] = t.name + SCALE_SUFFIX
             tensors[t.name] = rec
         shards.append({
             "file": rl.file, "tp_rank": rl.tp_rank, "pp_stage": rl.pp_stage, "rank": rl.rank,
@@ -519,7 +509,7 @@ def _check_space(out: Path, layout: Layout) -> None:
     for rl in layout.ranks:
         p = out / rl.file
         need += rl.nbytes - (p.stat().st_size if p.is_file() else 0)
-    free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in out.glob(".*.partial"))
+    free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in temp_files(out))
     if need > free:
         raise OutputError(
             f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more",
@@ -546,9 +536,7 @@ def _tokenizer_files(source: Source) -> list[str]:
 def _copy_tokenizer(source: Source, out: Path) -> None:
     """Tokenizer files travel with the shards so the runtime and gate need no source."""
     for n in _tokenizer_files(source):
-        tmp = out / f".{n}.tmp"
-        shutil.copyfile(source.directory / n, tmp)
-        os.replace(tmp, out / n)
+        copy_atomic(source.directory / n, out / n)
 
 
 def _file_entry(out: Path, name: str) -> dict[str, Any]:

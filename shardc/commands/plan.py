@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from ..errors import PlanError
+from ..formats.files import write_atomic
 
 _UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20,
           "gib": 1 << 30, "gi": 1 << 30, "tib": 1 << 40, "ti": 1 << 40, "kb": 10**3, "mb": 10**6,
@@ -217,9 +218,7 @@ def write_plan(data: dict[str, Any], out_file: Path, result: Any, cand: Any) -> 
     text = comment + yaml.safe_dump(data, sort_keys=False)
     try:
         out_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_file.with_name(f".{out_file.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, out_file)
+        write_atomic(out_file, text.encode())
     except OSError as exc:
         raise PlanError(f"cannot write {out_file}: {exc.strerror}", key="--out") from None
 

@@ -123,7 +123,7 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
     if not report:  # under torchrun, only the rank that holds the comparison reports
         return
     if report_path is not None:
-        from ..formats.manifest import write_atomic
+        from ..formats.files import write_atomic
 
         write_atomic(report_path, canonical_json(report))
     if as_json:

@@ -27,8 +27,6 @@ pulled manifest.json is byte-identical to the build's.
 from __future__ import annotations
 
 import json
-import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +35,10 @@ from ..errors import ManifestError
 from ..spec.layout import Layout, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import canonical_json, plan_from_dict
+from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 
 FORMAT = "shardc-manifest"
 FORMAT_VERSION = 1
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
-
-
-def safe_name(name: str, what: str = "file name") -> str:
-    """A name from a file may never escape its directory."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", ".."):
-        raise ManifestError(
-            f"unsafe {what} {name!r}", hint="names must be plain file names without directories"
-        )
-    return name
 
 
 def new_manifest(
@@ -112,31 +101,6 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     except OSError as exc:
         raise ManifestError(f"cannot read manifest {path}: {exc.strerror}", hint="check the path") from None
     return loads(data, str(path))
-
-
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """temp file + fsync + rename: the file is either the old one or the new one, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: str | Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def layout_of(manifest: dict[str, Any]) -> Layout:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from ..errors import ManifestError
+from ..spec.dtypes import torch_name
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout
 from .llama import Dims, LayerWeights, StageWeights
 
-BASE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _PROJ = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -31,7 +31,7 @@ _PROJ = {
 
 def compute_dtype(manifest: dict[str, Any]) -> torch.dtype:
     """The 16-bit dtype activations run in: the plan's base dtype (int8/fp8 dequantize to it)."""
-    return BASE_DTYPES[manifest["layout"]["base_dtype"]]
+    return getattr(torch, torch_name(manifest["layout"]["base_dtype"]))
 
 
 def local_dims(layout: Layout) -> Dims:

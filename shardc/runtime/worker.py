@@ -216,11 +216,15 @@ def main(argv: list[str]) -> int:
     try:
         result = execute(job, rank, world, hosted_store=True)
         if result is not None:
+            import io
+
             import torch
 
-            tmp = out_dir / f".result-{rank}.tmp"
-            torch.save(result, tmp)
-            os.replace(tmp, out_dir / "result.pt")
+            from ..formats.files import write_atomic
+
+            buf = io.BytesIO()
+            torch.save(result, buf)
+            write_atomic(out_dir / "result.pt", buf.getvalue())
         code = 0
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the launcher
         report = {
@@ -231,9 +235,9 @@ def main(argv: list[str]) -> int:
             "peer": isinstance(exc, DistributedError),
             "traceback": traceback.format_exc(),
         }
-        tmp = out_dir / f".error-{rank}.tmp"
-        tmp.write_text(json.dumps(report))
-        os.replace(tmp, out_dir / f"error-{rank}.json")
+        from ..formats.files import write_atomic
+
+        write_atomic(out_dir / f"error-{rank}.json", json.dumps(report).encode())
         print(report["traceback"], file=sys.stderr, flush=True)
         code = 1
     sys.stdout.flush()

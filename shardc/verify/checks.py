@@ -8,20 +8,17 @@ releases the GIL) in large blocks; shape checks read only the safetensors header
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..build.source import sha256_file
-from ..errors import ManifestError, VerifyMismatch
+from ..errors import ManifestError, ShardFormatError, VerifyMismatch
+from ..formats.files import human_size, sha256_file
 from ..formats.manifest import layout_of
+from ..formats.safetensors import read_header, shard_metadata
 from ..spec.layout import Layout, RankLayout
-
-MAX_HEADER = 100 << 20
 
 
 @dataclass
@@ -44,24 +41,6 @@ class RankResult:
             "file": self.file, "tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
             "ok": self.ok, "problems": self.problems, "warnings": self.warnings, "checks": self.checks,
         }
-
-
-def read_header(path: Path) -> dict[str, Any]:
-    """The safetensors JSON header (raises ValueError when it does not parse)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("file shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER:
-            raise ValueError(f"header length {n} is implausible")
-        data = f.read(n)
-        if len(data) != n:
-            raise ValueError("header truncated")
-    header = json.loads(data)
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    return header
 
 
 def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> list[str]:
@@ -94,15 +73,15 @@ def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> l
 
 
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
-    from ..build.compile import shard_metadata
-
     try:
-        header = read_header(path)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        res.fail(f"safetensors header does not parse ({exc})")
+        header, meta, _ = read_header(path)
+    except OSError as exc:
+        res.fail(f"safetensors header does not parse ({exc.strerror})")
+        return
+    except ShardFormatError as exc:
+        res.fail(f"safetensors header does not parse ({exc.message})")
         return
     res.checks.append("header")
-    meta = header.pop("__metadata__", {}) or {}
     want_meta = shard_metadata(layout, rl)
     for key in ("shardc.plan_sha256", "shardc.tp_degree", "shardc.pp_degree", "shardc.tp_rank",
                 "shardc.pp_stage", "shardc.rank"):
@@ -149,13 +128,13 @@ def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -
 
         idx = torch.device(device).index or 0
         total = torch.cuda.get_device_properties(idx).total_memory
-        where = f"{device} ({total / 2**30:.1f} GiB)"
+        where = f"{device} ({human_size(total)})"
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        where = f"host memory ({total / 2**30:.1f} GiB)"
+        where = f"host memory ({human_size(total)})"
     if need > total:
         res.warnings.append(
-            f"weights {rl.nbytes / 2**30:.2f} GiB + KV cap {kv / 2**30:.1f} GiB exceed {where}"
+            f"weights {human_size(rl.nbytes)} + KV cap {human_size(kv)} exceed {where}"
         )
 
 
@@ -164,9 +143,9 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
     import numpy as np
     from safetensors import safe_open
 
+    from ..build.arrays import as_bytes, from_torch
     from ..build.compile import Materializer, cut
     from ..build.source import open_source
-    from ..spec.dtypes import as_bytes, from_torch
 
     source = open_source(source_uri)
     mat = Materializer(source, layout)

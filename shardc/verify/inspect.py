@@ -8,7 +8,7 @@ from typing import Any
 from ..errors import ManifestError
 from ..formats.files import human_size
 from ..formats.manifest import read_manifest
-from .checks import read_header
+from ..formats.safetensors import read_header
 
 
 def describe(path: Path) -> dict[str, Any]:
@@ -41,10 +41,9 @@ def describe(path: Path) -> dict[str, Any]:
 
 def _describe_shard(path: Path) -> dict[str, Any]:
     try:
-        header = read_header(path)
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"{path} is not a readable safetensors file ({exc})") from None
-    meta = header.pop("__metadata__", {}) or {}
+        header, meta, _ = read_header(path)
+    except OSError as exc:
+        raise ManifestError(f"{path} is not a readable safetensors file ({exc.strerror})") from None
     size = path.stat().st_size
     lines = [f"file       {path.name}  {human_size(size)}  {len(header)} tensors"]
     if "shardc.plan" in meta:
