@@ -82,11 +82,11 @@ def test_direct_and_buffered_io_write_the_same_bytes(make_ckpt, tmp_path):
     subprocess.run([sys.executable, "-c", script, str(plan_file), str(ckpt), str(tmp_path / "buffered")],
                    check=True, env=env_off)
     direct = build(plan, tmp_path / "direct")
-    sizes = [s["size"] for s in direct.manifest["shards"]]
+    sizes = [s.size for s in direct.manifest.shards]
     assert any(s % 4096 for s in sizes) and max(sizes) > 2 * STAGE_BYTES
     assert digests(tmp_path / "direct") == digests(tmp_path / "buffered")
-    for s in direct.manifest["shards"]:  # the manifest's hashes are those of the files on disk
-        assert hashlib.sha256((tmp_path / "direct" / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+    for s in direct.manifest.shards:  # the manifest's hashes are those of the files on disk
+        assert hashlib.sha256((tmp_path / "direct" / s.file).read_bytes()).hexdigest() == s.sha256
 
 
 @pytest.fixture

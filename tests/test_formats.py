@@ -58,3 +58,69 @@ def test_one_temp_scheme(tmp_path):
     write_atomic(tmp_path / "out.bin", b"data")  # its own temp file is gone, the other one kept
     assert (tmp_path / "out.bin").read_bytes() == b"data" and temp_files(tmp_path) == [tmp]
     assert not is_temp(tmp_path / "out.bin")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from shardc.build.compile import build
+    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.spec.plan import plan_from_dict
+
+    base = tmp_path_factory.mktemp("m")
+    ckpt = write_checkpoint(base / "src", llama_config(num_layers=2))
+    plan = plan_from_dict({"replica_group": {"name": "m", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
+                                             "gpus_per_replica": 2}, "model": {"source": "x"}})
+    return build(plan.with_source(str(ckpt)), base / "o")
+
+
+def test_manifest_round_trips_to_the_same_bytes(built):
+    from shardc.formats.manifest import parse, read
+
+    data = built.manifest_path.read_bytes()
+    m = read(built.manifest_path)
+    assert m.dumps() == data and parse(data) == m == built.manifest
+    assert m.name == "m" and m.world_size == 2 and m.shard(m.shards[1].file) is m.shards[1]
+
+
+def _edit(d, path, value):
+    *head, last = path
+    for k in head:
+        d = d[k]
+    if value is KeyError:
+        del d[last]
+    else:
+        d[last] = value
+
+
+@pytest.mark.parametrize(("path", "value", "key"), [
+    (("shards", 0, "sha256"), None, "shards[0].sha256"),
+    (("shards", 1, "size"), "12", "shards[1].size"),
+    (("shards", 0, "size"), 1.5, "shards[0].size"),
+    (("files", 0, "sha256"), "abc", "files[0].sha256"),
+    (("layout", "tp_degree"), KeyError, "layout.tp_degree"),
+    (("layout", "pp_degree"), True, "layout.pp_degree"),
+    (("model", "config", "num_hidden_layers"), 1e9, "model.config.num_hidden_layers"),
+    (("model", "config", "num_hidden_layers"), 10**9, "model.config.num_hidden_layers"),
+    (("model", "config", "vocab_size"), 1 << 40, "model.config.vocab_size"),
+    (("source", "files"), {}, "source.files"),
+    (("shards", 0, "file"), "../x", None),
+    (("plan_sha256",), KeyError, "plan_sha256"),
+    (("extra",), 1, "manifest"),
+])
+def test_manifest_reader_names_the_bad_key(built, tmp_path, path, value, key):
+    from click.testing import CliRunner
+
+    from shardc.cli import main
+    from shardc.errors import ManifestError
+    from shardc.formats.manifest import read
+
+    m = json.loads(built.manifest_path.read_text())
+    _edit(m, path, value)
+    p = tmp_path / "manifest.json"
+    p.write_text(json.dumps(m))
+    with pytest.raises(ManifestError) as exc:
+        read(p)
+    if key:
+        assert exc.value.key == key, exc.value.one_line()
+    r = CliRunner().invoke(main, ["verify", "--manifest", str(p), "--dir", str(built.out_dir)])
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output

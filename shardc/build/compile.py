@@ -35,7 +35,7 @@ from ..formats.files import (
     temp_files,
     write_atomic,
 )
-from ..formats.manifest import dumps, loads, new_manifest
+from ..formats.manifest import FileEntry, Manifest, ShardEntry, SourceRecord, new_manifest, parse
 from ..formats.safetensors import ShardWriter, shard_metadata
 from ..spec.dtypes import DTYPE_BYTES, torch_name
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, TensorSpec, build_layout
@@ -58,7 +58,7 @@ QUANT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 class BuildResult:
     out_dir: Path
     manifest_path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest | None
     built: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     up_to_date: bool = False
@@ -68,8 +68,8 @@ class BuildResult:
         """Machine-readable summary for --json."""
         m = self.manifest
         return {
-            "plan": m["plan"]["replica_group"]["name"],
-            "plan_sha256": m["plan_sha256"],
+            "plan": m.name,
+            "plan_sha256": m.plan_sha256,
             "out_dir": str(self.out_dir),
             "manifest": str(self.manifest_path),
             "up_to_date": self.up_to_date,
@@ -77,10 +77,11 @@ class BuildResult:
             "skipped": self.skipped,
             "seconds": round(self.seconds, 3),
             "shards": [
-                {k: s[k] for k in ("file", "tp_rank", "pp_stage", "rank", "layers", "size", "sha256")}
-                for s in m["shards"]
+                {"file": s.file, "tp_rank": s.tp_rank, "pp_stage": s.pp_stage, "rank": s.rank,
+                 "layers": list(s.layers), "size": s.size, "sha256": s.sha256}
+                for s in m.shards
             ],
-            "total_bytes": sum(s["size"] for s in m["shards"]),
+            "total_bytes": m.total_bytes,
         }
 
 
@@ -315,17 +316,17 @@ def _stage_done(out_dir: Path, rl: RankLayout, key: dict) -> tuple[int, str] | N
     return rec["size"], rec["sha256"]
 
 
-def _up_to_date(out_dir: Path, plan: Plan, identity: dict) -> dict | None:
+def _up_to_date(out_dir: Path, plan: Plan, identity: SourceRecord) -> Manifest | None:
     mpath = out_dir / "manifest.json"
     try:
-        m = loads(mpath.read_bytes(), str(mpath))
+        m = parse(mpath.read_bytes(), str(mpath))
     except (OSError, ShardcError):
         return None
-    if m["plan_sha256"] != plan.sha256 or m["source"] != identity or m["shardc_version"] != __version__:
+    if m.plan_sha256 != plan.sha256 or m.source != identity or m.shardc_version != __version__:
         return None
-    for s in m["shards"] + m["files"]:
-        p = out_dir / s.get("file", s.get("name"))
-        if not p.is_file() or p.stat().st_size != s["size"]:
+    for name, size in [(s.file, s.size) for s in m.shards] + [(f.name, f.size) for f in m.files]:
+        p = out_dir / name
+        if not p.is_file() or p.stat().st_size != size:
             return None
     return m
 
@@ -373,13 +374,13 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     # Source hashes are computed in the background while the shards are written (or come from
     # the cache when size and mtime are unchanged); they are awaited only where needed.
     source.start_hashing()
-    result = BuildResult(out, out / "manifest.json", {})
+    result = BuildResult(out, out / "manifest.json", None)
 
     if not force and (out / "manifest.json").is_file():
         identity = source.identity()
         if (m := _up_to_date(out, plan, identity)) is not None:
             result.manifest, result.up_to_date = m, True
-            result.skipped = [s["file"] for s in m["shards"]]
+            result.skipped = [s.file for s in m.shards]
             _copy_manifest(result, manifests_dir)
             result.seconds = time.perf_counter() - t0
             return result
@@ -487,13 +488,9 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
                 rec["stats"] = mat.stats[t.source]
                 rec["scale"] = t.name + SCALE_SUFFIX
             tensors[t.name] = rec
-        shards.append({
-            "file": rl.file, "tp_rank": rl.tp_rank, "pp_stage": rl.pp_stage, "rank": rl.rank,
-            "layers": list(rl.layers), "size": size, "sha256": sha, "tensors": tensors,
-        })
-    identity = source.identity()
-    manifest = new_manifest(layout, identity, shards, side)
-    write_atomic(out / "manifest.json", dumps(manifest))  # the commit point
+        shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors))
+    manifest = new_manifest(layout, source.identity(), shards, side)
+    manifest.write(out / "manifest.json")  # the commit point
     for rl in layout.ranks:
         _done_path(out, rl.file).unlink(missing_ok=True)
     result.manifest = manifest
@@ -539,9 +536,9 @@ def _copy_tokenizer(source: Source, out: Path) -> None:
         copy_atomic(source.directory / n, out / n)
 
 
-def _file_entry(out: Path, name: str) -> dict[str, Any]:
+def _file_entry(out: Path, name: str) -> FileEntry:
     p = out / name
-    return {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p)}
+    return FileEntry(name, p.stat().st_size, sha256_file(p))
 
 
 def _copy_manifest(result: BuildResult, manifests_dir: str | Path | None) -> None:
@@ -549,5 +546,4 @@ def _copy_manifest(result: BuildResult, manifests_dir: str | Path | None) -> Non
         return
     d = Path(manifests_dir)
     d.mkdir(parents=True, exist_ok=True)
-    name = result.manifest["plan"]["replica_group"]["name"]
-    write_atomic(d / f"{name}.json", dumps(result.manifest))
+    result.manifest.write(d / f"{result.manifest.name}.json")

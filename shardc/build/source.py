@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import SourceError
 from ..formats.files import safe_name, sha256_file, write_atomic
+from ..formats.manifest import FileEntry, SourceRecord
 from ..formats.safetensors import read_header
 from ..spec.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
 from ..spec.layout import source_tensors
@@ -126,15 +127,15 @@ class Source:
             self._hashes[name] = pool.submit(cached_sha256, self.directory / name)
         pool.shutdown(wait=False)
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> SourceRecord:
         """uri, revision, and size + sha256 of every file read (config.json included)."""
         if not self._hashes:
             self.start_hashing()
         files = []
         for name in sorted(self._hashes):
             size, digest = self._hashes[name].result()
-            files.append({"name": name, "size": size, "sha256": digest})
-        return {"uri": self.uri, "revision": self.revision, "files": files}
+            files.append(FileEntry(name, size, digest))
+        return SourceRecord(self.uri, self.revision, files)
 
     def fingerprint(self) -> list[list]:
         """Cheap identity (name, size, mtime) for resume records; the manifest gets real hashes."""

@@ -47,7 +47,7 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
             encoded.append([int(x) for x in spec.split(",") if x.strip()])
         except ValueError:
             raise ManifestError(f"--prompt-ids {spec!r} is not a comma-separated list of integers") from None
-    vocab = int(ref.manifest["model"]["vocab_size"])
+    vocab = int(ref.manifest.model["vocab_size"])
     bad = [i for p in encoded for i in p if not 0 <= i < vocab]
     if bad:
         raise ManifestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", key="prompt-ids")

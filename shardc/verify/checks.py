@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import ManifestError, ShardFormatError, VerifyMismatch
 from ..formats.files import human_size, sha256_file
-from ..formats.manifest import layout_of
+from ..formats.manifest import Manifest, typed
 from ..formats.safetensors import read_header, shard_metadata
 from ..spec.layout import Layout, RankLayout
 
@@ -43,23 +43,24 @@ class RankResult:
         }
 
 
-def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> list[str]:
+def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: Layout) -> list[str]:
     """The manifest's own tensor records must be exactly what the Layout says (another plan's
     manifest, or an edited one, disagrees)."""
+    manifest = typed(manifest)
     problems = []
-    if manifest["plan_sha256"] != layout.plan.sha256:
+    if manifest.plan_sha256 != layout.plan.sha256:
         problems.append("manifest plan_sha256 does not match the hash of its own plan")
-    by_file = {s["file"]: s for s in manifest["shards"]}
+    by_file = {s.file: s for s in manifest.shards}
     for rl in layout.ranks:
         entry = by_file.get(rl.file)
         if entry is None:
             problems.append(f"manifest lacks shard {rl.file} that the plan requires")
             continue
-        if (entry["tp_rank"], entry["pp_stage"], entry["rank"]) != (rl.tp_rank, rl.pp_stage, rl.rank):
+        if (entry.tp_rank, entry.pp_stage, entry.rank) != (rl.tp_rank, rl.pp_stage, rl.rank):
             problems.append(f"manifest entry {rl.file} has the wrong ranks")
         want = {t.name: t.record() for t in rl.tensors}
         have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
-                for n, r in entry["tensors"].items()}
+                for n, r in entry.tensors.items()}
         for name in sorted(set(want) | set(have)):
             if name not in have:
                 problems.append(f"manifest entry {rl.file} lacks tensor {name}")
@@ -163,12 +164,12 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
 
 
 def verify_rank(
-    manifest: dict[str, Any], directory: Path, layout: Layout, rl: RankLayout, *,
+    manifest: Manifest | dict[str, Any], directory: Path, layout: Layout, rl: RankLayout, *,
     device: str | None = None, deep: str | None = None, hashed: str | None = None,
 ) -> RankResult:
     """All checks for one rank, in order; stops at the first failing stage that makes later ones moot."""
     res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-    entry = next((s for s in manifest["shards"] if s["file"] == rl.file), None)
+    entry = typed(manifest).shard(rl.file)
     path = Path(directory) / rl.file
     if entry is None:
         res.fail("not in the manifest")
@@ -178,13 +179,13 @@ def verify_rank(
         return res
     res.checks.append("present")
     size = path.stat().st_size
-    if size != entry["size"]:
-        res.fail(f"size {size} bytes, expected {entry['size']} (truncated or replaced?)")
+    if size != entry.size:
+        res.fail(f"size {size} bytes, expected {entry.size} (truncated or replaced?)")
         return res
     res.checks.append("size")
     digest = hashed if hashed is not None else sha256_file(path)
-    if digest != entry["sha256"]:
-        res.fail(f"sha256 {digest[:16]}..., expected {entry['sha256'][:16]}... (corrupted bytes)")
+    if digest != entry.sha256:
+        res.fail(f"sha256 {digest[:16]}..., expected {entry.sha256[:16]}... (corrupted bytes)")
     else:
         res.checks.append("sha256")
     _check_header(res, path, rl, layout)
@@ -213,21 +214,21 @@ def select_ranks(layout: Layout, rank: int | None = None, tp_rank: int | None = 
 
 
 def verify_build(
-    manifest: dict[str, Any], directory: str | Path, ranks: list[RankLayout] | None = None, *,
+    manifest: Manifest | dict[str, Any], directory: str | Path, ranks: list[RankLayout] | None = None, *,
     device: str | None = None, deep: str | None = None, jobs: int | None = None,
 ) -> dict[str, Any]:
     """Verify ranks (default: all). Returns {"ok", "problems", "ranks": [...]}; never raises for
     mismatches (the caller maps ok=False to exit code 1)."""
-    layout = layout_of(manifest)
+    manifest = typed(manifest)
+    layout = manifest.to_layout()
     ranks = list(layout.ranks) if ranks is None else ranks
     problems = check_manifest_against_layout(manifest, layout)
     directory = Path(directory)
-    entries = {s["file"]: s for s in manifest["shards"]}
 
     def digest(rl: RankLayout) -> str | None:
         p = directory / rl.file
-        e = entries.get(rl.file)
-        if e is None or not p.is_file() or p.stat().st_size != e["size"]:
+        e = manifest.shard(rl.file)
+        if e is None or not p.is_file() or p.stat().st_size != e.size:
             return None
         return sha256_file(p)
 
@@ -248,12 +249,13 @@ def verify_build(
     }
 
 
-def load_rank_tensors(manifest: dict[str, Any], directory: str | Path, tp_rank: int, pp_stage: int,
-                      device: str = "cpu") -> dict[str, Any]:
+def load_rank_tensors(manifest: Manifest | dict[str, Any], directory: str | Path, tp_rank: int,
+                      pp_stage: int, device: str = "cpu") -> dict[str, Any]:
     """The checked way to load one rank's tensors (runtime, gate): verify, then load."""
     from safetensors.torch import load_file
 
-    layout = layout_of(manifest)
+    manifest = typed(manifest)
+    layout = manifest.to_layout()
     rl = layout.rank(tp_rank, pp_stage)
     res = verify_rank(manifest, Path(directory), layout, rl)
     problems = check_manifest_against_layout(manifest, layout) + res.problems
