@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
+from pathlib import Path
 
 import pytest
 from safetensors.numpy import save_file
@@ -92,10 +94,14 @@ def _edit(d, path, value):
         d[last] = value
 
 
+S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
+
+
 @pytest.mark.parametrize(("path", "value", "key"), [
-    (("shards", 0, "sha256"), None, "shards[0].sha256"),
-    (("shards", 1, "size"), "12", "shards[1].size"),
-    (("shards", 0, "size"), 1.5, "shards[0].size"),
+    (("shards", S0, "sha256"), None, f"shards.{S0}.sha256"),
+    (("shards", S1, "size"), "12", f"shards.{S1}.size"),
+    (("shards", S0, "size"), 1.5, f"shards.{S0}.size"),
+    (("shards",), [], "shards"),
     (("files", 0, "sha256"), "abc", "files[0].sha256"),
     (("layout", "tp_degree"), KeyError, "layout.tp_degree"),
     (("layout", "pp_degree"), True, "layout.pp_degree"),
@@ -103,7 +109,7 @@ def _edit(d, path, value):
     (("model", "config", "num_hidden_layers"), 10**9, "model.config.num_hidden_layers"),
     (("model", "config", "vocab_size"), 1 << 40, "model.config.vocab_size"),
     (("source", "files"), {}, "source.files"),
-    (("shards", 0, "file"), "../x", None),
+    (("format_version",), 3, None),
     (("plan_sha256",), KeyError, "plan_sha256"),
     (("extra",), 1, "manifest"),
 ])
@@ -124,3 +130,32 @@ def test_manifest_reader_names_the_bad_key(built, tmp_path, path, value, key):
         assert exc.value.key == key, exc.value.one_line()
     r = CliRunner().invoke(main, ["verify", "--manifest", str(p), "--dir", str(built.out_dir)])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1, r.output
+
+
+V1 = Path(__file__).parent / "data" / "manifest-v1-demo-tp3pp2-bf16.json"
+
+
+def test_version_1_manifests_are_still_read():
+    """A manifest written by format_version 1 (shards as a list) reads into the same Manifest,
+    and writes back as version 2 with shards keyed by file name."""
+    from shardc.formats.manifest import parse
+    from shardc.spec.plan import canonical_json
+
+    data = V1.read_bytes()
+    old = json.loads(data)
+    assert old["format_version"] == 1 and isinstance(old["shards"], list)
+    m = parse(data, V1.name)
+    assert [s.file for s in m.shards] == [s["file"] for s in old["shards"]]
+    assert canonical_json(m.to_dict(version=1)) == data  # nothing lost
+    new = json.loads(m.dumps())
+    assert new["format_version"] == 2
+    for s in old["shards"]:  # a loader written from the design: manifest["shards"][file]["sha256"]
+        assert new["shards"][s["file"]]["sha256"] == s["sha256"] and "file" not in new["shards"][s["file"]]
+    assert parse(m.dumps()) == m
+
+
+def test_version_2_shards_are_keyed_by_file(built):
+    m = json.loads(built.manifest_path.read_text())
+    assert m["format_version"] == 2
+    for s in built.manifest.shards:
+        assert m["shards"][s.file]["sha256"] == hashlib.sha256((built.out_dir / s.file).read_bytes()).hexdigest()

@@ -28,19 +28,19 @@ PLANS = {  # name: (tp, pp, dtype)
 GOLDEN: dict[str, dict[str, str]] = {
     "g-tp1pp2-fp8": {
         "config.json": "dbd71f81dba1086d2deb50d8097192896ab4f457b779bdf026dd654410263d6a",
-        "manifest.json": "45de058701bb648a1bf4d9f1678fed9e0530b8c3583996b5312acfbde30a6c20",
+        "manifest.json": "3b92da3163ddd29d2c97f19604099fd43225f138c6884c06c8aa61021b3633b7",
         "model-tp00-pp00.safetensors": "72f57a4c1fcd5f4b4f269cf86e883ba21535fd7bc3f4a7260a69ed500841b2cd",
         "model-tp00-pp01.safetensors": "5fd71cf3d45981499fde8434385ce8dd776b42533a30808d92bde5dd5a5718a1",
     },
     "g-tp2pp1-int8": {
         "config.json": "b82af120322aaad384fcdc74fd6e198f54be9b195908b2cc5b687a43977b2a1b",
-        "manifest.json": "d921aa465a59c48067633006d409560288270dece0ec05608c00c8eac5eb472a",
+        "manifest.json": "72c6ffe608755fea7526496b625855ec4a8a50cfff6cd693282398fd42c09bf9",
         "model-tp00-pp00.safetensors": "793437f00353c40b53253858f03f5480662bc823c9e5799e3313e18a8127c5d0",
         "model-tp01-pp00.safetensors": "b8233502de1735a49676a016c501314208bbcea8882d71b532464931050f6c14",
     },
     "g-tp2pp2-bf16": {
         "config.json": "2e09e4292776916c310687e90822c44700f192ba7187bb28cc781b8a7ccd5b24",
-        "manifest.json": "4d950eaddebee31aa2f764c2d8c140c5c8a7c3cc93480d4f62170a9c14033dcd",
+        "manifest.json": "8f9c08b7a1bcd951ba5854fca7461ca40533c23366b6c618810a1f2436ae780a",
         "model-tp00-pp00.safetensors": "8ebec9afe006a76b40694926388efa2e26263128415cd83e1593e052a5bd4b94",
         "model-tp00-pp01.safetensors": "cc72cfb3e0c7f5412c52e17af5e4694ea12396891f84ee873be4e6c041933213",
         "model-tp01-pp00.safetensors": "0cf3e89d40db2e1e21e91ea919e58cfe1d751ce6376ff414dd6a503c21125eeb",

@@ -173,7 +173,7 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
     assert res["manifest_uri"] == f"{uri}/manifest.json" and res["uploaded"] == len(res["objects"])
 
     c = s3.client()
-    shard = b.manifest.shards[0].to_dict()
+    shard = b.manifest.shards[0].to_dict(version=1)
     key = f"models/{dtype}/{shard['file']}" + (".zst" if compress else "")
     head = c.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     parts = -(-head["ContentLength"] // (5 << 20))
@@ -193,7 +193,7 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
         assert dumps(remote) == b.manifest_path.read_bytes()
 
     # a GPU node pulls only its own rank
-    last = b.manifest.shards[-1].to_dict()
+    last = b.manifest.shards[-1].to_dict(version=1)
     dest = tmp_path / "node"
     one = run_cli("pull", "--manifest", f"{uri}/manifest.json", "--rank", str(last["rank"]),
                   "--dest", str(dest), "--endpoint-url", s3.endpoint, "--json")

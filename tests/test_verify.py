@@ -62,10 +62,8 @@ def _rehash_entry(d: Path, file: str) -> None:
     """Make the manifest agree with a tampered file, so only the plan checks can catch it."""
     m = json.loads((d / "manifest.json").read_text())
     p = d / file
-    for s in m["shards"]:
-        if s["file"] == file:
-            s["size"] = p.stat().st_size
-            s["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+    m["shards"][file]["size"] = p.stat().st_size
+    m["shards"][file]["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
     (d / "manifest.json").write_text(json.dumps(m))
 
 
@@ -151,7 +149,7 @@ def test_manifest_of_another_plan(builds):
 def test_manifest_tensor_list_disagrees_with_plan(copy_of):
     d = copy_of((2, 2, "bf16"))
     m = json.loads((d / "manifest.json").read_text())
-    m["shards"][0]["tensors"]["model.layers.0.mlp.up_proj.weight"]["shape"] = [32, 64]
+    m["shards"]["model-tp00-pp00.safetensors"]["tensors"]["model.layers.0.mlp.up_proj.weight"]["shape"] = [32, 64]
     (d / "manifest.json").write_text(json.dumps(m))
     r = verify("--manifest", str(d / "manifest.json"))
     assert r.exit_code == 1 and "manifest entry model-tp00-pp00.safetensors tensor model.layers.0.mlp.up_proj.weight" in r.stderr

@@ -1,9 +1,9 @@
 """The manifest: the one record of a build. Canonical JSON (sorted keys, no timestamps).
 
-Schema (format_version 1)::
+Schema (format_version 2)::
 
     {
-      "format": "shardc-manifest", "format_version": 1, "shardc_version": "0.1.0",
+      "format": "shardc-manifest", "format_version": 2, "shardc_version": "0.1.0",
       "plan": {...normalized plan...}, "plan_sha256": "<hex>",
       "model": {...ModelSpec.summary()..., "padded_vocab_size": int, "config": {HF config.json}},
       "layout": {"tp_degree": int, "pp_degree": int, "stages": [[start, stop], ...],
@@ -11,10 +11,13 @@ Schema (format_version 1)::
       "source": {"uri": str, "revision": str|null,
                  "files": [{"name": str, "size": int, "sha256": hex}, ...]},
       "files": [{"name": "config.json", "size": int, "sha256": hex}],
-      "shards": [{"file": "model-tp00-pp00.safetensors", "tp_rank": 0, "pp_stage": 0, "rank": 0,
+      "shards": {"model-tp00-pp00.safetensors": {"tp_rank": 0, "pp_stage": 0, "rank": 0,
                   "layers": [start, stop], "size": int, "sha256": hex,
-                  "tensors": {name: TensorSpec.record() (+ "stats" for quantized weights)}}, ...]
+                  "tensors": {name: TensorSpec.record() (+ "stats" for quantized weights)}}, ...}
     }
+
+``manifest["shards"][file]["sha256"]`` is all a loader needs to check a shard. Version 1 (still
+read) listed the shards instead, each entry naming its ``"file"``.
 
 ``Manifest`` is the typed form: ``read_manifest``/``loads`` are the one reader (the schema is
 checked on read, numbers against sane bounds before anything is sized from them) and
@@ -43,7 +46,8 @@ from ..spec.plan import canonical_json, plan_from_dict
 from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 
 FORMAT = "shardc-manifest"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READS = (1, 2)  # versions this shardc reads; it writes FORMAT_VERSION
 TOKENIZER = "tokenizer.json"
 _REBUILD = "the manifest is damaged; rebuild, or pass the manifest.json that shardc build wrote"
 # Sizes a real model never exceeds: a manifest claiming more is damaged or hostile, and is refused
@@ -102,6 +106,10 @@ class _Reader:
         return [_Reader(v, f"{self.path}.{key}[{i}]".lstrip("."), self.origin)
                 for i, v in enumerate(self.get(key, list))]
 
+    def entries(self, key: str) -> list[tuple[str, _Reader]]:
+        return [(k, _Reader(v, f"{self.path}.{key}.{k}".lstrip("."), self.origin))
+                for k, v in self.get(key, dict).items()]
+
     def only(self, *keys: str) -> None:
         extra = sorted(set(self.data) - set(keys))
         if extra:
@@ -145,8 +153,11 @@ class ShardEntry:
     compressed: dict[str, Any] | None = None
 
     @classmethod
-    def read(cls, r: _Reader) -> ShardEntry:
-        r.only("file", "tp_rank", "pp_stage", "rank", "layers", "size", "sha256", "tensors", "compressed")
+    def read(cls, r: _Reader, file: str | None = None) -> ShardEntry:
+        """One entry; ``file`` is its key (version 2) or None when it names itself (version 1)."""
+        r.only(*(("file",) if file is None else ()), "tp_rank", "pp_stage", "rank", "layers", "size",
+               "sha256", "tensors", "compressed")
+        file = safe_name(r.get("file", str) if file is None else file, "shard file name")
         layers = r.get("layers", list)
         if len(layers) != 2 or not all(type(x) is int and 0 <= x <= CONFIG_BOUNDS["num_hidden_layers"]
                                         for x in layers):
@@ -156,17 +167,17 @@ class ShardEntry:
             if not isinstance(rec, dict) or not isinstance(rec.get("dtype"), str) \
                     or not isinstance(rec.get("shape"), list):
                 raise r.error("is not a tensor record with dtype and shape", f"tensors.{name}")
-        return cls(safe_name(r.get("file", str), "shard file name"), r.number("tp_rank", MAX_DEGREE),
+        return cls(file, r.number("tp_rank", MAX_DEGREE),
                    r.number("pp_stage", MAX_DEGREE), r.number("rank", MAX_DEGREE * MAX_DEGREE),
                    (layers[0], layers[1]), r.number("size", MAX_BYTES), r.sha256("sha256"), tensors,
                    r.get("compressed", dict, optional=True))
 
-    def to_dict(self) -> dict[str, Any]:
-        out = {"file": self.file, "tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
+    def to_dict(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
+        out = {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
                "layers": list(self.layers), "size": self.size, "sha256": self.sha256, "tensors": self.tensors}
         if self.compressed is not None:
             out["compressed"] = self.compressed
-        return out
+        return {"file": self.file, **out} if version == 1 else out
 
 
 @dataclass
@@ -267,10 +278,13 @@ class Manifest:
         return build_layout(model_from_config(self.config), plan_from_dict(self.plan))
 
     # -- writing --------------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
+        """The JSON form; ``version=1`` gives the old shard list (store/ still works on it)."""
+        shards: Any = ([s.to_dict(1) for s in self.shards] if version == 1
+                       else {s.file: s.to_dict(version) for s in self.shards})
         return {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
             "shardc_version": self.shardc_version,
             "plan": self.plan,
             "plan_sha256": self.plan_sha256,
@@ -278,7 +292,7 @@ class Manifest:
             "layout": self.layout.to_dict(),
             "source": self.source.to_dict(),
             "files": [f.to_dict() for f in self.files],
-            "shards": [s.to_dict() for s in self.shards],
+            "shards": shards,
         }
 
     def dumps(self) -> bytes:
@@ -293,9 +307,10 @@ class Manifest:
         """Validate a parsed manifest and type it (ManifestError names the failing key)."""
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise ManifestError(f"{origin} is not a shardc manifest", hint="pass the manifest.json that shardc build wrote")
-        if m.get("format_version") != FORMAT_VERSION:
+        version = m.get("format_version")
+        if version not in READS or isinstance(version, bool):
             raise ManifestError(
-                f"{origin} has format_version {m.get('format_version')!r}; this shardc reads {FORMAT_VERSION}",
+                f"{origin} has format_version {version!r}; this shardc reads {' and '.join(map(str, READS))}",
                 hint="use the shardc version that wrote it",
             )
         r = _Reader(m, "", origin)
@@ -310,7 +325,10 @@ class Manifest:
             if key in config.data and config.data[key] is not None:
                 config.number(key, high, 1)
         layout = LayoutRecord.read(r.sub("layout"))
-        shards = [ShardEntry.read(s) for s in r.items("shards")]
+        if version == 1:
+            shards = [ShardEntry.read(s) for s in r.items("shards")]
+        else:
+            shards = sorted((ShardEntry.read(s, file) for file, s in r.entries("shards")), key=lambda s: s.rank)
         return cls(plan=plan, plan_sha256=r.sha256("plan_sha256"), model=model.data, layout=layout,
                    source=SourceRecord.read(r.sub("source")),
                    files=[FileEntry.read(f) for f in r.items("files")], shards=shards,
@@ -357,17 +375,19 @@ def read(path: str | Path) -> Manifest:
 
 
 def dumps(manifest: Manifest | dict[str, Any]) -> bytes:
-    """Canonical bytes of a manifest (the plain-dict form too, for store/'s remote copies)."""
-    return manifest.dumps() if isinstance(manifest, Manifest) else canonical_json(manifest)
+    """Canonical bytes of a manifest, always in the current format (a plain dict of either
+    version, store/'s remote copies included, goes through the reader first)."""
+    return typed(manifest).dumps()
 
 
-# The plain-dict forms, validated by the same reader: store/ still works on dicts.
+# The plain-dict form (version 1's shard list), validated by the same reader: store/ still works
+# on it; ``dumps`` turns it back into current bytes.
 def loads(data: bytes | str, origin: str = "manifest") -> dict[str, Any]:
-    return parse(data, origin).to_dict()
+    return parse(data, origin).to_dict(version=1)
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
-    return read(path).to_dict()
+    return read(path).to_dict(version=1)
 
 
 def layout_of(manifest: Manifest | dict[str, Any]) -> Layout:
