@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from . import __version__
+from .commands.output import error_line
 from .errors import ShardcError
 
 COMMAND_MODULES = ("build", "verify", "store", "plan", "runtime")
@@ -36,7 +37,7 @@ class ShardcGroup(click.Group):
         except ShardcError as exc:
             if ctx.meta.get("shardc.debug"):
                 raise
-            click.echo(f"error: {exc.one_line()}", err=True)
+            click.echo(f"error: {error_line(exc)}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)

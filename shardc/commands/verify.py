@@ -39,8 +39,8 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
                deep_source, jobs, distributed, timeout_s, endpoint_url, as_json) -> None:
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
     from ..errors import ManifestError
-    from ..verify.checks import select_ranks, verify_build
-    from .output import echo_json
+    from ..verify.checks import verify_build
+    from .output import chosen_ranks, echo_json
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
@@ -65,9 +65,7 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
 
         report = distributed_verify(manifest, directory, device=device, deep=deep_source, timeout_s=timeout_s)
     else:
-        if all_ranks and (rank is not None or tp_rank is not None or pp_stage is not None):
-            raise ManifestError("--all cannot be combined with --rank/--tp-rank/--pp-stage")
-        ranks = select_ranks(manifest.to_layout(), rank, tp_rank, pp_stage)
+        ranks = manifest.to_layout().select(*chosen_ranks(rank, tp_rank, pp_stage, all_ranks, required=False))
         report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
     if as_json:
         echo_json(report)

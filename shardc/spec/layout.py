@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -294,10 +295,29 @@ class Layout:
         if not (0 <= tp_rank < self.plan.tp and 0 <= pp_stage < self.plan.pp):
             raise LayoutError(
                 f"rank tp={tp_rank} pp={pp_stage} is outside tp_degree={self.plan.tp} "
-                f"pp_degree={self.plan.pp}",
+                f"pp_degree={self.plan.pp}", key="tp_rank",
                 hint=f"tp ranks 0..{self.plan.tp - 1}, pp stages 0..{self.plan.pp - 1}",
             )
         return self.ranks[pp_stage * self.plan.tp + tp_rank]
+
+    def select(self, ranks: Iterable[int] = (), pairs: Iterable[tuple[int, int]] = ()) -> list[RankLayout]:
+        """The ranks named by global rank or by (tp_rank, pp_stage), each once, in rank order;
+        every rank when neither names any. LayoutError (key ``rank``, or ``tp_rank`` for a pair)
+        says which is not in this plan."""
+        ranks, pairs = list(ranks), list(pairs)
+        if not ranks and not pairs:
+            return list(self.ranks)
+        world = self.plan.world_size
+        chosen = {}
+        for r in ranks:
+            if not 0 <= r < world:
+                raise LayoutError(f"{r} is outside 0..{world - 1} for this plan", key="rank",
+                                  hint=f"this plan has {world} ranks")
+            chosen[r] = self.ranks[r]
+        for t, p in pairs:
+            rl = self.rank(t, p)
+            chosen[rl.rank] = rl
+        return [chosen[r] for r in sorted(chosen)]
 
 
 def build_layout(model: ModelSpec, plan: Plan) -> Layout:

@@ -9,12 +9,13 @@ releases the GIL) in large blocks; shape checks read only the safetensors header
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ManifestError, ShardFormatError, VerifyMismatch
+from ..errors import ShardFormatError, VerifyMismatch
 from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, typed
 from ..formats.safetensors import read_header, shard_metadata
@@ -199,26 +200,16 @@ def verify_rank(
     return res
 
 
-def select_ranks(layout: Layout, rank: int | None = None, tp_rank: int | None = None,
-                 pp_stage: int | None = None) -> list[RankLayout]:
-    """--rank R, --tp-rank T --pp-stage P, or all ranks."""
-    if rank is not None:
-        if not 0 <= rank < layout.plan.world_size:
-            raise ManifestError(f"--rank {rank} is outside 0..{layout.plan.world_size - 1} for this plan")
-        return [layout.ranks[rank]]
-    if tp_rank is not None or pp_stage is not None:
-        if tp_rank is None or pp_stage is None:
-            raise ManifestError("--tp-rank and --pp-stage go together", hint="or use --rank R")
-        return [layout.rank(tp_rank, pp_stage)]
-    return list(layout.ranks)
-
-
 def verify_build(
     manifest: Manifest | dict[str, Any], directory: str | Path, ranks: list[RankLayout] | None = None, *,
     device: str | None = None, deep: str | None = None, jobs: int | None = None,
+    hashed: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Verify ranks (default: all). Returns {"ok", "problems", "ranks": [...]}; never raises for
-    mismatches (the caller maps ok=False to exit code 1)."""
+    """Verify ranks (default: all): the manifest against the Layout, then each rank's file.
+
+    Returns {"ok", "plan", "plan_sha256", "problems", "ranks": [...]}; never raises for mismatches
+    (the caller maps ok=False to exit code 1). ``hashed`` gives sha256s already computed (by
+    file name, e.g. while a pull downloaded them): those files are not read again."""
     manifest = typed(manifest)
     layout = manifest.to_layout()
     ranks = list(layout.ranks) if ranks is None else ranks
@@ -226,6 +217,8 @@ def verify_build(
     directory = Path(directory)
 
     def digest(rl: RankLayout) -> str | None:
+        if hashed is not None and rl.file in hashed:
+            return hashed[rl.file]
         p = directory / rl.file
         e = manifest.shard(rl.file)
         if e is None or not p.is_file() or p.stat().st_size != e.size:
@@ -255,10 +248,8 @@ def load_rank_tensors(manifest: Manifest | dict[str, Any], directory: str | Path
     from safetensors.torch import load_file
 
     manifest = typed(manifest)
-    layout = manifest.to_layout()
-    rl = layout.rank(tp_rank, pp_stage)
-    res = verify_rank(manifest, Path(directory), layout, rl)
-    problems = check_manifest_against_layout(manifest, layout) + res.problems
-    if problems:
-        raise VerifyMismatch(problems[0], hint="run shardc verify for the full report")
+    rl = manifest.to_layout().rank(tp_rank, pp_stage)
+    report = verify_build(manifest, directory, [rl])
+    if not report["ok"]:
+        raise VerifyMismatch(report["problems"][0], hint="run shardc verify for the full report")
     return load_file(Path(directory) / rl.file, device=device)
