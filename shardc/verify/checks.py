@@ -146,7 +146,7 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
     from safetensors import safe_open
 
     from ..build.arrays import as_bytes, from_torch
-    from ..build.compile import Materializer, cut
+    from ..build.materialize import Materializer, cut
     from ..build.source import open_source
 
     source = open_source(source_uri)
