@@ -159,3 +159,14 @@ def test_version_2_shards_are_keyed_by_file(built):
     assert m["format_version"] == 2
     for s in built.manifest.shards:
         assert m["shards"][s.file]["sha256"] == hashlib.sha256((built.out_dir / s.file).read_bytes()).hexdigest()
+
+
+def test_version_2_shard_keys_are_safe_names(built, tmp_path):
+    from shardc.errors import ManifestError
+    from shardc.formats.manifest import read
+
+    m = json.loads(built.manifest_path.read_text())
+    m["shards"]["../escape.safetensors"] = m["shards"].pop(S0)
+    (tmp_path / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="unsafe shard file name"):
+        read(tmp_path / "manifest.json")
