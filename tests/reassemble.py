@@ -25,8 +25,8 @@ def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
     Quantized weights come back quantized, with their ``X.weight_scale`` rebuilt alongside."""
     m = json.loads((build_dir / "manifest.json").read_text())
     pieces: dict[str, list] = {}
-    for shard in m["shards"]:
-        with safe_open(build_dir / shard["file"], "pt") as f:
+    for file, shard in m["shards"].items():  # format_version 2: keyed by file name
+        with safe_open(build_dir / file, "pt") as f:
             for name, rec in shard["tensors"].items():
                 pieces.setdefault((name, rec["source"]), []).append((rec, f.get_tensor(name)))
     out = {}

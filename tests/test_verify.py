@@ -62,10 +62,8 @@ def _rehash_entry(d: Path, file: str) -> None:
     """Make the manifest agree with a tampered file, so only the plan checks can catch it."""
     m = json.loads((d / "manifest.json").read_text())
     p = d / file
-    for s in m["shards"]:
-        if s["file"] == file:
-            s["size"] = p.stat().st_size
-            s["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+    m["shards"][file]["size"] = p.stat().st_size
+    m["shards"][file]["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
     (d / "manifest.json").write_text(json.dumps(m))
 
 
@@ -151,7 +149,7 @@ def test_manifest_of_another_plan(builds):
 def test_manifest_tensor_list_disagrees_with_plan(copy_of):
     d = copy_of((2, 2, "bf16"))
     m = json.loads((d / "manifest.json").read_text())
-    m["shards"][0]["tensors"]["model.layers.0.mlp.up_proj.weight"]["shape"] = [32, 64]
+    m["shards"]["model-tp00-pp00.safetensors"]["tensors"]["model.layers.0.mlp.up_proj.weight"]["shape"] = [32, 64]
     (d / "manifest.json").write_text(json.dumps(m))
     r = verify("--manifest", str(d / "manifest.json"))
     assert r.exit_code == 1 and "manifest entry model-tp00-pp00.safetensors tensor model.layers.0.mlp.up_proj.weight" in r.stderr
@@ -170,7 +168,24 @@ def test_plan_option_and_bad_input(builds, tmp_path):
     r = verify("--manifest", str(tmp_path / "junk.json"))
     assert r.exit_code == 2 and "not a shardc manifest" in r.stderr
     r = verify("--manifest", str(builds[4, 1, "bf16"] / "manifest.json"), "--rank", "9")
-    assert r.exit_code == 2 and "outside 0..3" in r.stderr
+    assert r.exit_code == 2 and r.stderr.startswith("error: --rank: 9 is outside 0..3")
+    r = verify("--manifest", str(builds[4, 1, "bf16"] / "manifest.json"), "--tp-rank", "4", "--pp-stage", "0")
+    assert r.exit_code == 2 and r.stderr.startswith("error: --tp-rank: rank tp=4 pp=0 is outside")
+    r = verify("--manifest", str(builds[4, 1, "bf16"] / "manifest.json"), "--tp-rank", "0")
+    assert r.exit_code == 2 and "go together" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_rank_selection_names_fields_not_flags(builds):
+    """The library says which field is wrong; only the CLI speaks of flags."""
+    from shardc.errors import LayoutError
+    from shardc.formats.manifest import read
+
+    layout = read(builds[2, 2, "bf16"] / "manifest.json").to_layout()
+    assert [r.rank for r in layout.select([3, 1], [(1, 0)])] == [1, 3]
+    assert [r.rank for r in layout.select()] == [0, 1, 2, 3]
+    with pytest.raises(LayoutError) as exc:
+        layout.select([4])
+    assert exc.value.key == "rank" and "--" not in exc.value.one_line()
 
 
 def test_deep_catches_wrong_source(builds, tmp_path):

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from ..errors import PlanError, ShardcError
+from ..formats.files import write_atomic
 
 # planner field -> the flag that sets it (errors' keys and `field` mentions in hints and warnings)
 FLAGS = {
@@ -216,12 +217,12 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nod
           gpu_memory: float | None, hbm_bandwidth: float | None, nvlink_bandwidth: float | None,
           interconnect: str, fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool,
           as_json: bool, out_file: Path | None) -> None:
-    from ..cli import echo_json
     from ..planner.formulas import Overheads, SpeedParams, Workload, resolve_model
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
     from ..planner.report import explain as explain_lines
     from ..planner.report import header, summary, table
     from ..planner.search import search
+    from .output import echo_json
 
     model, name, source = resolve_model(model_ref)
     draft = None
@@ -291,9 +292,7 @@ def write_plan(data: dict[str, Any], out_file: Path, result: Any, cand: Any) -> 
     text = comment + yaml.safe_dump(data, sort_keys=False)
     try:
         out_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_file.with_name(f".{out_file.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, out_file)
+        write_atomic(out_file, text.encode())
     except OSError as exc:
         raise PlanError(f"cannot write {out_file}: {exc.strerror}", key="--out") from None
 

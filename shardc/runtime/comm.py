@@ -64,20 +64,9 @@ def describe(replicas: list[Replica], rank: int) -> str:
 def open_store(rank: int, world: int, timeout_s: float, *, hosted: bool, prefix: str) -> dist.Store:
     """The rendezvous store at MASTER_ADDR:MASTER_PORT (hosted by the launcher or torchrun's agent,
     else by rank 0), under a per-job prefix so reruns against a long-lived store do not collide."""
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    try:
-        port = int(os.environ["MASTER_PORT"])
-    except (KeyError, ValueError):
-        raise DistributedError("MASTER_PORT is not set", hint="launch with torchrun or shardc's launcher") from None
-    try:
-        base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not hosted,
-                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        raise DistributedError(
-            f"rank {rank}: cannot reach the rendezvous store at {addr}:{port} within {timeout_s:.0f}s "
-            f"({exc.__class__.__name__})", hint="is the launcher (or rank 0) still running?",
-        ) from None
-    return dist.PrefixStore(prefix, base)
+    from ..verify.distributed import open_rendezvous
+
+    return open_rendezvous(rank, world, timeout_s, hosted=hosted, prefix=prefix)
 
 
 class Comm:

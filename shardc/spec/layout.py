@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import LayoutError, QuantizationError
+from .dtypes import DTYPE_BYTES, PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
 
@@ -38,8 +40,6 @@ _COMPILED = tuple((re.compile(p), kind) for p, kind in SPLIT_RULES)
 QUANTIZABLE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "F8_E4M3": 1}
-PLAN_DTYPE = {"fp16": "F16", "bf16": "BF16", "int8": "I8", "fp8": "F8_E4M3"}
 MAX_TP_HINT = 64
 
 
@@ -296,10 +296,29 @@ class Layout:
         if not (0 <= tp_rank < self.plan.tp and 0 <= pp_stage < self.plan.pp):
             raise LayoutError(
                 f"rank tp={tp_rank} pp={pp_stage} is outside tp_degree={self.plan.tp} "
-                f"pp_degree={self.plan.pp}",
+                f"pp_degree={self.plan.pp}", key="tp_rank",
                 hint=f"tp ranks 0..{self.plan.tp - 1}, pp stages 0..{self.plan.pp - 1}",
             )
         return self.ranks[pp_stage * self.plan.tp + tp_rank]
+
+    def select(self, ranks: Iterable[int] = (), pairs: Iterable[tuple[int, int]] = ()) -> list[RankLayout]:
+        """The ranks named by global rank or by (tp_rank, pp_stage), each once, in rank order;
+        every rank when neither names any. LayoutError (key ``rank``, or ``tp_rank`` for a pair)
+        says which is not in this plan."""
+        ranks, pairs = list(ranks), list(pairs)
+        if not ranks and not pairs:
+            return list(self.ranks)
+        world = self.plan.world_size
+        chosen = {}
+        for r in ranks:
+            if not 0 <= r < world:
+                raise LayoutError(f"{r} is outside 0..{world - 1} for this plan", key="rank",
+                                  hint=f"this plan has {world} ranks")
+            chosen[r] = self.ranks[r]
+        for t, p in pairs:
+            rl = self.rank(t, p)
+            chosen[rl.rank] = rl
+        return [chosen[r] for r in sorted(chosen)]
 
 
 def build_layout(model: ModelSpec, plan: Plan) -> Layout:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DistributedError, ManifestError
-from ..formats.manifest import layout_of
+from ..formats.manifest import Manifest, typed
 from .checks import verify_build
 
 
@@ -28,8 +28,30 @@ def _env_int(name: str) -> int:
         ) from None
 
 
+def open_rendezvous(rank: int, world: int, timeout_s: float, *, hosted: bool, prefix: str) -> Any:
+    """The rendezvous store at MASTER_ADDR:MASTER_PORT under ``prefix`` (so reruns against a
+    long-lived store do not collide). Rank 0 hosts it unless ``hosted`` (a launcher or torchrun's
+    agent does). The one rendezvous of shardc: distributed verify and the runtime both use it."""
+    import torch.distributed as dist
+
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    try:
+        port = int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise DistributedError("MASTER_PORT is not set", hint="launch with torchrun or shardc's launcher") from None
+    try:
+        base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not hosted,
+                             timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        raise DistributedError(
+            f"rank {rank}: cannot reach the rendezvous at {addr}:{port} within {timeout_s:.0f}s "
+            f"({exc.__class__.__name__})", hint="is the launcher (or rank 0, which hosts it) still running?",
+        ) from None
+    return dist.PrefixStore(prefix, base)
+
+
 def distributed_verify(
-    manifest: dict[str, Any], directory: Path, *, device: str | None = None, deep: str | None = None,
+    manifest: Manifest | dict[str, Any], directory: Path, *, device: str | None = None, deep: str | None = None,
     timeout_s: float = 60.0,
 ) -> dict[str, Any]:
     """Verify this process's rank and gather every rank's verdict. Raises DistributedError when a
@@ -37,9 +59,9 @@ def distributed_verify(
     import torch.distributed as dist
 
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
-    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
-    port = _env_int("MASTER_PORT")
-    layout = layout_of(manifest)
+    _env_int("MASTER_PORT")
+    manifest = typed(manifest)
+    layout = manifest.to_layout()
     if world != layout.plan.world_size:
         raise ManifestError(
             f"WORLD_SIZE={world} but the plan has tp*pp = {layout.plan.world_size} ranks",
@@ -47,15 +69,7 @@ def distributed_verify(
         )
     timeout = timedelta(seconds=timeout_s)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    try:
-        base = dist.TCPStore(addr, port, world, is_master=rank == 0 and not agent_store,
-                             timeout=timeout, wait_for_workers=False)
-    except (RuntimeError, OSError) as exc:
-        raise DistributedError(
-            f"rank {rank}: cannot reach the rendezvous at {addr}:{port} within {timeout_s:.0f}s "
-            f"(rank 0 hosts it: is it running?) ({exc.__class__.__name__})"
-        ) from None
-    store = dist.PrefixStore("shardc-verify", base)
+    store = open_rendezvous(rank, world, timeout_s, hosted=agent_store, prefix="shardc-verify")
     store.set(f"joined/{rank}", "1")
 
     mine = verify_build(manifest, directory, [layout.ranks[rank]], device=device, deep=deep)

@@ -1,0 +1,146 @@
+"""Materializing a rank's tensors: the source read once, quantized when the plan says so, and
+each rank's slice cut and cast a chunk of rows at a time straight into its writer's buffer."""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..formats.safetensors import ShardWriter
+from ..spec.dtypes import DTYPE_BYTES
+from ..spec.layout import Layout, TensorSpec
+from .arrays import np_dtype
+from .quantize import quantize_array
+from .quantqueue import QuantQueue
+from .source import Source
+
+# Threads quantizing a tensor's row chunks: half the cores, at most 4. One thread of the numba
+# kernels keeps pace with reading a layer from disk; the other cores hash and write. On 2 cores
+# one thread gives the same wall time as two for less CPU (docs/performance.md §2).
+QUANT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
+
+
+def region(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """The rank's slice of a full tensor (source or quantized) as a view: nothing is copied."""
+    if spec.dim == 0:
+        return full[spec.start : spec.stop]
+    if spec.dim == 1:
+        return full[:, spec.start : spec.stop]
+    return full
+
+
+def cut(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """The rank's slice in the spec's dtype, as a contiguous array of its own. Pads are not
+    included (they are written separately)."""
+    part = region(full, spec)
+    out = np.empty(part.shape, np_dtype(spec.dtype))
+    _cast(out, part)
+    return out
+
+
+# Each writer thread streams its slices a chunk of rows at a time: the cast lands in cache, and
+# the hash and the copy to disk read it from there.
+CHUNK_BYTES = 1 << 20
+_thread = threading.local()
+
+
+def _chunk_buffer(nbytes: int) -> np.ndarray:
+    """The writer thread's spare buffer (reused: fresh multi-MB allocations cost a zeroed page
+    fault per 4 KiB)."""
+    buf = getattr(_thread, "buf", None)
+    if buf is None or buf.size < nbytes:
+        buf = _thread.buf = np.empty(max(nbytes, CHUNK_BYTES), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def stream_region(writer: ShardWriter, full: np.ndarray, spec: TensorSpec) -> None:
+    """Write the rank's slice of ``full`` in the spec's dtype, a few rows at a time.
+
+    Each chunk of rows is sliced and cast straight into the writer's staging buffer (no
+    intermediate copy, and the GIL is free meanwhile); only a chunk that straddles the end of a
+    staging buffer goes through the thread's own buffer and a plain ``write``."""
+    part = region(full, spec)
+    dtype = np_dtype(spec.dtype)
+    row_bytes = max(1, math.prod(part.shape[1:]) * dtype.itemsize)
+    step = max(1, CHUNK_BYTES // row_bytes)
+    r0 = 0
+    while r0 < part.shape[0]:
+        rows = min(step, part.shape[0] - r0, writer.room() // row_bytes) or 1
+        piece = part[r0 : r0 + rows]
+        n = piece.size * dtype.itemsize
+        staged = writer.reserve(n)
+        if staged is not None:
+            _cast(np.frombuffer(staged, dtype=dtype).reshape(piece.shape), piece)
+            writer.advance(n)
+        else:
+            out = _chunk_buffer(n).view(dtype).reshape(piece.shape)
+            _cast(out, piece)
+            writer.write(out.reshape(-1).view(np.uint8))
+        r0 += rows
+
+
+def _cast(dst: np.ndarray, src: np.ndarray) -> None:
+    """dst[...] = src, rounding to nearest even. NaN, inf and overflow pass through as torch's
+    casts do (a 16-bit plan copies the checkpoint as it is), so numpy's warnings are off."""
+    with np.errstate(all="ignore"):
+        np.copyto(dst, src, casting="unsafe")
+
+
+class Materializer:
+    """Reads a source tensor once and produces what the specs ask: the source view (sliced and
+    cast later, per rank), or quantized values + scales (from the QuantQueue when one runs)."""
+
+    def __init__(self, source: Source, layout: Layout) -> None:
+        self.source, self.layout = source, layout
+        self._key: tuple | None = None
+        self._value: Any = None
+        self.stats: dict[str, dict] = {}
+        self.queue: QuantQueue | None = None
+
+    def start_queue(self, keys: list[tuple[str, str]]) -> None:
+        """Quantize ``keys`` ahead of the writers, on a thread, within a memory budget: half the
+        largest source tensor (the 16-bit streaming that the quantizing overlaps holds at most
+        about that much too), and at least the largest quantized tensor."""
+        if not keys:
+            return
+        infos = self.source.tensors
+        largest = max(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in infos.values())
+        budget = max(largest // 2, max(math.prod(infos[n].shape) for n, _ in keys))
+        self.queue = QuantQueue(keys, self.source.view, self.stats, budget, QUANT_WORKERS)
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+
+    def full(self, spec: TensorSpec) -> np.ndarray:
+        key = (spec.source, spec.quant)
+        if spec.quant and self.queue is not None:
+            q, scale = self.queue.get(key)
+            return scale if spec.scale_of else q
+        if key != self._key:
+            self._value = None  # release the previous tensor before reading the next
+            w = self.source.view(spec.source)
+            if spec.quant:
+                self._value = self.quantize(spec.source, spec.quant, w)
+            else:
+                self._value = w
+            self._key = key
+        if spec.quant:
+            return self._value[1] if spec.scale_of else self._value[0]
+        return self._value
+
+    def release(self, spec: TensorSpec) -> None:
+        """The writers are done with this spec's quantized tensor."""
+        if spec.quant and self.queue is not None:
+            self.queue.release((spec.source, spec.quant))
+
+    def quantize(self, name: str, scheme: str, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Quantized values and scales of a source tensor, here and now; records its error stats."""
+        w = self.source.view(name) if w is None else w
+        q, scale, self.stats[name] = quantize_array(name, w, scheme, QUANT_WORKERS)
+        return q, scale

@@ -1,0 +1,129 @@
+"""What a build writes besides the shards, and what it reads back to resume: config.json,
+tokenizer files, resume records, the up-to-date check, the disk-space check."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from .. import __version__
+from ..errors import OutputError, ShardcError
+from ..formats.files import copy_atomic, human_size, sha256_file, temp_files, write_atomic
+from ..formats.manifest import FileEntry, Manifest, SourceRecord, parse
+from ..spec.dtypes import torch_name
+from ..spec.layout import Layout, RankLayout
+from ..spec.plan import Plan
+from .source import Source
+
+
+def output_config(layout: Layout) -> dict[str, Any]:
+    """config.json next to the shards: the model config plus quantization_config when quantized."""
+    from ..spec.layout import base_dtype
+
+    cfg = json.loads(json.dumps(layout.model.config))
+    cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
+    if layout.plan.quantized:
+        from ..spec.layout import QUANTIZABLE
+        from .quantize import quantization_config
+
+        specs = [t for rl in layout.ranks for t in rl.tensors]
+        quantized = {t.source for t in specs if t.quant}
+        linear = {t.source for t in specs if QUANTIZABLE.fullmatch(t.source)}
+        # compressed-tensors lists modules left in 16 bits: lm_head and any plan-ignored projection
+        ignored = sorted(n.removesuffix(".weight") for n in linear - quantized) + ["lm_head"]
+        cfg["quantization_config"] = quantization_config(layout.plan.dtype, ignored)
+    return cfg
+
+
+def done_path(out_dir: Path, file: str) -> Path:
+    return out_dir / f".{file}.done.json"
+
+
+def stage_done(out_dir: Path, rl: RankLayout, key: dict) -> tuple[int, str] | None:
+    """A shard finished by an earlier run of the same build, if its bytes still hash right."""
+    done, path = done_path(out_dir, rl.file), out_dir / rl.file
+    try:
+        rec = json.loads(done.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if rec.get("key") != key or not path.is_file() or path.stat().st_size != rec.get("size"):
+        return None
+    if sha256_file(path) != rec.get("sha256"):
+        return None
+    return rec["size"], rec["sha256"]
+
+
+def up_to_date(out_dir: Path, plan: Plan, identity: SourceRecord) -> Manifest | None:
+    mpath = out_dir / "manifest.json"
+    try:
+        m = parse(mpath.read_bytes(), str(mpath))
+    except (OSError, ShardcError):
+        return None
+    if m.plan_sha256 != plan.sha256 or m.source != identity or m.shardc_version != __version__:
+        return None
+    for name, size in [(s.file, s.size) for s in m.shards] + [(f.name, f.size) for f in m.files]:
+        p = out_dir / name
+        if not p.is_file() or p.stat().st_size != size:
+            return None
+    return m
+
+
+def check_space(out: Path, layout: Layout) -> None:
+    """Refuse up front a build the disk cannot hold (files it replaces, and leftovers of a killed
+    run, count as free)."""
+    need = 0
+    for rl in layout.ranks:
+        p = out / rl.file
+        need += rl.nbytes - (p.stat().st_size if p.is_file() else 0)
+    free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in temp_files(out))
+    if need > free:
+        raise OutputError(
+            f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more",
+            hint="free space, or build elsewhere with --out DIR",
+        )
+
+
+def remove_files(paths: list[Path]) -> None:
+    for p in paths:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:
+            pass  # not removable (a directory?): the rename into place reports it
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "generation_config.json", "chat_template.jinja")
+
+
+def tokenizer_files(source: Source) -> list[str]:
+    return [n for n in TOKENIZER_FILES if (source.directory / n).is_file()]
+
+
+def copy_tokenizer(source: Source, out: Path) -> None:
+    """Tokenizer files travel with the shards so the runtime and gate need no source."""
+    for n in tokenizer_files(source):
+        copy_atomic(source.directory / n, out / n)
+
+
+def file_entry(out: Path, name: str) -> FileEntry:
+    p = out / name
+    return FileEntry(name, p.stat().st_size, sha256_file(p))
+
+
+def write_side_files(layout: Layout, source: Source, out: Path) -> list[FileEntry]:
+    """config.json and the tokenizer files next to the shards, with their manifest entries."""
+    cfg_bytes = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
+    write_atomic(out / "config.json", cfg_bytes)
+    copy_tokenizer(source, out)
+    return [file_entry(out, "config.json")] + [file_entry(out, n) for n in tokenizer_files(source)]
+
+
+def copy_manifest(manifest: Manifest, manifests_dir: str | Path | None) -> None:
+    """The rollout record: a copy of the manifest named after its plan."""
+    if manifests_dir is None:
+        return
+    d = Path(manifests_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    manifest.write(d / f"{manifest.name}.json")

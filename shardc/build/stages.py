@@ -1,0 +1,85 @@
+"""Writing one pipeline stage: every TP rank's shard filled together, each by its own thread."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..formats.safetensors import ShardWriter, shard_metadata
+from ..spec.layout import Layout, RankLayout, TensorSpec
+from .materialize import Materializer, stream_region
+
+
+def write_stage(
+    layout: Layout, ranks: list[RankLayout], out_dir: Path, mat: Materializer, bar: Any
+) -> dict[str, ShardWriter]:
+    """Write the listed TP ranks of one stage together: each source tensor is read once and every
+    rank's slice goes to that rank's writer thread. Returns the filled, uncommitted writers."""
+    writers = {
+        rl.file: ShardWriter(
+            out_dir / rl.file, [(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl)
+        )
+        for rl in ranks
+    }
+    pools = {rl.file: ThreadPoolExecutor(1, thread_name_prefix=f"shardc-w{rl.rank}") for rl in ranks}
+    pending: list[list[Future]] = []
+    try:
+        specs = ranks[0].tensors
+        # the last use of each quantized tensor (its weight, then its scale): once every rank has
+        # written it, its buffer goes back to the quantizer (each rank writes in order)
+        last = {(t.source, t.quant): i for i, t in enumerate(specs) if t.quant}
+        for i, first in enumerate(specs):
+            futures = []
+            for rl in ranks:
+                spec = rl.tensors[i]
+                assert spec.name == first.name
+                # slicing + cast run on the writer threads too: the main thread only hands out
+                # source views and quantized tensors, so the per-rank work spreads over the cores
+                futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], mat.full(spec), spec, bar))
+            if first.quant and last[(first.source, first.quant)] == i:
+                _when_all(futures, lambda spec=first: mat.release(spec))
+            pending.append(futures)
+            if len(pending) > 1:  # at most two tensors in flight: memory stays bounded
+                for f in pending.pop(0):
+                    f.result()
+        for fs in pending:
+            for f in fs:
+                f.result()
+        return writers
+    except BaseException:
+        for p in pools.values():
+            p.shutdown(wait=True, cancel_futures=True)
+        for w in writers.values():
+            w.abort()
+        raise
+    finally:
+        for p in pools.values():
+            p.shutdown(wait=True)
+
+
+def _when_all(futures: list[Future], fn: Callable[[], None]) -> None:
+    """Call ``fn`` once every future is done (on the thread that finishes the last one)."""
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    for f in futures:
+        f.add_done_callback(done)
+
+
+def _write_piece(writer: ShardWriter, full, spec: TensorSpec, bar: Any) -> None:
+    stream_region(writer, full, spec)
+    if spec.pad_rows:
+        row = spec.nbytes // spec.shape[0]
+        writer.write(bytes(spec.pad_rows * row))
+    if bar is not None:
+        bar.update(spec.nbytes)

@@ -1,0 +1,63 @@
+"""What every command shares: JSON for machines, progress bars only for people, the choice of
+ranks from flags, and the one table that turns a library error's field into the flag a user typed.
+
+The library raises domain errors whose ``key`` names a field (``rank``, ``tp_rank``); it never
+names a flag. ``error_line`` maps the field to the command line's words.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import click
+
+from ..errors import ShardcError
+
+# library field -> the flag that sets it (like huggingface_hub's CLI error mapping)
+FLAGS = {
+    "rank": "--rank",
+    "tp_rank": "--tp-rank",
+    "pp_stage": "--pp-stage",
+    "block_size": "--block-size",
+}
+
+
+class UsageError(ShardcError):
+    """Flags that do not go together (a command-line mistake, not a domain one): exit 2."""
+
+
+def error_line(exc: ShardcError) -> str:
+    """The one line the CLI prints for an expected error, in the command line's words."""
+    if exc.key in FLAGS:
+        text = f"{FLAGS[exc.key]}: {exc.message}"
+        return f"{text} (hint: {exc.hint})" if exc.hint else text
+    return exc.one_line()
+
+
+def chosen_ranks(rank: list[int] | tuple[int, ...] | int | None, tp_rank: int | None,
+                 pp_stage: int | None, all_ranks: bool, *, required: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """(global ranks, (tp_rank, pp_stage) pairs) from --rank / --tp-rank --pp-stage / --all; both
+    empty means every rank. ``required``: the command needs one of the three spelled out."""
+    ranks = [] if rank is None else [rank] if isinstance(rank, int) else list(rank)
+    if (tp_rank is None) != (pp_stage is None):
+        raise UsageError("--tp-rank and --pp-stage go together", hint="or use --rank R")
+    pairs = [] if tp_rank is None else [(tp_rank, pp_stage)]
+    named = bool(ranks) + bool(pairs) + bool(all_ranks)
+    if all_ranks and named > 1:
+        raise UsageError("--all cannot be combined with --rank/--tp-rank/--pp-stage")
+    if required and named != 1:
+        raise UsageError("choose which shards to fetch",
+                         hint="pass one of --rank R, --tp-rank T --pp-stage P, or --all")
+    return ranks, pairs  # type: ignore[return-value]
+
+
+def echo_json(obj: Any) -> None:
+    """Machine-readable output for CI: one JSON document on stdout."""
+    click.echo(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def show_progress(quiet: bool) -> bool:
+    """Progress bars only on a TTY, and never with --quiet."""
+    return not quiet and sys.stderr.isatty()
