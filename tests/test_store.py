@@ -24,8 +24,7 @@ from click.testing import CliRunner
 from shardc.cli import main
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
 from shardc.formats.manifest import dumps, loads
-from shardc.store.base import TransferSettings, parse_uri, split_object_uri
-from shardc.store.transfer import pull_build, push_build
+from shardc.store import S3Settings, parse_uri, pull_build, push_build, split_object_uri
 
 sys.path.insert(0, str(Path(__file__).parent))
 from s3server import FaultProxy, Faults, S3Server  # noqa: E402
@@ -156,8 +155,7 @@ def test_local_round_trip(builds, tmp_path, dtype, scheme, compress):
     assert again["uploaded"] == 0 and again["manifest"] == "unchanged"
 
     dest = tmp_path / "node"
-    durable = TransferSettings.from_env(fsync_downloads=dtype == "fp8")  # both ways of committing
-    out = pull_build(f"{uri}/manifest.json", dest, settings=durable)
+    out = pull_build(f"{uri}/manifest.json", dest, fsync_downloads=dtype == "fp8")  # both commits
     assert out["verify"]["ok"] and len(out["verify"]["ranks"]) == len(b.manifest["shards"])
     assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
@@ -419,7 +417,7 @@ def test_push_and_pull_survive_faults(builds, s3, proxy, bucket, tmp_path):
     uri = f"s3://{bucket}/faulty"
     proxy.clear()
     proxy.faults = Faults(p500=0.15, preset=0.1, pcut=0.2, seed=7)
-    settings = TransferSettings.from_env(max_attempts=12)
+    settings = S3Settings.from_env(max_attempts=12)
     try:
         push_build(b.manifest_path, uri, endpoint_url=proxy.endpoint, settings=settings)
         push_build(b.manifest_path, f"{uri}-z", endpoint_url=proxy.endpoint, compress="zstd",
@@ -571,3 +569,38 @@ def test_pull_of_many_parts_per_file_completes(builds, s3, bucket, tmp_path, mon
         out = fut.result(timeout=120)
     assert out["verify"]["ok"]
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
+
+
+def test_upload_failing_while_another_is_in_flight(builds, s3, proxy, bucket, monkeypatch):
+    """Issue 19: config.json's PUT fails (500, no retry) while the shards' parts are uploading
+    (slowed by the proxy): one line and exit 2 (not s3transfer's TypeError from shutdown), the
+    in-flight multipart uploads aborted, no manifest."""
+    b = builds["bf16"]
+    monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "1")
+    proxy.clear()
+    proxy.faults = Faults(bandwidth=2e6)  # a 5 MiB part takes ~2.6 s through the proxy
+    decide = proxy._decide
+
+    def fail_config_once_parts_fly(method: str, path: str) -> str | None:
+        if method == "PUT" and path.split("?")[0].endswith("/inflight/config.json"):
+            assert proxy.wait_for(lambda log: any("partNumber=" in r.path for r in log), timeout=30)
+            return "500"
+        return decide(method, path)
+
+    monkeypatch.setattr(proxy, "_decide", fail_config_once_parts_fly)
+    try:
+        res = run_cli("push", "--manifest", str(b.manifest_path), "--to", f"s3://{bucket}/inflight",
+                      "--endpoint-url", proxy.endpoint)
+    finally:
+        proxy.faults = Faults()
+    assert res.exit_code == 2, res.output
+    line = one_error_line(res)
+    assert "config.json" in line and "HTTP 500" in line
+    log = proxy.log
+    failed = next(r for r in log if r.status == 500)
+    # the scenario really happened: a part upload was still running when config.json failed
+    assert any("partNumber=" in r.path and r.start < failed.end < r.end for r in log)
+    c = s3.client()
+    assert c.list_multipart_uploads(Bucket=bucket).get("Uploads") is None
+    keys = {o["Key"] for o in c.list_objects_v2(Bucket=bucket).get("Contents", [])}
+    assert "inflight/manifest.json" not in keys

@@ -43,7 +43,7 @@ def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, en
              compress: str, quiet: bool, as_json: bool) -> None:
     """Upload a build to object storage, manifest last."""
     from ..cli import echo_json, show_progress
-    from ..store.transfer import push_build
+    from ..store import push_build
 
     res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
                      compress=None if compress == "none" else compress,
@@ -82,7 +82,7 @@ def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_s
     """Download a build's shards for some ranks (or all), verified, then check them like verify."""
     from ..cli import echo_json, show_progress
     from ..errors import StoreError
-    from ..store.transfer import pull_build
+    from ..store import pull_build
 
     pair = tp_rank is not None or pp_stage is not None
     if (tp_rank is None) != (pp_stage is None):

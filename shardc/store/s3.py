@@ -13,10 +13,8 @@ Why it looks the way it does:
   sha256 as object metadata, which is what lets a re-push skip objects that are already correct.
   The transfer manager aborts its multipart upload when a transfer fails; uploads left behind by a
   killed process are swept by :meth:`S3Store.abort_incomplete` at the start of the next push.
-* Downloads are written to a non-seekable sink, which makes the transfer manager hand the bytes over
-  in order, so the sink can hash (and decompress) them as a stream: no second read of the file.
-  The price is memory: ranges that arrive ahead of the next expected byte wait in RAM, at most
-  about ``max_concurrency x multipart_chunksize`` (640 MiB with the defaults).
+* Downloads go to a seekable sink (:class:`shardc.store.codec.VerifiedSink`): ranged parts land at
+  their offsets in a partial file, which is hashed (and decompressed) at commit.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ShardcError, StoreError, VerifyMismatch
-from .base import GetItem, ObjectInfo, PutItem, Store, TransferSettings
+from .base import GetItem, ObjectInfo, PutItem, S3Settings, Store
 
 _CRED_HINT = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run where an instance role "
@@ -71,14 +69,14 @@ class S3Store(Store):
 
     def __init__(
         self, bucket: str, prefix: str, *, endpoint_url: str | None = None,
-        settings: TransferSettings | None = None,
+        settings: S3Settings | None = None,
     ) -> None:
         boto3 = _boto3()
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
         self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.settings = s = settings or TransferSettings.from_env()
+        self.settings = s = settings or S3Settings.from_env()
         self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
         config = Config(
             retries={"mode": s.retry_mode, "max_attempts": s.max_attempts},
@@ -111,8 +109,7 @@ class S3Store(Store):
 
     def _error(self, exc: BaseException, what: str) -> ShardcError:
         """One clear line for a botocore/s3transfer failure (never with credentials in it)."""
-        return translate(exc, what, bucket=self.bucket, endpoint=self.endpoint,
-                         attempts=self.settings.max_attempts)
+        return translate(exc, what, bucket=self.bucket, endpoint=self.endpoint, settings=self.settings)
 
     # -- Store interface -----------------------------------------------------------------------
     def head(self, name: str, *, digest: bool = False) -> ObjectInfo | None:
@@ -229,7 +226,7 @@ class S3Store(Store):
             while inflight:
                 self._finish_put(*inflight.popleft())
         except BaseException:
-            manager.shutdown(cancel=True, cancel_msg="push failed")  # aborts open multipart uploads
+            _cancel(manager, [fut for _, fut in inflight])  # aborts open multipart uploads
             for item, _ in inflight:
                 item.cleanup()
             raise
@@ -259,6 +256,7 @@ class S3Store(Store):
         manager = create_transfer_manager(self.client, self.transfer_config)
         sub = _Progress(on_bytes)
         errors: list[BaseException | None] = []
+        fut = None
         try:
             for item in items:
                 # One file at a time, each with full part concurrency (parts land at their offsets
@@ -278,10 +276,20 @@ class S3Store(Store):
                     else:
                         errors.append(self._error(exc, f"downloading {self.object_uri(item.name)}"))
         except BaseException:
-            manager.shutdown(cancel=True, cancel_msg="pull failed")
+            _cancel(manager, [fut] if fut is not None else [])
             raise
         manager.shutdown()
         return errors
+
+
+def _cancel(manager: Any, futures: list[Any]) -> None:
+    """Cancel the transfers in flight and wait until they wound down (failed multipart uploads
+    are aborted on the way). Not ``manager.shutdown(cancel=True, ...)``: s3transfer 0.19 passes
+    those arguments on shifted (the message lands in ``exc_type``), so it raised
+    ``TypeError: 'str' object is not callable`` instead of letting the first error through."""
+    for fut in futures:
+        fut.cancel()
+    manager.shutdown()
 
 
 class _Progress:
@@ -316,12 +324,14 @@ def _status(exc: BaseException) -> int | None:
     return None
 
 
-def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str, attempts: int) -> ShardcError:
+def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str,
+              settings: S3Settings) -> ShardcError:
     """Map a boto3/botocore/s3transfer exception to a typed error with a hint."""
     from botocore import exceptions as bce
 
     if isinstance(exc, ShardcError):
         return exc
+    attempts = settings.max_attempts
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return StoreError(f"{what}: no AWS credentials found", hint=_CRED_HINT)
     code, status = _code(exc), _status(exc)
