@@ -36,14 +36,20 @@ class S3Settings:
     """Knobs of the S3 backend (retries, timeouts, multipart, parallelism). Environment variables
     override the defaults, so a subprocess (CI, tests) can be tuned without code:
     SHARDC_S3_MAX_ATTEMPTS (wins over boto's AWS_MAX_ATTEMPTS), SHARDC_S3_RETRY_MODE (or
-    AWS_RETRY_MODE), SHARDC_S3_CONNECT_TIMEOUT, SHARDC_S3_READ_TIMEOUT,
+    AWS_RETRY_MODE), SHARDC_S3_CONNECT_TIMEOUT, SHARDC_S3_READ_TIMEOUT, SHARDC_S3_STALL_LIMIT,
     SHARDC_MULTIPART_THRESHOLD, SHARDC_MULTIPART_CHUNKSIZE, SHARDC_S3_CONCURRENCY.
+
+    A server that accepts connections and never answers costs one ``read_timeout`` per try; with
+    6 tries with backoff that was 422 s per request. ``stall_limit`` bounds the sum: after a timeout
+    a request is retried only if one more timed-out try would stay within it (2 tries, ~2 minutes,
+    with the defaults). Errors that come back at once (5xx, resets) are bounded by ``max_attempts``.
     """
 
     max_attempts: int = 6  # total tries per request (botocore counts the first one)
     retry_mode: str = "standard"  # botocore: standard | adaptive (client-side rate limiting)
     connect_timeout: float = 10.0
-    read_timeout: float = 60.0
+    read_timeout: float = 60.0  # per try: no byte for this long is a timeout (botocore's default)
+    stall_limit: float = 120.0  # per request: seconds spent in timed-out tries before giving up
     multipart_threshold: int = 64 * MiB
     multipart_chunksize: int = 64 * MiB  # S3 allows 10,000 parts: 625 GiB per file at 64 MiB
     max_concurrency: int = 10
@@ -58,6 +64,7 @@ class S3Settings:
             ("max_attempts", "SHARDC_S3_MAX_ATTEMPTS", int),
             ("connect_timeout", "SHARDC_S3_CONNECT_TIMEOUT", float),
             ("read_timeout", "SHARDC_S3_READ_TIMEOUT", float),
+            ("stall_limit", "SHARDC_S3_STALL_LIMIT", float),
             ("multipart_threshold", "SHARDC_MULTIPART_THRESHOLD", int),
             ("multipart_chunksize", "SHARDC_MULTIPART_CHUNKSIZE", int),
             ("max_concurrency", "SHARDC_S3_CONCURRENCY", int),
@@ -75,6 +82,9 @@ class S3Settings:
         values.update(overrides)
         if values.get("max_attempts", 1) < 1:
             raise StoreError("the number of S3 attempts must be at least 1")
+        for field in ("connect_timeout", "read_timeout", "stall_limit"):
+            if not values.get(field, 1) > 0:
+                raise StoreError(f"the S3 {field.replace('_', ' ')} must be a positive number of seconds")
         return cls(**values)
 
 
@@ -145,7 +155,11 @@ _URI_HINT = "use a local path, file:///path or s3://bucket/prefix"
 
 
 def parse_uri(uri: str) -> tuple[str, str, str]:
-    """``(scheme, bucket, path)``: ("file", "", "/abs/or/rel") or ("s3", bucket, prefix)."""
+    """``(scheme, bucket, path)``: ("file", "", "/abs/or/rel") or ("s3", bucket, prefix).
+
+    An S3 prefix with ``.`` or ``..`` segments is refused: S3 keeps them literally (keys named
+    ``../x``), and tools that map keys to paths would write outside their directory.
+    """
     if not isinstance(uri, str) or not uri:
         raise StoreError("empty storage URI", hint=_URI_HINT)
     if "://" not in uri:
@@ -161,7 +175,11 @@ def parse_uri(uri: str) -> tuple[str, str, str]:
         bucket, _, prefix = rest.partition("/")
         if not bucket:
             raise StoreError(f"{uri!r} has no bucket", hint="use s3://bucket/prefix")
-        return "s3", bucket, prefix.strip("/")
+        prefix = prefix.strip("/")
+        if any(part in (".", "..") for part in prefix.split("/")):
+            raise StoreError(f"{uri!r} has '.' or '..' in its key prefix",
+                             hint="S3 keys are not paths; write the prefix out, e.g. s3://bucket/models/x")
+        return "s3", bucket, prefix
     raise StoreError(f"unknown storage scheme {scheme!r} in {uri!r}", hint=_URI_HINT)
 
 

@@ -43,9 +43,14 @@ def create_exclusive(path: Path) -> BinaryIO:
 
 
 def new_partial(final: Path, suffix: str = "") -> tuple[Path, BinaryIO]:
-    """A fresh partial file next to ``final``, open for writing."""
-    path = partial_name(final, suffix)
-    return path, create_exclusive(path)
+    """A fresh partial file next to ``final``, open for writing (never an existing path)."""
+    for _ in range(8):
+        path = partial_name(final, suffix)
+        try:
+            return path, create_exclusive(path)
+        except FileExistsError:  # 64 random bits: something was planted there
+            continue
+    raise FileExistsError(f"cannot create a partial file next to {final}")
 
 
 def write_atomic(path: Path, data: bytes) -> None:
