@@ -8,8 +8,6 @@ traceback. Nothing here imports torch: commands import heavy modules inside thei
 from __future__ import annotations
 
 import importlib
-import json
-import sys
 from typing import Any
 
 import click
@@ -52,16 +50,6 @@ class ShardcGroup(click.Group):
 def main(ctx: click.Context, debug: bool) -> None:
     """shardc: compile a Hugging Face checkpoint into per-GPU TP x PP shards, verify and ship them."""
     ctx.meta["shardc.debug"] = debug
-
-
-def echo_json(obj: Any) -> None:
-    """Machine-readable output for CI: one JSON document on stdout."""
-    click.echo(json.dumps(obj, indent=1, sort_keys=True))
-
-
-def show_progress(quiet: bool) -> bool:
-    """Progress bars only on a TTY, and never with --quiet."""
-    return not quiet and sys.stderr.isatty()
 
 
 for _name in COMMAND_MODULES:

@@ -39,6 +39,10 @@ class SourceError(ShardcError):
     """The checkpoint cannot be read: missing files or tensors, wrong shapes, pickles, bad names."""
 
 
+class ShardFormatError(ShardcError):
+    """A safetensors file's header is damaged: too short, oversized, not JSON, or malformed entries."""
+
+
 class QuantizationError(ShardcError):
     """A weight cannot be quantized (NaN/Inf) or a quantization override names nothing real."""
 

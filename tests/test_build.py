@@ -105,7 +105,7 @@ def test_matrix_reassembles_and_shapes(make_ckpt, tmp_path, model, tp, pp):
     if cfg.get("tie_word_embeddings") and pp > 1:
         assert torch.equal(rebuilt["lm_head.weight"], src["model.embed_tokens.weight"])
     assert set(rebuilt) - {"lm_head.weight"} == set(src) - {"lm_head.weight"}
-    assert len(list((tmp_path / "out").glob("*.partial"))) == 0
+    assert len(list((tmp_path / "out").glob(".*.tmp"))) == 0
 
 
 def test_fp16_plan_casts_bf16_source(make_ckpt, tmp_path):
@@ -121,9 +121,9 @@ def test_fp16_plan_casts_bf16_source(make_ckpt, tmp_path):
 def test_uneven_and_explicit_pp_layers(make_ckpt, tmp_path):
     ckpt = make_ckpt(**MODELS["gqa"])  # 4 layers
     res = build(plan_from_dict(plan_dict(1, 3)).with_source(str(ckpt)), tmp_path / "a")
-    assert [s["layers"] for s in res.manifest["shards"]] == [[0, 2], [2, 3], [3, 4]]
+    assert [list(s.layers) for s in res.manifest.shards] == [[0, 2], [2, 3], [3, 4]]
     res = build(plan_from_dict(plan_dict(2, 2, pp_layers=[1, 3])).with_source(str(ckpt)), tmp_path / "b")
-    assert [s["layers"] for s in res.manifest["shards"]] == [[0, 1], [0, 1], [1, 4], [1, 4]]
+    assert [list(s.layers) for s in res.manifest.shards] == [[0, 1], [0, 1], [1, 4], [1, 4]]
 
 
 def _digest_tree(d: Path) -> dict[str, str]:
@@ -169,7 +169,7 @@ def test_determinism_and_golden_hashes(tmp_path):
     a = build(plan, tmp_path / "a")
     b = build(plan, tmp_path / "b", force=True)
     assert _digest_tree(a.out_dir) == _digest_tree(b.out_dir)  # shards, config and manifest
-    got = {s["file"]: s["sha256"] for s in a.manifest["shards"]}
+    got = {s.file: s.sha256 for s in a.manifest.shards}
     if os.environ.get("SHARDC_PRINT_GOLDEN"):
         print(json.dumps(got, indent=1))
     assert got == GOLDEN
@@ -253,13 +253,13 @@ def test_source_hash_cache_follows_file_changes(make_ckpt, tmp_path):
     plan = plan_from_dict(plan_dict(2, 1)).with_source(str(ckpt))
     a = build(plan, tmp_path / "a")
     b = build(plan, tmp_path / "b")  # second plan from the same source: hashes come from the cache
-    assert a.manifest["source"] == b.manifest["source"]
+    assert a.manifest.source == b.manifest.source
     sd = load_file(ckpt / "model.safetensors")
     sd["model.norm.weight"][0] += 1
     save_file(sd, str(ckpt / "model.safetensors"))
     c = build(plan, tmp_path / "a")
     assert not c.up_to_date and c.built
-    fa = {f["name"]: f["sha256"] for f in a.manifest["source"]["files"]}
-    fc = {f["name"]: f["sha256"] for f in c.manifest["source"]["files"]}
+    fa = {f.name: f.sha256 for f in a.manifest.source.files}
+    fc = {f.name: f.sha256 for f in c.manifest.source.files}
     assert fc["model.safetensors"] == hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
     assert fa["model.safetensors"] != fc["model.safetensors"]

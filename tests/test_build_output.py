@@ -82,11 +82,11 @@ def test_direct_and_buffered_io_write_the_same_bytes(make_ckpt, tmp_path):
     subprocess.run([sys.executable, "-c", script, str(plan_file), str(ckpt), str(tmp_path / "buffered")],
                    check=True, env=env_off)
     direct = build(plan, tmp_path / "direct")
-    sizes = [s["size"] for s in direct.manifest["shards"]]
+    sizes = [s.size for s in direct.manifest.shards]
     assert any(s % 4096 for s in sizes) and max(sizes) > 2 * STAGE_BYTES
     assert digests(tmp_path / "direct") == digests(tmp_path / "buffered")
-    for s in direct.manifest["shards"]:  # the manifest's hashes are those of the files on disk
-        assert hashlib.sha256((tmp_path / "direct" / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+    for s in direct.manifest.shards:  # the manifest's hashes are those of the files on disk
+        assert hashlib.sha256((tmp_path / "direct" / s.file).read_bytes()).hexdigest() == s.sha256
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_too_little_disk_is_refused_before_writing(make_ckpt, tmp_path, small_fs
     assert len(lines) == 1 and "MiB free" in lines[0] and "--out" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     assert digests(small_fs / "o") == before and (small_fs / "o" / "manifest.json").is_file()
-    assert not list((small_fs / "o").glob(".*.partial"))
+    assert not list((small_fs / "o").glob(".*.tmp"))
 
 
 def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_path):
@@ -140,7 +140,7 @@ def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_p
     assert len(lines) == 1 and "model-tp01-pp01.safetensors" in lines[0] and "rerun" in lines[0], r.stderr
     assert not (out / "manifest.json").exists()
     assert (out / "model-tp00-pp00.safetensors").is_file() and (out / ".model-tp00-pp00.safetensors.done.json").is_file()
-    assert not list(out.glob(".*.partial"))
+    assert not list(out.glob(".*.tmp"))
     (out / "model-tp01-pp01.safetensors").rmdir()
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file), "--source", str(ckpt),
                         "--out", str(out), "--manifests-dir", str(tmp_path / "m"), "--quiet", "--json"],

@@ -10,7 +10,7 @@ from reassemble import load_source, reassemble
 
 from shardc.build.compile import build
 from shardc.build.quantize import quantize
-from shardc.formats.manifest import read_manifest
+from shardc.formats.manifest import read
 from shardc.spec.layout import QUANTIZABLE
 from shardc.spec.plan import load_plan
 from shardc.verify.checks import verify_build
@@ -35,7 +35,7 @@ def test_demo_16bit_reassembles(demo_src, tmp_path, plan_name):
         assert torch.equal(rebuilt[name].view(torch.uint8), t.view(torch.uint8)), name
     if plan.pp > 1:  # tied embeddings: the last stage carries lm_head cut from the embedding
         assert torch.equal(rebuilt["lm_head.weight"], src["model.embed_tokens.weight"])
-    report = verify_build(read_manifest(res.manifest_path), res.out_dir)
+    report = verify_build(read(res.manifest_path), res.out_dir)
     assert report["ok"], report["problems"]
     assert (res.out_dir / "tokenizer.json").is_file()
 
@@ -55,5 +55,12 @@ def test_demo_quantized_reassembles(demo_src, tmp_path, plan_name):
         assert torch.equal(rebuilt[name + "_scale"], s), name
     for name in ("model.embed_tokens.weight", "model.norm.weight"):
         assert torch.equal(rebuilt[name], src[name])
-    stats = [t["stats"] for sh in res.manifest["shards"] for t in sh["tensors"].values() if "stats" in t]
+    stats = [t["stats"] for sh in res.manifest.shards for t in sh.tensors.values() if "stats" in t]
     assert stats and max(s["rel_rms_err"] for s in stats) < (0.02 if scheme == "int8" else 0.06)
+
+
+@pytest.mark.parametrize("plan_name", sorted(p.stem for p in (PLANS.parent / "manifests").glob("demo-*.json")))
+def test_committed_demo_manifests_are_current(demo_model_dir, tmp_path, plan_name):
+    """manifests/*.json are the demo builds' records: a build today writes exactly those bytes."""
+    res = build(load_plan(PLANS / f"{plan_name}.yaml"), tmp_path / "o")
+    assert res.manifest_path.read_bytes() == (PLANS.parent / "manifests" / f"{plan_name}.json").read_bytes()

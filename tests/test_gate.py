@@ -92,9 +92,14 @@ def test_paired_bootstrap_brackets_the_estimate():
 
 
 def test_different_models_are_refused():
-    m = {"model": {"hidden_size": 64, "vocab_size": 96}, "files": []}
+    from shardc.formats.manifest import LayoutRecord, Manifest, SourceRecord
+
+    def manifest(vocab: int) -> Manifest:
+        return Manifest({}, "0" * 64, {"hidden_size": 64, "vocab_size": vocab},
+                        LayoutRecord(1, 1, [(0, 1)], "BF16", "bf16"), SourceRecord("x", None, []), [], [])
+
     with pytest.raises(ManifestError, match="vocab_size"):
-        check_compatible(m, {"model": {"hidden_size": 64, "vocab_size": 128}, "files": []})
+        check_compatible(manifest(96), manifest(128))
 
 
 # -- end to end on synthetic models (tiny word-level tokenizer shipped with the checkpoint) --------------
@@ -216,7 +221,7 @@ def _swap_row_parallel(build_dir: Path, layer: int) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardc.build.source import sha256_file
+    from shardc.formats.files import sha256_file
     from shardc.formats.manifest import dumps, read_manifest
 
     m = read_manifest(build_dir / "manifest.json")

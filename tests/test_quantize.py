@@ -111,7 +111,7 @@ def test_manifest_config_and_ignore(ckpt, tmp_path):
     assert (w["num_bits"], w["type"], w["symmetric"], w["strategy"]) == (8, "int", True, "channel")
     assert qc["config_groups"]["group_0"]["input_activations"] is None
     assert "model.layers.0.self_attn.q_proj" in qc["ignore"]
-    shard = res.manifest["shards"][0]["tensors"]
+    shard = res.manifest.shards[0].tensors
     assert shard["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "BF16"  # ignored: layer 0
     rec = shard["model.layers.1.self_attn.q_proj.weight"]
     assert rec["dtype"] == "I8" and rec["quant"] == "int8" and rec["scale"].endswith("weight_scale")

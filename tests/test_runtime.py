@@ -298,7 +298,7 @@ def test_tampered_shard_is_refused(synth, tmp_path):
     ref = build_plan(synth["untied"], synth["out"], 2, 1)
     bad = tmp_path / "bad"
     shutil.copytree(ref.directory, bad)
-    f = bad / ref.manifest["shards"][1]["file"]
+    f = bad / ref.manifest.shards[1].file
     data = bytearray(f.read_bytes())
     data[-10] ^= 0xFF
     f.write_bytes(bytes(data))

@@ -31,9 +31,9 @@ def test_hf_source_from_offline_cache(make_ckpt, tmp_path, monkeypatch):
         "replica_group": {"name": "hub", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16", "gpus_per_replica": 2},
         "model": {"source": "hf://acme/tiny-llama"}})
     res = build(plan, tmp_path / "o")
-    src = res.manifest["source"]
-    assert src["uri"] == "hf://acme/tiny-llama" and src["revision"] == REV
-    assert {f["name"] for f in src["files"]} == {"config.json", "model-00001-of-00002.safetensors",
+    src = res.manifest.source
+    assert src.uri == "hf://acme/tiny-llama" and src.revision == REV
+    assert {f.name for f in src.files} == {"config.json", "model-00001-of-00002.safetensors",
                                                  "model-00002-of-00002.safetensors"}
     rebuilt, orig = reassemble(res.out_dir), load_source(ckpt)
     assert all(rebuilt[k].equal(v) for k, v in orig.items())

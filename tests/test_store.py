@@ -123,7 +123,7 @@ def tree(d: Path) -> dict[str, str]:
 
 
 def build_files(res) -> dict[str, str]:
-    names = [s["file"] for s in res.manifest["shards"]] + [f["name"] for f in res.manifest["files"]]
+    names = [s.file for s in res.manifest.shards] + [f.name for f in res.manifest.files]
     return {n: hashlib.sha256((res.out_dir / n).read_bytes()).hexdigest() for n in names}
 
 
@@ -159,7 +159,7 @@ def test_local_round_trip(builds, tmp_path, dtype, scheme, compress):
 
     dest = tmp_path / "node"
     out = pull_build(f"{uri}/manifest.json", dest, fsync_downloads=dtype == "fp8")  # both commits
-    assert out["verify"]["ok"] and len(out["verify"]["ranks"]) == len(b.manifest["shards"])
+    assert out["verify"]["ok"] and len(out["verify"]["ranks"]) == len(b.manifest.shards)
     assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
     again = pull_build(uri, dest)  # a directory URI means its manifest.json
@@ -175,7 +175,7 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
     assert res["manifest_uri"] == f"{uri}/manifest.json" and res["uploaded"] == len(res["objects"])
 
     c = s3.client()
-    shard = b.manifest["shards"][0]
+    shard = b.manifest.shards[0].to_dict()
     key = f"models/{dtype}/{shard['file']}" + (".zst" if compress else "")
     head = c.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     parts = -(-head["ContentLength"] // (5 << 20))
@@ -195,7 +195,7 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
         assert dumps(remote) == b.manifest_path.read_bytes()
 
     # a GPU node pulls only its own rank
-    last = b.manifest["shards"][-1]
+    last = b.manifest.shards[-1].to_dict()
     dest = tmp_path / "node"
     one = run_cli("pull", "--manifest", f"{uri}/manifest.json", "--rank", str(last["rank"]),
                   "--dest", str(dest), "--endpoint-url", s3.endpoint, "--json")
@@ -211,7 +211,7 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
     assert run_cli("verify", "--manifest", f"{uri}/manifest.json", "--endpoint-url", s3.endpoint).exit_code == 2
 
     full = pull_build(f"{uri}/manifest.json", dest, endpoint_url=s3.endpoint)
-    assert full["present"] == 2 and full["downloaded"] == len(b.manifest["shards"]) - 1
+    assert full["present"] == 2 and full["downloaded"] == len(b.manifest.shards) - 1
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
 
     again = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint, compress=compress)
@@ -227,10 +227,10 @@ def test_cli_push_pull_and_build_upload(builds, s3, bucket, tmp_path, monkeypatc
     assert "pushed 3 file(s)" in res.stdout and f"s3://{bucket}/cli/manifest.json" in res.stdout
     res = run_cli("pull", "--manifest", f"s3://{bucket}/cli/manifest.json", "--tp-rank", "1",
                   "--pp-stage", "0", "--dest", str(tmp_path / "n"), "--quiet")
-    assert res.exit_code == 0 and res.stdout == "" and (tmp_path / "n" / b.manifest["shards"][1]["file"]).is_file()
+    assert res.exit_code == 0 and res.stdout == "" and (tmp_path / "n" / b.manifest.shards[1].file).is_file()
 
     # the copy in manifests/ names no directory: --build-dir says where the shards are
-    record = b.out_dir.parent / "manifests" / f"{b.manifest['plan']['replica_group']['name']}.json"
+    record = b.out_dir.parent / "manifests" / f"{b.manifest.name}.json"
     res = run_cli("push", "--manifest", str(record), "--to", f"s3://{bucket}/rec", "--json")
     assert res.exit_code == 2 and "--build-dir" in res.stderr
     res = run_cli("push", "--manifest", str(record), "--build-dir", str(b.out_dir),
@@ -238,7 +238,7 @@ def test_cli_push_pull_and_build_upload(builds, s3, bucket, tmp_path, monkeypatc
     assert res.exit_code == 0 and json.loads(res.stdout)["uploaded"] == 3
 
     plan = tmp_path / "plan.yaml"
-    plan.write_text(json.dumps({**b.manifest["plan"], "model": {"source": b.manifest["source"]["uri"]}}))
+    plan.write_text(json.dumps({**b.manifest.plan, "model": {"source": b.manifest.source.uri}}))
     res = run_cli("build", str(plan), "--out", str(tmp_path / "b"), "--manifests-dir", str(tmp_path / "m"),
                   "--upload", "--to", f"s3://{bucket}/built", "--json")
     assert res.exit_code == 0, res.output
@@ -250,7 +250,7 @@ def test_default_destination_is_plan_manifest_uri(builds, tmp_path):
     from shardc.build.compile import build
     from shardc.spec.plan import plan_from_dict
 
-    src = builds["bf16"].manifest
+    src = builds["bf16"].manifest.to_dict()
     data = json.loads(json.dumps(src["plan"]))
     data["replica_group"]["checkpoint"]["manifest_uri"] = f"file://{tmp_path}/pub/v1/manifest.json"
     data["model"]["source"] = src["source"]["uri"]
@@ -287,7 +287,7 @@ def test_repush_replaces_changed_objects_behind_the_manifest(builds, s3, bucket)
     uri = f"s3://{bucket}/re"
     push_build(b.manifest_path, uri, endpoint_url=s3.endpoint)
     c = s3.client()
-    c.delete_object(Bucket=bucket, Key=f"re/{b.manifest['shards'][1]['file']}")
+    c.delete_object(Bucket=bucket, Key=f"re/{b.manifest.shards[1].file}")
     res = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint)
     assert res["uploaded"] == 1 and res["present"] == 2 and res["manifest"] == "uploaded"
     assert [o["action"] for o in res["objects"]] == ["present", "present", "uploaded"]
@@ -343,7 +343,7 @@ def test_corrupted_object_fails_pull(builds, s3, bucket, tmp_path, how):
     compress = "zstd" if how == "replace-zst" else None
     push_build(b.manifest_path, f"s3://{bucket}/c", endpoint_url=s3.endpoint, compress=compress)
     c = s3.client()
-    victim = b.manifest["shards"][1]["file"]
+    victim = b.manifest.shards[1].file
     key = f"c/{victim}" + (".zst" if compress else "")
     obj = c.get_object(Bucket=bucket, Key=key)
     data, meta = bytearray(obj["Body"].read()), obj["Metadata"]
@@ -354,7 +354,7 @@ def test_corrupted_object_fails_pull(builds, s3, bucket, tmp_path, how):
     else:  # a valid zstd stream of other bytes, same metadata: only our hashes can tell
         import zstandard
 
-        other = (b.out_dir / b.manifest["shards"][0]["file"]).read_bytes()
+        other = (b.out_dir / b.manifest.shards[0].file).read_bytes()
         data = bytearray(zstandard.ZstdCompressor().compress(other))
     c.put_object(Bucket=bucket, Key=key, Body=bytes(data), Metadata=meta)
 
@@ -370,7 +370,7 @@ def test_corrupted_local_store_and_bad_local_files(builds, tmp_path):
     b = builds["fp8"]
     store = tmp_path / "store"
     push_build(b.manifest_path, str(store))
-    victim = b.manifest["shards"][0]["file"]
+    victim = b.manifest.shards[0].file
     with open(store / victim, "r+b") as f:
         f.seek(100)
         f.write(b"\xff\xff")
@@ -397,7 +397,7 @@ def test_push_refuses_a_shard_that_rotted_on_disk(builds, s3, bucket, tmp_path, 
     b = builds["bf16"]
     copy = tmp_path / "build"
     shutil.copytree(b.out_dir, copy)
-    victim = b.manifest["shards"][1]["file"]
+    victim = b.manifest.shards[1].file
     with open(copy / victim, "r+b") as f:
         f.seek(5000)
         f.write(b"\x00\x01\x02")
@@ -502,7 +502,7 @@ def test_bad_input_is_one_line_exit_2(builds, s3, bucket, tmp_path):
         "does not exist": ["pull", "--manifest", "s3://no-such-bucket/m.json", "--all", "--dest", str(tmp_path / "b"), *ep],
         "is not a shardc manifest": ["pull", "--manifest", f"s3://{bucket}/ok/config.json", "--all", "--dest", str(tmp_path / "c"), *ep],
         "no manifest at": ["pull", "--manifest", f"s3://{bucket}/nothing/manifest.json", "--all", "--dest", str(tmp_path / "d"), *ep],
-        "is not JSON": ["pull", "--manifest", str(b.out_dir / b.manifest["shards"][0]["file"]), "--all", "--dest", str(tmp_path / "e")],
+        "is not JSON": ["pull", "--manifest", str(b.out_dir / b.manifest.shards[0].file), "--all", "--dest", str(tmp_path / "e")],
         "outside this build": ["pull", "--manifest", f"s3://{bucket}/ok/manifest.json", "--rank", "7", "--dest", str(tmp_path / "f"), *ep],
         "choose which shards": ["pull", "--manifest", f"s3://{bucket}/ok/manifest.json", "--dest", str(tmp_path / "g")],
         "go together": ["pull", "--manifest", f"s3://{bucket}/ok/manifest.json", "--tp-rank", "0", "--dest", str(tmp_path / "h")],
@@ -519,7 +519,7 @@ def test_environment_problems_are_one_line(builds, tmp_path):
     b = builds["bf16"]
     push_build(b.manifest_path, str(tmp_path / "store"))
     dest = tmp_path / "node"
-    victim = b.manifest["shards"][0]["file"]
+    victim = b.manifest.shards[0].file
     (dest / victim).mkdir(parents=True)
     res = run_cli("pull", "--manifest", str(tmp_path / "store"), "--all", "--dest", str(dest))
     assert res.exit_code == 2 and victim in one_error_line(res)
@@ -563,7 +563,7 @@ def test_pull_of_many_parts_per_file_completes(builds, s3, bucket, tmp_path, mon
     monkeypatch.setenv("SHARDC_S3_CONCURRENCY", "2")
     monkeypatch.setenv("SHARDC_MULTIPART_THRESHOLD", str(1 << 20))
     monkeypatch.setenv("SHARDC_MULTIPART_CHUNKSIZE", str(1 << 20))
-    assert max(s["size"] for s in b.manifest["shards"]) > 4 * (1 << 20)
+    assert max(s.size for s in b.manifest.shards) > 4 * (1 << 20)
     dest = tmp_path / "node"
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(pull_build, f"{uri}/manifest.json", dest, endpoint_url=s3.endpoint)

@@ -27,16 +27,24 @@ import numpy as np
 
 from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
-from ..formats.files import human_size
-from ..formats.manifest import dumps, loads, new_manifest, write_atomic
-from ..formats.safetensors import ShardWriter
-from ..spec.dtypes import np_dtype
-from ..spec.layout import DTYPE_BYTES, Layout, RankLayout, TensorSpec, build_layout
+from ..formats.files import (
+    copy_atomic,
+    final_name,
+    human_size,
+    sha256_file,
+    temp_files,
+    write_atomic,
+)
+from ..formats.manifest import FileEntry, Manifest, ShardEntry, SourceRecord, new_manifest, parse
+from ..formats.safetensors import ShardWriter, shard_metadata
+from ..spec.dtypes import DTYPE_BYTES, torch_name
+from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, TensorSpec, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import Plan, canonical_json
+from .arrays import np_dtype
 from .quantize import quantize_array
 from .quantqueue import QuantQueue
-from .source import Source, open_source, sha256_file
+from .source import Source, open_source
 
 LOCK = ".shardc-build.lock"
 # Threads quantizing a tensor's row chunks: half the cores, at most 4. The numba kernels take
@@ -50,7 +58,7 @@ QUANT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 class BuildResult:
     out_dir: Path
     manifest_path: Path
-    manifest: dict[str, Any]
+    manifest: Manifest | None
     built: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     up_to_date: bool = False
@@ -60,8 +68,8 @@ class BuildResult:
         """Machine-readable summary for --json."""
         m = self.manifest
         return {
-            "plan": m["plan"]["replica_group"]["name"],
-            "plan_sha256": m["plan_sha256"],
+            "plan": m.name,
+            "plan_sha256": m.plan_sha256,
             "out_dir": str(self.out_dir),
             "manifest": str(self.manifest_path),
             "up_to_date": self.up_to_date,
@@ -69,28 +77,12 @@ class BuildResult:
             "skipped": self.skipped,
             "seconds": round(self.seconds, 3),
             "shards": [
-                {k: s[k] for k in ("file", "tp_rank", "pp_stage", "rank", "layers", "size", "sha256")}
-                for s in m["shards"]
+                {"file": s.file, "tp_rank": s.tp_rank, "pp_stage": s.pp_stage, "rank": s.rank,
+                 "layers": list(s.layers), "size": s.size, "sha256": s.sha256}
+                for s in m.shards
             ],
-            "total_bytes": sum(s["size"] for s in m["shards"]),
+            "total_bytes": m.total_bytes,
         }
-
-
-def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
-    """safetensors __metadata__: catches a file that strays into the wrong directory."""
-    p = layout.plan
-    return {
-        "format": "pt",
-        "shardc.version": __version__,
-        "shardc.plan": p.name,
-        "shardc.plan_sha256": p.sha256,
-        "shardc.tp_degree": str(p.tp),
-        "shardc.pp_degree": str(p.pp),
-        "shardc.tp_rank": str(rl.tp_rank),
-        "shardc.pp_stage": str(rl.pp_stage),
-        "shardc.rank": str(rl.rank),
-        "shardc.layers": f"{rl.layers[0]}:{rl.layers[1]}",
-    }
 
 
 def region(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
@@ -292,7 +284,7 @@ def output_config(layout: Layout) -> dict[str, Any]:
     from ..spec.layout import base_dtype
 
     cfg = json.loads(json.dumps(layout.model.config))
-    cfg["torch_dtype"] = {"F16": "float16", "BF16": "bfloat16"}[base_dtype(layout.model, layout.plan)]
+    cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
     if layout.plan.quantized:
         from ..spec.layout import QUANTIZABLE
         from .quantize import quantization_config
@@ -324,17 +316,17 @@ def _stage_done(out_dir: Path, rl: RankLayout, key: dict) -> tuple[int, str] | N
     return rec["size"], rec["sha256"]
 
 
-def _up_to_date(out_dir: Path, plan: Plan, identity: dict) -> dict | None:
+def _up_to_date(out_dir: Path, plan: Plan, identity: SourceRecord) -> Manifest | None:
     mpath = out_dir / "manifest.json"
     try:
-        m = loads(mpath.read_bytes(), str(mpath))
+        m = parse(mpath.read_bytes(), str(mpath))
     except (OSError, ShardcError):
         return None
-    if m["plan_sha256"] != plan.sha256 or m["source"] != identity or m["shardc_version"] != __version__:
+    if m.plan_sha256 != plan.sha256 or m.source != identity or m.shardc_version != __version__:
         return None
-    for s in m["shards"] + m["files"]:
-        p = out_dir / s.get("file", s.get("name"))
-        if not p.is_file() or p.stat().st_size != s["size"]:
+    for name, size in [(s.file, s.size) for s in m.shards] + [(f.name, f.size) for f in m.files]:
+        p = out_dir / name
+        if not p.is_file() or p.stat().st_size != size:
             return None
     return m
 
@@ -382,13 +374,13 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     # Source hashes are computed in the background while the shards are written (or come from
     # the cache when size and mtime are unchanged); they are awaited only where needed.
     source.start_hashing()
-    result = BuildResult(out, out / "manifest.json", {})
+    result = BuildResult(out, out / "manifest.json", None)
 
     if not force and (out / "manifest.json").is_file():
         identity = source.identity()
         if (m := _up_to_date(out, plan, identity)) is not None:
             result.manifest, result.up_to_date = m, True
-            result.skipped = [s["file"] for s in m["shards"]]
+            result.skipped = [s.file for s in m.shards]
             _copy_manifest(result, manifests_dir)
             result.seconds = time.perf_counter() - t0
             return result
@@ -396,7 +388,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     _check_space(out, layout)  # before anything is touched: a refused build loses nothing
     # From here on the old manifest no longer describes the directory: remove it first.
     (out / "manifest.json").unlink(missing_ok=True)
-    for stale in out.glob(".*.partial"):
+    for stale in temp_files(out):  # left by a killed run (the lock says none is running)
         stale.unlink()
     key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
     mat = Materializer(source, layout)
@@ -464,8 +456,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     except OSError as exc:
         # The disk, not the input: keep the committed stages, a rerun resumes from them.
         committer.shutdown(wait=True)
-        what = Path(exc.filename2 or exc.filename).name.removeprefix(".").removesuffix(".partial") \
-            if exc.filename else "the shards"
+        what = final_name(exc.filename2 or exc.filename) if exc.filename else "the shards"
         raise OutputError(
             f"cannot write {what} in {out}: {exc.strerror or exc}",
             hint="free space or fix the disk, then rerun the same build: finished stages are kept",
@@ -495,15 +486,11 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
             rec = t.record()
             if t.quant and not t.scale_of:
                 rec["stats"] = mat.stats[t.source]
-                rec["scale"] = t.name + "_scale"
+                rec["scale"] = t.name + SCALE_SUFFIX
             tensors[t.name] = rec
-        shards.append({
-            "file": rl.file, "tp_rank": rl.tp_rank, "pp_stage": rl.pp_stage, "rank": rl.rank,
-            "layers": list(rl.layers), "size": size, "sha256": sha, "tensors": tensors,
-        })
-    identity = source.identity()
-    manifest = new_manifest(layout, identity, shards, side)
-    write_atomic(out / "manifest.json", dumps(manifest))  # the commit point
+        shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors))
+    manifest = new_manifest(layout, source.identity(), shards, side)
+    manifest.write(out / "manifest.json")  # the commit point
     for rl in layout.ranks:
         _done_path(out, rl.file).unlink(missing_ok=True)
     result.manifest = manifest
@@ -519,7 +506,7 @@ def _check_space(out: Path, layout: Layout) -> None:
     for rl in layout.ranks:
         p = out / rl.file
         need += rl.nbytes - (p.stat().st_size if p.is_file() else 0)
-    free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in out.glob(".*.partial"))
+    free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in temp_files(out))
     if need > free:
         raise OutputError(
             f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more",
@@ -546,14 +533,12 @@ def _tokenizer_files(source: Source) -> list[str]:
 def _copy_tokenizer(source: Source, out: Path) -> None:
     """Tokenizer files travel with the shards so the runtime and gate need no source."""
     for n in _tokenizer_files(source):
-        tmp = out / f".{n}.tmp"
-        shutil.copyfile(source.directory / n, tmp)
-        os.replace(tmp, out / n)
+        copy_atomic(source.directory / n, out / n)
 
 
-def _file_entry(out: Path, name: str) -> dict[str, Any]:
+def _file_entry(out: Path, name: str) -> FileEntry:
     p = out / name
-    return {"name": name, "size": p.stat().st_size, "sha256": sha256_file(p)}
+    return FileEntry(name, p.stat().st_size, sha256_file(p))
 
 
 def _copy_manifest(result: BuildResult, manifests_dir: str | Path | None) -> None:
@@ -561,5 +546,4 @@ def _copy_manifest(result: BuildResult, manifests_dir: str | Path | None) -> Non
         return
     d = Path(manifests_dir)
     d.mkdir(parents=True, exist_ok=True)
-    name = result.manifest["plan"]["replica_group"]["name"]
-    write_atomic(d / f"{name}.json", dumps(result.manifest))
+    result.manifest.write(d / f"{result.manifest.name}.json")

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import QuantizationError
-from ..spec.dtypes import from_torch, to_torch
+from .arrays import from_torch, to_torch
 
 QMAX = {"int8": 127.0, "fp8": 448.0}
 QDTYPE = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}

@@ -9,13 +9,11 @@ with ``weights_only=True``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import mmap
 import os
 import re
-import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -25,16 +23,17 @@ from typing import Any
 import numpy as np
 
 from ..errors import SourceError
-from ..formats.manifest import safe_name
-from ..spec.dtypes import from_torch, np_dtype
-from ..spec.layout import DTYPE_BYTES, source_tensors
+from ..formats.files import safe_name, sha256_file, write_atomic
+from ..formats.manifest import FileEntry, SourceRecord
+from ..formats.safetensors import read_header
+from ..spec.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
+from ..spec.layout import source_tensors
 from ..spec.model import ModelSpec
+from .arrays import from_torch, np_dtype
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.
 _BENIGN = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-_TORCH_DTYPE = {"F16": "float16", "BF16": "bfloat16", "F32": "float32"}
-HASH_BLOCK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class Source:
                     f"tensor {name!r} has shape {list(info.shape)} but config.json implies {list(shape)}",
                     hint="the checkpoint does not match its config.json",
                 )
-            if info.dtype not in _TORCH_DTYPE:
+            if info.dtype not in SOURCE_DTYPES:
                 raise SourceError(
                     f"tensor {name!r} has dtype {info.dtype}; only F16, BF16 and F32 sources are read",
                     hint="start from the unquantized checkpoint",
@@ -128,15 +127,15 @@ class Source:
             self._hashes[name] = pool.submit(cached_sha256, self.directory / name)
         pool.shutdown(wait=False)
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> SourceRecord:
         """uri, revision, and size + sha256 of every file read (config.json included)."""
         if not self._hashes:
             self.start_hashing()
         files = []
         for name in sorted(self._hashes):
             size, digest = self._hashes[name].result()
-            files.append({"name": name, "size": size, "sha256": digest})
-        return {"uri": self.uri, "revision": self.revision, "files": files}
+            files.append(FileEntry(name, size, digest))
+        return SourceRecord(self.uri, self.revision, files)
 
     def fingerprint(self) -> list[list]:
         """Cheap identity (name, size, mtime) for resume records; the manifest gets real hashes."""
@@ -145,16 +144,6 @@ class Source:
             st = os.stat(self.directory / name)
             out.append([name, st.st_size, st.st_mtime_ns])
         return out
-
-
-def sha256_file(path: str | Path, block: int = HASH_BLOCK) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(block)
-    mv = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(mv[:n])
-    return h.hexdigest()
 
 
 def cache_dir() -> Path:
@@ -191,9 +180,7 @@ def cached_sha256(path: Path) -> tuple[int, str]:
         entries[str(path)] = {"stamp": stamp, "sha256": digest}
         try:
             db.parent.mkdir(parents=True, exist_ok=True)
-            tmp = db.with_name(f".{db.name}.{os.getpid()}.{threading.get_ident()}")
-            tmp.write_text(json.dumps(entries, sort_keys=True))
-            os.replace(tmp, db)
+            write_atomic(db, json.dumps(entries, sort_keys=True).encode())
         except OSError:
             pass  # a read-only home only costs speed
     return st.st_size, digest
@@ -297,21 +284,17 @@ def _index_safetensors(directory: Path, files: list[str]) -> dict[str, TensorInf
 def data_offsets(path: Path) -> dict[str, int]:
     """Absolute byte offset of every tensor's data in a safetensors file, from its header.
 
-    safetensors validates the file (``safe_open`` above) but does not expose offsets; the header
-    is the format's documented 8-byte length plus JSON, so this is the only parsing we do."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    safetensors validates the file (``safe_open`` above) but does not expose offsets."""
+    header, _, start = read_header(path)
+    return {k: start + v["data_offsets"][0] for k, v in header.items()}
 
 
 def _index_pickles(directory: Path, files: list[str]) -> dict[str, TensorInfo]:
     import torch
 
-    rev = {v: k for k, v in _TORCH_DTYPE.items()}
     out: dict[str, TensorInfo] = {}
     for fname in files:
         state = torch.load(directory / fname, map_location="cpu", weights_only=True, mmap=True)
         for name, t in state.items():
-            out[name] = TensorInfo(fname, rev.get(str(t.dtype).removeprefix("torch."), str(t.dtype)), tuple(t.shape))
+            out[name] = TensorInfo(fname, from_torch_name(str(t.dtype)) or str(t.dtype), tuple(t.shape))
     return out

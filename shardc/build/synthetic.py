@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.safetensors import ShardWriter
+from ..spec.dtypes import from_torch_name, torch_name
 from ..spec.layout import source_tensors
 from ..spec.model import model_from_config
-
-_DT = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def llama_config(
@@ -83,8 +82,8 @@ def write_checkpoint(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = model_from_config(config)
-    dtype_name = _DT[model.torch_dtype]
-    tdtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[dtype_name]
+    dtype_name = from_torch_name(model.torch_dtype)
+    tdtype = getattr(torch, torch_name(dtype_name))
     tensors = source_tensors(model)
     groups = [tensors[i::num_files] for i in range(num_files)] if num_files > 1 else [tensors]
     groups = [sorted(g, key=lambda t: t.name) for g in groups]

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from ..formats.files import human_size
+
 
 @click.command("build", epilog="""\b
 Examples:
@@ -36,8 +38,8 @@ Examples:
 def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, upload, to_uri,
               endpoint_url, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
-    from ..cli import echo_json, show_progress
     from ..spec.plan import load_plan
+    from .output import echo_json, show_progress
 
     plan = load_plan(plan_file)
     if source:
@@ -62,10 +64,10 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
         return
     state = "up to date" if result.up_to_date else f"built in {summary['seconds']:.1f}s"
     click.echo(f"{summary['plan']}: {state}; {len(summary['shards'])} shards, "
-               f"{summary['total_bytes'] / 2**30:.2f} GiB in {result.out_dir}")
+               f"{human_size(summary['total_bytes'])} in {result.out_dir}")
     for s in summary["shards"]:
         click.echo(f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
-                   f"layers {s['layers'][0]}:{s['layers'][1]}  {s['size'] / 2**20:10.1f} MiB  "
+                   f"layers {s['layers'][0]}:{s['layers'][1]}  {human_size(s['size']):>12}  "
                    f"{s['sha256'][:12]}")
     if result.skipped and not result.up_to_date:
         click.echo(f"  resumed: {len(result.skipped)} shard(s) already complete were kept")
@@ -75,9 +77,9 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
 
 
 def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
-    from ..cli import echo_json
     from ..spec.layout import build_layout
     from ..spec.model import model_for_source
+    from .output import echo_json
 
     layout = build_layout(model_for_source(plan.source, model_ref), plan)
     ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
@@ -89,7 +91,7 @@ def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
                f"{layout.model.architecture} {layout.model.num_layers} layers)")
     for r in ranks:
         click.echo(f"  {r['file']}  rank {r['rank']:>3}  layers {r['layers'][0]}:{r['layers'][1]}  "
-                   f"{r['tensors']:4d} tensors  {r['bytes'] / 2**30:8.3f} GiB")
+                   f"{r['tensors']:4d} tensors  {human_size(r['bytes']):>12}")
 
 
 @click.command("inspect", epilog="""\b
@@ -102,8 +104,8 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def inspect_cmd(path: Path, tensors: bool, as_json: bool) -> None:
     """Summarize a manifest, a build directory or one shard file."""
-    from ..cli import echo_json
     from ..verify.inspect import describe
+    from .output import echo_json
 
     info = describe(path)
     if as_json:

@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from ..errors import PlanError
+from ..formats.files import write_atomic
 
 _UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20,
           "gib": 1 << 30, "gi": 1 << 30, "tib": 1 << 40, "ti": 1 << 40, "kb": 10**3, "mb": 10**6,
@@ -154,12 +155,12 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, nodes: int, dtyp
              params: tuple[tuple[str, float], ...], explain: bool, as_json: bool,
              out_file: Path | None) -> None:
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick."""
-    from ..cli import echo_json
     from ..planner.formulas import Overheads, SpeedParams, Workload, resolve_model
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
     from ..planner.report import explain as explain_lines
     from ..planner.report import header, summary, table
     from ..planner.search import search
+    from .output import echo_json
 
     model, name, source = resolve_model(model_ref)
     gpu = override_gpu(
@@ -217,9 +218,7 @@ def write_plan(data: dict[str, Any], out_file: Path, result: Any, cand: Any) -> 
     text = comment + yaml.safe_dump(data, sort_keys=False)
     try:
         out_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out_file.with_name(f".{out_file.name}.tmp{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, out_file)
+        write_atomic(out_file, text.encode())
     except OSError as exc:
         raise PlanError(f"cannot write {out_file}: {exc.strerror}", key="--out") from None
 

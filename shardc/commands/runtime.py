@@ -33,9 +33,9 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
             prompt_ids: tuple[str, ...], max_new_tokens: int, tokenizer: Path | None, device: str,
             timeout_s: float, as_json: bool) -> None:
     """Generate text greedily from a built plan: every rank loads only its own shard file."""
-    from ..cli import echo_json
     from ..errors import ManifestError
     from ..runtime.api import generate, load_tokenizer, open_build
+    from .output import echo_json
 
     ref = open_build(manifest_path, directory)
     if not prompts and not prompt_ids:
@@ -47,7 +47,7 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
             encoded.append([int(x) for x in spec.split(",") if x.strip()])
         except ValueError:
             raise ManifestError(f"--prompt-ids {spec!r} is not a comma-separated list of integers") from None
-    vocab = int(ref.manifest["model"]["vocab_size"])
+    vocab = int(ref.manifest.model["vocab_size"])
     bad = [i for p in encoded for i in p if not 0 <= i < vocab]
     if bad:
         raise ManifestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", key="prompt-ids")
@@ -111,9 +111,9 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
              tokenizer: Path | None, device: str, timeout_s: float, as_json: bool,
              report_path: Path | None) -> None:
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
-    from ..cli import echo_json
     from ..runtime.gate import Thresholds, format_report, run_gate
     from ..spec.plan import canonical_json
+    from .output import echo_json
 
     report = run_gate(
         baseline, candidate, golden=golden, max_tokens=max_tokens, window=window,
@@ -123,7 +123,7 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
     if not report:  # under torchrun, only the rank that holds the comparison reports
         return
     if report_path is not None:
-        from ..formats.manifest import write_atomic
+        from ..formats.files import write_atomic
 
         write_atomic(report_path, canonical_json(report))
     if as_json:

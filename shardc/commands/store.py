@@ -7,13 +7,7 @@ from typing import Any
 
 import click
 
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return f"{n} B"  # pragma: no cover
+from ..formats.files import human_size
 
 
 @click.command("push", epilog="""\b
@@ -42,8 +36,8 @@ push. The manifest is uploaded last: a reader that finds it can fetch every file
 def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, endpoint_url: str | None,
              compress: str, quiet: bool, as_json: bool) -> None:
     """Upload a build to object storage, manifest last."""
-    from ..cli import echo_json, show_progress
     from ..store import push_build
+    from .output import echo_json, show_progress
 
     res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
                      compress=None if compress == "none" else compress,
@@ -51,7 +45,7 @@ def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, en
     if as_json:
         echo_json(res)
     elif not quiet:
-        click.echo(f"pushed {res['uploaded']} file(s), {_size(res['bytes_uploaded'])} "
+        click.echo(f"pushed {res['uploaded']} file(s), {human_size(res['bytes_uploaded'])} "
                    f"({res['present']} already present) in {res['seconds']:.1f}s")
         click.echo(f"manifest: {res['manifest_uri']} ({res['manifest']})")
 
@@ -80,9 +74,9 @@ are kept. Exit codes: 0 ok, 1 the store's data does not match its manifest, 2 ba
 def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_stage: int | None,
              all_ranks: bool, dest: Path, endpoint_url: str | None, quiet: bool, as_json: bool) -> None:
     """Download a build's shards for some ranks (or all), verified, then check them like verify."""
-    from ..cli import echo_json, show_progress
     from ..errors import StoreError
     from ..store import pull_build
+    from .output import echo_json, show_progress
 
     pair = tp_rank is not None or pp_stage is not None
     if (tp_rank is None) != (pp_stage is None):
@@ -102,7 +96,7 @@ def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_s
     elif not quiet:
         ranks = ", ".join(str(r["rank"]) for r in res["ranks"])
         click.echo(f"pulled rank(s) {ranks}: {res['downloaded']} file(s) downloaded, "
-                   f"{res['present']} already present, {_size(res['bytes_downloaded'])} in "
+                   f"{res['present']} already present, {human_size(res['bytes_downloaded'])} in "
                    f"{res['seconds']:.1f}s; verified OK")
         click.echo(f"manifest: {res['manifest']}")
 

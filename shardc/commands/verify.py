@@ -38,10 +38,9 @@ Examples:
 def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage, all_ranks, device,
                deep_source, jobs, distributed, timeout_s, endpoint_url, as_json) -> None:
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
-    from ..cli import echo_json
     from ..errors import ManifestError
-    from ..formats.manifest import layout_of
     from ..verify.checks import select_ranks, verify_build
+    from .output import echo_json
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
@@ -52,9 +51,9 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
         from ..spec.plan import load_plan
 
         want = load_plan(plan_file).sha256
-        if want != manifest["plan_sha256"]:
+        if want != manifest.plan_sha256:
             raise ManifestError(
-                f"the manifest is of plan sha256 {manifest['plan_sha256'][:12]}, not of {plan_file} "
+                f"the manifest is of plan sha256 {manifest.plan_sha256[:12]}, not of {plan_file} "
                 f"({want[:12]})", hint="pass the manifest built from this plan")
     if device and device.startswith("cuda"):
         import torch
@@ -68,7 +67,7 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
     else:
         if all_ranks and (rank is not None or tp_rank is not None or pp_stage is not None):
             raise ManifestError("--all cannot be combined with --rank/--tp-rank/--pp-stage")
-        ranks = select_ranks(layout_of(manifest), rank, tp_rank, pp_stage)
+        ranks = select_ranks(manifest.to_layout(), rank, tp_rank, pp_stage)
         report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
     if as_json:
         echo_json(report)
@@ -88,16 +87,16 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
 
 def _load_manifest(ref: str, endpoint_url: str | None):
     """A local manifest path (its directory is the default --dir), or a URI fetched from a store."""
-    from ..formats.manifest import read_manifest
+    from ..formats.manifest import read, typed
 
     if "://" in ref and not ref.startswith("file://"):
         from ..store import fetch_manifest
 
-        return fetch_manifest(ref, endpoint_url=endpoint_url), None
+        return typed(fetch_manifest(ref, endpoint_url=endpoint_url)), None
     path = Path(ref.removeprefix("file://"))
     if path.is_dir():
         path = path / "manifest.json"
-    return read_manifest(path), path.parent
+    return read(path), path.parent
 
 
 COMMANDS = [verify_cmd]

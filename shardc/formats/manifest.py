@@ -16,6 +16,10 @@ Schema (format_version 1)::
                   "tensors": {name: TensorSpec.record() (+ "stats" for quantized weights)}}, ...]
     }
 
+``Manifest`` is the typed form: ``read_manifest``/``loads`` are the one reader (the schema is
+checked on read, numbers against sane bounds before anything is sized from them) and
+``Manifest.dumps`` the one writer.
+
 File names in ``shards`` and ``files`` are relative to the manifest's own directory (or prefix).
 
 A manifest pushed with ``--compress zstd`` adds to each compressed entry ``"compressed": {"codec":
@@ -27,120 +31,345 @@ pulled manifest.json is byte-identical to the build's.
 from __future__ import annotations
 
 import json
-import os
-import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..errors import ManifestError
-from ..spec.layout import Layout, build_layout
+from ..spec.layout import Layout, base_dtype, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import canonical_json, plan_from_dict
+from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 
 FORMAT = "shardc-manifest"
 FORMAT_VERSION = 1
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
+TOKENIZER = "tokenizer.json"
+_REBUILD = "the manifest is damaged; rebuild, or pass the manifest.json that shardc build wrote"
+# Sizes a real model never exceeds: a manifest claiming more is damaged or hostile, and is refused
+# before a Layout (one record per layer and rank) is sized from it.
+MAX_DEGREE = 4096
+MAX_BYTES = 1 << 50
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 10_000, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
+    "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14, "head_dim": 1 << 14,
+    "vocab_size": 1 << 24, "max_position_embeddings": 1 << 28,
+}
 
 
-def safe_name(name: str, what: str = "file name") -> str:
-    """A name from a file may never escape its directory."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", ".."):
-        raise ManifestError(
-            f"unsafe {what} {name!r}", hint="names must be plain file names without directories"
-        )
-    return name
+class _Reader:
+    """Typed access to one JSON object of the manifest; every failure names the key path."""
+
+    def __init__(self, data: Any, path: str, origin: str) -> None:
+        self.path, self.origin = path, origin
+        if not isinstance(data, dict):
+            raise self.error(f"is {type(data).__name__}, expected an object")
+        self.data = data
+
+    def error(self, msg: str, key: str | None = None) -> ManifestError:
+        where = ".".join(p for p in (self.path, key) if p) or "manifest"
+        return ManifestError(f"{self.origin}: {msg}", key=where, hint=_REBUILD)
+
+    def get(self, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        if key not in self.data:
+            if optional:
+                return None
+            raise self.error("is missing", key)
+        value = self.data[key]
+        if value is None and optional:
+            return None
+        if isinstance(value, bool) and kind is not bool or not isinstance(value, kind):
+            raise self.error(f"is {value!r}, expected {getattr(kind, '__name__', kind)}", key)
+        return value
+
+    def number(self, key: str, high: int, low: int = 0) -> int:
+        value = self.get(key, int)
+        if not low <= value <= high:
+            raise self.error(f"is {value}, outside {low}..{high}", key)
+        return value
+
+    def sha256(self, key: str) -> str:
+        value = self.get(key, str)
+        if len(value) != 64 or value.strip("0123456789abcdef"):
+            raise self.error(f"is {value!r}, expected 64 hex digits", key)
+        return value
+
+    def sub(self, key: str, optional: bool = False) -> _Reader | None:
+        value = self.get(key, dict, optional)
+        return None if value is None else _Reader(value, f"{self.path}.{key}".lstrip("."), self.origin)
+
+    def items(self, key: str) -> list[_Reader]:
+        return [_Reader(v, f"{self.path}.{key}[{i}]".lstrip("."), self.origin)
+                for i, v in enumerate(self.get(key, list))]
+
+    def only(self, *keys: str) -> None:
+        extra = sorted(set(self.data) - set(keys))
+        if extra:
+            raise self.error(f"has unknown key {extra[0]!r}")
 
 
-def new_manifest(
-    layout: Layout, source: dict[str, Any], shards: list[dict[str, Any]], files: list[dict[str, Any]]
-) -> dict[str, Any]:
+@dataclass
+class FileEntry:
+    """A file of the build (config, tokenizer) or of its source: name, size, sha256."""
+
+    name: str
+    size: int
+    sha256: str
+    compressed: dict[str, Any] | None = None  # the stored object, when pushed with --compress
+
+    @classmethod
+    def read(cls, r: _Reader, what: str = "file name") -> FileEntry:
+        r.only("name", "size", "sha256", "compressed")
+        return cls(safe_name(r.get("name", str), what), r.number("size", MAX_BYTES), r.sha256("sha256"),
+                   r.get("compressed", dict, optional=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"name": self.name, "size": self.size, "sha256": self.sha256}
+        if self.compressed is not None:
+            out["compressed"] = self.compressed
+        return out
+
+
+@dataclass
+class ShardEntry:
+    """One rank's shard file: where it sits in the plan, its bytes, its tensors' records."""
+
+    file: str
+    tp_rank: int
+    pp_stage: int
+    rank: int
+    layers: tuple[int, int]
+    size: int
+    sha256: str
+    tensors: dict[str, dict[str, Any]]
+    compressed: dict[str, Any] | None = None
+
+    @classmethod
+    def read(cls, r: _Reader) -> ShardEntry:
+        r.only("file", "tp_rank", "pp_stage", "rank", "layers", "size", "sha256", "tensors", "compressed")
+        layers = r.get("layers", list)
+        if len(layers) != 2 or not all(type(x) is int and 0 <= x <= CONFIG_BOUNDS["num_hidden_layers"]
+                                        for x in layers):
+            raise r.error(f"is {layers!r}, expected [start, stop]", "layers")
+        tensors = r.get("tensors", dict)
+        for name, rec in tensors.items():
+            if not isinstance(rec, dict) or not isinstance(rec.get("dtype"), str) \
+                    or not isinstance(rec.get("shape"), list):
+                raise r.error("is not a tensor record with dtype and shape", f"tensors.{name}")
+        return cls(safe_name(r.get("file", str), "shard file name"), r.number("tp_rank", MAX_DEGREE),
+                   r.number("pp_stage", MAX_DEGREE), r.number("rank", MAX_DEGREE * MAX_DEGREE),
+                   (layers[0], layers[1]), r.number("size", MAX_BYTES), r.sha256("sha256"), tensors,
+                   r.get("compressed", dict, optional=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"file": self.file, "tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
+               "layers": list(self.layers), "size": self.size, "sha256": self.sha256, "tensors": self.tensors}
+        if self.compressed is not None:
+            out["compressed"] = self.compressed
+        return out
+
+
+@dataclass
+class SourceRecord:
+    """What the build read: the source as the plan names it, its revision, every file's hash."""
+
+    uri: str
+    revision: str | None
+    files: list[FileEntry]
+
+    @classmethod
+    def read(cls, r: _Reader) -> SourceRecord:
+        r.only("uri", "revision", "files")
+        return cls(r.get("uri", str), r.get("revision", str, optional=True),
+                   [FileEntry.read(f, "source file name") for f in r.items("files")])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"uri": self.uri, "revision": self.revision, "files": [f.to_dict() for f in self.files]}
+
+
+@dataclass
+class LayoutRecord:
+    """The split at a glance (the full Layout is recomputed from plan and config: ``layout()``)."""
+
+    tp_degree: int
+    pp_degree: int
+    stages: list[tuple[int, int]]
+    base_dtype: str
+    dtype: str
+
+    @classmethod
+    def read(cls, r: _Reader) -> LayoutRecord:
+        r.only("tp_degree", "pp_degree", "stages", "base_dtype", "dtype")
+        tp, pp = r.number("tp_degree", MAX_DEGREE, 1), r.number("pp_degree", MAX_DEGREE, 1)
+        stages = r.get("stages", list)
+        if len(stages) != pp or not all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s)
+                                        for s in stages):
+            raise r.error(f"is not {pp} [start, stop] pairs", "stages")
+        return cls(tp, pp, [(a, b) for a, b in stages], r.get("base_dtype", str), r.get("dtype", str))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tp_degree": self.tp_degree, "pp_degree": self.pp_degree,
+                "stages": [list(s) for s in self.stages], "base_dtype": self.base_dtype, "dtype": self.dtype}
+
+
+@dataclass
+class Manifest:
+    """The typed manifest. ``plan`` and ``model`` stay the plain data they are recorded as (the
+    plan schema and ModelSpec validate them where they are used); everything else is typed."""
+
+    plan: dict[str, Any]
+    plan_sha256: str
+    model: dict[str, Any]
+    layout: LayoutRecord
+    source: SourceRecord
+    files: list[FileEntry]
+    shards: list[ShardEntry]
+    shardc_version: str = __version__
+    _by_file: dict[str, ShardEntry] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    # -- reading --------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The plan's name (replica_group.name): names the build and its manifests/ record."""
+        return self.plan["replica_group"]["name"]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The model's Hugging Face config.json, as the build recorded it."""
+        return self.model["config"]
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.tp_degree * self.layout.pp_degree
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def shard(self, file: str) -> ShardEntry | None:
+        """The entry of a shard file, by name (None when the manifest has none)."""
+        if len(self._by_file) != len(self.shards):
+            self._by_file = {s.file: s for s in self.shards}
+        return self._by_file.get(file)
+
+    def file(self, name: str) -> FileEntry | None:
+        """The entry of a side file (config.json, tokenizer files) by name."""
+        return next((f for f in self.files if f.name == name), None)
+
+    @property
+    def tokenizer_sha256(self) -> str | None:
+        """sha256 of the build's tokenizer.json, None when the build carries none."""
+        entry = self.file(TOKENIZER)
+        return entry.sha256 if entry else None
+
+    def to_layout(self) -> Layout:
+        """Recompute the Layout from the manifest's plan and model config: the independent truth."""
+        return build_layout(model_from_config(self.config), plan_from_dict(self.plan))
+
+    # -- writing --------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "shardc_version": self.shardc_version,
+            "plan": self.plan,
+            "plan_sha256": self.plan_sha256,
+            "model": self.model,
+            "layout": self.layout.to_dict(),
+            "source": self.source.to_dict(),
+            "files": [f.to_dict() for f in self.files],
+            "shards": [s.to_dict() for s in self.shards],
+        }
+
+    def dumps(self) -> bytes:
+        """The one writer: canonical JSON (sorted keys), the same bytes for the same build."""
+        return canonical_json(self.to_dict())
+
+    def write(self, path: str | Path) -> None:
+        write_atomic(path, self.dumps())
+
+    @classmethod
+    def from_dict(cls, m: Any, origin: str = "manifest") -> Manifest:
+        """Validate a parsed manifest and type it (ManifestError names the failing key)."""
+        if not isinstance(m, dict) or m.get("format") != FORMAT:
+            raise ManifestError(f"{origin} is not a shardc manifest", hint="pass the manifest.json that shardc build wrote")
+        if m.get("format_version") != FORMAT_VERSION:
+            raise ManifestError(
+                f"{origin} has format_version {m.get('format_version')!r}; this shardc reads {FORMAT_VERSION}",
+                hint="use the shardc version that wrote it",
+            )
+        r = _Reader(m, "", origin)
+        r.only("format", "format_version", "shardc_version", "plan", "plan_sha256", "model", "layout",
+               "source", "files", "shards")
+        plan = r.get("plan", dict)
+        rg = r.sub("plan").sub("replica_group")
+        rg.get("name", str)
+        model = r.sub("model")
+        config = model.sub("config")
+        for key, high in CONFIG_BOUNDS.items():  # before anything is sized from them
+            if key in config.data and config.data[key] is not None:
+                config.number(key, high, 1)
+        layout = LayoutRecord.read(r.sub("layout"))
+        shards = [ShardEntry.read(s) for s in r.items("shards")]
+        return cls(plan=plan, plan_sha256=r.sha256("plan_sha256"), model=model.data, layout=layout,
+                   source=SourceRecord.read(r.sub("source")),
+                   files=[FileEntry.read(f) for f in r.items("files")], shards=shards,
+                   shardc_version=r.get("shardc_version", str))
+
+
+def new_manifest(layout: Layout, source: SourceRecord, shards: list[ShardEntry],
+                 files: list[FileEntry]) -> Manifest:
+    """The manifest of a finished build (files sorted by name, shards by rank)."""
     plan, model = layout.plan, layout.model
-    from ..spec.layout import base_dtype
-
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "shardc_version": __version__,
-        "plan": plan.data,
-        "plan_sha256": plan.sha256,
-        "model": {**model.summary(), "padded_vocab_size": layout.padded_vocab, "config": model.config},
-        "layout": {
-            "tp_degree": plan.tp,
-            "pp_degree": plan.pp,
-            "stages": [list(s) for s in layout.stages],
-            "base_dtype": base_dtype(model, plan),
-            "dtype": plan.dtype,
-        },
-        "source": source,
-        "files": sorted(files, key=lambda f: f["name"]),
-        "shards": sorted(shards, key=lambda s: s["rank"]),
-    }
+    return Manifest(
+        plan=plan.data,
+        plan_sha256=plan.sha256,
+        model={**model.summary(), "padded_vocab_size": layout.padded_vocab, "config": model.config},
+        layout=LayoutRecord(plan.tp, plan.pp, [tuple(s) for s in layout.stages], base_dtype(model, plan), plan.dtype),
+        source=source,
+        files=sorted(files, key=lambda f: f.name),
+        shards=sorted(shards, key=lambda s: s.rank),
+    )
 
 
-def dumps(manifest: dict[str, Any]) -> bytes:
-    return canonical_json(manifest)
+def typed(manifest: Manifest | dict[str, Any]) -> Manifest:
+    """A Manifest from either form (callers that still hold the plain dict: store/)."""
+    return manifest if isinstance(manifest, Manifest) else Manifest.from_dict(manifest)
 
 
-def loads(data: bytes | str, origin: str = "manifest") -> dict[str, Any]:
-    """Parse and sanity-check a manifest (ManifestError names what is wrong)."""
+def parse(data: bytes | str, origin: str = "manifest") -> Manifest:
+    """The one reader: JSON bytes -> validated Manifest (ManifestError names what is wrong)."""
     try:
         m = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ManifestError(f"{origin} is not JSON", hint="pass the manifest.json that shardc build wrote") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise ManifestError(f"{origin} is not a shardc manifest", hint="pass the manifest.json that shardc build wrote")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise ManifestError(
-            f"{origin} has format_version {m.get('format_version')!r}; this shardc reads {FORMAT_VERSION}",
-            hint="use the shardc version that wrote it",
-        )
-    for key in ("plan", "plan_sha256", "model", "layout", "source", "files", "shards"):
-        if key not in m:
-            raise ManifestError(f"{origin} lacks the key {key!r}", hint="the manifest is damaged; rebuild")
-    for shard in m["shards"]:
-        safe_name(shard.get("file"), "shard file name")
-    for f in m["files"]:
-        safe_name(f.get("name"))
-    return m
+    return Manifest.from_dict(m, origin)
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
+def read(path: str | Path) -> Manifest:
+    """Read and validate a manifest file."""
     path = Path(path)
     try:
         data = path.read_bytes()
     except OSError as exc:
         raise ManifestError(f"cannot read manifest {path}: {exc.strerror}", hint="check the path") from None
-    return loads(data, str(path))
+    return parse(data, str(path))
 
 
-def write_atomic(path: str | Path, data: bytes) -> None:
-    """temp file + fsync + rename: the file is either the old one or the new one, never half."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+def dumps(manifest: Manifest | dict[str, Any]) -> bytes:
+    """Canonical bytes of a manifest (the plain-dict form too, for store/'s remote copies)."""
+    return manifest.dumps() if isinstance(manifest, Manifest) else canonical_json(manifest)
 
 
-def fsync_dir(path: str | Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+# The plain-dict forms, validated by the same reader: store/ still works on dicts.
+def loads(data: bytes | str, origin: str = "manifest") -> dict[str, Any]:
+    return parse(data, origin).to_dict()
 
 
-def layout_of(manifest: dict[str, Any]) -> Layout:
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    return read(path).to_dict()
+
+
+def layout_of(manifest: Manifest | dict[str, Any]) -> Layout:
     """Recompute the Layout from the manifest's plan and model config: the independent truth."""
-    plan = plan_from_dict(manifest["plan"])
-    model = model_from_config(manifest["model"]["config"])
-    return build_layout(model, plan)
+    return typed(manifest).to_layout()

@@ -1,4 +1,4 @@
-"""Incremental safetensors writer (DESIGN.md §3.2).
+"""The shard-file format: safetensors header write and read, the streaming writer, shard metadata.
 
 ``safetensors.torch.save_file`` needs a whole file's tensors in memory; one rank of a 70B model is
 9-35 GB. The format is simple enough to stream: 8-byte little-endian header length, the JSON header
@@ -7,6 +7,10 @@ bytes in header order. Tensors are laid out sorted by name, so the bytes are det
 
 The writer hashes what it writes (sha256 of the whole file) and commits atomically: temp file,
 fsync, rename. Tests read every written file back with the safetensors library.
+
+``read_header`` is the one parser of the header (verify, inspect and the source index use it); it
+bounds what it reads and checks every entry, so a damaged file is an error naming the file and
+the key, never a crash or a huge allocation.
 """
 
 from __future__ import annotations
@@ -22,12 +26,80 @@ import struct
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from ..spec.layout import DTYPE_BYTES
+from .. import __version__
+from ..errors import ShardFormatError
+from ..spec.dtypes import DTYPE_BYTES
+from ..spec.layout import Layout, RankLayout
+from .files import create_temp
 
 ALIGN = 8
 STAGE_BYTES = 8 << 20  # per write; a multiple of any block size O_DIRECT asks for
 DIRECT_ALIGN = 4096
+MAX_HEADER = 100 << 20  # the safetensors library's own limit
+METADATA = "__metadata__"
+
+
+def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
+    """A shard's ``__metadata__``: catches a file that strays into the wrong directory."""
+    p = layout.plan
+    return {
+        "format": "pt",
+        "shardc.version": __version__,
+        "shardc.plan": p.name,
+        "shardc.plan_sha256": p.sha256,
+        "shardc.tp_degree": str(p.tp),
+        "shardc.pp_degree": str(p.pp),
+        "shardc.tp_rank": str(rl.tp_rank),
+        "shardc.pp_stage": str(rl.pp_stage),
+        "shardc.rank": str(rl.rank),
+        "shardc.layers": f"{rl.layers[0]}:{rl.layers[1]}",
+    }
+
+
+def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Parse a safetensors file's header: (tensors, metadata, data start).
+
+    ``tensors`` maps each name to its entry (``dtype`` str, ``shape`` list of ints,
+    ``data_offsets`` [begin, end] relative to the data start). Raises ShardFormatError naming the
+    file and the entry when the header is short, oversized, not a JSON object, or malformed.
+    """
+    path = Path(path)
+
+    def bad(msg: str, key: str | None = None) -> ShardFormatError:
+        return ShardFormatError(msg, key=f"{path.name}:{key}" if key else path.name,
+                                hint="the file is damaged or not a safetensors file")
+
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise bad("file shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > MAX_HEADER:
+            raise bad(f"header length {n} is implausible")
+        data = f.read(n)
+    if len(data) != n:
+        raise bad("header truncated")
+    try:
+        header = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    meta = header.pop(METADATA, None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad("metadata is not a map of strings", METADATA)
+    for name, e in header.items():
+        if not isinstance(e, dict) or not isinstance(e.get("dtype"), str):
+            raise bad("entry has no dtype", name)
+        shape, offs = e.get("shape"), e.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"shape {shape!r} is not a list of sizes", name)
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise bad(f"data_offsets {offs!r} are not [begin, end]", name)
+    return header, meta, 8 + n
 
 
 def header_bytes(
@@ -70,11 +142,10 @@ class ShardWriter:
         metadata: dict[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.partial")
         head = header_bytes(tensors, metadata)
         self.expected = len(head) + sum(math.prod(s) * DTYPE_BYTES[d] for _, d, s in tensors)
         self._sha = hashlib.sha256()
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        self._fd, self.tmp = create_temp(self.path)
         self.direct = _enable_direct(self._fd)
         self._bufs = [mmap.mmap(-1, STAGE_BYTES) for _ in range(2)]  # page-aligned
         self._fill = 0  # bytes in the current buffer

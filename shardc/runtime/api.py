@@ -7,12 +7,12 @@ manifest), so nothing here needs the source checkpoint or the network.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError
+from ..formats.manifest import TOKENIZER, Manifest
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -23,15 +23,15 @@ class BuildRef:
 
     manifest_path: Path
     directory: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @property
     def name(self) -> str:
-        return str(self.manifest["plan"]["replica_group"]["name"])
+        return self.manifest.name
 
     @property
     def world_size(self) -> int:
-        return int(self.manifest["layout"]["tp_degree"] * self.manifest["layout"]["pp_degree"])
+        return self.manifest.world_size
 
     def job_entry(self, name: str | None = None) -> dict[str, str]:
         return {"manifest": str(self.manifest_path), "dir": str(self.directory), "name": name or self.name}
@@ -39,16 +39,16 @@ class BuildRef:
 
 def open_build(manifest: str | Path, directory: str | Path | None = None) -> BuildRef:
     """A manifest.json (or a build directory holding one); shards default to the manifest's directory."""
-    from ..formats.manifest import read_manifest
+    from ..formats.manifest import read
 
     path = Path(str(manifest).removeprefix("file://"))
     if path.is_dir():
         path = path / "manifest.json"
-    m = read_manifest(path)
+    m = read(path)
     d = Path(directory) if directory is not None else path.parent
-    missing = [s["file"] for s in m["shards"] if not (d / s["file"]).is_file()]
+    missing = [s.file for s in m.shards if not (d / s.file).is_file()]
     if missing:
-        name = m["plan"]["replica_group"]["name"]
+        name = m.name
         raise ManifestError(
             f"{len(missing)} shard file(s) of plan {name} are not in {d} (first: {missing[0]})",
             hint=f"pass the directory holding them (--dir / --baseline-dir / --candidate-dir), "
@@ -58,7 +58,7 @@ def open_build(manifest: str | Path, directory: str | Path | None = None) -> Bui
 
 
 def eos_ids(ref: BuildRef) -> list[int]:
-    eos = ref.manifest["model"]["config"].get("eos_token_id")
+    eos = ref.manifest.config.get("eos_token_id")
     if eos is None:
         return []
     return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
@@ -70,25 +70,22 @@ def load_tokenizer(ref: BuildRef, override: str | Path | None = None) -> Any:
 
     if override is not None:
         p = Path(override)
-        p = p / "tokenizer.json" if p.is_dir() else p
+        p = p / TOKENIZER if p.is_dir() else p
         if not p.is_file():
             raise ManifestError(f"no tokenizer.json at {override}", hint="pass a tokenizer.json or its directory")
         return Tokenizer.from_file(str(p))
-    p = ref.directory / "tokenizer.json"
+    p = ref.directory / TOKENIZER
     if not p.is_file():
         raise ManifestError(
             f"the build at {ref.directory} has no tokenizer.json",
             hint="build from a checkpoint with tokenizer files, pass --tokenizer, or give token ids",
         )
-    entry = next((f for f in ref.manifest["files"] if f["name"] == "tokenizer.json"), None)
-    if entry is not None and hashlib.sha256(p.read_bytes()).hexdigest() != entry["sha256"]:
+    from ..formats.files import sha256_file
+
+    want = ref.manifest.tokenizer_sha256
+    if want is not None and sha256_file(p) != want:
         raise ManifestError(f"{p} does not match the sha256 in the manifest", hint="re-pull or rebuild")
     return Tokenizer.from_file(str(p))
-
-
-def tokenizer_sha(ref: BuildRef) -> str | None:
-    entry = next((f for f in ref.manifest["files"] if f["name"] == "tokenizer.json"), None)
-    return entry["sha256"] if entry else None
 
 
 def _job(kind: str, refs: list[BuildRef], names: list[str] | None, timeout_s: float, device: str,
@@ -129,8 +126,8 @@ def score(ref: BuildRef, windows: Any, *, micro_batch: int = 1, return_logits: b
                       "return_logits": return_logits})
     res = run_job(job)
     if res is not None:
-        lay = ref.manifest["layout"]
-        res["pipeline"] = pipeline_stats(res["trace"], lay["tp_degree"], lay["pp_degree"])
+        lay = ref.manifest.layout
+        res["pipeline"] = pipeline_stats(res["trace"], lay.tp_degree, lay.pp_degree)
     return res
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, ShardcError
+from ..formats.manifest import Manifest
 
 DEFAULT_MAX_PPL_DELTA_PCT = 0.5
 DEFAULT_WINDOW = 512
@@ -89,17 +90,17 @@ def make_windows(ids: list[int], window: int, max_tokens: int) -> list[list[int]
     return [ids[i * window : (i + 1) * window] for i in range(n)]
 
 
-def check_compatible(base: dict[str, Any], cand: dict[str, Any]) -> None:
+def check_compatible(base: Manifest, cand: Manifest) -> None:
     """Both manifests must describe the same network (shape, vocabulary, tokenizer)."""
     keys = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads",
             "num_kv_heads", "head_dim", "vocab_size", "rope_theta", "rope_scaling")
     for k in keys:
-        if base["model"].get(k) != cand["model"].get(k):
+        if base.model.get(k) != cand.model.get(k):
             raise ManifestError(
-                f"baseline and candidate are different models: {k} is {base['model'].get(k)!r} vs "
-                f"{cand['model'].get(k)!r}", hint="gate two plans built from the same checkpoint",
+                f"baseline and candidate are different models: {k} is {base.model.get(k)!r} vs "
+                f"{cand.model.get(k)!r}", hint="gate two plans built from the same checkpoint",
             )
-    tok = [next((f["sha256"] for f in m["files"] if f["name"] == "tokenizer.json"), None) for m in (base, cand)]
+    tok = (base.tokenizer_sha256, cand.tokenizer_sha256)
     if tok[0] and tok[1] and tok[0] != tok[1]:
         raise ManifestError("baseline and candidate ship different tokenizer.json files",
                             hint="gate two plans built from the same checkpoint")
@@ -199,8 +200,8 @@ def run_gate(
 
 def _side(ref: Any) -> dict[str, Any]:
     m = ref.manifest
-    return {"plan": ref.name, "manifest": str(ref.manifest_path), "plan_sha256": m["plan_sha256"],
-            "tp": m["layout"]["tp_degree"], "pp": m["layout"]["pp_degree"], "dtype": m["layout"]["dtype"]}
+    return {"plan": ref.name, "manifest": str(ref.manifest_path), "plan_sha256": m.plan_sha256,
+            "tp": m.layout.tp_degree, "pp": m.layout.pp_degree, "dtype": m.layout.dtype}
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -9,15 +9,15 @@ per-channel scales (weight-only quantization: activations stay in the 16-bit bas
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..errors import ManifestError
+from ..formats.manifest import Manifest
+from ..spec.dtypes import torch_name
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout
 from .llama import Dims, LayerWeights, StageWeights
 
-BASE_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 _PROJ = {
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
@@ -29,9 +29,9 @@ _PROJ = {
 }
 
 
-def compute_dtype(manifest: dict[str, Any]) -> torch.dtype:
+def compute_dtype(manifest: Manifest) -> torch.dtype:
     """The 16-bit dtype activations run in: the plan's base dtype (int8/fp8 dequantize to it)."""
-    return BASE_DTYPES[manifest["layout"]["base_dtype"]]
+    return getattr(torch, torch_name(manifest.layout.base_dtype))
 
 
 def local_dims(layout: Layout) -> Dims:
@@ -47,7 +47,7 @@ def local_dims(layout: Layout) -> Dims:
 
 
 def load_stage(
-    manifest: dict[str, Any], directory: Path, layout: Layout, tp_rank: int, pp_stage: int,
+    manifest: Manifest, directory: Path, layout: Layout, tp_rank: int, pp_stage: int,
     device: torch.device,
 ) -> StageWeights:
     """Load, check and arrange one rank's tensors (dequantizing int8/fp8)."""

@@ -28,14 +28,14 @@ from ..errors import DistributedError, ShardcError
 
 
 def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    from ..formats.manifest import read_manifest
+    from ..formats.manifest import read
     from .comm import Replica
 
     reps, manifests, base = [], [], 0
     for i, spec in enumerate(job["replicas"]):
-        m = read_manifest(spec["manifest"])
-        tp, pp = m["layout"]["tp_degree"], m["layout"]["pp_degree"]
-        reps.append(Replica(i, spec.get("name") or m["plan"]["replica_group"]["name"], tp, pp, base))
+        m = read(spec["manifest"])
+        tp, pp = m.layout.tp_degree, m.layout.pp_degree
+        reps.append(Replica(i, spec.get("name") or m.name, tp, pp, base))
         manifests.append(m)
         base += tp * pp
     return reps, manifests
@@ -51,7 +51,6 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
     """Run this rank's part of ``job``. Returns the result on the rank that holds it, else None."""
     import torch
 
-    from ..formats.manifest import layout_of
     from .comm import Comm, open_store
     from .engine import StageRunner, Timer
     from .llama import StageModel
@@ -78,11 +77,11 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
     try:
         rep = comm.replica
         manifest = manifests[rep.index]
-        layout = layout_of(manifest)
+        layout = manifest.to_layout()
         directory = Path(job["replicas"][rep.index]["dir"])
         t_load = time.perf_counter()
         weights = load_stage(manifest, directory, layout, comm.tp_rank, comm.pp_stage, device)
-        model = StageModel(weights, local_dims(layout), manifest["model"], comm,
+        model = StageModel(weights, local_dims(layout), manifest.model, comm,
                            compute_dtype(manifest), device)
         load_s = time.perf_counter() - t_load
         comm.mark("loaded")
@@ -216,11 +215,15 @@ def main(argv: list[str]) -> int:
     try:
         result = execute(job, rank, world, hosted_store=True)
         if result is not None:
+            import io
+
             import torch
 
-            tmp = out_dir / f".result-{rank}.tmp"
-            torch.save(result, tmp)
-            os.replace(tmp, out_dir / "result.pt")
+            from ..formats.files import write_atomic
+
+            buf = io.BytesIO()
+            torch.save(result, buf)
+            write_atomic(out_dir / "result.pt", buf.getvalue())
         code = 0
     except BaseException as exc:  # report everything, including KeyboardInterrupt, to the launcher
         report = {
@@ -231,9 +234,9 @@ def main(argv: list[str]) -> int:
             "peer": isinstance(exc, DistributedError),
             "traceback": traceback.format_exc(),
         }
-        tmp = out_dir / f".error-{rank}.tmp"
-        tmp.write_text(json.dumps(report))
-        os.replace(tmp, out_dir / f"error-{rank}.json")
+        from ..formats.files import write_atomic
+
+        write_atomic(out_dir / f"error-{rank}.json", json.dumps(report).encode())
         print(report["traceback"], file=sys.stderr, flush=True)
         code = 1
     sys.stdout.flush()

@@ -1,61 +1,41 @@
-"""Tensor bytes as numpy arrays: the build's data path needs no torch.
+"""The one dtype table: every name a dtype goes by, in safetensors headers, plans, Hugging Face
+configs (``torch_dtype``), torch and numpy.
 
-A 16-bit build only maps source tensors, slices them and casts 16-bit floats; numpy does that
-with ml_dtypes supplying bfloat16 and float8_e4m3fn, and imports in 0.1 s where torch takes 1-2 s
-(on a 10 s build, that is most of the margin). ml_dtypes casts round to nearest even, like torch,
-and release the GIL, so the per-rank writer threads run them in parallel. Quantization still runs
-in torch; ``to_torch``/``from_torch`` cross over without copying.
+Pure data (no numpy or torch import), so the planner and the CLI can read it for free; the
+numpy/torch crossover lives in ``shardc.build.arrays``.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
-import ml_dtypes
-import numpy as np
-
-NP_DTYPES: dict[str, Any] = {
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F32": np.dtype(np.float32),
-    "I8": np.dtype(np.int8),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-}
-# torch knows bf16 and fp8 but not ml_dtypes' versions: cross over through same-width integers
-_SAME_WIDTH_INT = {2: np.int16, 1: np.uint8, 4: np.int32}
-_TORCH_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "I8": "int8",
-                "F8_E4M3": "float8_e4m3fn"}
+from dataclasses import dataclass
 
 
-def np_dtype(name: str) -> np.dtype:
-    """numpy dtype for a safetensors dtype name (F16, BF16, F32, I8, F8_E4M3)."""
-    return NP_DTYPES[name]
+@dataclass(frozen=True)
+class DType:
+    name: str  # safetensors header name: "BF16"
+    itemsize: int  # bytes per element
+    torch: str  # torch attribute = HF config torch_dtype = numpy/ml_dtypes type name: "bfloat16"
+    plan: str | None = None  # the plan's word for it ("bf16"); None: never a plan's output dtype
 
 
-def dtype_name(dtype: np.dtype) -> str:
-    return next(k for k, v in NP_DTYPES.items() if v == dtype)
+DTYPES: dict[str, DType] = {d.name: d for d in (
+    DType("F32", 4, "float32"),
+    DType("F16", 2, "float16", "fp16"),
+    DType("BF16", 2, "bfloat16", "bf16"),
+    DType("I8", 1, "int8", "int8"),
+    DType("F8_E4M3", 1, "float8_e4m3fn", "fp8"),
+)}
+DTYPE_BYTES: dict[str, int] = {n: d.itemsize for n, d in DTYPES.items()}
+PLAN_DTYPE: dict[str, str] = {d.plan: n for n, d in DTYPES.items() if d.plan}
+SOURCE_DTYPES = ("F16", "BF16", "F32")  # what a source checkpoint may hold
+_BY_TORCH = {d.torch: n for n, d in DTYPES.items()}
 
 
-def as_bytes(a: np.ndarray) -> np.ndarray:
-    """The array's bytes, flat (a view when it is contiguous)."""
-    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+def from_torch_name(torch_name: str) -> str | None:
+    """Safetensors name for a torch / HF ``torch_dtype`` name ("bfloat16" -> "BF16"), else None."""
+    return _BY_TORCH.get(torch_name.removeprefix("torch."))
 
 
-def to_torch(a: np.ndarray):
-    """A torch tensor sharing ``a``'s memory (read-only arrays included: never write to it)."""
-    import torch
-
-    dtype = getattr(torch, _TORCH_NAMES[dtype_name(a.dtype)])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-        return torch.from_numpy(a.view(_SAME_WIDTH_INT[a.itemsize])).view(dtype)
-
-
-def from_torch(t) -> np.ndarray:
-    """A numpy array sharing the CPU tensor's memory."""
-    import torch
-
-    name = next(k for k, v in _TORCH_NAMES.items() if getattr(torch, v) == t.dtype)
-    width = {2: torch.int16, 1: torch.uint8, 4: torch.int32}[t.element_size()]
-    return t.view(width).numpy().view(NP_DTYPES[name])
+def torch_name(name: str) -> str:
+    """torch / HF config name for a safetensors dtype ("BF16" -> "bfloat16")."""
+    return DTYPES[name].torch

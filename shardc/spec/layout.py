@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..errors import LayoutError, QuantizationError
+from .dtypes import DTYPE_BYTES, PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
 
@@ -37,8 +38,6 @@ _COMPILED = tuple((re.compile(p), kind) for p, kind in SPLIT_RULES)
 QUANTIZABLE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 
-DTYPE_BYTES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "F8_E4M3": 1}
-PLAN_DTYPE = {"fp16": "F16", "bf16": "BF16", "int8": "I8", "fp8": "F8_E4M3"}
 MAX_TP_HINT = 64
 
 

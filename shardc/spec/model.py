@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelError
+from .dtypes import SOURCE_DTYPES, from_torch_name
 
 # Architecture -> which projections carry a bias. Everything else about the split table is shared.
 ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -73,9 +74,6 @@ HUB_PRESETS = {
     "meta-llama/llama-3.1-405b": "llama-3.1-405b",
 }
 
-_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of a Llama-family model, as sharding sees it."""
@@ -102,7 +100,8 @@ class ModelSpec:
     @property
     def source_dtype(self) -> str:
         """safetensors dtype name of the checkpoint, per its config (F16, BF16 or F32)."""
-        return _DTYPES.get(self.torch_dtype, "BF16")
+        name = from_torch_name(self.torch_dtype)
+        return name if name in SOURCE_DTYPES else "BF16"
 
     def summary(self) -> dict[str, Any]:
         """Plain-data description recorded in manifests and used by the runtime."""

@@ -2,8 +2,10 @@
 partial files they live in until they are checked.
 
 Partial files are created next to their final name, exclusively (``O_CREAT|O_EXCL|O_NOFOLLOW``)
-under a random name that carries the writer's pid: a symlink planted at a guessable temp name can
-never redirect a write, and a later run removes the partials of writers that are gone.
+under a random name, like :func:`shardc.formats.files.create_temp`'s temp files, plus the writer's
+pid: a transfer runs for minutes, two pulls may share a destination, and the next run must tell a
+dead writer's partial (removed) from a live one's (kept). Small files (the manifest) go through
+:func:`shardc.formats.files.write_atomic`.
 """
 
 from __future__ import annotations
@@ -15,9 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..build.source import sha256_file
 from ..errors import StoreError, VerifyMismatch
-from ..formats.manifest import fsync_dir
+from ..formats.files import sha256_file
 
 CODECS = ("zstd",)
 # zstd stores bf16 shards in 78% of their size, fp8 in 79-82%, int8 in 82-90% (random-like
@@ -51,22 +52,6 @@ def new_partial(final: Path, suffix: str = "") -> tuple[Path, BinaryIO]:
         except FileExistsError:  # 64 random bits: something was planted there
             continue
     raise FileExistsError(f"cannot create a partial file next to {final}")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Exclusive partial file + fsync + rename + fsync of the directory: ``path`` holds the old
-    bytes or the new ones, never half, and no link in the directory decides where they go."""
-    tmp, f = new_partial(path)
-    try:
-        with f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
 
 
 def remove_stale_partials(directory: Path, name: str) -> int:

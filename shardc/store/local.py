@@ -1,7 +1,7 @@
 """The local backend of :mod:`shardc.store`: a directory (a plain path or ``file://``).
 
-Writes are atomic like the build's own files: an exclusive partial file next to the target
-(:mod:`shardc.store.codec`), fsync, rename. No recorded hashes: :meth:`LocalStore.head` computes
+Writes are atomic like the build's own files: an exclusive partial or temp file next to the
+target, fsync, rename. No recorded hashes: :meth:`LocalStore.head` computes
 them when the caller is about to compare.
 """
 
@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..build.source import sha256_file
 from ..errors import ShardcError, StoreError, VerifyMismatch
-from ..formats.manifest import fsync_dir
+from ..formats.files import fsync_dir, sha256_file, write_atomic
 from .base import GetItem, ObjectInfo, PutItem, Store
-from .codec import BLOCK, new_partial, remove_stale_partials, write_atomic, zstd_file_digests
+from .codec import BLOCK, new_partial, remove_stale_partials, zstd_file_digests
 
 
 class LocalStore(Store):

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..build.source import sha256_file
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
-from ..formats.manifest import dumps, fsync_dir, layout_of, loads, safe_name
+from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
+from ..formats.manifest import Manifest, ShardEntry, parse
 from .base import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -20,11 +20,10 @@ from .base import (
     S3Settings,
     Store,
     env_flag,
-    open_store,
-    split_object_uri,
 )
-from .codec import CODECS, VerifiedSink, remove_stale_partials, write_atomic, zstd_module
-from .transfer import os_errors, progress_bar, strip_compressed
+from .codec import CODECS, VerifiedSink, remove_stale_partials, zstd_module
+from .transfer import entries, os_errors, progress_bar, strip_compressed
+from .uri import open_store, split_object_uri
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +53,7 @@ def fsync_downloads_from_env() -> bool:
 
 
 @os_errors
-def fetch_manifest(manifest_uri: str, *, endpoint_url: str | None = None) -> dict[str, Any]:
+def fetch_manifest(manifest_uri: str, *, endpoint_url: str | None = None) -> Manifest:
     """A manifest straight from a store (for ``shardc verify --manifest s3://...``), as the build
     wrote it (the store's compression records stripped)."""
     return strip_compressed(_fetch(manifest_uri, endpoint_url, S3Settings.from_env())[1])
@@ -83,7 +82,7 @@ def pull_build(
     if any(w.compressed for w in wanted):
         zstd_module()  # before any byte moves: the store holds .zst objects
     local = strip_compressed(remote)
-    local_bytes = dumps(local)
+    local_bytes = local.dumps()
 
     dest = Path(dest_dir)
     _prepare(dest, local_bytes, wanted)
@@ -101,7 +100,8 @@ def pull_build(
         "manifest_uri": manifest_uri,
         "dest": str(dest),
         "manifest": str(dest / MANIFEST_NAME),
-        "ranks": [{k: s[k] for k in ("file", "tp_rank", "pp_stage", "rank")} for s in shards],
+        "ranks": [{"file": s.file, "tp_rank": s.tp_rank, "pp_stage": s.pp_stage, "rank": s.rank}
+                  for s in shards],
         "files": sorted(files, key=lambda f: f["name"]),
         "downloaded": len(todo),
         "present": len(wanted) - len(todo),
@@ -113,26 +113,26 @@ def pull_build(
 
 # --- steps --------------------------------------------------------------------------------------
 
-def _fetch(manifest_uri: str, endpoint_url: str | None, settings: S3Settings) -> tuple[Store, dict]:
+def _fetch(manifest_uri: str, endpoint_url: str | None, settings: S3Settings) -> tuple[Store, Manifest]:
     root, name = split_object_uri(manifest_uri)
     store = open_store(root, endpoint_url=endpoint_url, settings=settings)
     data = store.get_bytes(name, MAX_MANIFEST_BYTES)
     if data is None:
         raise StoreError(f"no manifest at {store.object_uri(name)}",
                          hint="check the URI; a build is visible only once shardc push has finished")
-    return store, loads(data, store.object_uri(name))
+    return store, parse(data, store.object_uri(name))
 
 
-def _select(manifest: dict[str, Any], ranks: list[tuple[int, int]] | None,
-            global_ranks: list[int] | None) -> list[dict[str, Any]]:
+def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,
+            global_ranks: list[int] | None) -> list[ShardEntry]:
     """The shard entries of the requested ranks (by (tp_rank, pp_stage) or global rank), by rank."""
-    shards = manifest["shards"]
+    shards = manifest.shards
     if ranks is None and global_ranks is None:
         return list(shards)
-    by_pair = {(s["tp_rank"], s["pp_stage"]): s for s in shards}
-    by_rank = {s["rank"]: s for s in shards}
-    tp, pp = manifest["layout"]["tp_degree"], manifest["layout"]["pp_degree"]
-    out: list[dict[str, Any]] = []
+    by_pair = {(s.tp_rank, s.pp_stage): s for s in shards}
+    by_rank = {s.rank: s for s in shards}
+    tp, pp = manifest.layout.tp_degree, manifest.layout.pp_degree
+    out: list[ShardEntry] = []
     for pair in ranks or []:
         if tuple(pair) not in by_pair:
             raise ManifestError(f"tp_rank={pair[0]} pp_stage={pair[1]} is outside this build "
@@ -144,19 +144,19 @@ def _select(manifest: dict[str, Any], ranks: list[tuple[int, int]] | None,
             raise ManifestError(f"rank {r} is outside this build (world size {tp * pp})",
                                 hint=f"ranks 0..{tp * pp - 1}")
         out.append(by_rank[r])
-    unique = {s["file"]: s for s in out}
-    return sorted(unique.values(), key=lambda s: s["rank"])
+    unique = {s.file: s for s in out}
+    return sorted(unique.values(), key=lambda s: s.rank)
 
 
-def _wanted(remote: dict[str, Any], shards: list[dict[str, Any]]) -> list[Wanted]:
+def _wanted(remote: Manifest, shards: list[ShardEntry]) -> list[Wanted]:
     """The side files and the selected shards, each with its checked ``compressed`` record."""
-    pairs = [(f["name"], f) for f in remote["files"]] + [(s["file"], s) for s in shards]
-    return [Wanted(name, e["size"], e["sha256"], _compressed(e, name)) for name, e in pairs]
+    selected = {s.file for s in shards}
+    return [Wanted(name, e.size, e.sha256, _compressed(e.compressed, name))
+            for name, e in entries(remote) if not isinstance(e, ShardEntry) or name in selected]
 
 
-def _compressed(entry: dict[str, Any], fname: str) -> dict[str, Any] | None:
-    """The entry's ``compressed`` record, checked: names from a manifest never escape ``dest``."""
-    comp = entry.get("compressed")
+def _compressed(comp: dict[str, Any] | None, fname: str) -> dict[str, Any] | None:
+    """An entry's ``compressed`` record, checked: names from a manifest never escape ``dest``."""
     if comp is None:
         return None
     if (not isinstance(comp, dict) or comp.get("codec") not in CODECS
@@ -243,17 +243,17 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
     return digests
 
 
-def verify_pulled(manifest: dict[str, Any], dest: Path, shards: list[dict[str, Any]],
+def verify_pulled(manifest: Manifest, dest: Path, shards: list[ShardEntry],
                   digests: dict[str, str]) -> dict[str, Any]:
     """The checks of ``shardc verify`` for the pulled ranks, without hashing their shards again:
     each was hashed while it was downloaded (or found present), and ``digests`` holds those
     sha256s, so re-reading every byte (what verify_build would do) is spared."""
     from ..verify.checks import check_manifest_against_layout, verify_rank
 
-    layout = layout_of(manifest)
+    layout = manifest.to_layout()
     problems = check_manifest_against_layout(manifest, layout)
     results = [verify_rank(manifest, dest, layout, rl, hashed=digests.get(rl.file))
-               for rl in (layout.rank(s["tp_rank"], s["pp_stage"]) for s in shards)]
+               for rl in (layout.rank(s.tp_rank, s.pp_stage) for s in shards)]
     problems += [p for r in results for p in r.problems]
     return {"ok": not problems, "plan": layout.plan.name, "plan_sha256": layout.plan.sha256,
             "problems": problems, "ranks": [r.as_dict() for r in results]}

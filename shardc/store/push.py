@@ -10,22 +10,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..build.source import sha256_file
 from ..errors import StoreError, VerifyMismatch
-from ..formats.manifest import dumps, read_manifest
-from .base import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    ObjectInfo,
-    PutItem,
-    S3Settings,
-    Store,
-    open_store,
-    parse_uri,
-    split_object_uri,
-)
+from ..formats.files import sha256_file
+from ..formats.manifest import Manifest, ShardEntry, read
+from .base import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
 from .codec import CODECS, ZSTD_LEVEL, compress_file, zstd_module
 from .transfer import entries, os_errors, progress_bar
+from .uri import open_store, parse_uri, split_object_uri
 
 
 @dataclasses.dataclass
@@ -64,7 +55,7 @@ def push_build(
     """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes."""
     t0 = time.perf_counter()
     manifest_path = Path(manifest_path)
-    manifest = read_manifest(manifest_path)
+    manifest = read(manifest_path)
     _check_codec(compress)
     src = _build_dir(manifest_path, manifest, build_dir)
     root, manifest_name = _destination(manifest, dest_uri)
@@ -77,7 +68,7 @@ def push_build(
         store.delete(manifest_name)  # un-commit: its objects are about to change
     _upload(store, todo, progress)
     _check_stored(store, uploads)
-    data = dumps(_remote_manifest(manifest, uploads))
+    data = _remote_manifest(manifest, uploads).dumps()
     state = "unchanged"
     if data != old or todo:
         store.put_bytes(manifest_name, data, {"sha256": hashlib.sha256(data).hexdigest()})
@@ -108,10 +99,10 @@ def _check_codec(compress: str | None) -> None:
     zstd_module()
 
 
-def _build_dir(manifest_path: Path, manifest: dict[str, Any], build_dir: Path | None) -> Path:
+def _build_dir(manifest_path: Path, manifest: Manifest, build_dir: Path | None) -> Path:
     """Where the shards are: next to the manifest, or (for a copy in manifests/) build/<plan name>."""
-    names = [n for n, _, _ in entries(manifest)]
-    name = manifest["plan"]["replica_group"]["name"]
+    names = [n for n, _ in entries(manifest)]
+    name = manifest.name
     candidates = [Path(build_dir)] if build_dir else [
         manifest_path.parent, Path("build") / name, manifest_path.parent.parent / "build" / name]
     for c in candidates:
@@ -122,31 +113,31 @@ def _build_dir(manifest_path: Path, manifest: dict[str, Any], build_dir: Path | 
                      hint="pass the manifest.json inside the build directory, or --build-dir DIR")
 
 
-def _destination(manifest: dict[str, Any], dest_uri: str | None) -> tuple[str, str]:
+def _destination(manifest: Manifest, dest_uri: str | None) -> tuple[str, str]:
     """(store root URI, manifest object name): ``dest_uri``, else the plan's checkpoint URI."""
     if dest_uri:
         if dest_uri.endswith(".json"):
             return split_object_uri(dest_uri)
         parse_uri(dest_uri)
         return dest_uri.rstrip("/") or "/", MANIFEST_NAME
-    uri = ((manifest["plan"].get("replica_group") or {}).get("checkpoint") or {}).get("manifest_uri")
+    uri = ((manifest.plan.get("replica_group") or {}).get("checkpoint") or {}).get("manifest_uri")
     if not uri:
         raise StoreError("no destination: the plan has no replica_group.checkpoint.manifest_uri",
                          hint="pass --to URI (a local directory, file:// or s3://bucket/prefix)")
     return split_object_uri(uri)
 
 
-def _plan_uploads(manifest: dict[str, Any], src: Path, compress: str | None) -> list[Upload]:
-    """One Upload per file; a local file whose size already differs from the manifest stops here."""
+def _plan_uploads(manifest: Manifest, src: Path, compress: str | None) -> list[Upload]:
+    """One Upload per file (only shards are compressed); a local file whose size already differs
+    from the manifest stops here."""
     uploads = []
-    for name, entry, shard in entries(manifest):
+    for name, entry in entries(manifest):
         local = src / name
-        if local.stat().st_size != entry["size"]:
-            raise VerifyMismatch(f"{local}: {local.stat().st_size} bytes, the manifest says {entry['size']}",
+        if local.stat().st_size != entry.size:
+            raise VerifyMismatch(f"{local}: {local.stat().st_size} bytes, the manifest says {entry.size}",
                                  hint="the build directory changed after the build; rebuild")
-        codec = compress if shard else None
-        uploads.append(Upload(name, name + ".zst" if codec else name, entry["size"], entry["sha256"],
-                              local, codec))
+        codec = compress if isinstance(entry, ShardEntry) else None
+        uploads.append(Upload(name, name + ".zst" if codec else name, entry.size, entry.sha256, local, codec))
     return uploads
 
 
@@ -232,21 +223,20 @@ def _check_stored(store: Store, uploads: list[Upload]) -> None:
                              hint="another writer changed the store during the push; rerun")
 
 
-def _remote_manifest(manifest: dict[str, Any], uploads: list[Upload]) -> dict[str, Any]:
+def _remote_manifest(manifest: Manifest, uploads: list[Upload]) -> Manifest:
     """The build manifest plus, for compressed objects, what was stored."""
     stored = {u.file: u for u in uploads if u.codec}
     if not stored:
         return manifest
 
-    def add(entry: dict[str, Any], name: str) -> dict[str, Any]:
+    def record(name: str) -> dict[str, Any] | None:
         u = stored.get(name)
         if u is None:
-            return entry
+            return None
         s = _stored(u)
-        return {**entry, "compressed": {"codec": u.codec, "size": s.size, "sha256": s.sha256,
-                                        "object": u.object}}
+        return {"codec": u.codec, "size": s.size, "sha256": s.sha256, "object": u.object}
 
-    remote = dict(manifest)
-    remote["shards"] = [add(s, s["file"]) for s in manifest["shards"]]
-    remote["files"] = [add(f, f["name"]) for f in manifest["files"]]
-    return remote
+    return dataclasses.replace(
+        manifest,
+        files=[dataclasses.replace(f, compressed=record(f.name)) for f in manifest.files],
+        shards=[dataclasses.replace(s, compressed=record(s.file)) for s in manifest.shards])

@@ -27,28 +27,30 @@ the ranks are verified like ``shardc verify`` does, reusing the digests taken wh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ..errors import StoreError
+from ..formats.manifest import FileEntry, Manifest, ShardEntry
 
 T = TypeVar("T")
 
 
-def entries(manifest: dict[str, Any]) -> list[tuple[str, dict[str, Any], bool]]:
-    """(file name, manifest entry, is_shard) for every file a build consists of, manifest aside."""
-    return ([(f["name"], f, False) for f in manifest["files"]]
-            + [(s["file"], s, True) for s in manifest["shards"]])
+def entries(manifest: Manifest) -> list[tuple[str, FileEntry | ShardEntry]]:
+    """(file name, manifest entry) for every file a build consists of, manifest aside: the side
+    files first, then the shards (a ShardEntry)."""
+    return [(f.name, f) for f in manifest.files] + [(s.file, s) for s in manifest.shards]
 
 
-def strip_compressed(manifest: dict[str, Any]) -> dict[str, Any]:
+def strip_compressed(manifest: Manifest) -> Manifest:
     """The build's own manifest from the store's form (the ``compressed`` records removed)."""
-    local = dict(manifest)
-    local["shards"] = [{k: v for k, v in s.items() if k != "compressed"} for s in manifest["shards"]]
-    local["files"] = [{k: v for k, v in f.items() if k != "compressed"} for f in manifest["files"]]
-    return local
+    return dataclasses.replace(
+        manifest,
+        files=[dataclasses.replace(f, compressed=None) for f in manifest.files],
+        shards=[dataclasses.replace(s, compressed=None) for s in manifest.shards])
 
 
 def progress_bar(progress: bool, desc: str, total: int) -> Any:

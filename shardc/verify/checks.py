@@ -8,20 +8,17 @@ releases the GIL) in large blocks; shape checks read only the safetensors header
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..build.source import sha256_file
-from ..errors import ManifestError, VerifyMismatch
-from ..formats.manifest import layout_of
+from ..errors import ManifestError, ShardFormatError, VerifyMismatch
+from ..formats.files import human_size, sha256_file
+from ..formats.manifest import Manifest, typed
+from ..formats.safetensors import read_header, shard_metadata
 from ..spec.layout import Layout, RankLayout
-
-MAX_HEADER = 100 << 20
 
 
 @dataclass
@@ -46,41 +43,24 @@ class RankResult:
         }
 
 
-def read_header(path: Path) -> dict[str, Any]:
-    """The safetensors JSON header (raises ValueError when it does not parse)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError("file shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER:
-            raise ValueError(f"header length {n} is implausible")
-        data = f.read(n)
-        if len(data) != n:
-            raise ValueError("header truncated")
-    header = json.loads(data)
-    if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
-    return header
-
-
-def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> list[str]:
+def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: Layout) -> list[str]:
     """The manifest's own tensor records must be exactly what the Layout says (another plan's
     manifest, or an edited one, disagrees)."""
+    manifest = typed(manifest)
     problems = []
-    if manifest["plan_sha256"] != layout.plan.sha256:
+    if manifest.plan_sha256 != layout.plan.sha256:
         problems.append("manifest plan_sha256 does not match the hash of its own plan")
-    by_file = {s["file"]: s for s in manifest["shards"]}
+    by_file = {s.file: s for s in manifest.shards}
     for rl in layout.ranks:
         entry = by_file.get(rl.file)
         if entry is None:
             problems.append(f"manifest lacks shard {rl.file} that the plan requires")
             continue
-        if (entry["tp_rank"], entry["pp_stage"], entry["rank"]) != (rl.tp_rank, rl.pp_stage, rl.rank):
+        if (entry.tp_rank, entry.pp_stage, entry.rank) != (rl.tp_rank, rl.pp_stage, rl.rank):
             problems.append(f"manifest entry {rl.file} has the wrong ranks")
         want = {t.name: t.record() for t in rl.tensors}
         have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
-                for n, r in entry["tensors"].items()}
+                for n, r in entry.tensors.items()}
         for name in sorted(set(want) | set(have)):
             if name not in have:
                 problems.append(f"manifest entry {rl.file} lacks tensor {name}")
@@ -94,15 +74,15 @@ def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> l
 
 
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
-    from ..build.compile import shard_metadata
-
     try:
-        header = read_header(path)
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        res.fail(f"safetensors header does not parse ({exc})")
+        header, meta, _ = read_header(path)
+    except OSError as exc:
+        res.fail(f"safetensors header does not parse ({exc.strerror})")
+        return
+    except ShardFormatError as exc:
+        res.fail(f"safetensors header does not parse ({exc.message})")
         return
     res.checks.append("header")
-    meta = header.pop("__metadata__", {}) or {}
     want_meta = shard_metadata(layout, rl)
     for key in ("shardc.plan_sha256", "shardc.tp_degree", "shardc.pp_degree", "shardc.tp_rank",
                 "shardc.pp_stage", "shardc.rank"):
@@ -149,13 +129,13 @@ def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -
 
         idx = torch.device(device).index or 0
         total = torch.cuda.get_device_properties(idx).total_memory
-        where = f"{device} ({total / 2**30:.1f} GiB)"
+        where = f"{device} ({human_size(total)})"
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        where = f"host memory ({total / 2**30:.1f} GiB)"
+        where = f"host memory ({human_size(total)})"
     if need > total:
         res.warnings.append(
-            f"weights {rl.nbytes / 2**30:.2f} GiB + KV cap {kv / 2**30:.1f} GiB exceed {where}"
+            f"weights {human_size(rl.nbytes)} + KV cap {human_size(kv)} exceed {where}"
         )
 
 
@@ -164,9 +144,9 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
     import numpy as np
     from safetensors import safe_open
 
+    from ..build.arrays import as_bytes, from_torch
     from ..build.compile import Materializer, cut
     from ..build.source import open_source
-    from ..spec.dtypes import as_bytes, from_torch
 
     source = open_source(source_uri)
     mat = Materializer(source, layout)
@@ -184,12 +164,12 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
 
 
 def verify_rank(
-    manifest: dict[str, Any], directory: Path, layout: Layout, rl: RankLayout, *,
+    manifest: Manifest | dict[str, Any], directory: Path, layout: Layout, rl: RankLayout, *,
     device: str | None = None, deep: str | None = None, hashed: str | None = None,
 ) -> RankResult:
     """All checks for one rank, in order; stops at the first failing stage that makes later ones moot."""
     res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-    entry = next((s for s in manifest["shards"] if s["file"] == rl.file), None)
+    entry = typed(manifest).shard(rl.file)
     path = Path(directory) / rl.file
     if entry is None:
         res.fail("not in the manifest")
@@ -199,13 +179,13 @@ def verify_rank(
         return res
     res.checks.append("present")
     size = path.stat().st_size
-    if size != entry["size"]:
-        res.fail(f"size {size} bytes, expected {entry['size']} (truncated or replaced?)")
+    if size != entry.size:
+        res.fail(f"size {size} bytes, expected {entry.size} (truncated or replaced?)")
         return res
     res.checks.append("size")
     digest = hashed if hashed is not None else sha256_file(path)
-    if digest != entry["sha256"]:
-        res.fail(f"sha256 {digest[:16]}..., expected {entry['sha256'][:16]}... (corrupted bytes)")
+    if digest != entry.sha256:
+        res.fail(f"sha256 {digest[:16]}..., expected {entry.sha256[:16]}... (corrupted bytes)")
     else:
         res.checks.append("sha256")
     _check_header(res, path, rl, layout)
@@ -234,21 +214,21 @@ def select_ranks(layout: Layout, rank: int | None = None, tp_rank: int | None = 
 
 
 def verify_build(
-    manifest: dict[str, Any], directory: str | Path, ranks: list[RankLayout] | None = None, *,
+    manifest: Manifest | dict[str, Any], directory: str | Path, ranks: list[RankLayout] | None = None, *,
     device: str | None = None, deep: str | None = None, jobs: int | None = None,
 ) -> dict[str, Any]:
     """Verify ranks (default: all). Returns {"ok", "problems", "ranks": [...]}; never raises for
     mismatches (the caller maps ok=False to exit code 1)."""
-    layout = layout_of(manifest)
+    manifest = typed(manifest)
+    layout = manifest.to_layout()
     ranks = list(layout.ranks) if ranks is None else ranks
     problems = check_manifest_against_layout(manifest, layout)
     directory = Path(directory)
-    entries = {s["file"]: s for s in manifest["shards"]}
 
     def digest(rl: RankLayout) -> str | None:
         p = directory / rl.file
-        e = entries.get(rl.file)
-        if e is None or not p.is_file() or p.stat().st_size != e["size"]:
+        e = manifest.shard(rl.file)
+        if e is None or not p.is_file() or p.stat().st_size != e.size:
             return None
         return sha256_file(p)
 
@@ -269,12 +249,13 @@ def verify_build(
     }
 
 
-def load_rank_tensors(manifest: dict[str, Any], directory: str | Path, tp_rank: int, pp_stage: int,
-                      device: str = "cpu") -> dict[str, Any]:
+def load_rank_tensors(manifest: Manifest | dict[str, Any], directory: str | Path, tp_rank: int,
+                      pp_stage: int, device: str = "cpu") -> dict[str, Any]:
     """The checked way to load one rank's tensors (runtime, gate): verify, then load."""
     from safetensors.torch import load_file
 
-    layout = layout_of(manifest)
+    manifest = typed(manifest)
+    layout = manifest.to_layout()
     rl = layout.rank(tp_rank, pp_stage)
     res = verify_rank(manifest, Path(directory), layout, rl)
     problems = check_manifest_against_layout(manifest, layout) + res.problems

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DistributedError, ManifestError
-from ..formats.manifest import layout_of
+from ..formats.manifest import Manifest, typed
 from .checks import verify_build
 
 
@@ -29,7 +29,7 @@ def _env_int(name: str) -> int:
 
 
 def distributed_verify(
-    manifest: dict[str, Any], directory: Path, *, device: str | None = None, deep: str | None = None,
+    manifest: Manifest | dict[str, Any], directory: Path, *, device: str | None = None, deep: str | None = None,
     timeout_s: float = 60.0,
 ) -> dict[str, Any]:
     """Verify this process's rank and gather every rank's verdict. Raises DistributedError when a
@@ -39,7 +39,8 @@ def distributed_verify(
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     port = _env_int("MASTER_PORT")
-    layout = layout_of(manifest)
+    manifest = typed(manifest)
+    layout = manifest.to_layout()
     if world != layout.plan.world_size:
         raise ManifestError(
             f"WORLD_SIZE={world} but the plan has tp*pp = {layout.plan.world_size} ranks",

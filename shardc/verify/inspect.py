@@ -7,8 +7,8 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..formats.files import human_size
-from ..formats.manifest import read_manifest
-from .checks import read_header
+from ..formats.manifest import read
+from ..formats.safetensors import read_header
 
 
 def describe(path: Path) -> dict[str, Any]:
@@ -17,34 +17,33 @@ def describe(path: Path) -> dict[str, Any]:
         path = path / "manifest.json"
     if path.suffix == ".safetensors":
         return _describe_shard(path)
-    m = read_manifest(path)
-    lay, model = m["layout"], m["model"]
+    m = read(path)
+    lay, model = m.layout, m.model
     lines = [
-        f"plan       {m['plan']['replica_group']['name']}  (sha256 {m['plan_sha256'][:12]})",
-        f"layout     tp={lay['tp_degree']} pp={lay['pp_degree']} dtype={lay['dtype']} "
-        f"base={lay['base_dtype']} stages={lay['stages']}",
+        f"plan       {m.name}  (sha256 {m.plan_sha256[:12]})",
+        f"layout     tp={lay.tp_degree} pp={lay.pp_degree} dtype={lay.dtype} "
+        f"base={lay.base_dtype} stages={[list(s) for s in lay.stages]}",
         f"model      {model['architecture']} layers={model['num_layers']} hidden={model['hidden_size']} "
         f"heads={model['num_heads']}/{model['num_kv_heads']} vocab={model['vocab_size']}"
         f" (padded {model['padded_vocab_size']}) tied={model['tie_word_embeddings']}",
-        f"source     {m['source']['uri']}" + (f" @ {m['source']['revision']}" if m["source"]["revision"] else ""),
-        f"shards     {len(m['shards'])} files, {human_size(sum(s['size'] for s in m['shards']))}",
+        f"source     {m.source.uri}" + (f" @ {m.source.revision}" if m.source.revision else ""),
+        f"shards     {len(m.shards)} files, {human_size(m.total_bytes)}",
     ]
     tensors = []
-    for s in m["shards"]:
-        lines.append(f"  {s['file']}  rank {s['rank']} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
-                     f"layers {s['layers'][0]}:{s['layers'][1]}  {len(s['tensors'])} tensors  "
-                     f"{human_size(s['size'])}  {s['sha256'][:12]}")
-        for name, t in s["tensors"].items():
-            tensors.append({"file": s["file"], "name": name, **t})
+    for s in m.shards:
+        lines.append(f"  {s.file}  rank {s.rank} (tp {s.tp_rank}, pp {s.pp_stage})  "
+                     f"layers {s.layers[0]}:{s.layers[1]}  {len(s.tensors)} tensors  "
+                     f"{human_size(s.size)}  {s.sha256[:12]}")
+        for name, t in s.tensors.items():
+            tensors.append({"file": s.file, "name": name, **t})
     return {"kind": "manifest", "lines": lines, "tensors": tensors}
 
 
 def _describe_shard(path: Path) -> dict[str, Any]:
     try:
-        header = read_header(path)
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"{path} is not a readable safetensors file ({exc})") from None
-    meta = header.pop("__metadata__", {}) or {}
+        header, meta, _ = read_header(path)
+    except OSError as exc:
+        raise ManifestError(f"{path} is not a readable safetensors file ({exc.strerror})") from None
     size = path.stat().st_size
     lines = [f"file       {path.name}  {human_size(size)}  {len(header)} tensors"]
     if "shardc.plan" in meta:

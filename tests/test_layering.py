@@ -1,0 +1,106 @@
+"""The package layering holds: no import cycle, nothing imports a layer above its own.
+
+Every module of shardc is parsed (not imported) and every static import counts, function-local
+ones included: a lazy import upward is still a dependency upward.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import shardc
+
+PKG = Path(shardc.__file__).resolve().parent
+
+# Lower number = lower layer. A module may import its own layer's siblings within its package
+# and anything in a lower layer; store, runtime and planner sit side by side and never import
+# each other; planner uses spec only.
+LAYERS = {
+    "shardc": 0, "shardc.errors": 0,
+    "shardc.spec": 1, "shardc.formats": 2, "shardc.build": 3, "shardc.verify": 4,
+    "shardc.store": 5, "shardc.runtime": 5, "shardc.planner": 5,
+    "shardc.commands": 6, "shardc.cli": 7,
+}
+# Known violations, each to be removed by the change that fixes it (the goal is none).
+KNOWN_UPWARD: set[str] = set()
+KNOWN_CYCLES: set[str] = set()
+ALLOWED_ONLY = {"shardc.planner": {"shardc", "shardc.errors", "shardc.spec", "shardc.planner"}}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str) -> set[str]:
+    """Absolute names of the shardc modules ``path`` imports, anywhere in its body."""
+    is_pkg = path.name == "__init__.py"
+    package = name if is_pkg else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.add(mod)
+            # "from . import x" / "from .pkg import mod": x may be a module
+            found |= {f"{mod}.{a.name}" for a in node.names}
+    return {m for m in found if m == "shardc" or m.startswith("shardc.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        graph[name] = {m for m in _imports(path, name) if m in files and m != name}
+    return graph
+
+
+def _group(mod: str) -> str:
+    """The layer a module belongs to: its subpackage, or itself for top-level modules."""
+    parts = mod.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else mod
+
+
+def test_no_upward_imports():
+    graph = _graph()
+    bad = []
+    for mod, deps in sorted(graph.items()):
+        g = _group(mod)
+        assert g in LAYERS, f"{mod} is in no layer: add its package to LAYERS"
+        for dep in sorted(deps):
+            d = _group(dep)
+            if d == g:
+                continue
+            if g in ALLOWED_ONLY and d not in ALLOWED_ONLY[g]:
+                bad.append(f"{mod} -> {dep}")
+            elif LAYERS[d] >= LAYERS[g] and d not in ("shardc", "shardc.errors"):
+                bad.append(f"{mod} -> {dep}")
+    bad = [b for b in bad if b not in KNOWN_UPWARD]
+    assert not bad, "imports across the layering:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    cycles, state = [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for dep in sorted(graph[node]):
+            if state.get(dep) == "open":
+                cycles.append(" -> ".join(stack[stack.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    cycles = [c for c in cycles if c not in KNOWN_CYCLES]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
