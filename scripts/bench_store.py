@@ -39,8 +39,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardc.store.base import TransferSettings  # noqa: E402
-from shardc.store.transfer import pull_build, push_build  # noqa: E402
+from shardc.store import S3Settings, pull_build, push_build  # noqa: E402
 
 SMALL = dict(hidden_size=1024, intermediate_size=4096, num_heads=8, num_kv_heads=4, vocab_size=32000)
 
@@ -121,7 +120,7 @@ def bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
     moto_tmp.mkdir(exist_ok=True)
     server = start_moto(port, moto_tmp)
     endpoint = f"http://127.0.0.1:{port}"
-    settings = TransferSettings.from_env()
+    settings = S3Settings.from_env()
     tconf = TransferConfig(multipart_threshold=settings.multipart_threshold,
                            multipart_chunksize=settings.multipart_chunksize,
                            max_concurrency=settings.max_concurrency, preferred_transfer_client="classic")

@@ -53,7 +53,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
                    allow_pickle=allow_pickle, manifests_dir=manifests_dir)
     summary = result.summary()
     if upload:
-        from ..store.transfer import push_build
+        from ..store import push_build
 
         summary["upload"] = push_build(result.manifest_path, to_uri, endpoint_url=endpoint_url,
                                        progress=show_progress(quiet) and not as_json)

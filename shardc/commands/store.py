@@ -36,7 +36,7 @@ push. The manifest is uploaded last: a reader that finds it can fetch every file
 def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, endpoint_url: str | None,
              compress: str, quiet: bool, as_json: bool) -> None:
     """Upload a build to object storage, manifest last."""
-    from ..store.transfer import push_build
+    from ..store import push_build
     from .output import echo_json, show_progress
 
     res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
@@ -74,7 +74,7 @@ are kept. Exit codes: 0 ok, 1 the store's data does not match its manifest, 2 ba
 def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_stage: int | None,
              all_ranks: bool, dest: Path, endpoint_url: str | None, quiet: bool, as_json: bool) -> None:
     """Download a build's shards for some ranks (or all), verified, then check them like verify."""
-    from ..store.transfer import pull_build
+    from ..store import pull_build
     from .output import chosen_ranks, echo_json, show_progress
 
     ranks, pairs = chosen_ranks(rank, tp_rank, pp_stage, all_ranks, required=True)

@@ -88,7 +88,7 @@ def _load_manifest(ref: str, endpoint_url: str | None):
     from ..formats.manifest import read, typed
 
     if "://" in ref and not ref.startswith("file://"):
-        from ..store.transfer import fetch_manifest
+        from ..store import fetch_manifest
 
         return typed(fetch_manifest(ref, endpoint_url=endpoint_url)), None
     path = Path(ref.removeprefix("file://"))

@@ -13,15 +13,19 @@ Why it looks the way it does:
   sha256 as object metadata, which is what lets a re-push skip objects that are already correct.
   The transfer manager aborts its multipart upload when a transfer fails; uploads left behind by a
   killed process are swept by :meth:`S3Store.abort_incomplete` at the start of the next push.
-* Downloads are written to a non-seekable sink, which makes the transfer manager hand the bytes over
-  in order, so the sink can hash (and decompress) them as a stream: no second read of the file.
-  The price is memory: ranges that arrive ahead of the next expected byte wait in RAM, at most
-  about ``max_concurrency x multipart_chunksize`` (640 MiB with the defaults).
+* Downloads go to a seekable sink (:class:`shardc.store.codec.VerifiedSink`): ranged parts land at
+  their offsets in a partial file, which is hashed (and decompressed) at commit.
+* A server that accepts connections and never answers is bounded per request by
+  ``S3Settings.stall_limit`` (a ``needs-retry`` hook that stops retrying timeouts), not only by
+  ``max_attempts x read_timeout``.
+* Credentials in an endpoint URL (``http://user:secret@host``) are never echoed: every message
+  passes through :func:`redact`.
 """
 
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from collections import deque
@@ -30,13 +34,21 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ShardcError, StoreError, VerifyMismatch
-from .base import GetItem, ObjectInfo, PutItem, Store, TransferSettings
+from .base import GetItem, ObjectInfo, PutItem, S3Settings, Store
 
 _CRED_HINT = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run where an instance role "
     "provides them"
 )
 _RETRY_HINT = "the object store kept failing; check it and rerun (a rerun resumes), or raise SHARDC_S3_MAX_ATTEMPTS"
+_STALL_HINT = ("if the store is only slow, raise SHARDC_S3_READ_TIMEOUT (per try) or "
+               "SHARDC_S3_STALL_LIMIT (per request); otherwise check the endpoint")
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
+
+
+def redact(text: str) -> str:
+    """``scheme://user:secret@host`` -> ``scheme://***@host``: no credentials in any message."""
+    return _USERINFO.sub(r"\1***@", text)
 
 
 def _boto3() -> Any:
@@ -71,14 +83,14 @@ class S3Store(Store):
 
     def __init__(
         self, bucket: str, prefix: str, *, endpoint_url: str | None = None,
-        settings: TransferSettings | None = None,
+        settings: S3Settings | None = None,
     ) -> None:
         boto3 = _boto3()
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
 
         self.bucket, self.prefix = bucket, prefix.strip("/")
-        self.settings = s = settings or TransferSettings.from_env()
+        self.settings = s = settings or S3Settings.from_env()
         self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
         config = Config(
             retries={"mode": s.retry_mode, "max_attempts": s.max_attempts},
@@ -94,9 +106,11 @@ class S3Store(Store):
             session = _session(boto3)
             self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
         except Exception as exc:  # bad profile, malformed endpoint URL, ...
-            raise StoreError(f"cannot set up the S3 client for {self.uri}: {exc}",
+            raise StoreError(redact(f"cannot set up the S3 client for {self.uri}: {exc}"),
                              hint="check --endpoint-url, AWS_ENDPOINT_URL and AWS_PROFILE") from None
-        self.endpoint = self.client.meta.endpoint_url
+        self.endpoint = redact(self.client.meta.endpoint_url)
+        self.client.meta.events.register_first("needs-retry.s3", self._stall_guard,
+                                               unique_id="shardc-stall-limit")
         self.transfer_config = TransferConfig(
             multipart_threshold=s.multipart_threshold,
             multipart_chunksize=s.multipart_chunksize,
@@ -111,8 +125,24 @@ class S3Store(Store):
 
     def _error(self, exc: BaseException, what: str) -> ShardcError:
         """One clear line for a botocore/s3transfer failure (never with credentials in it)."""
-        return translate(exc, what, bucket=self.bucket, endpoint=self.endpoint,
-                         attempts=self.settings.max_attempts)
+        return translate(exc, what, bucket=self.bucket, endpoint=self.endpoint, settings=self.settings)
+
+    def _stall_guard(self, caught_exception: BaseException | None = None,
+                     request_dict: dict[str, Any] | None = None, **_: Any) -> bool | None:
+        """Runs before botocore's retry handler: after a timeout, no retry once another timed-out
+        try would take the request past ``stall_limit`` (False ends the retries; None defers)."""
+        from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+
+        s = self.settings
+        if isinstance(caught_exception, ReadTimeoutError):
+            wait = s.read_timeout
+        elif isinstance(caught_exception, ConnectTimeoutError):
+            wait = s.connect_timeout
+        else:
+            return None
+        context = (request_dict or {}).setdefault("context", {})
+        stalled = context["shardc_stalled"] = context.get("shardc_stalled", 0.0) + wait
+        return False if stalled + wait > s.stall_limit else None
 
     # -- Store interface -----------------------------------------------------------------------
     def head(self, name: str, *, digest: bool = False) -> ObjectInfo | None:
@@ -229,7 +259,7 @@ class S3Store(Store):
             while inflight:
                 self._finish_put(*inflight.popleft())
         except BaseException:
-            manager.shutdown(cancel=True, cancel_msg="push failed")  # aborts open multipart uploads
+            _cancel(manager, [fut for _, fut in inflight])  # aborts open multipart uploads
             for item, _ in inflight:
                 item.cleanup()
             raise
@@ -259,6 +289,7 @@ class S3Store(Store):
         manager = create_transfer_manager(self.client, self.transfer_config)
         sub = _Progress(on_bytes)
         errors: list[BaseException | None] = []
+        fut = None
         try:
             for item in items:
                 # One file at a time, each with full part concurrency (parts land at their offsets
@@ -278,10 +309,20 @@ class S3Store(Store):
                     else:
                         errors.append(self._error(exc, f"downloading {self.object_uri(item.name)}"))
         except BaseException:
-            manager.shutdown(cancel=True, cancel_msg="pull failed")
+            _cancel(manager, [fut] if fut is not None else [])
             raise
         manager.shutdown()
         return errors
+
+
+def _cancel(manager: Any, futures: list[Any]) -> None:
+    """Cancel the transfers in flight and wait until they wound down (failed multipart uploads
+    are aborted on the way). Not ``manager.shutdown(cancel=True, ...)``: s3transfer 0.19 passes
+    those arguments on shifted (the message lands in ``exc_type``), so it raised
+    ``TypeError: 'str' object is not callable`` instead of letting the first error through."""
+    for fut in futures:
+        fut.cancel()
+    manager.shutdown()
 
 
 class _Progress:
@@ -316,12 +357,20 @@ def _status(exc: BaseException) -> int | None:
     return None
 
 
-def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str, attempts: int) -> ShardcError:
-    """Map a boto3/botocore/s3transfer exception to a typed error with a hint."""
-    from botocore import exceptions as bce
-
+def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str,
+              settings: S3Settings) -> ShardcError:
+    """Map a boto3/botocore/s3transfer exception to a typed error with a hint, credentials redacted."""
     if isinstance(exc, ShardcError):
         return exc
+    err = _translate(exc, what, bucket=bucket, endpoint=redact(endpoint), settings=settings)
+    return StoreError(redact(err.message), hint=err.hint and redact(err.hint))
+
+
+def _translate(exc: BaseException, what: str, *, bucket: str, endpoint: str,
+               settings: S3Settings) -> ShardcError:
+    from botocore import exceptions as bce
+
+    attempts = settings.max_attempts
     if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
         return StoreError(f"{what}: no AWS credentials found", hint=_CRED_HINT)
     code, status = _code(exc), _status(exc)
@@ -346,8 +395,9 @@ def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str, atte
         return StoreError(f"{what}: cannot reach {endpoint} after {attempts} attempts ({type(exc).__name__})",
                           hint="check the endpoint (--endpoint-url / AWS_ENDPOINT_URL) and that the server is up")
     if isinstance(exc, bce.ReadTimeoutError):
-        return StoreError(f"{what}: {endpoint} stopped answering (read timeout) after {attempts} attempts",
-                          hint=_RETRY_HINT + " / SHARDC_S3_READ_TIMEOUT")
+        return StoreError(f"{what}: {endpoint} stopped answering (no reply within "
+                          f"{settings.read_timeout:g} s per try, {settings.stall_limit:g} s per "
+                          f"request at most)", hint=_STALL_HINT)
     if isinstance(exc, RetriesExceededError):
         exc = getattr(exc, "last_exception", None) or exc
     if isinstance(exc, (bce.HTTPClientError, ProtocolError, RetriesExceededError)):

@@ -1,0 +1,242 @@
+"""``push_build``: upload a build to a store, manifest last (the protocol: :mod:`shardc.store.transfer`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..errors import StoreError, VerifyMismatch
+from ..formats.files import sha256_file
+from ..formats.manifest import Manifest, ShardEntry, read
+from .base import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
+from .codec import CODECS, ZSTD_LEVEL, compress_file, zstd_module
+from .transfer import entries, os_errors, progress_bar
+from .uri import open_store, parse_uri, split_object_uri
+
+
+@dataclasses.dataclass
+class Upload:
+    """One file of the build and the object it becomes."""
+
+    file: str  # name in the build (and in the manifest)
+    object: str  # name in the store: ``<file>.zst`` when compressed
+    size: int  # the manifest's size and sha256 of the file itself
+    sha256: str
+    local: Path
+    codec: str | None
+    stored: ObjectInfo | None = None  # what the store holds (present) or will hold (uploaded)
+    action: str = "uploaded"  # or "present"
+
+    def matches(self, info: ObjectInfo) -> bool:
+        """Whether a stored object already is this file (recorded hashes, not just the size)."""
+        if self.codec:
+            md = info.metadata
+            return (md.get("codec") == self.codec and md.get("content-sha256") == self.sha256
+                    and md.get("content-size") == str(self.size) and bool(info.sha256))
+        return info.size == self.size and info.sha256 == self.sha256
+
+
+@os_errors
+def push_build(
+    manifest_path: Path,
+    dest_uri: str | None = None,
+    *,
+    endpoint_url: str | None = None,
+    compress: str | None = None,
+    progress: bool = False,
+    build_dir: Path | None = None,
+    settings: S3Settings | None = None,
+) -> dict[str, Any]:
+    """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes."""
+    t0 = time.perf_counter()
+    manifest_path = Path(manifest_path)
+    manifest = read(manifest_path)
+    _check_codec(compress)
+    src = _build_dir(manifest_path, manifest, build_dir)
+    root, manifest_name = _destination(manifest, dest_uri)
+    store = open_store(root, endpoint_url=endpoint_url, settings=settings)
+    uploads = _plan_uploads(manifest, src, compress)
+
+    old = store.get_bytes(manifest_name, MAX_MANIFEST_BYTES)  # also the first contact: bucket, creds
+    todo = _find_missing(store, uploads)
+    if todo and old is not None:
+        store.delete(manifest_name)  # un-commit: its objects are about to change
+    _upload(store, todo, progress)
+    _check_stored(store, uploads)
+    data = _remote_manifest(manifest, uploads).dumps()
+    state = "unchanged"
+    if data != old or todo:
+        store.put_bytes(manifest_name, data, {"sha256": hashlib.sha256(data).hexdigest()})
+        state = "uploaded"
+    return {
+        "dest": store.uri,
+        "manifest_uri": store.object_uri(manifest_name),
+        "manifest": state,
+        "compress": compress,
+        "objects": [{"file": u.file, "object": u.object, "size": _stored(u).size, "action": u.action}
+                    for u in uploads],
+        "uploaded": sum(u.action == "uploaded" for u in uploads),
+        "present": sum(u.action == "present" for u in uploads),
+        "bytes_uploaded": sum(_stored(u).size for u in todo),
+        "bytes_total": sum(_stored(u).size for u in uploads),
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+
+
+# --- steps --------------------------------------------------------------------------------------
+
+def _check_codec(compress: str | None) -> None:
+    """Before anything is touched: a known codec whose library is installed."""
+    if compress is None:
+        return
+    if compress not in CODECS:
+        raise StoreError(f"unknown compression {compress!r}", hint=f"use one of: {', '.join(CODECS)}")
+    zstd_module()
+
+
+def _build_dir(manifest_path: Path, manifest: Manifest, build_dir: Path | None) -> Path:
+    """Where the shards are: next to the manifest, or (for a copy in manifests/) build/<plan name>."""
+    names = [n for n, _ in entries(manifest)]
+    name = manifest.name
+    candidates = [Path(build_dir)] if build_dir else [
+        manifest_path.parent, Path("build") / name, manifest_path.parent.parent / "build" / name]
+    for c in candidates:
+        if all((c / n).is_file() for n in names):
+            return c
+    missing = next(n for n in names if not (candidates[0] / n).is_file())
+    raise StoreError(f"the build's files are not next to {manifest_path} (missing {missing})",
+                     hint="pass the manifest.json inside the build directory, or --build-dir DIR")
+
+
+def _destination(manifest: Manifest, dest_uri: str | None) -> tuple[str, str]:
+    """(store root URI, manifest object name): ``dest_uri``, else the plan's checkpoint URI."""
+    if dest_uri:
+        if dest_uri.endswith(".json"):
+            return split_object_uri(dest_uri)
+        parse_uri(dest_uri)
+        return dest_uri.rstrip("/") or "/", MANIFEST_NAME
+    uri = ((manifest.plan.get("replica_group") or {}).get("checkpoint") or {}).get("manifest_uri")
+    if not uri:
+        raise StoreError("no destination: the plan has no replica_group.checkpoint.manifest_uri",
+                         hint="pass --to URI (a local directory, file:// or s3://bucket/prefix)")
+    return split_object_uri(uri)
+
+
+def _plan_uploads(manifest: Manifest, src: Path, compress: str | None) -> list[Upload]:
+    """One Upload per file (only shards are compressed); a local file whose size already differs
+    from the manifest stops here."""
+    uploads = []
+    for name, entry in entries(manifest):
+        local = src / name
+        if local.stat().st_size != entry.size:
+            raise VerifyMismatch(f"{local}: {local.stat().st_size} bytes, the manifest says {entry.size}",
+                                 hint="the build directory changed after the build; rebuild")
+        codec = compress if isinstance(entry, ShardEntry) else None
+        uploads.append(Upload(name, name + ".zst" if codec else name, entry.size, entry.sha256, local, codec))
+    return uploads
+
+
+def _find_missing(store: Store, uploads: list[Upload]) -> list[Upload]:
+    """Mark what the store already holds as present; return the rest. Partial uploads of these
+    objects left by a killed push are cleaned up first."""
+    store.abort_incomplete([u.object for u in uploads])
+    todo = []
+    for u in uploads:
+        info = store.head(u.object)
+        if info is not None and info.sha256 is None and (u.codec or info.size == u.size):
+            info = store.head(u.object, digest=True)  # a backend without recorded hashes
+        if info is not None and u.matches(info):
+            u.stored, u.action = info, "present"
+        else:
+            u.action = "uploaded"
+            todo.append(u)
+    return todo
+
+
+def _upload(store: Store, todo: list[Upload], progress: bool) -> None:
+    bar = progress_bar(progress, f"push {store.uri}", 0)
+    hashers = ThreadPoolExecutor(2, thread_name_prefix="shardc-hash")
+    try:
+        store.put_files(_prepared(todo, bar, hashers), bar.update)
+    finally:
+        hashers.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+
+
+def _prepared(todo: list[Upload], bar: Any, hashers: ThreadPoolExecutor) -> Iterator[PutItem]:
+    """The uploads, each checked against the manifest before its object may appear.
+
+    Plain files start uploading at once while a hashing thread re-reads them; the backend holds
+    back the object's completion until the hash matched (``PutItem.verified``), so hashing
+    overlaps the transfer and a shard that rotted on disk is still never published. Compressed
+    files are hashed while they are compressed, before the upload. A generator: the backend pulls
+    the next item while earlier ones transfer.
+    """
+    for u in todo:
+        verified: Future[None] | None = None
+        if u.codec:
+            tmp, sha, meta = compress_file(u.local, ZSTD_LEVEL)
+            if sha != u.sha256:
+                tmp.unlink(missing_ok=True)
+                raise _rotted(u, sha)
+            size, path = tmp.stat().st_size, tmp
+            cleanup: Callable[[], None] = lambda t=tmp: t.unlink(missing_ok=True)  # noqa: E731
+        else:
+            verified = hashers.submit(_check_local, u)
+            size, path, meta = u.size, u.local, {"sha256": u.sha256}
+            cleanup = lambda: None  # noqa: E731
+        u.stored = ObjectInfo(size, meta["sha256"], meta)
+        bar.total = (bar.total or 0) + size
+        bar.refresh()
+        ctype = "application/json" if u.file.endswith(".json") else "application/octet-stream"
+        yield PutItem(u.object, path, size, meta, ctype, cleanup, verified)
+
+
+def _check_local(u: Upload) -> None:
+    sha = sha256_file(u.local)
+    if sha != u.sha256:
+        raise _rotted(u, sha)
+
+
+def _rotted(u: Upload, sha: str) -> VerifyMismatch:
+    return VerifyMismatch(f"{u.local}: sha256 {sha[:16]}... does not match the manifest's "
+                          f"{u.sha256[:16]}...", hint="the file changed after the build; rebuild")
+
+
+def _stored(u: Upload) -> ObjectInfo:
+    assert u.stored is not None, f"{u.file} was neither found nor uploaded"
+    return u.stored
+
+
+def _check_stored(store: Store, uploads: list[Upload]) -> None:
+    """Every object there, with the right size, before the manifest."""
+    for u in uploads:
+        info, want = store.head(u.object), _stored(u).size
+        if info is None or info.size != want:
+            raise StoreError(f"after upload, {store.object_uri(u.object)} is "
+                             f"{'missing' if info is None else f'{info.size} bytes, expected {want}'}",
+                             hint="another writer changed the store during the push; rerun")
+
+
+def _remote_manifest(manifest: Manifest, uploads: list[Upload]) -> Manifest:
+    """The build manifest plus, for compressed objects, what was stored."""
+    stored = {u.file: u for u in uploads if u.codec}
+    if not stored:
+        return manifest
+
+    def record(name: str) -> dict[str, Any] | None:
+        u = stored.get(name)
+        if u is None:
+            return None
+        s = _stored(u)
+        return {"codec": u.codec, "size": s.size, "sha256": s.sha256, "object": u.object}
+
+    return dataclasses.replace(
+        manifest,
+        files=[dataclasses.replace(f, compressed=record(f.name)) for f in manifest.files],
+        shards=[dataclasses.replace(s, compressed=record(s.file)) for s in manifest.shards])
