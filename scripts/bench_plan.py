@@ -54,8 +54,8 @@ def main() -> None:
         check=True, capture_output=True, text=True, cwd=ROOT,
     ).stdout.split()
 
-    from shardc.planner.formulas import resolve_model
     from shardc.planner.gpus import Cluster, get_gpu
+    from shardc.planner.models import resolve_model
     from shardc.planner.search import search
 
     model, name, source = resolve_model("llama-3.3-70b")

@@ -22,7 +22,6 @@ from shardc.build.synthetic import llama_config
 from shardc.cli import main
 from shardc.errors import PlanError
 from shardc.planner.formulas import (
-    PRESET_SOURCES,
     Overheads,
     SpeedParams,
     Workload,
@@ -32,16 +31,15 @@ from shardc.planner.formulas import (
     kv_bytes_per_token,
     lora_bytes_per_layer,
     max_model_len,
-    param_count,
     plan_dict,
     rank_weights,
     request_kv_bytes,
-    resolve_model,
     ring_allreduce_s,
     round_to_blocks,
     sequences_at,
 )
 from shardc.planner.gpus import GIB, GPUS, Cluster, get_gpu, get_interconnect, override_gpu
+from shardc.planner.models import PRESET_SOURCES, param_count, resolve_model
 from shardc.planner.report import summary
 from shardc.planner.search import Candidate, Search, search
 from shardc.spec.layout import build_layout

@@ -217,8 +217,9 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nod
           gpu_memory: float | None, hbm_bandwidth: float | None, nvlink_bandwidth: float | None,
           interconnect: str, fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool,
           as_json: bool, out_file: Path | None) -> None:
-    from ..planner.formulas import Overheads, SpeedParams, Workload, resolve_model
+    from ..planner.formulas import Overheads, SpeedParams, Workload
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
+    from ..planner.models import resolve_model
     from ..planner.report import explain as explain_lines
     from ..planner.report import header, summary, table
     from ..planner.search import search

@@ -28,13 +28,13 @@ from .formulas import (
     Workload,
     check_inputs,
     min_cards,
-    param_count,
     plan_dict,
     plan_name,
     rank_weights,
 )
 from .gpus import GIB, Cluster
 from .mla import MlaModel, mla_rank_weights, mla_tp_problems
+from .models import param_count
 from .policy import OBJECTIVES, FitTrail, recommend
 
 
