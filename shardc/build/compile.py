@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import hashlib
 import json
 import math
 import os
@@ -31,14 +32,18 @@ from ..formats.files import human_size
 from ..formats.manifest import dumps, loads, new_manifest, write_atomic
 from ..formats.safetensors import ShardWriter
 from ..spec.dtypes import np_dtype
-from ..spec.layout import DTYPE_BYTES, Layout, RankLayout, TensorSpec, build_layout
+from ..spec.layout import DTYPE_BYTES, SCALE_SUFFIX, Layout, RankLayout, TensorSpec, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import Plan, canonical_json
-from .quantize import quantize_array
+from .quantize import quantize_array, stored
 from .quantqueue import QuantQueue
 from .source import Source, open_source, sha256_file
 
 LOCK = ".shardc-build.lock"
+INDEX = "model.safetensors.index.json"  # HF's sharded-checkpoint index, written for tp = 1
+# Bumped when the bytes a plan produces change (int8 became pack-quantized): a resume record of
+# an older layout is not trusted.
+LAYOUT_REVISION = 2
 # Threads quantizing a tensor's row chunks: half the cores, at most 4. The numba kernels take
 # ~1 ns per weight on one thread, so one thread quantizes a 70B layer (0.86G weights) in ~1 s,
 # about what reading its 1.7 GB takes; the other cores hash and write. On 2 cores one thread
@@ -97,8 +102,9 @@ def region(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
     """The rank's slice of a full tensor (source or quantized) as a view: nothing is copied."""
     if spec.dim == 0:
         return full[spec.start : spec.stop]
-    if spec.dim == 1:
-        return full[:, spec.start : spec.stop]
+    if spec.dim == 1:  # a packed tensor holds ``pack`` source columns per element
+        p = spec.pack or 1
+        return full[:, spec.start // p : spec.stop // p]
     return full
 
 
@@ -187,6 +193,8 @@ class Materializer:
             self.queue = None
 
     def full(self, spec: TensorSpec) -> np.ndarray:
+        if spec.value is not None:  # X.weight_shape: its contents are in the Layout
+            return np.asarray(spec.value, np.int64)
         key = (spec.source, spec.quant)
         if spec.quant and self.queue is not None:
             q, scale = self.queue.get(key)
@@ -212,7 +220,7 @@ class Materializer:
         """Quantized values and scales of a source tensor, here and now; records its error stats."""
         w = self.source.view(name) if w is None else w
         q, scale, self.stats[name] = quantize_array(name, w, scheme, QUANT_WORKERS)
-        return q, scale
+        return stored(q, scheme), scale
 
 
 def _write_stage(
@@ -306,6 +314,26 @@ def output_config(layout: Layout) -> dict[str, Any]:
     return cfg
 
 
+def index_json(layout: Layout) -> dict[str, Any]:
+    """model.safetensors.index.json: every tensor name -> the file holding it, and the total bytes
+    of tensor data in its metadata (HF's format). With tp = 1 each name lives in exactly one file
+    (pipeline stages split the layers), so the build directory is a Hugging Face checkpoint that
+    transformers and vLLM's default loader read as it is."""
+    if layout.plan.tp != 1:
+        raise ValueError("an HF index describes tp = 1 builds only")
+    weight_map = {t.name: rl.file for rl in layout.ranks for t in rl.tensors}
+    return {"metadata": {"total_size": sum(rl.nbytes for rl in layout.ranks)},
+            "weight_map": dict(sorted(weight_map.items()))}
+
+
+def side_files(layout: Layout) -> dict[str, bytes]:
+    """The files build derives from the Layout alone (verify recomputes and compares them)."""
+    out = {"config.json": (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()}
+    if layout.plan.tp == 1:
+        out[INDEX] = (json.dumps(index_json(layout), indent=2) + "\n").encode()
+    return out
+
+
 def _done_path(out_dir: Path, file: str) -> Path:
     return out_dir / f".{file}.done.json"
 
@@ -324,7 +352,7 @@ def _stage_done(out_dir: Path, rl: RankLayout, key: dict) -> tuple[int, str] | N
     return rec["size"], rec["sha256"]
 
 
-def _up_to_date(out_dir: Path, plan: Plan, identity: dict) -> dict | None:
+def _up_to_date(out_dir: Path, plan: Plan, layout: Layout, identity: dict) -> dict | None:
     mpath = out_dir / "manifest.json"
     try:
         m = loads(mpath.read_bytes(), str(mpath))
@@ -332,6 +360,10 @@ def _up_to_date(out_dir: Path, plan: Plan, identity: dict) -> dict | None:
         return None
     if m["plan_sha256"] != plan.sha256 or m["source"] != identity or m["shardc_version"] != __version__:
         return None
+    listed = {f["name"]: f["sha256"] for f in m["files"]}
+    for name, data in side_files(layout).items():  # an older shardc's config or layout
+        if listed.get(name) != hashlib.sha256(data).hexdigest():
+            return None
     for s in m["shards"] + m["files"]:
         p = out_dir / s.get("file", s.get("name"))
         if not p.is_file() or p.stat().st_size != s["size"]:
@@ -386,7 +418,7 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
 
     if not force and (out / "manifest.json").is_file():
         identity = source.identity()
-        if (m := _up_to_date(out, plan, identity)) is not None:
+        if (m := _up_to_date(out, plan, layout, identity)) is not None:
             result.manifest, result.up_to_date = m, True
             result.skipped = [s["file"] for s in m["shards"]]
             _copy_manifest(result, manifests_dir)
@@ -398,7 +430,8 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     (out / "manifest.json").unlink(missing_ok=True)
     for stale in out.glob(".*.partial"):
         stale.unlink()
-    key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__}
+    key = {"plan_sha256": plan.sha256, "source": source.fingerprint(), "shardc_version": __version__,
+           "layout_revision": LAYOUT_REVISION}
     mat = Materializer(source, layout)
     hashes: dict[str, tuple[int, str]] = {}
     bar = None
@@ -483,19 +516,22 @@ def _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
             if name not in mat.stats:
                 mat.quantize(name, plan.dtype)
 
-    cfg_bytes = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
-    write_atomic(out / "config.json", cfg_bytes)
+    generated = side_files(layout)
+    for name, data in generated.items():
+        write_atomic(out / name, data)
+    if INDEX not in generated:
+        (out / INDEX).unlink(missing_ok=True)  # a tp > 1 build in a directory a tp = 1 build used
     _copy_tokenizer(source, out)
-    side = [_file_entry(out, "config.json")] + [_file_entry(out, n) for n in _tokenizer_files(source)]
+    side = [_file_entry(out, n) for n in generated] + [_file_entry(out, n) for n in _tokenizer_files(source)]
     shards = []
     for rl in layout.ranks:
         size, sha = hashes[rl.file]
         tensors = {}
         for t in rl.tensors:
             rec = t.record()
-            if t.quant and not t.scale_of:
+            if t.quant and not t.scale_of and t.value is None:  # the values, not their companions
                 rec["stats"] = mat.stats[t.source]
-                rec["scale"] = t.name + "_scale"
+                rec["scale"] = t.source + SCALE_SUFFIX
             tensors[t.name] = rec
         shards.append({
             "file": rl.file, "tp_rank": rl.tp_rank, "pp_stage": rl.pp_stage, "rank": rl.rank,

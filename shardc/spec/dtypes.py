@@ -21,11 +21,13 @@ NP_DTYPES: dict[str, Any] = {
     "F32": np.dtype(np.float32),
     "I8": np.dtype(np.int8),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"),
 }
 # torch knows bf16 and fp8 but not ml_dtypes' versions: cross over through same-width integers
-_SAME_WIDTH_INT = {2: np.int16, 1: np.uint8, 4: np.int32}
+_SAME_WIDTH_INT = {2: np.int16, 1: np.uint8, 4: np.int32, 8: np.int64}
 _TORCH_NAMES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "I8": "int8",
-                "F8_E4M3": "float8_e4m3fn"}
+                "F8_E4M3": "float8_e4m3fn", "I32": "int32", "I64": "int64"}
 
 
 def np_dtype(name: str) -> np.dtype:
@@ -57,5 +59,5 @@ def from_torch(t) -> np.ndarray:
     import torch
 
     name = next(k for k, v in _TORCH_NAMES.items() if getattr(torch, v) == t.dtype)
-    width = {2: torch.int16, 1: torch.uint8, 4: torch.int32}[t.element_size()]
+    width = {2: torch.int16, 1: torch.uint8, 4: torch.int32, 8: torch.int64}[t.element_size()]
     return t.view(width).numpy().view(NP_DTYPES[name])
