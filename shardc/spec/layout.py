@@ -388,15 +388,6 @@ def _weight_specs(common: dict, qdtype: str, local: tuple[int, ...], quant: str)
     return [packed, shape]
 
 
-def stored_names(name: str, quant: str | None) -> list[str]:
-    """The file's tensor names for source weight ``name`` under scheme ``quant`` (None: 16-bit)."""
-    if quant is None:
-        return [name]
-    if quant in PACK:
-        return [name + PACKED_SUFFIX, name + SHAPE_SUFFIX, name + SCALE_SUFFIX]
-    return [name, name + SCALE_SUFFIX]
-
-
 def check_packing(model: ModelSpec, plan: Plan, quantized: set[str]) -> None:
     """A packed weight holds ``pack`` input columns per stored int32, so every rank's input width
     (the row-parallel slice of o_proj / down_proj) must be a multiple of it: checked before a
