@@ -22,7 +22,8 @@ def load_source(ckpt: Path) -> dict[str, torch.Tensor]:
 def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
     """shard tensor name -> tensor rebuilt from every rank's pieces (checks overlaps agree).
 
-    Quantized weights come back quantized, with their ``X.weight_scale`` rebuilt alongside."""
+    Quantized weights come back quantized, with their ``X.weight_scale`` rebuilt alongside (int8
+    as pack-quantized ``X.weight_packed``; ``X.weight_shape`` is each rank's own, unpacked shape)."""
     m = json.loads((build_dir / "manifest.json").read_text())
     pieces: dict[str, list] = {}
     for file, shard in m["shards"].items():  # format_version 2: keyed by file name
@@ -38,7 +39,8 @@ def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
             out[name] = t0
             continue
         dim = rec0["dim"]
-        full_len = max(r["stop"] for r, _ in parts)
+        pack = (rec0.get("pack") or 1) if dim == 1 else 1
+        full_len = max(r["stop"] for r, _ in parts) // pack
         shape = list(t0.shape)
         shape[dim] = full_len
         full = torch.zeros(shape, dtype=t0.dtype)
@@ -50,6 +52,8 @@ def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
                 assert not pad.view(torch.uint8).any(), f"{name}: padding rows are not zero"
                 t = t[:n]
             idx = slice(rec["start"], rec["stop"])
+            if rec.get("pack") and dim == 1:  # packed: start/stop count source columns
+                idx = slice(rec["start"] // rec["pack"], rec["stop"] // rec["pack"])
             region = full[idx] if dim == 0 else full[:, idx]
             if covered[idx].all():  # a replicated KV head: must equal what is there
                 assert torch.equal(region.view(torch.uint8), t.contiguous().view(torch.uint8)), name
@@ -60,4 +64,11 @@ def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
             covered[idx] = True
         assert covered.all(), f"{name}: slices do not cover the tensor"
         out[name] = full
+    for name in [n for n in out if n.endswith(".weight_packed")]:
+        # int8 pack-quantized: unpacked by compressed-tensors itself (the oracle, not shardc)
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        packed = out[name]
+        base = name.removesuffix("_packed")
+        out[base] = unpack_from_int32(packed, 8, torch.Size([packed.shape[0], packed.shape[1] * 4]))
     return out

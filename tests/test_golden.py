@@ -27,16 +27,17 @@ PLANS = {  # name: (tp, pp, dtype)
 
 GOLDEN: dict[str, dict[str, str]] = {
     "g-tp1pp2-fp8": {
-        "config.json": "dbd71f81dba1086d2deb50d8097192896ab4f457b779bdf026dd654410263d6a",
-        "manifest.json": "3b92da3163ddd29d2c97f19604099fd43225f138c6884c06c8aa61021b3633b7",
+        "config.json": "573f3917d24434a3c5a6a897495adc9009a5c4ff9e605c01a965d55fb0a8ffc6",
+        "manifest.json": "8f38aa20d01b3f845dcad5e9d8cd484bcef7cf480a084e15b3a6cc24a7e2a298",
         "model-tp00-pp00.safetensors": "72f57a4c1fcd5f4b4f269cf86e883ba21535fd7bc3f4a7260a69ed500841b2cd",
         "model-tp00-pp01.safetensors": "5fd71cf3d45981499fde8434385ce8dd776b42533a30808d92bde5dd5a5718a1",
+        "model.safetensors.index.json": "e580c943263d6ebadcd5beb66ff7f99b43e6057c7aa012bb8bfad77a40c3e851",
     },
     "g-tp2pp1-int8": {
-        "config.json": "b82af120322aaad384fcdc74fd6e198f54be9b195908b2cc5b687a43977b2a1b",
-        "manifest.json": "72c6ffe608755fea7526496b625855ec4a8a50cfff6cd693282398fd42c09bf9",
-        "model-tp00-pp00.safetensors": "793437f00353c40b53253858f03f5480662bc823c9e5799e3313e18a8127c5d0",
-        "model-tp01-pp00.safetensors": "b8233502de1735a49676a016c501314208bbcea8882d71b532464931050f6c14",
+        "config.json": "fb51ef8ec178f1a218195ac6dabb4ab51ad67cd0ea552590cd8797dd8cd75ee0",
+        "manifest.json": "c1028af35d5907f95d63164444f81464fa15b41a2cd1f4e71fa435a6f675a5b3",
+        "model-tp00-pp00.safetensors": "0d931345df88593b8cfafacaa72b10187d2cab0c6dbd2d041b619a89fb189f86",
+        "model-tp01-pp00.safetensors": "8c93bd284ae577d77ad3d26428024c696f9d1e425486d471ba733fcf23deb071",
     },
     "g-tp2pp2-bf16": {
         "config.json": "2e09e4292776916c310687e90822c44700f192ba7187bb28cc781b8a7ccd5b24",

@@ -134,8 +134,10 @@ def test_quantized_weight_bytes_include_scales(dtype):
     # tp=2, per layer: q 32x64 B + 32 f32 scales = 2,176; k, v 16x64 + 16x4 = 1,088 each;
     # o 64x32 + 64x4 (row-parallel: scales whole) = 2,304; gate, up 64x64 + 64x4 = 4,352 each;
     # down 64x64 + 64x4 = 4,352; norms 2 x 64 x 2 B = 256 -> 19,968; x 2 layers = 39,936;
-    # embed, lm_head stay bf16: 48 x 64 x 2 = 6,144 each; final norm 128
-    assert {r.nbytes for r in ranks} == {39_936 + 6_144 * 2 + 128}
+    # embed, lm_head stay bf16: 48 x 64 x 2 = 6,144 each; final norm 128. int8 is stored
+    # pack-quantized: the same bytes as int32 words, plus a 16 B int64 weight_shape per projection
+    shapes = 2 * 7 * 16 if dtype == "int8" else 0
+    assert {r.nbytes for r in ranks} == {39_936 + 6_144 * 2 + 128 + shapes}
 
 
 @pytest.mark.parametrize("model, tp, pp, dtype", [

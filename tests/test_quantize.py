@@ -113,9 +113,15 @@ def test_manifest_config_and_ignore(ckpt, tmp_path):
     assert "model.layers.0.self_attn.q_proj" in qc["ignore"]
     shard = res.manifest.shards[0].tensors
     assert shard["model.layers.0.self_attn.q_proj.weight"]["dtype"] == "BF16"  # ignored: layer 0
-    rec = shard["model.layers.1.self_attn.q_proj.weight"]
-    assert rec["dtype"] == "I8" and rec["quant"] == "int8" and rec["scale"].endswith("weight_scale")
+    assert "model.layers.1.self_attn.q_proj.weight" not in shard  # int8 is stored pack-quantized
+    rec = shard["model.layers.1.self_attn.q_proj.weight_packed"]
+    assert (rec["dtype"], rec["quant"], rec["pack"]) == ("I32", "int8", 4)
+    assert rec["scale"] == "model.layers.1.self_attn.q_proj.weight_scale"
     assert 0 < rec["stats"]["rel_rms_err"] < 0.02 and rec["stats"]["max_abs_err"] > 0
+    # row-parallel o_proj at tp=2: half the input columns, a quarter of that in int32 words
+    o = shard["model.layers.1.self_attn.o_proj.weight_packed"]
+    assert (o["dim"], o["start"], o["stop"], o["shape"]) == (1, 0, 32, [64, 8])
+    assert shard["model.layers.1.self_attn.o_proj.weight_shape"]["value"] == [64, 32]
     assert shard["model.layers.1.self_attn.o_proj.weight_scale"]["split"] == "replicated"
 
 

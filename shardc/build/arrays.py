@@ -22,7 +22,7 @@ NP_DTYPES: dict[str, Any] = {
     n: np.dtype(getattr(np, d.torch, None) or getattr(ml_dtypes, d.torch)) for n, d in DTYPES.items()
 }
 # torch knows bf16 and fp8 but not ml_dtypes' versions: cross over through same-width integers
-_SAME_WIDTH_INT = {2: np.int16, 1: np.uint8, 4: np.int32}
+_SAME_WIDTH_INT = {2: np.int16, 1: np.uint8, 4: np.int32, 8: np.int64}
 
 
 def np_dtype(name: str) -> np.dtype:

@@ -27,6 +27,7 @@ from ..spec.model import model_from_config
 from ..spec.plan import Plan, canonical_json
 from .materialize import Materializer
 from .outputs import (
+    LAYOUT_REVISION,
     check_space,
     copy_manifest,
     done_path,
@@ -158,7 +159,7 @@ def _current_manifest(run: BuildRun) -> Manifest | None:
     """The existing manifest, when it describes exactly this build and its files are in place."""
     if not (run.out / "manifest.json").is_file():
         return None
-    return up_to_date(run.out, run.plan, run.source.identity())
+    return up_to_date(run.out, run.plan, run.layout, run.source.identity())
 
 
 def _prepare_output(run: BuildRun) -> None:
@@ -167,7 +168,8 @@ def _prepare_output(run: BuildRun) -> None:
     (run.out / "manifest.json").unlink(missing_ok=True)
     for stale in temp_files(run.out):  # left by a killed run (the lock says none is running)
         stale.unlink()
-    run.key = {"plan_sha256": run.plan.sha256, "source": run.source.fingerprint(), "shardc_version": __version__}
+    run.key = {"plan_sha256": run.plan.sha256, "source": run.source.fingerprint(), "shardc_version": __version__,
+               "layout_revision": LAYOUT_REVISION}
     if run.progress:
         from tqdm import tqdm
 
@@ -265,9 +267,9 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
         tensors = {}
         for t in rl.tensors:
             rec = t.record()
-            if t.quant and not t.scale_of:
+            if t.quant and not t.scale_of and t.value is None:  # the values, not their companions
                 rec["stats"] = mat.stats[t.source]
-                rec["scale"] = t.name + SCALE_SUFFIX
+                rec["scale"] = t.source + SCALE_SUFFIX
             tensors[t.name] = rec
         shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors))
     manifest = new_manifest(layout, run.source.identity(), shards, side)

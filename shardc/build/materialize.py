@@ -14,7 +14,7 @@ from ..formats.safetensors import ShardWriter
 from ..spec.dtypes import DTYPE_BYTES
 from ..spec.layout import Layout, TensorSpec
 from .arrays import np_dtype
-from .quantize import quantize_array
+from .quantize import quantize_array, stored
 from .quantqueue import QuantQueue
 from .source import Source
 
@@ -28,8 +28,9 @@ def region(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
     """The rank's slice of a full tensor (source or quantized) as a view: nothing is copied."""
     if spec.dim == 0:
         return full[spec.start : spec.stop]
-    if spec.dim == 1:
-        return full[:, spec.start : spec.stop]
+    if spec.dim == 1:  # a packed tensor holds ``pack`` source columns per element
+        p = spec.pack or 1
+        return full[:, spec.start // p : spec.stop // p]
     return full
 
 
@@ -118,6 +119,8 @@ class Materializer:
             self.queue = None
 
     def full(self, spec: TensorSpec) -> np.ndarray:
+        if spec.value is not None:  # X.weight_shape: its contents are in the Layout
+            return np.asarray(spec.value, np.int64)
         key = (spec.source, spec.quant)
         if spec.quant and self.queue is not None:
             q, scale = self.queue.get(key)
@@ -143,4 +146,4 @@ class Materializer:
         """Quantized values and scales of a source tensor, here and now; records its error stats."""
         w = self.source.view(name) if w is None else w
         q, scale, self.stats[name] = quantize_array(name, w, scheme, QUANT_WORKERS)
-        return q, scale
+        return stored(q, scheme), scale

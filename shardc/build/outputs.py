@@ -3,6 +3,7 @@ tokenizer files, resume records, the up-to-date check, the disk-space check."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -37,6 +38,32 @@ def output_config(layout: Layout) -> dict[str, Any]:
     return cfg
 
 
+INDEX = "model.safetensors.index.json"  # HF's sharded-checkpoint index, written for tp = 1
+# Bumped when the bytes a plan produces change (int8 became pack-quantized): a resume record of
+# an older layout is not trusted.
+LAYOUT_REVISION = 2
+
+
+def index_json(layout: Layout) -> dict[str, Any]:
+    """model.safetensors.index.json: every tensor name -> the file holding it, and the total bytes
+    of tensor data in its metadata (HF's format). With tp = 1 each name lives in exactly one file
+    (pipeline stages split the layers), so the build directory is a Hugging Face checkpoint that
+    transformers and vLLM's default loader read as it is."""
+    if layout.plan.tp != 1:
+        raise ValueError("an HF index describes tp = 1 builds only")
+    weight_map = {t.name: rl.file for rl in layout.ranks for t in rl.tensors}
+    return {"metadata": {"total_size": sum(rl.nbytes for rl in layout.ranks)},
+            "weight_map": dict(sorted(weight_map.items()))}
+
+
+def side_files(layout: Layout) -> dict[str, bytes]:
+    """The files build derives from the Layout alone (verify recomputes and compares them)."""
+    out = {"config.json": (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()}
+    if layout.plan.tp == 1:
+        out[INDEX] = (json.dumps(index_json(layout), indent=2) + "\n").encode()
+    return out
+
+
 def done_path(out_dir: Path, file: str) -> Path:
     return out_dir / f".{file}.done.json"
 
@@ -55,7 +82,7 @@ def stage_done(out_dir: Path, rl: RankLayout, key: dict) -> tuple[int, str] | No
     return rec["size"], rec["sha256"]
 
 
-def up_to_date(out_dir: Path, plan: Plan, identity: SourceRecord) -> Manifest | None:
+def up_to_date(out_dir: Path, plan: Plan, layout: Layout, identity: SourceRecord) -> Manifest | None:
     mpath = out_dir / "manifest.json"
     try:
         m = parse(mpath.read_bytes(), str(mpath))
@@ -63,6 +90,10 @@ def up_to_date(out_dir: Path, plan: Plan, identity: SourceRecord) -> Manifest | 
         return None
     if m.plan_sha256 != plan.sha256 or m.source != identity or m.shardc_version != __version__:
         return None
+    listed = {f.name: f.sha256 for f in m.files}
+    for name, data in side_files(layout).items():  # an older shardc's config or layout
+        if listed.get(name) != hashlib.sha256(data).hexdigest():
+            return None
     for name, size in [(s.file, s.size) for s in m.shards] + [(f.name, f.size) for f in m.files]:
         p = out_dir / name
         if not p.is_file() or p.stat().st_size != size:
@@ -113,11 +144,15 @@ def file_entry(out: Path, name: str) -> FileEntry:
 
 
 def write_side_files(layout: Layout, source: Source, out: Path) -> list[FileEntry]:
-    """config.json and the tokenizer files next to the shards, with their manifest entries."""
-    cfg_bytes = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
-    write_atomic(out / "config.json", cfg_bytes)
+    """config.json (+ the HF index for tp = 1) and the tokenizer files next to the shards, with
+    their manifest entries."""
+    generated = side_files(layout)
+    for name, data in generated.items():
+        write_atomic(out / name, data)
+    if INDEX not in generated:
+        (out / INDEX).unlink(missing_ok=True)  # a tp > 1 build in a directory a tp = 1 build used
     copy_tokenizer(source, out)
-    return [file_entry(out, "config.json")] + [file_entry(out, n) for n in tokenizer_files(source)]
+    return [file_entry(out, n) for n in generated] + [file_entry(out, n) for n in tokenizer_files(source)]
 
 
 def copy_manifest(manifest: Manifest, manifests_dir: str | Path | None) -> None:

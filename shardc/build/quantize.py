@@ -142,27 +142,70 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}")
 
 
+def pack_int8(q: np.ndarray) -> np.ndarray:
+    """int8 [out, in] -> compressed-tensors' pack-quantized int32 [out, in/4], IN PLACE.
+
+    ``pack_to_int32(q, 8)`` adds 128 to each value and puts element i of a group of four at bits
+    8i..8i+7 of one int32: exactly the bytes of ``q + 128`` read as little-endian int32. Adding
+    128 to a two's-complement byte flips its top bit, so packing is one XOR over the buffer and a
+    reinterpreting view (tests compare it with compressed-tensors' own function, bit for bit).
+    """
+    if q.dtype != np.int8 or q.ndim != 2 or q.shape[1] % 4 or not q.flags.c_contiguous:
+        raise ValueError(f"pack_int8 needs a C-contiguous int8 [out, in] with in % 4 == 0, got "
+                         f"{q.dtype}{list(q.shape)}")
+    u = q.view(np.uint8)
+    np.bitwise_xor(u, np.uint8(0x80), out=u)
+    return u.view("<i4")
+
+
+def unpack_int8(packed: np.ndarray) -> np.ndarray:
+    """pack-quantized int32 [out, in/4] -> int8 [out, in] (a new array)."""
+    u = np.ascontiguousarray(packed).astype("<i4", copy=False).view(np.uint8) ^ np.uint8(0x80)
+    return u.view(np.int8)
+
+
+def stored(q: np.ndarray, scheme: str) -> np.ndarray:
+    """Quantized values in the form the shard files hold them: packed for int8 (in place)."""
+    return pack_int8(q) if scheme == "int8" else q
+
+
+# config.json's quantization_config, as compressed-tensors (0.20) models it: QuantizationConfig
+# with one QuantizationScheme of weight-only QuantizationArgs. Written as plain JSON here (importing
+# compressed-tensors imports torch, which a build never does); the tests validate every block with
+# compressed-tensors' own models and check it against vLLM's scheme-selection rules.
+CT_FORMAT = {"int8": "pack-quantized", "fp8": "float-quantized"}
+
+
 def quantization_config(scheme: str, ignore: list[str]) -> dict:
-    """compressed-tensors style description for config.json (weights only, per channel)."""
+    """The compressed-tensors block for weight-only, per-channel, symmetric int8 / fp8.
+
+    ``quantization_status: compressed`` says the weights in the files ARE the compressed form (a
+    reader that misses it treats them as unquantized and returns garbage). The format is given
+    both at the top and in the group: transformers reads the group's, vLLM the group's and then the
+    top-level one. Only compressed-tensors keys: shardc's own facts live in the manifest."""
     weights = {
         "num_bits": 8,
         "type": "int" if scheme == "int8" else "float",
         "symmetric": True,
         "strategy": "channel",
         "dynamic": False,
+        "group_size": None,
     }
+    fmt = CT_FORMAT[scheme]
     return {
         "quant_method": "compressed-tensors",
-        "format": "int-quantized" if scheme == "int8" else "float-quantized",
+        "format": fmt,
+        "quantization_status": "compressed",
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],
                 "weights": weights,
                 "input_activations": None,
                 "output_activations": None,
+                "format": fmt,
             }
         },
         "ignore": sorted(ignore),
-        "shardc_scheme": scheme,
-        "shardc_scale_suffix": "_scale",
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
     }

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import numpy as np
 
-from .quantize import quantize_array
+from .quantize import quantize_array, stored
 
 Key = tuple[str, str]  # (source tensor name, scheme)
 
@@ -82,6 +82,7 @@ class QuantQueue:
                     break
                 try:
                     q, scale, self._stats[name] = quantize_array(name, w, scheme, self._workers, out=buf)
+                    q = stored(q, scheme)  # int8: packed in place, as the files hold it
                 finally:
                     del w  # unmap the source tensor now: RSS stays bounded
                 self._results[key].set_result((q, scale))

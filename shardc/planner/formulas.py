@@ -248,8 +248,8 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
             streamed = not embed or (model.tie_word_embeddings and plan.pp == 1)  # tied: also lm_head
             totals["nbytes"] += mult * t.nbytes
             totals["read"] += mult * t.nbytes if streamed else 0
-            if streamed and len(t.shape) == 2 and t.scale_of is None:
-                totals["linear"] += mult * math.prod(t.shape)
+            if streamed and len(t.shape) == 2 and t.scale_of is None:  # packed: values, not words
+                totals["linear"] += mult * math.prod(t.shape) * (t.pack or 1)
             if t.name.endswith("self_attn.k_proj.weight"):
                 kv_heads = t.shape[0] // model.head_dim
         out.append(

@@ -3,11 +3,13 @@
 The tensors come from ``shardc.verify.checks.load_rank_tensors`` (sha256 + header checked against the
 Layout before a byte is used). What each tensor is, and which vocabulary rows a rank holds, is read
 from the Layout's TensorSpecs, never re-derived. int8 / fp8 weights are dequantized here with their
-per-channel scales (weight-only quantization: activations stay in the 16-bit base dtype).
+per-channel scales (weight-only quantization: activations stay in the 16-bit base dtype); int8
+is unpacked first from compressed-tensors' pack-quantized ``X.weight_packed`` + ``X.weight_shape``.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -15,7 +17,7 @@ import torch
 from ..errors import ManifestError
 from ..formats.manifest import Manifest
 from ..spec.dtypes import torch_name
-from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout
+from ..spec.layout import PACKED_SUFFIX, SCALE_SUFFIX, SHAPE_SUFFIX, Layout, RankLayout
 from .llama import Dims, LayerWeights, StageWeights
 
 _PROJ = {
@@ -32,6 +34,16 @@ _PROJ = {
 def compute_dtype(manifest: Manifest) -> torch.dtype:
     """The 16-bit dtype activations run in: the plan's base dtype (int8/fp8 dequantize to it)."""
     return getattr(torch, torch_name(manifest.layout.base_dtype))
+
+
+def unpack_int8(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
+    """pack-quantized int32 [out, in/4] -> int8 [out, in]: each int32 holds four values + 128,
+    the first in its low byte; on a little-endian host that is the bytes in order, top bit
+    flipped. (``shardc.build.quantize.pack_int8`` is the inverse.)"""
+    if sys.byteorder != "little":
+        raise ManifestError("pack-quantized int8 is read on little-endian hosts only")
+    u = packed.contiguous().view(torch.uint8) ^ 0x80
+    return u.view(torch.int8).reshape([int(n) for n in shape.tolist()])
 
 
 def local_dims(layout: Layout) -> Dims:
@@ -67,6 +79,10 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         raise ManifestError(f"{rl.file} lacks tensor {missing[0]}", hint="rebuild the shards")
 
     def get(name: str) -> torch.Tensor:
+        if name not in specs and name + PACKED_SUFFIX in specs:  # int8, pack-quantized
+            q = unpack_int8(raw[name + PACKED_SUFFIX], raw[name + SHAPE_SUFFIX])
+            t = q.float() * raw[name + SCALE_SUFFIX].float()
+            return t.to(device=device, dtype=dtype).contiguous()
         spec = specs[name]
         t = raw[name]
         if spec.quant:

@@ -24,6 +24,8 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
     DType("BF16", 2, "bfloat16", "bf16"),
     DType("I8", 1, "int8", "int8"),
     DType("F8_E4M3", 1, "float8_e4m3fn", "fp8"),
+    DType("I32", 4, "int32"),  # compressed-tensors' packed int8 (four values per element)
+    DType("I64", 8, "int64"),  # compressed-tensors' weight_shape
 )}
 DTYPE_BYTES: dict[str, int] = {n: d.itemsize for n, d in DTYPES.items()}
 PLAN_DTYPE: dict[str, str] = {d.plan: n for n, d in DTYPES.items() if d.plan}

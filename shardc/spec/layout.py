@@ -39,6 +39,11 @@ _COMPILED = tuple((re.compile(p), kind) for p, kind in SPLIT_RULES)
 # Weight-only quantization applies to the linear projections of the decoder layers only.
 QUANTIZABLE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
+# int8 is stored as compressed-tensors "pack-quantized": X.weight_packed holds the int8 values
+# (+128) four to an int32 (little-endian, along the input dimension), X.weight_shape the unpacked
+# [out, in] of the tensor in the file. vLLM selects its W8A16 int kernels only for this format.
+PACKED_SUFFIX, SHAPE_SUFFIX = "_packed", "_shape"
+PACK = {"int8": 4}  # quantized values per stored int32, by scheme (fp8 is stored unpacked)
 
 MAX_TP_HINT = 64
 
@@ -71,7 +76,9 @@ class TensorSpec:
     pad_rows: int = 0  # zero rows appended after the slice (vocab padding)
     kv_head: int | None = None  # the replicated KV head this rank holds (tp > kv_heads)
     scale_of: str | None = None  # for X.weight_scale: the quantized weight it belongs to
-    quant: str | None = None  # int8 | fp8 for a quantized weight and its scale
+    quant: str | None = None  # int8 | fp8 for a quantized weight and its companions
+    pack: int | None = None  # values per stored element (start/stop count source columns)
+    value: tuple[int, ...] | None = None  # contents fixed by the Layout (X.weight_shape)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +88,8 @@ class TensorSpec:
         """Manifest form: only the fields that say something."""
         out = {k: v for k, v in asdict(self).items() if v is not None and k != "name"}
         out["shape"] = list(self.shape)
+        if self.value is not None:
+            out["value"] = list(self.value)
         if not self.pad_rows:
             out.pop("pad_rows")
         return out
@@ -324,8 +333,19 @@ class Layout:
 def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     """Check every precondition, then list every rank's tensors."""
     check_degrees(model, plan)
+    if "quantization_config" in model.config:
+        # the build's config.json is the source's plus (int8/fp8) its own compressed-tensors
+        # block: a block already there would describe weights the shards do not hold
+        block = model.config["quantization_config"]
+        method = block.get("quant_method", "?") if isinstance(block, dict) else "?"
+        raise QuantizationError(
+            f"the source config.json already has a quantization_config (quant_method {method!r})",
+            key="quantization_config",
+            hint="start from the unquantized checkpoint; shardc writes its own quantization_config",
+        )
     stages = stage_ranges(model, plan)
     quantized = quantized_names(model, plan)
+    check_packing(model, plan, quantized)
     base = base_dtype(model, plan)
     qdtype = PLAN_DTYPE[plan.dtype]
     last = plan.pp - 1
@@ -354,7 +374,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                 local = cut.pop("shape")
                 common = dict(name=name, source=source, split=kind, **cut)
                 if source in quantized and name == source:
-                    per_rank[s, r].append(TensorSpec(dtype=qdtype, shape=local, quant=plan.dtype, **common))
+                    per_rank[s, r] += _weight_specs(common, qdtype, local, plan.dtype)
                     per_rank[s, r].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
                 else:
                     per_rank[s, r].append(TensorSpec(dtype=base, shape=local, **common))
@@ -372,6 +392,49 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                 )
             )
     return Layout(model, plan, tuple(stages), tuple(ranks), padded_vocab(model, plan.tp))
+
+
+def _weight_specs(common: dict, qdtype: str, local: tuple[int, ...], quant: str) -> list[TensorSpec]:
+    """A quantized weight as stored: X.weight (fp8), or X.weight_packed + X.weight_shape (int8)."""
+    pack = PACK.get(quant)
+    if pack is None:
+        return [TensorSpec(dtype=qdtype, shape=local, quant=quant, **common)]
+    common = dict(common)
+    name = common.pop("name")
+    packed = TensorSpec(name=name + PACKED_SUFFIX, dtype="I32", shape=(local[0], local[1] // pack),
+                        quant=quant, pack=pack, **common)
+    shape = TensorSpec(name=name + SHAPE_SUFFIX, dtype="I64", shape=(2,), source=common["source"],
+                       split=common["split"], quant=quant, value=local)
+    return [packed, shape]
+
+
+def check_packing(model: ModelSpec, plan: Plan, quantized: set[str]) -> None:
+    """A packed weight holds ``pack`` input columns per stored int32, so every rank's input width
+    (the row-parallel slice of o_proj / down_proj) must be a multiple of it: checked before a
+    byte is written, naming the tensor and the tp degrees that would work."""
+    pack = PACK.get(plan.dtype)
+    if not pack:
+        return
+
+    def bad(tp: int) -> tuple[str, int] | None:
+        for t in source_tensors(model):
+            if t.name in quantized:
+                width = t.shape[1] // tp if split_kind(t.name) == "row" else t.shape[1]
+                if width % pack:
+                    return t.name, width
+        return None
+
+    problem = bad(plan.tp)
+    if problem:
+        good = [t for t in valid_tp_degrees(model) if not bad(t)]
+        name, width = problem
+        raise LayoutError(
+            f"tensor {name} gets {width} input columns per rank at tp={plan.tp}; {plan.dtype} is "
+            f"stored pack-quantized ({pack} values per int32), which needs a multiple of {pack}",
+            key="replica_group.tp_degree",
+            hint=f"tp_degree values that work for this model with {plan.dtype}: "
+                 f"{', '.join(map(str, good)) or 'none'}",
+        )
 
 
 def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:

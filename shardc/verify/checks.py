@@ -74,6 +74,35 @@ def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: L
     return problems
 
 
+def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> list[str]:
+    """config.json and (tp = 1) model.safetensors.index.json are derived from the Layout: the
+    manifest must list exactly those, with the bytes this plan's build writes, and the files in
+    the directory must be those bytes (an index naming the wrong file sends a client astray)."""
+    import hashlib
+
+    from ..build.outputs import INDEX, side_files
+
+    problems = []
+    expected = side_files(layout)
+    listed = {f.name: f for f in manifest.files}
+    if INDEX in listed and INDEX not in expected:
+        problems.append(f"manifest lists {INDEX}, which a tp={layout.plan.tp} build does not have")
+    for name, data in expected.items():
+        entry = listed.get(name)
+        if entry is None:
+            problems.append(f"manifest does not list {name}")
+            continue
+        if entry.sha256 != hashlib.sha256(data).hexdigest() or entry.size != len(data):
+            problems.append(f"manifest's {name} is not the one this plan's build writes "
+                            f"(an older shardc, or edited)")
+        path = directory / name
+        if not path.is_file():
+            problems.append(f"{name}: missing (expected at {path})")
+        elif path.stat().st_size != entry.size or sha256_file(path) != entry.sha256:
+            problems.append(f"{name}: size or sha256 differs from the manifest")
+    return problems
+
+
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
     try:
         header, meta, _ = read_header(path)
@@ -213,8 +242,8 @@ def verify_build(
     manifest = typed(manifest)
     layout = manifest.to_layout()
     ranks = list(layout.ranks) if ranks is None else ranks
-    problems = check_manifest_against_layout(manifest, layout)
     directory = Path(directory)
+    problems = check_manifest_against_layout(manifest, layout) + check_side_files(manifest, layout, directory)
 
     def digest(rl: RankLayout) -> str | None:
         if hashed is not None and rl.file in hashed:

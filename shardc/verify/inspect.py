@@ -29,6 +29,13 @@ def describe(path: Path) -> dict[str, Any]:
         f"source     {m.source.uri}" + (f" @ {m.source.revision}" if m.source.revision else ""),
         f"shards     {len(m.shards)} files, {human_size(m.total_bytes)}",
     ]
+    stored = {"int8": "pack-quantized: X.weight_packed int32 + X.weight_shape + X.weight_scale",
+              "fp8": "float-quantized: X.weight e4m3 + X.weight_scale"}
+    if lay.dtype in stored:
+        lines.append(f"quantized  {lay.dtype} weight-only per channel, compressed-tensors "
+                     f"{stored[lay.dtype]}")
+    if m.file("model.safetensors.index.json") is not None:
+        lines.append("hf index   model.safetensors.index.json (the directory loads as an HF checkpoint)")
     tensors = []
     for s in m.shards:
         lines.append(f"  {s.file}  rank {s.rank} (tp {s.tp_rank}, pp {s.pp_stage})  "
