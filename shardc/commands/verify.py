@@ -26,7 +26,7 @@ Examples:
 @click.option("--tp-rank", type=int, help="TP rank (with --pp-stage).")
 @click.option("--pp-stage", type=int, help="PP stage (with --tp-rank).")
 @click.option("--all", "all_ranks", is_flag=True, help="Verify every rank (the default).")
-@click.option("--device", help="Load every tensor onto this device (cpu, cuda, cuda:N) and check values.")
+@click.option("--device", help="Load every tensor onto this device and check values: cpu, cuda (this process's GPU, cuda:LOCAL_RANK) or cuda:N.")
 @click.option("--deep", "deep_source", help="Reassemble against this source checkpoint, byte for byte.")
 @click.option("--jobs", type=int, help="Parallel hashing threads [default: cores, at most 8].")
 @click.option("--distributed", is_flag=True, help="One process per rank (torchrun env); the group agrees.")
@@ -56,11 +56,6 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
             raise ManifestError(
                 f"the manifest is of plan sha256 {manifest['plan_sha256'][:12]}, not of {plan_file} "
                 f"({want[:12]})", hint="pass the manifest built from this plan")
-    if device and device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ManifestError(f"--device {device} but CUDA is not available here", hint="use --device cpu")
     if distributed or "TORCHELASTIC_RUN_ID" in os.environ:  # --distributed, or launched by torchrun
         from ..verify.distributed import distributed_verify
 
@@ -69,6 +64,10 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
         if all_ranks and (rank is not None or tp_rank is not None or pp_stage is not None):
             raise ManifestError("--all cannot be combined with --rank/--tp-rank/--pp-stage")
         ranks = select_ranks(layout_of(manifest), rank, tp_rank, pp_stage)
+        if device:  # one process checks its ranks one after another, on one GPU
+            from ..verify.devices import check_gpus
+
+            check_gpus(manifest["plan"]["replica_group"]["name"], device, 1)
         report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
     if as_json:
         echo_json(report)

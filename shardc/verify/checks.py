@@ -20,6 +20,8 @@ from ..build.source import sha256_file
 from ..errors import ManifestError, VerifyMismatch
 from ..formats.manifest import layout_of
 from ..spec.layout import Layout, RankLayout
+from .devices import resolve_device
+from .loader import shard_entries
 
 MAX_HEADER = 100 << 20
 
@@ -70,7 +72,7 @@ def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> l
     problems = []
     if manifest["plan_sha256"] != layout.plan.sha256:
         problems.append("manifest plan_sha256 does not match the hash of its own plan")
-    by_file = {s["file"]: s for s in manifest["shards"]}
+    by_file = shard_entries(manifest)
     for rl in layout.ranks:
         entry = by_file.get(rl.file)
         if entry is None:
@@ -124,21 +126,23 @@ def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -
     res.checks.append("dtype-shape")
 
 
-def _load_on_device(res: RankResult, path: Path, device: str) -> int:
-    """Load every tensor onto the device and check finiteness. Returns bytes loaded."""
-    import torch
-    from safetensors import safe_open
+def _load_on_device(res: RankResult, path: Path, rl: RankLayout, device: str) -> str:
+    """One pass over the file: hash it and land its data on ``device``; then check finiteness on the
+    device from exponent bits (no fp32 copies). Returns the sha256 of the bytes read."""
+    from .loader import nonfinite, read_shard, tensors_of
 
-    total = 0
-    with safe_open(path, framework="pt", device=device) as f:
-        for name in f.keys():  # noqa: SIM118
-            t = f.get_tensor(name)
-            total += t.numel() * t.element_size()
-            if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
-                res.fail(f"tensor {name} holds NaN or Inf on {device}")
-            del t
+    raw = read_shard(path, device)
+    if raw.header is None:
+        return raw.sha256
+    try:
+        tensors = tensors_of(raw)
+    except VerifyMismatch as exc:
+        res.fail(exc.message)
+        return raw.sha256
+    for name in nonfinite(tensors, {t.name: t.dtype for t in rl.tensors}):
+        res.fail(f"tensor {name} holds NaN or Inf on {device}")
     res.checks.append(f"load:{device}")
-    return total
+    return raw.sha256
 
 
 def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -> None:
@@ -189,7 +193,7 @@ def verify_rank(
 ) -> RankResult:
     """All checks for one rank, in order; stops at the first failing stage that makes later ones moot."""
     res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-    entry = next((s for s in manifest["shards"] if s["file"] == rl.file), None)
+    entry = shard_entries(manifest).get(rl.file)
     path = Path(directory) / rl.file
     if entry is None:
         res.fail("not in the manifest")
@@ -203,7 +207,12 @@ def verify_rank(
         res.fail(f"size {size} bytes, expected {entry['size']} (truncated or replaced?)")
         return res
     res.checks.append("size")
-    digest = hashed if hashed is not None else sha256_file(path)
+    loaded = None
+    if device:  # hash while loading: each byte is read once
+        loaded = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
+        digest = _load_on_device(loaded, path, rl, device)
+    else:
+        digest = hashed if hashed is not None else sha256_file(path)
     if digest != entry["sha256"]:
         res.fail(f"sha256 {digest[:16]}..., expected {entry['sha256'][:16]}... (corrupted bytes)")
     else:
@@ -211,8 +220,11 @@ def verify_rank(
     _check_header(res, path, rl, layout)
     if not res.ok:
         return res
-    if device:
-        _load_on_device(res, path, device)
+    if loaded is not None:
+        res.problems += loaded.problems
+        res.ok = res.ok and loaded.ok
+        res.checks += loaded.checks
+        assert device is not None
         _device_room(res, rl, layout, device)
     if deep:
         _deep(res, path, rl, layout, deep)
@@ -243,9 +255,13 @@ def verify_build(
     ranks = list(layout.ranks) if ranks is None else ranks
     problems = check_manifest_against_layout(manifest, layout)
     directory = Path(directory)
-    entries = {s["file"]: s for s in manifest["shards"]}
+    entries = shard_entries(manifest)
+    if device:  # verify_rank hashes while it loads each rank onto the device
+        device = resolve_device(device)
 
     def digest(rl: RankLayout) -> str | None:
+        if device:
+            return None
         p = directory / rl.file
         e = entries.get(rl.file)
         if e is None or not p.is_file() or p.stat().st_size != e["size"]:
@@ -271,13 +287,7 @@ def verify_build(
 
 def load_rank_tensors(manifest: dict[str, Any], directory: str | Path, tp_rank: int, pp_stage: int,
                       device: str = "cpu") -> dict[str, Any]:
-    """The checked way to load one rank's tensors (runtime, gate): verify, then load."""
-    from safetensors.torch import load_file
+    """The checked way to load one rank's tensors (runtime, gate): ``load_shard``."""
+    from .loader import load_shard
 
-    layout = layout_of(manifest)
-    rl = layout.rank(tp_rank, pp_stage)
-    res = verify_rank(manifest, Path(directory), layout, rl)
-    problems = check_manifest_against_layout(manifest, layout) + res.problems
-    if problems:
-        raise VerifyMismatch(problems[0], hint="run shardc verify for the full report")
-    return load_file(Path(directory) / rl.file, device=device)
+    return load_shard(manifest, tp_rank, pp_stage, device=device, directory=directory)
