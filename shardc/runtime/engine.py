@@ -85,7 +85,10 @@ class StageRunner:
         dev, d = self.comm.device, self.model.d
         layers = [lw.index for lw in self.model.w.layers]
         caches = [KVCache(layers, 1, d, max_len, self.model.dtype, dev) for _ in prompts]
-        out: list[list[int]] = [[] for _ in prompts]
+        # On a GPU without EOS tokens to watch, sampled tokens stay on the device and feed the next
+        # step from there: no host sync and no host-to-device copy per step (one .tolist() at the end).
+        lazy = dev.type == "cuda" and not eos
+        out: list[list[Any]] = [[] for _ in prompts]
         awaiting = [False] * len(prompts)  # a token from the last stage is due for this sequence
         last_rank = self.comm.replica.rank(self.comm.tp_rank, self.comm.replica.pp - 1)
         others = [self.comm.replica.rank(self.comm.tp_rank, s) for s in range(self.comm.replica.pp - 1)]
@@ -97,7 +100,7 @@ class StageRunner:
             if awaiting[m]:
                 tok = self.comm.recv((1,), torch.int64, last_rank,
                                      f"receiving step {step} token of sequence {m} from the last stage")
-                out[m].append(int(tok.item()))
+                out[m].append(tok.view(()) if lazy else int(tok.item()))
                 awaiting[m] = False
 
         for step in range(max_new_tokens):
@@ -106,7 +109,10 @@ class StageRunner:
                 if finished(m):
                     continue
                 self.comm.beat()
-                ids = torch.tensor([prompt if step == 0 else [out[m][-1]]], dtype=torch.int64)
+                if step and lazy:
+                    ids = out[m][-1].view(1, 1)
+                else:
+                    ids = torch.tensor([prompt if step == 0 else [out[m][-1]]], dtype=torch.int64)
                 what = f"sequence {m} step {step} activations"
                 with torch.inference_mode():
                     h = self.model.layers(self._stage_input(ids, what), caches[m])
@@ -117,12 +123,14 @@ class StageRunner:
                     logits = self.model.logits(h[:, -1:], everyone=True)
                 assert logits is not None
                 tok = logits[0, -1].argmax()
-                out[m].append(int(tok))
+                out[m].append(tok if lazy else int(tok))
                 for dst in others:
                     self._send(tok.reshape(1).to(torch.int64), dst, f"sending step {step} token to {dst}")
         for m in range(len(prompts)):
             collect(m, max_new_tokens - 1)
         self.drain()
+        if lazy:
+            return [torch.stack(o).tolist() if o else [] for o in out]
         return out
 
 
