@@ -39,6 +39,7 @@ class StageRunner:
         # (micro-batch, start, end) of this rank's compute, wall clock (comparable across processes):
         # shows micro-batches overlapping across stages, and the measured bubble.
         self.trace: list[tuple[int, float, float]] = []
+        self.decode_seconds: float | None = None  # generate: wall time after the first token
 
     def _send(self, x: torch.Tensor, dst: int, what: str) -> None:
         self._sends.append(self.comm.isend(x, dst, what))
@@ -103,7 +104,12 @@ class StageRunner:
                 out[m].append(tok.view(()) if lazy else int(tok.item()))
                 awaiting[m] = False
 
+        t_first = None
         for step in range(max_new_tokens):
+            if step == 1:  # decode rate from here on: prefill and first-call set-up excluded
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t_first = time.perf_counter()
             for m, prompt in enumerate(prompts):
                 collect(m, step - 1)
                 if finished(m):
@@ -130,7 +136,8 @@ class StageRunner:
             collect(m, max_new_tokens - 1)
         self.drain()
         if lazy:
-            return [torch.stack(o).tolist() if o else [] for o in out]
+            out = [torch.stack(o).tolist() if o else [] for o in out]
+        self.decode_seconds = time.perf_counter() - t_first if t_first is not None else None
         return out
 
 

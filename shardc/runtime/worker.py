@@ -125,7 +125,7 @@ def _generate(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | N
     max_len = max(len(p) for p in prompts) + max_new
     tokens = runner.generate(prompts, max_new, set(g.get("eos", [])), max_len)
     holder = comm.replica.rank(0, comm.replica.pp - 1)
-    return {"tokens": tokens} if comm.rank == holder else None
+    return {"tokens": tokens, "decode_seconds": runner.decode_seconds} if comm.rank == holder else None
 
 
 def _windows(job: dict[str, Any]) -> Any:
