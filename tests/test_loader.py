@@ -208,3 +208,33 @@ def test_verify_device_cpu_finds_nan_with_matching_sha(builds, tmp_path):
     r = json.loads(p.stdout)
     assert r["problems"] == [f"{f.name}: tensor {name} holds NaN or Inf on cpu"]
     assert r["ranks"][1]["ok"] and "load:cpu" in r["ranks"][1]["checks"]
+
+
+def test_read_shard_checks_pieces_while_hashing(tmp_path):
+    """The CPU path checks finiteness piece by piece as it hashes: a bad value in any dtype, in any
+    1 MiB piece (the first, a middle one, the last), after odd-sized int8 tensors, is found; the
+    sha256 is the file's."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from shardc.verify.loader import read_shard, tensors_of
+
+    base = torch.randn(3 * (1 << 19) + 7)  # several 1 MiB pieces in every dtype
+    t = {"a_i8": torch.full((13,), -1, dtype=torch.int8)}  # 0xFF bytes that are integers
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        for where in (0, 1 << 19, -1):
+            x = base.to(dt).clone()
+            x[where] = float("nan") if where else float("-inf")
+            t[f"{dt}-{where}"] = x
+        t[f"{dt}-ok"] = base.to(dt)
+    f8 = base.to(torch.float8_e4m3fn).clone()
+    f8.view(torch.uint8)[-3] = 0x7F
+    t["f8-bad"], t["f8-ok"] = f8, base.to(torch.float8_e4m3fn)
+    path = tmp_path / "x.safetensors"
+    save_file(t, path)
+    raw = read_shard(path, "cpu", finite=True)
+    assert raw.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert sorted(raw.nonfinite) == sorted(k for k in t if not k.endswith("ok") and k != "a_i8")
+    got = tensors_of(raw)
+    assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in t.items())

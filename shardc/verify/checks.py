@@ -126,20 +126,20 @@ def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -
     res.checks.append("dtype-shape")
 
 
-def _load_on_device(res: RankResult, path: Path, rl: RankLayout, device: str) -> str:
-    """One pass over the file: hash it and land its data on ``device``; then check finiteness on the
-    device from exponent bits (no fp32 copies). Returns the sha256 of the bytes read."""
-    from .loader import nonfinite, read_shard, tensors_of
+def _load_on_device(res: RankResult, path: Path, device: str) -> str:
+    """One pass over the file: hash it, land its data on ``device`` and check finiteness (min/max
+    per tensor, no fp32 copies). Returns the sha256 of the bytes read."""
+    from .loader import read_shard, tensors_of
 
-    raw = read_shard(path, device)
+    raw = read_shard(path, device, finite=True)
     if raw.header is None:
         return raw.sha256
     try:
-        tensors = tensors_of(raw)
+        tensors_of(raw)
     except VerifyMismatch as exc:
         res.fail(exc.message)
         return raw.sha256
-    for name in nonfinite(tensors, {t.name: t.dtype for t in rl.tensors}):
+    for name in raw.nonfinite:
         res.fail(f"tensor {name} holds NaN or Inf on {device}")
     res.checks.append(f"load:{device}")
     return raw.sha256
@@ -210,7 +210,7 @@ def verify_rank(
     loaded = None
     if device:  # hash while loading: each byte is read once
         loaded = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-        digest = _load_on_device(loaded, path, rl, device)
+        digest = _load_on_device(loaded, path, device)
     else:
         digest = hashed if hashed is not None else sha256_file(path)
     if digest != entry["sha256"]:

@@ -5,15 +5,16 @@ the whole file has been checked: the manifest against the Layout recomputed from
 size and sha256 against the manifest, and the safetensors header (metadata, tensor set, every dtype
 and shape) against the Layout. Problems raise ShardcError subclasses; nothing exits.
 
-Each byte is read once. The file is read in large chunks straight into the destination buffer (CPU)
-or into a ring of pinned host buffers (CUDA); a hashing thread (hashlib releases the GIL) hashes each
-chunk while the next one is read, and on CUDA every chunk is copied to the GPU asynchronously on a
-side stream from its pinned buffer, so reading, hashing and the copy overlap. The tensors are views
-of one device buffer holding the file's data section. The design's reference loader (hash in 1 MiB
+Each byte is read once. On CPU the file is hashed through a small cache-hot buffer and then mapped
+copy-on-write, so the tensors share the page cache and nothing is copied. On CUDA it is read in
+large chunks into a ring of pinned host buffers; a hashing thread (hashlib releases the GIL) hashes
+each chunk while the next one is read, and every chunk is copied to the GPU asynchronously on a side
+stream from its pinned buffer, so reading, hashing and the copy overlap. The tensors are views of
+one buffer (or mapping) holding the file's data section. The design's reference loader (hash in 1 MiB
 chunks, then ``safe_open``) reads every byte twice; scripts/bench_loader.py compares the two.
 
-Finite checks (``verify --device``) look at the exponent bits of each float tensor in bounded
-chunks, on the device: no fp32 copy of a tensor is made, and on CUDA there is one host sync in all.
+Finite checks (``verify --device``) take each float tensor's min and max on the device (one pass, no
+fp32 copy; NaN and Inf propagate into them); on CUDA there is one host sync in all.
 """
 
 from __future__ import annotations
@@ -22,21 +23,18 @@ import hashlib
 import json
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, VerifyMismatch
 
 MAX_HEADER = 100 << 20
-CHUNK = 32 << 20  # bytes per read / hash / copy step
+CHUNK = 32 << 20  # bytes per read / hash / copy step into pinned memory (CUDA)
+HOST_CHUNK = 1 << 20  # bytes per read / hash step on CPU (stays in cache between the two)
 PINNED_BUFFERS = 3  # ring of pinned staging buffers on CUDA: read, hash and copy in flight at once
 FINITE_CHUNK = 1 << 22  # elements per finite-check step (bounds the temporaries)
 
-# Exponent-all-ones masks per safetensors dtype: (integer view, mask). A value with every exponent
-# bit set is Inf or NaN (float8_e4m3fn has no Inf: S.1111.111 is its NaN, the same test).
-_NONFINITE_MASK = {"BF16": ("int16", 0x7F80), "F16": ("int16", 0x7C00),
-                   "F32": ("int32", 0x7F800000), "F8_E4M3": ("uint8", 0x7F)}
 _TORCH_DTYPE = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I8": "int8",
                 "F8_E4M3": "float8_e4m3fn", "U8": "uint8", "I16": "int16", "I32": "int32",
                 "I64": "int64"}
@@ -60,10 +58,12 @@ class RawShard:
     header: dict[str, Any] | None
     data: Any  # torch.Tensor (uint8)
     header_error: str | None = None
+    nonfinite: list[str] = field(default_factory=list)  # with finite=True: tensors with NaN / Inf
 
 
-def read_shard(path: Path, device: str) -> RawShard:
-    """Read ``path`` once: hash every byte and land the data section on ``device``."""
+def read_shard(path: Path, device: str, *, finite: bool = False) -> RawShard:
+    """Read ``path`` once: hash every byte and land the data section on ``device``; with ``finite``,
+    also find the float tensors holding NaN or Inf (on CPU while hashing, on CUDA after the copy)."""
     import torch
 
     size = path.stat().st_size
@@ -88,34 +88,114 @@ def read_shard(path: Path, device: str) -> RawShard:
                 error = f"header does not parse ({exc})"
         length = max(0, size - f.tell())
         dev = torch.device(device)
-        with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
-            if dev.type == "cuda":
+        bad: list[str] = []
+        if dev.type == "cuda":
+            with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
                 data = _read_to_cuda(f, length, dev, h, hasher)
-            else:
-                data = _read_to_host(f, length, h, hasher)
-    return RawShard(h.hexdigest(), header, data, error)
+        else:
+            data, bad = _read_to_host(f, path, length, h, header, finite)
+    raw = RawShard(h.hexdigest(), header, data, error)
+    if finite and dev.type == "cuda" and header is not None:
+        try:
+            tensors = tensors_of(raw)
+        except VerifyMismatch:
+            tensors = {}
+        bad = nonfinite(tensors, {k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
+    raw.nonfinite = bad
+    return raw
 
 
-def _read_to_host(f: Any, length: int, h: Any, hasher: ThreadPoolExecutor) -> Any:
-    """Read into the destination tensor itself; hash chunk i while chunk i+1 is read."""
+def _read_to_host(f: Any, path: Path, length: int, h: Any, header: dict[str, Any] | None,
+                  finite: bool) -> tuple[Any, list[str]]:
+    """Hash the rest of the file through one small reused buffer (cache-hot, as the design's
+    loader does), then map the file copy-on-write: the tensors share the page cache's pages, so the
+    bytes are read once and copied never. (A file rewritten in place after the hash would show
+    through the mapping, as it would through ``safe_open``'s.) With ``finite``, each float tensor's
+    pieces are min/max-checked while they are in cache: returns the names holding NaN or Inf."""
     import torch
 
-    data = torch.empty(length, dtype=torch.uint8)
-    mv = memoryview(data.numpy()) if length else memoryview(b"")
-    pos, pending = 0, None
-    while pos < length:
-        k = f.readinto(mv[pos : pos + CHUNK])
+    start = f.tell()
+    buf = bytearray(HOST_CHUNK)
+    mv = memoryview(buf)
+    bad: list[str] = []
+    scratch: dict[str, Any] = {}
+    pos = 0
+    for seg_end, name, dtype in _segments(header if finite else None, length):
+        while pos < seg_end:
+            k = _read_full(f, mv[: min(HOST_CHUNK, seg_end - pos)])
+            if not k:
+                break
+            h.update(mv[:k])
+            if dtype is not None and (not bad or bad[-1] != name) and _piece_bad(mv[:k], dtype, scratch):
+                bad.append(name)
+            pos += k
+    while k := f.readinto(buf):  # bytes past the last segment (a file longer than its header says)
+        h.update(mv[:k])
+        pos += k
+    if pos != length:
+        raise VerifyMismatch(f"{path}: file changed size while it was read", hint="is something rewriting it?")
+    if not length:
+        return torch.empty(0, dtype=torch.uint8), bad
+    storage = torch.UntypedStorage.from_file(str(path), False, start + length)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (length,)), bad
+
+
+def _segments(header: dict[str, Any] | None, length: int) -> list[tuple[int, str | None, str | None]]:
+    """(end offset, tensor name, float dtype or None) covering the data section in order, so that
+    reads start at tensor starts and every piece holds whole elements (1 MiB is a multiple of 4)."""
+    if header is None:
+        return [(length, None, None)]
+    spans = []
+    for name, info in header.items():
+        if name == "__metadata__" or not isinstance(info, dict):
+            continue
+        try:
+            s, e = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            return [(length, None, None)]
+        dtype = info.get("dtype")
+        spans.append((s, e, name, dtype if dtype in _FLOAT else None))
+    out, pos = [], 0
+    for s, e, name, dtype in sorted(spans):
+        if s < pos or e > length:  # overlapping or out of range: hash only; the header check fails it
+            return [(length, None, None)]
+        if s > pos:
+            out.append((s, None, None))
+        out.append((e, name, dtype))
+        pos = e
+    out.append((length, None, None))
+    return out
+
+
+# Float dtypes -> (unsigned view, exponent mask): every exponent bit set is Inf or NaN (e4m3fn has no
+# Inf; its only non-finite values are the NaNs S.1111.111, the same test with the mantissa bits).
+_FLOAT = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00), "F32": ("uint32", 0x7F800000),
+          "F8_E4M3": ("uint8", 0x7F)}
+
+
+def _piece_bad(mv: memoryview, dtype: str, scratch: dict[str, Any]) -> bool:
+    """Exponent bits of one cache-hot piece, with numpy (single-threaded: a thread pool's fork and
+    join per 1 MiB piece costs more than the check on a busy machine) into a reused scratch array."""
+    import numpy as np
+
+    view, mask = _FLOAT[dtype]
+    x = np.frombuffer(mv, dtype=view)
+    tmp = scratch.get(view)
+    if tmp is None or tmp.size < x.size:
+        tmp = scratch[view] = np.empty(max(x.size, HOST_CHUNK // x.itemsize), dtype=view)
+    out = tmp[: x.size]
+    np.bitwise_and(x, mask, out=out)
+    return bool(out.max() == mask)
+
+
+def _read_full(f: Any, mv: memoryview) -> int:
+    got = 0
+    while got < len(mv):
+        k = f.readinto(mv[got:])
         if not k:
             break
-        if pending is not None:
-            pending.result()
-        pending = hasher.submit(h.update, mv[pos : pos + k])
-        pos += k
-    if pending is not None:
-        pending.result()
-    if pos != length:
-        raise VerifyMismatch(f"{f.name}: file shrank while it was read", hint="is something rewriting it?")
-    return data
+        got += k
+    return got
 
 
 def _read_to_cuda(f: Any, length: int, dev: Any, h: Any, hasher: ThreadPoolExecutor) -> Any:
@@ -189,20 +269,28 @@ def tensors_of(raw: RawShard) -> dict[str, Any]:
 
 
 def nonfinite(tensors: dict[str, Any], dtypes: dict[str, str]) -> list[str]:
-    """Names of the float tensors holding NaN or Inf, found from their exponent bits in chunks (no
-    fp32 copies); on CUDA the per-chunk flags stay on the device until one final transfer."""
+    """Names of the float tensors holding NaN or Inf, without fp32 copies: a 16/32-bit float tensor's
+    min and max (one reduction pass, no temporaries; NaN propagates into both) are finite exactly when
+    all of it is; fp8 has no min/max kernel and is tested by its bits (e4m3fn's only non-finite
+    values are the NaNs S.1111.111), in bounded chunks. Flags stay on the device until one final
+    transfer (on CUDA: one host sync for the whole shard)."""
     import torch
 
     names, flags = [], []
     for name, t in tensors.items():
-        rule = _NONFINITE_MASK.get(dtypes.get(name, ""))
-        if rule is None or t.numel() == 0:
+        dtype = dtypes.get(name, "")
+        if t.numel() == 0 or dtype not in ("BF16", "F16", "F32", "F8_E4M3"):
             continue
-        view, mask = rule
-        bits = t.reshape(-1).view(getattr(torch, view))
-        parts = [((c & mask) == mask).any() for c in bits.split(FINITE_CHUNK)]
+        flat = t.reshape(-1)
+        if dtype == "F8_E4M3":
+            bits = flat.view(torch.uint8)
+            parts = [(c & 0x7F).amax() == 0x7F for c in bits.split(FINITE_CHUNK)]
+            bad = torch.stack(parts).any()
+        else:
+            lo, hi = torch.aminmax(flat)
+            bad = ~torch.isfinite(torch.stack((lo, hi))).all()
         names.append(name)
-        flags.append(torch.stack(parts).any() if len(parts) > 1 else parts[0])
+        flags.append(bad)
     if not flags:
         return []
     hit = torch.stack(flags).cpu().tolist()
