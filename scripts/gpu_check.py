@@ -310,6 +310,10 @@ def main() -> int:
         step("decode vs transformers", decode, src, builds["bf16"], model)
         step("prefill vs transformers", prefill, builds["bf16"], model)
     del model
+    if DEVICE.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()  # the workers of later steps get the memory back
     if src is not None:
         builds["int8"] = step("build int8 tp1", build_one, src, work, 1, 1, "int8")
         builds["fp8"] = step("build fp8 tp1", build_one, src, work, 1, 1, "fp8")

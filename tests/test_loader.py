@@ -49,6 +49,17 @@ def builds(tmp_path_factory):
     return out
 
 
+def _entry(man: dict, rank: int) -> tuple[str, dict]:
+    """(file name, the manifest's own entry dict) of a rank's shard, for a list of entries (format 1)
+    or a mapping keyed by file name (format 2)."""
+    shards = man["shards"]
+    if isinstance(shards, dict):
+        name = next(n for n, e in shards.items() if e.get("rank", None) == rank) if all(
+            "rank" in e for e in shards.values()) else sorted(shards)[rank]
+        return name, shards[name]
+    return shards[rank]["file"], shards[rank]
+
+
 # -- devices -------------------------------------------------------------------------------------------
 def test_cuda_means_local_rank_and_cuda_n_means_n(monkeypatch):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -129,7 +140,7 @@ def test_load_shard_refuses_before_returning(builds, tmp_path):
     d = tmp_path / "b"
     shutil.copytree(builds["bf16"].parent, d)
     man = json.loads((d / "manifest.json").read_text())
-    f = d / man["shards"][0]["file"]
+    f = d / _entry(man, 0)[0]
     data = bytearray(f.read_bytes())
     data[-3] ^= 0xFF  # one flipped byte in the last tensor
     f.write_bytes(bytes(data))
@@ -142,8 +153,8 @@ def test_load_shard_refuses_before_returning(builds, tmp_path):
     with pytest.raises(VerifyMismatch, match="size"):
         shardc.load_shard(d, 0, 0, device="cpu")
     # a shard of another rank under this rank's name: the header's metadata gives it away
-    shutil.copy(d / man["shards"][1]["file"], f)
-    man["shards"][0]["size"] = f.stat().st_size
+    shutil.copy(d / _entry(man, 1)[0], f)
+    _entry(man, 0)[1]["size"] = f.stat().st_size
     (d / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(VerifyMismatch, match="metadata"):
         shardc.load_shard(d, 0, 0, device="cpu")
@@ -191,7 +202,7 @@ def test_verify_device_cpu_finds_nan_with_matching_sha(builds, tmp_path):
     d = tmp_path / "n"
     shutil.copytree(builds["bf16"].parent, d)
     man = json.loads((d / "manifest.json").read_text())
-    f = d / man["shards"][0]["file"]
+    f = d / _entry(man, 0)[0]
     data = bytearray(f.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
@@ -199,7 +210,7 @@ def test_verify_device_cpu_finds_nan_with_matching_sha(builds, tmp_path):
     start = 8 + n + header[name]["data_offsets"][0]
     data[start : start + 2] = struct.pack("<H", 0x7FC0)  # bf16 NaN
     f.write_bytes(bytes(data))
-    man["shards"][0]["sha256"] = hashlib.sha256(data).hexdigest()
+    _entry(man, 0)[1]["sha256"] = hashlib.sha256(data).hexdigest()
     (d / "manifest.json").write_text(json.dumps(man))
     p = _cli("verify", "--manifest", str(d / "manifest.json"), "--rank", "0")
     assert p.returncode == 0, p.stdout + p.stderr

@@ -40,13 +40,14 @@ class BuildRef:
 def open_build(manifest: str | Path, directory: str | Path | None = None) -> BuildRef:
     """A manifest.json (or a build directory holding one); shards default to the manifest's directory."""
     from ..formats.manifest import read_manifest
+    from ..verify.loader import shard_entries
 
     path = Path(str(manifest).removeprefix("file://"))
     if path.is_dir():
         path = path / "manifest.json"
     m = read_manifest(path)
     d = Path(directory) if directory is not None else path.parent
-    missing = [s["file"] for s in m["shards"] if not (d / s["file"]).is_file()]
+    missing = [f for f in shard_entries(m) if not (d / f).is_file()]
     if missing:
         name = m["plan"]["replica_group"]["name"]
         raise ManifestError(
