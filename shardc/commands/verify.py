@@ -26,7 +26,8 @@ Examples:
 @click.option("--tp-rank", type=int, help="TP rank (with --pp-stage).")
 @click.option("--pp-stage", type=int, help="PP stage (with --tp-rank).")
 @click.option("--all", "all_ranks", is_flag=True, help="Verify every rank (the default).")
-@click.option("--device", help="Load every tensor onto this device and check values: cpu, cuda (this process's GPU, cuda:LOCAL_RANK) or cuda:N.")
+@click.option("--device", help="Load every tensor onto this device and check values: cpu, cuda "
+                               "(this process's GPU, cuda:LOCAL_RANK) or cuda:N.")
 @click.option("--deep", "deep_source", help="Reassemble against this source checkpoint, byte for byte.")
 @click.option("--jobs", type=int, help="Parallel hashing threads [default: cores, at most 8].")
 @click.option("--distributed", is_flag=True, help="One process per rank (torchrun env); the group agrees.")
