@@ -164,15 +164,32 @@ def score_against(candidate: BuildRef, windows: Any, baseline_logits: str | Path
 def compare(baseline: BuildRef, candidate: BuildRef, windows: Any, *, micro_batch: int = 1,
             timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
     """Score the baseline, then the candidate, on the same devices (max of their GPUs, not the
-    sum): per-position NLL, KL and top-1 agreement. The baseline's logits go through a temp file."""
-    import tempfile
+    sum): per-position NLL, KL and top-1 agreement. The baseline's logits go through a scratch file."""
+    from .launch import in_torchrun
 
-    with tempfile.TemporaryDirectory(prefix="shardc-compare-") as tmp:
-        path = Path(tmp) / "baseline.safetensors"
+    path = scratch_path(in_torchrun())
+    try:
         save_baseline(baseline, windows, path, {}, micro_batch=micro_batch, timeout_s=timeout_s,
                       device=device)
         return score_against(candidate, windows, path, micro_batch=micro_batch,
                              timeout_s=timeout_s, device=device)
+    finally:
+        if not in_torchrun():  # under torchrun the reading rank may still be at it: the OS tmp cleans up
+            path.unlink(missing_ok=True)
+
+
+def scratch_path(torchrun: bool) -> Path:
+    """Where an uncached gate keeps the baseline's logits: every rank of a torchrun job derives the
+    same path (one node); the built-in launcher's gate gets a fresh one."""
+    import os
+    import tempfile
+    import uuid
+
+    if torchrun:
+        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'env')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    else:
+        run = uuid.uuid4().hex[:12]
+    return Path(tempfile.gettempdir()) / f"shardc-gate-{run}.safetensors"
 
 
 def _as_lists(windows: Any) -> list[list[int]]:

@@ -175,7 +175,7 @@ def run_gate(
 ) -> dict[str, Any]:
     """Score the baseline (or take it from ``baseline_cache``), then the candidate, and return the
     report (``report["pass"]``). ``note`` receives one-line remarks (a cache being recomputed)."""
-    from .api import load_tokenizer, open_build, save_baseline, score_against
+    from .api import load_tokenizer, open_build, save_baseline, score_against, scratch_path
     from .launch import check_devices, in_torchrun
 
     base = open_build(baseline, baseline_dir)
@@ -189,7 +189,7 @@ def run_gate(
     windows = make_windows(ids, window, max_tokens)
     key = cache_key(base, text, window, max_tokens, windows)
     t0 = time.perf_counter()
-    path = Path(baseline_cache) if baseline_cache is not None else _scratch(in_torchrun())
+    path = Path(baseline_cache) if baseline_cache is not None else scratch_path(in_torchrun())
     status = "none"
     base_res = None
     try:
@@ -254,20 +254,6 @@ def check_cache(path: Path, key: dict[str, Any]) -> tuple[str, str]:
         if found.get(k) != v:
             return "stale", f"{k} {str(found.get(k))[:12]} != {str(v)[:12]}"
     return "hit", ""
-
-
-def _scratch(torchrun: bool) -> Path:
-    """Where an uncached gate keeps the baseline's logits: every rank of a torchrun job derives the
-    same path (one node); the built-in launcher's gate gets a fresh one."""
-    import os
-    import tempfile
-    import uuid
-
-    if torchrun:
-        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'env')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    else:
-        run = uuid.uuid4().hex[:12]
-    return Path(tempfile.gettempdir()) / f"shardc-gate-{run}.safetensors"
 
 
 def res_holder(ref: Any) -> bool:

@@ -100,7 +100,7 @@ def read_shard(path: Path, device: str, *, finite: bool = False) -> RawShard:
             tensors = tensors_of(raw)
         except VerifyMismatch:
             tensors = {}
-        bad = nonfinite(tensors, {k: v["dtype"] for k, v in header.items() if k != "__metadata__"})
+        bad = nonfinite(tensors, {k: v.get("dtype") for k, v in header.items() if isinstance(v, dict)})
     raw.nonfinite = bad
     return raw
 
@@ -251,9 +251,13 @@ def tensors_of(raw: RawShard) -> dict[str, Any]:
     for name, info in raw.header.items():
         if name == "__metadata__":
             continue
-        dtype = getattr(torch, _TORCH_DTYPE[info["dtype"]])
-        start, end = (int(x) for x in info["data_offsets"])
-        shape = [int(s) for s in info["shape"]]
+        try:
+            dtype = getattr(torch, _TORCH_DTYPE[info["dtype"]])
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = [int(s) for s in info["shape"]]
+        except (KeyError, TypeError, ValueError):
+            raise VerifyMismatch(f"tensor {name}: malformed header entry {str(info)[:200]}",
+                                 hint="rebuild the shard") from None
         item = torch.empty((), dtype=dtype).element_size()
         numel = 1
         for s in shape:
@@ -268,7 +272,7 @@ def tensors_of(raw: RawShard) -> dict[str, Any]:
     return out
 
 
-def nonfinite(tensors: dict[str, Any], dtypes: dict[str, str]) -> list[str]:
+def nonfinite(tensors: dict[str, Any], dtypes: dict[str, str | None]) -> list[str]:
     """Names of the float tensors holding NaN or Inf, without fp32 copies: a 16/32-bit float tensor's
     min and max (one reduction pass, no temporaries; NaN propagates into both) are finite exactly when
     all of it is; fp8 has no min/max kernel and is tested by its bits (e4m3fn's only non-finite
