@@ -8,7 +8,8 @@ Printed: seconds and the ratio of each shardc path to the baseline (the issue as
 and <= 1.25x on a GPU).
 
 Examples:
-  python scripts/bench_loader.py                      # builds a synthetic model (~0.3 GB shard)
+  python scripts/bench_loader.py                      # builds a synthetic model (~0.25 GB shard)
+  python scripts/bench_loader.py --layers 6 --hidden 2048   # ~1 GB shard
   python scripts/bench_loader.py --manifest build/x/manifest.json --rank 0 --device cuda
 """
 
@@ -86,13 +87,14 @@ def measure(manifest: Path, rank: int, device: str, repeat: int = 5) -> dict[str
             "verify_ratio": best["verify_s"] / best["baseline_s"]}
 
 
-def synthetic(root: Path) -> Path:
+def synthetic(root: Path, layers: int = 4, hidden: int = 1024) -> Path:
     from shardc.build.compile import build
     from shardc.build.synthetic import llama_config, write_checkpoint
     from shardc.spec.plan import plan_from_dict
 
-    src = write_checkpoint(root / "src", llama_config(num_layers=4, hidden_size=1024, intermediate_size=4096,
-                                                      num_heads=16, num_kv_heads=4, vocab_size=32000))
+    src = write_checkpoint(root / "src", llama_config(num_layers=layers, hidden_size=hidden,
+                                                      intermediate_size=4 * hidden, num_heads=16,
+                                                      num_kv_heads=4, vocab_size=32000))
     plan = plan_from_dict({"replica_group": {"name": "bench-loader", "tp_degree": 1, "pp_degree": 1,
                                              "dtype": "bf16", "gpus_per_replica": 1},
                            "model": {"source": str(src)}})
@@ -105,9 +107,11 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--layers", type=int, default=4, help="synthetic model: layers (without --manifest)")
+    ap.add_argument("--hidden", type=int, default=1024, help="synthetic model: hidden size")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
-        manifest = a.manifest or synthetic(Path(tmp))
+        manifest = a.manifest or synthetic(Path(tmp), a.layers, a.hidden)
         r = measure(manifest, a.rank, a.device, a.repeat)
     print(f"shard {r['bytes'] / 2**20:.0f} MiB on {a.device}, best of {a.repeat}:")
     print(f"  design loader (sha256 1 MiB chunks + {'load_file + isfinite' if a.device != 'cpu' else 'safe_open'})"
