@@ -1,4 +1,8 @@
-"""shardc: compile a Hugging Face checkpoint into per-rank TP x PP shard files, verify and ship them."""
+"""shardc: compile a Hugging Face checkpoint into per-rank TP x PP shard files, verify and ship them.
+
+``shardc.load_shard(manifest, tp_rank, pp_stage, device=...)`` is the loader a serving runtime calls
+(see shardc.verify.loader). It is resolved lazily so that ``import shardc`` never imports torch.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 __version__ = "0.1.0"
+__all__ = ["load_shard"]
 
 
 def lazy_seam(package: str, seam: dict[str, str]) -> Callable[[str], Any]:
@@ -19,3 +24,6 @@ def lazy_seam(package: str, seam: dict[str, str]) -> Callable[[str], Any]:
         return getattr(importlib.import_module(f"{package}.{seam[name]}"), name)
 
     return __getattr__
+
+
+__getattr__ = lazy_seam("shardc", {"load_shard": "verify.loader"})

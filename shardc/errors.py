@@ -72,3 +72,7 @@ class DistributedError(ShardcError):
     """A peer in a process group failed or timed out."""
 
     exit_code = 1
+
+
+class DeviceError(ShardcError):
+    """The node lacks the devices a job needs (too few visible GPUs, no CUDA): bad input, exit 2."""

@@ -172,6 +172,76 @@ def test_gate_cli_pass_fail_and_bad_input(synth_builds, tmp_path):
     assert p.returncode == 2 and "cannot read golden text" in p.stderr
 
 
+def _numbers(r: dict) -> dict:
+    """The report without what may differ between equal runs (timings, the cache's own status)."""
+    return {k: v for k, v in r.items() if k not in ("seconds", "baseline_cache")}
+
+
+@pytest.mark.heavy
+def test_baseline_cache_is_identical_and_keyed(synth_builds, tmp_path):
+    """Fresh, cache-written and cache-read gates give the same numbers; a cache of another baseline
+    is recomputed with a line saying so; and the sequential passes equal the side-by-side formulas
+    applied to each build's own fp32 logits (the oracle: two independent score jobs)."""
+    import torch
+
+    from shardc.runtime.api import open_build, score
+    from shardc.runtime.gate import run_gate
+
+    kw = {"max_tokens": 256, "window": 64, "timeout_s": 60.0}
+    base, cand = synth_builds["tp1pp1"], synth_builds["tp2pp2"]
+    fresh = run_gate(base, cand, **kw)
+    assert fresh["baseline_cache"]["status"] == "none"
+    cache = tmp_path / "base.safetensors"
+    notes: list[str] = []
+    written = run_gate(base, cand, baseline_cache=cache, note=notes.append, **kw)
+    assert written["baseline_cache"]["status"] == "new" and cache.is_file() and not notes
+    hit = run_gate(base, cand, baseline_cache=cache, note=notes.append, **kw)
+    assert hit["baseline_cache"]["status"] == "hit" and hit["seconds"]["baseline_compute"] is None
+    assert _numbers(fresh) == _numbers(written) == _numbers(hit)
+
+    other = run_gate(synth_builds["other"], cand, baseline_cache=cache, note=notes.append, **kw)
+    assert other["baseline_cache"]["status"] == "stale"
+    assert len(notes) == 1 and "another baseline" in notes[0] and "recomputing" in notes[0]
+    assert _numbers(other) == _numbers(run_gate(synth_builds["other"], cand, **kw))
+    assert other["baseline_ppl"] != fresh["baseline_ppl"]
+
+    windows = torch.tensor(make_windows(_ids(base), 64, 256))
+    lb, lc = (torch.log_softmax(score(open_build(m), windows, return_logits=True)["logits"][:, :-1]
+                                .float(), -1) for m in (base, cand))
+    t = windows[:, 1:, None]
+    want = {"nll_base": -lb.gather(-1, t)[..., 0].double(), "nll_cand": -lc.gather(-1, t)[..., 0].double(),
+            "kl": (lb.exp() * (lb - lc)).double().sum(-1).clamp_min(0), "top1": lb.argmax(-1) == lc.argmax(-1)}
+    ref = summarize(want, len(windows), Thresholds())
+    for k in ("baseline_ppl", "candidate_ppl", "kl_mean", "kl_p99", "top1_agreement", "ppl_delta_ci95_pct"):
+        assert ref[k] == fresh[k], k
+
+
+def _ids(manifest: Path) -> list[int]:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(manifest.parent / "tokenizer.json")).encode(golden_text("pydoc")[0]).ids
+
+
+def test_gate_cli_baseline_cache_line(synth_builds, tmp_path):
+    common = ["--max-tokens", "128", "--window", "64", "--timeout", "60"]
+    cache = tmp_path / "c.safetensors"
+    cache.write_text("not a cache")
+    p = _gate("--baseline", str(synth_builds["tp1pp1"]), "--candidate", str(synth_builds["tp2pp2"]),
+              "--baseline-cache", str(cache), *common)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"baseline cache {cache} is of another baseline" in p.stderr and "recomputing" in p.stderr
+
+
+def test_gate_on_cuda_without_gpus_is_one_line(synth_builds):
+    p = _gate("--baseline", str(synth_builds["tp1pp1"]), "--candidate", str(synth_builds["tp2pp2"]),
+              "--device", "cuda", "--max-tokens", "128", "--window", "64")
+    assert p.returncode == 2, p.stdout + p.stderr
+    name = synth_builds["tp2pp2"].parent.name
+    assert p.stderr.strip().splitlines() == [
+        f"error: plan {name} needs 4 GPUs on this node; 0 are visible (hint: run on a node with more "
+        "GPUs, widen CUDA_VISIBLE_DEVICES, or use --device cpu)"]
+
+
 # -- the demo model ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def demo_builds(demo_model_dir, tmp_path_factory):

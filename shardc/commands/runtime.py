@@ -25,7 +25,8 @@ Examples:
 @click.option("--max-new-tokens", type=click.IntRange(1), default=32, show_default=True)
 @click.option("--tokenizer", type=click.Path(exists=True, path_type=Path),
               help="tokenizer.json (or its directory) [default: the one shipped with the build].")
-@click.option("--device", default="cpu", show_default=True, help="cpu (gloo) or cuda (nccl, one GPU per rank).")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu (gloo), or cuda (nccl; rank r on cuda:LOCAL_RANK, one GPU per rank).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print tokens and text as JSON.")
@@ -79,6 +80,7 @@ Examples:
   shardc gate --baseline build/demo-tp1pp1-bf16 --candidate build/demo-tp3pp2-bf16
   shardc gate --baseline b/manifest.json --candidate c/manifest.json --golden eval.jsonl \\
       --max-tokens 16384 --max-kl 0.01 --min-top1 0.97 --json --report gate.json
+  shardc gate --baseline b --candidate c --device cuda --baseline-cache b-pydoc.safetensors
 """)
 @click.option("--baseline", required=True, help="The trusted plan's manifest.json (or build directory).")
 @click.option("--candidate", required=True, help="The new plan's manifest.json (or build directory).")
@@ -98,7 +100,11 @@ Examples:
 @click.option("--min-top1", type=click.FloatRange(0, 1), help="Smallest allowed top-1 agreement (0..1).")
 @click.option("--tokenizer", type=click.Path(exists=True, path_type=Path),
               help="tokenizer.json [default: the baseline build's].")
-@click.option("--device", default="cpu", show_default=True, help="cpu (gloo) or cuda (nccl).")
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu (gloo) or cuda (nccl): baseline, then candidate, on the same GPUs.")
+@click.option("--baseline-cache", type=click.Path(dir_okay=False, path_type=Path),
+              help="Keep the baseline's logits here; a later gate of the same baseline, golden text and "
+                   "windows reads them instead of rescoring (another baseline's cache is recomputed).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
@@ -108,8 +114,8 @@ Examples:
 def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Path | None,
              candidate_dir: Path | None, golden: str, max_tokens: int, window: int,
              max_ppl_delta_pct: float, max_kl: float | None, min_top1: float | None,
-             tokenizer: Path | None, device: str, timeout_s: float, as_json: bool,
-             report_path: Path | None) -> None:
+             tokenizer: Path | None, device: str, baseline_cache: Path | None, timeout_s: float,
+             as_json: bool, report_path: Path | None) -> None:
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
     from ..runtime.gate import Thresholds, format_report, run_gate
     from ..spec.plan import canonical_json
@@ -119,6 +125,7 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
         baseline, candidate, golden=golden, max_tokens=max_tokens, window=window,
         thresholds=Thresholds(max_ppl_delta_pct, max_kl, min_top1), baseline_dir=baseline_dir,
         candidate_dir=candidate_dir, tokenizer=tokenizer, timeout_s=timeout_s, device=device,
+        baseline_cache=baseline_cache, note=lambda line: click.echo(line, err=True),
     )
     if not report:  # under torchrun, only the rank that holds the comparison reports
         return

@@ -26,7 +26,8 @@ Examples:
 @click.option("--tp-rank", type=int, help="TP rank (with --pp-stage).")
 @click.option("--pp-stage", type=int, help="PP stage (with --tp-rank).")
 @click.option("--all", "all_ranks", is_flag=True, help="Verify every rank (the default).")
-@click.option("--device", help="Load every tensor onto this device (cpu, cuda, cuda:N) and check values.")
+@click.option("--device", help="Load every tensor onto this device and check values: cpu, cuda "
+                               "(this process's GPU, cuda:LOCAL_RANK) or cuda:N.")
 @click.option("--deep", "deep_source", help="Reassemble against this source checkpoint, byte for byte.")
 @click.option("--jobs", type=int, help="Parallel hashing threads [default: cores, at most 8].")
 @click.option("--distributed", is_flag=True, help="One process per rank (torchrun env); the group agrees.")
@@ -55,17 +56,16 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
             raise ManifestError(
                 f"the manifest is of plan sha256 {manifest.plan_sha256[:12]}, not of {plan_file} "
                 f"({want[:12]})", hint="pass the manifest built from this plan")
-    if device and device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ManifestError(f"--device {device} but CUDA is not available here", hint="use --device cpu")
     if distributed or "TORCHELASTIC_RUN_ID" in os.environ:  # --distributed, or launched by torchrun
         from ..verify.distributed import distributed_verify
 
         report = distributed_verify(manifest, directory, device=device, deep=deep_source, timeout_s=timeout_s)
     else:
         ranks = manifest.to_layout().select(*chosen_ranks(rank, tp_rank, pp_stage, all_ranks, required=False))
+        if device:  # one process checks its ranks one after another, on one GPU
+            from ..verify.devices import check_gpus
+
+            check_gpus(manifest.name, device, 1)
         report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
     if as_json:
         echo_json(report)

@@ -67,40 +67,49 @@ def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, str], int]:
     file and the entry when the header is short, oversized, not a JSON object, or malformed.
     """
     path = Path(path)
-
-    def bad(msg: str, key: str | None = None) -> ShardFormatError:
-        return ShardFormatError(msg, key=f"{path.name}:{key}" if key else path.name,
-                                hint="the file is damaged or not a safetensors file")
-
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise bad("file shorter than a safetensors header")
+            raise _bad(path.name, "file shorter than a safetensors header")
         (n,) = struct.unpack("<Q", raw)
         if n > MAX_HEADER:
-            raise bad(f"header length {n} is implausible")
+            raise _bad(path.name, f"header length {n} is implausible")
         data = f.read(n)
     if len(data) != n:
-        raise bad("header truncated")
+        raise _bad(path.name, "header truncated")
+    tensors, meta = parse_header(data, path.name)
+    return tensors, meta, 8 + n
+
+
+def _bad(file: str, msg: str, key: str | None = None) -> ShardFormatError:
+    return ShardFormatError(msg, key=f"{file}:{key}" if key else file,
+                            hint="the file is damaged or not a safetensors file")
+
+
+def parse_header(data: bytes, file: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """The header's JSON bytes -> (tensors, metadata), every entry checked (ShardFormatError names
+    ``file`` and the entry). For readers that already hold the bytes (the loader hashes as it reads)."""
     try:
         header = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"header is not JSON ({exc})") from None
+        raise _bad(file, f"header is not JSON ({exc})") from None
+    except RecursionError:
+        raise _bad(file, "header is nested too deeply") from None
     if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
+        raise _bad(file, "header is not a JSON object")
     meta = header.pop(METADATA, None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise bad("metadata is not a map of strings", METADATA)
+        raise _bad(file, "metadata is not a map of strings", METADATA)
     for name, e in header.items():
         if not isinstance(e, dict) or not isinstance(e.get("dtype"), str):
-            raise bad("entry has no dtype", name)
+            raise _bad(file, "entry has no dtype", name)
         shape, offs = e.get("shape"), e.get("data_offsets")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise bad(f"shape {shape!r} is not a list of sizes", name)
+            raise _bad(file, f"shape {shape!r} is not a list of sizes", name)
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
-            raise bad(f"data_offsets {offs!r} are not [begin, end]", name)
-    return header, meta, 8 + n
+            raise _bad(file, f"data_offsets {offs!r} are not [begin, end]", name)
+    return header, meta
 
 
 def header_bytes(

@@ -131,14 +131,61 @@ def score(ref: BuildRef, windows: Any, *, micro_batch: int = 1, return_logits: b
     return res
 
 
-def compare(baseline: BuildRef, candidate: BuildRef, windows: Any, *, micro_batch: int = 1,
-            timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
-    """Run both builds side by side on the same windows: per-position NLL, KL and top-1 agreement."""
+def save_baseline(ref: BuildRef, windows: Any, path: str | Path, key: dict[str, Any], *,
+                  micro_batch: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  device: str = "cpu") -> dict[str, Any] | None:
+    """The gate's baseline pass: score ``windows`` and write the logits (what KL and top-1 need) to
+    ``path``, a safetensors file whose metadata holds ``key``. Written atomically."""
     from .launch import run_job
 
-    job = _job("compare", [baseline, candidate], ["baseline", "candidate"], timeout_s, device,
-               score={"windows": _as_lists(windows), "micro_batch": micro_batch})
+    job = _job("score", [ref], None, timeout_s, device, phase="baseline",
+               score={"windows": _as_lists(windows), "micro_batch": micro_batch,
+                      "save_logits": str(path), "cache_key": key})
     return run_job(job)
+
+
+def score_against(candidate: BuildRef, windows: Any, baseline_logits: str | Path, *,
+                  micro_batch: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
+                  device: str = "cpu") -> dict[str, Any] | None:
+    """The gate's candidate pass: per-position NLL of both, KL(baseline || candidate) and top-1
+    agreement against the baseline logits saved by ``save_baseline``."""
+    from .launch import run_job
+
+    job = _job("against", [candidate], ["candidate"], timeout_s, device, phase="candidate",
+               score={"windows": _as_lists(windows), "micro_batch": micro_batch,
+                      "baseline_logits": str(baseline_logits)})
+    return run_job(job)
+
+
+def compare(baseline: BuildRef, candidate: BuildRef, windows: Any, *, micro_batch: int = 1,
+            timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
+    """Score the baseline, then the candidate, on the same devices (max of their GPUs, not the
+    sum): per-position NLL, KL and top-1 agreement. The baseline's logits go through a scratch file."""
+    from .launch import in_torchrun
+
+    path = scratch_path(in_torchrun())
+    try:
+        save_baseline(baseline, windows, path, {}, micro_batch=micro_batch, timeout_s=timeout_s,
+                      device=device)
+        return score_against(candidate, windows, path, micro_batch=micro_batch,
+                             timeout_s=timeout_s, device=device)
+    finally:
+        if not in_torchrun():  # under torchrun the reading rank may still be at it: the OS tmp cleans up
+            path.unlink(missing_ok=True)
+
+
+def scratch_path(torchrun: bool) -> Path:
+    """Where an uncached gate keeps the baseline's logits: every rank of a torchrun job derives the
+    same path (one node); the built-in launcher's gate gets a fresh one."""
+    import os
+    import tempfile
+    import uuid
+
+    if torchrun:
+        run = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'env')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    else:
+        run = uuid.uuid4().hex[:12]
+    return Path(tempfile.gettempdir()) / f"shardc-gate-{run}.safetensors"
 
 
 def _as_lists(windows: Any) -> list[list[int]]:

@@ -24,6 +24,8 @@ import torch.distributed as dist
 
 from ..errors import DistributedError
 
+BEAT_S = 0.25  # least interval between heartbeat writes on a GPU
+
 
 @dataclass(frozen=True)
 class Replica:
@@ -80,6 +82,7 @@ class Comm:
         self.tp = self.replica.tp
         self.tp_rank, self.pp_stage = self.replica.place(rank)
         self.step = 0
+        self._beat_at = 0.0
         timeout = timedelta(seconds=timeout_s)
         try:
             dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
@@ -102,9 +105,17 @@ class Comm:
 
     # -- heartbeats and diagnosis ------------------------------------------------------------
     def beat(self) -> None:
-        """Record progress; a timed-out peer compares these to name the rank that stopped."""
+        """Record progress; a timed-out peer compares these to name the rank that stopped.
+
+        On a GPU a decode step takes milliseconds and a store write is a TCP round trip, so the beat
+        is written at most every BEAT_S (the watchdog's limits are tens of seconds); ``_error``
+        writes the exact step before laggards are compared. CPU runs write every step."""
         self.step += 1
         _fault_point(self.rank, self.step)
+        now = time.monotonic()
+        if self.device.type == "cuda" and now - self._beat_at < BEAT_S:
+            return
+        self._beat_at = now
         self.store.set(f"beat/{self.rank}", str(self.step))
 
     def mark(self, key: str) -> None:
@@ -142,6 +153,10 @@ class Comm:
 
     def _error(self, what: str, exc: BaseException, t0: float) -> DistributedError:
         text = str(exc)
+        try:  # the exact step (beats may be throttled), so laggards are named right
+            self.store.set(f"beat/{self.rank}", str(self.step))
+        except Exception:
+            pass
         waited = time.monotonic() - t0
         if "Timed out" in text or "timed out" in text or "timeout" in text.lower():
             why = f"timed out after {waited:.1f}s (timeout {self.timeout_s:g}s)"

@@ -39,6 +39,7 @@ class StageRunner:
         # (micro-batch, start, end) of this rank's compute, wall clock (comparable across processes):
         # shows micro-batches overlapping across stages, and the measured bubble.
         self.trace: list[tuple[int, float, float]] = []
+        self.decode_seconds: float | None = None  # generate: wall time after the first token
 
     def _send(self, x: torch.Tensor, dst: int, what: str) -> None:
         self._sends.append(self.comm.isend(x, dst, what))
@@ -85,7 +86,10 @@ class StageRunner:
         dev, d = self.comm.device, self.model.d
         layers = [lw.index for lw in self.model.w.layers]
         caches = [KVCache(layers, 1, d, max_len, self.model.dtype, dev) for _ in prompts]
-        out: list[list[int]] = [[] for _ in prompts]
+        # On a GPU without EOS tokens to watch, sampled tokens stay on the device and feed the next
+        # step from there: no host sync and no host-to-device copy per step (one .tolist() at the end).
+        lazy = dev.type == "cuda" and not eos
+        out: list[list[Any]] = [[] for _ in prompts]
         awaiting = [False] * len(prompts)  # a token from the last stage is due for this sequence
         last_rank = self.comm.replica.rank(self.comm.tp_rank, self.comm.replica.pp - 1)
         others = [self.comm.replica.rank(self.comm.tp_rank, s) for s in range(self.comm.replica.pp - 1)]
@@ -97,16 +101,24 @@ class StageRunner:
             if awaiting[m]:
                 tok = self.comm.recv((1,), torch.int64, last_rank,
                                      f"receiving step {step} token of sequence {m} from the last stage")
-                out[m].append(int(tok.item()))
+                out[m].append(tok.view(()) if lazy else int(tok.item()))
                 awaiting[m] = False
 
+        t_first = None
         for step in range(max_new_tokens):
+            if step == 1:  # decode rate from here on: prefill and first-call set-up excluded
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t_first = time.perf_counter()
             for m, prompt in enumerate(prompts):
                 collect(m, step - 1)
                 if finished(m):
                     continue
                 self.comm.beat()
-                ids = torch.tensor([prompt if step == 0 else [out[m][-1]]], dtype=torch.int64)
+                if step and lazy:
+                    ids = out[m][-1].view(1, 1)
+                else:
+                    ids = torch.tensor([prompt if step == 0 else [out[m][-1]]], dtype=torch.int64)
                 what = f"sequence {m} step {step} activations"
                 with torch.inference_mode():
                     h = self.model.layers(self._stage_input(ids, what), caches[m])
@@ -117,12 +129,15 @@ class StageRunner:
                     logits = self.model.logits(h[:, -1:], everyone=True)
                 assert logits is not None
                 tok = logits[0, -1].argmax()
-                out[m].append(int(tok))
+                out[m].append(tok if lazy else int(tok))
                 for dst in others:
                     self._send(tok.reshape(1).to(torch.int64), dst, f"sending step {step} token to {dst}")
         for m in range(len(prompts)):
             collect(m, max_new_tokens - 1)
         self.drain()
+        if lazy:
+            out = [torch.stack(o).tolist() if o else [] for o in out]
+        self.decode_seconds = time.perf_counter() - t_first if t_first is not None else None
         return out
 
 

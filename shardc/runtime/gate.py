@@ -1,8 +1,12 @@
 """The rollout gate: does a candidate plan produce the same model as a trusted baseline plan?
 
 There is no unsharded ground truth for a 70B model, so the bar is cross-validation between plans on a
-golden text. Both builds run side by side (runtime ``compare`` job) on identical token windows; every
-position is scored with an fp32 log-softmax and every sum is taken in fp64. Reported: baseline and
+golden text. The baseline is scored first and its logits kept (losslessly, in the plan's 16-bit
+dtype), then the candidate is scored on the same devices and compared with them, so a gate needs
+max(baseline GPUs, candidate GPUs), not the sum. ``--baseline-cache`` keeps the baseline's logits
+between gates (llama.cpp's ``--kl-divergence-base`` is the model), keyed by the baseline manifest's
+sha256, the golden text and the window settings: a second gate costs the candidate only, with the
+same numbers. Every position is scored with an fp32 log-softmax and every sum is taken in fp64. Reported: baseline and
 candidate perplexity, the perplexity delta with a paired bootstrap confidence interval (windows are
 resampled as blocks, the same draw for both plans), KL(baseline || candidate) mean and p99, and top-1
 agreement. The gate passes when every configured threshold holds (default: |ppl delta| <= 0.5%).
@@ -14,6 +18,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -166,36 +171,98 @@ def run_gate(
     max_tokens: int = DEFAULT_MAX_TOKENS, window: int = DEFAULT_WINDOW,
     thresholds: Thresholds = Thresholds(), baseline_dir: str | Path | None = None,
     candidate_dir: str | Path | None = None, tokenizer: str | Path | None = None,
-    timeout_s: float = 120.0, device: str = "cpu",
+    timeout_s: float = 120.0, device: str = "cpu", baseline_cache: str | Path | None = None,
+    note: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Score both builds on the golden windows and return the report (``report["pass"]``)."""
-    from .api import compare, load_tokenizer, open_build
+    """Score the baseline (or take it from ``baseline_cache``), then the candidate, and return the
+    report (``report["pass"]``). ``note`` receives one-line remarks (a cache being recomputed)."""
+    from .api import load_tokenizer, open_build, save_baseline, score_against, scratch_path
+    from .launch import check_devices, in_torchrun
 
     base = open_build(baseline, baseline_dir)
     cand = open_build(candidate, candidate_dir)
     check_compatible(base.manifest, cand.manifest)
+    for ref in sorted((base, cand), key=lambda r: -r.world_size):  # the larger plan names the need
+        check_devices({"replicas": [ref.job_entry()], "device": device}, torchrun=in_torchrun())
     text, label = golden_text(golden)
     tok = load_tokenizer(base, tokenizer)
     ids = tok.encode(text).ids
     windows = make_windows(ids, window, max_tokens)
+    key = cache_key(base, text, window, max_tokens, windows)
     t0 = time.perf_counter()
-    res = compare(base, cand, windows, timeout_s=timeout_s, device=device)
+    path = Path(baseline_cache) if baseline_cache is not None else scratch_path(in_torchrun())
+    status = "none"
+    base_res = None
+    try:
+        if baseline_cache is not None:
+            status, why = check_cache(path, key)
+            if status == "stale" and note is not None:
+                note(f"baseline cache {path} is of another baseline ({why}); recomputing it")
+        if status != "hit":
+            base_res = save_baseline(base, windows, path, key, timeout_s=timeout_s, device=device)
+        res = score_against(cand, windows, path, timeout_s=timeout_s, device=device)
+    finally:
+        if baseline_cache is None and (not in_torchrun() or res_holder(cand)):
+            path.unlink(missing_ok=True)
     wall = time.perf_counter() - t0
     if res is None:  # torchrun: another rank holds the result
         return {}
     report = summarize(res, len(windows), thresholds)
     scored = len(windows) * window
+    base_s = (base_res or {}).get("seconds")
     report.update({
         "baseline": _side(base),
         "candidate": _side(cand),
-        "golden": {"source": label, "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "golden": {"source": label, "sha256": key["golden_sha256"],
                    "text_tokens": len(ids), "windows": len(windows), "window": window,
                    "tokens": scored},
         "thresholds": {"max_ppl_delta_pct": thresholds.max_ppl_delta_pct, "max_kl": thresholds.max_kl,
                        "min_top1": thresholds.min_top1},
-        "seconds": {"wall": wall, "compute": res.get("seconds"), "load": res.get("load_seconds")},
+        "baseline_cache": {"path": str(path) if baseline_cache is not None else None, "status": status},
+        "seconds": {"wall": wall, "compute": res.get("seconds"), "load": res.get("load_seconds"),
+                    "baseline_compute": base_s, "baseline_load": (base_res or {}).get("load_seconds")},
     })
     return report
+
+
+def cache_key(base: Any, text: str, window: int, max_tokens: int, windows: list[list[int]]) -> dict[str, Any]:
+    """What the baseline's logits depend on: the baseline build (its manifest's bytes pin every shard's
+    sha256), the golden text and the window settings (the token windows themselves, hashed, also pin
+    the tokenizer)."""
+    return {
+        "baseline_manifest_sha256": hashlib.sha256(base.manifest_path.read_bytes()).hexdigest(),
+        "golden_sha256": hashlib.sha256(text.encode()).hexdigest(),
+        "window": int(window),
+        "max_tokens": int(max_tokens),
+        "windows_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
+    }
+
+
+def check_cache(path: Path, key: dict[str, Any]) -> tuple[str, str]:
+    """("hit", ""), ("new", "") when there is no cache yet, or ("stale", what differs)."""
+    if not path.exists():
+        return "new", ""
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            found = json.loads((f.metadata() or {}).get("shardc.baseline_cache", "null"))
+    except Exception as exc:  # unreadable or not a cache: recompute rather than trust it
+        return "stale", f"unreadable: {exc.__class__.__name__}"
+    if not isinstance(found, dict):
+        return "stale", "not a shardc baseline cache"
+    for k, v in key.items():
+        if found.get(k) != v:
+            return "stale", f"{k} {str(found.get(k))[:12]} != {str(v)[:12]}"
+    return "hit", ""
+
+
+def res_holder(ref: Any) -> bool:
+    """Under torchrun: is this process the rank that reads the baseline logits (and so may delete)?"""
+    import os
+
+    pp, tp = ref.manifest.layout.pp_degree, ref.manifest.layout.tp_degree
+    return int(os.environ.get("RANK", "0")) == (pp - 1) * tp
 
 
 def _side(ref: Any) -> dict[str, Any]:

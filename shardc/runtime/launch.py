@@ -42,15 +42,36 @@ def run_job(job: dict[str, Any], *, quiet: bool = True) -> dict[str, Any] | None
     """
     job = dict(job)
     job.setdefault("id", uuid.uuid4().hex[:12])
+    check_devices(job, torchrun=in_torchrun())
     if in_torchrun():
         from .worker import execute
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        # Every rank derives the same id; a gate's two passes (``phase``) get separate prefixes.
         job["id"] = f"torchrun-{os.environ.get('TORCHELASTIC_RUN_ID', 'env')}-" \
-                    f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+                    f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}-{job.get('phase', 'job')}"
         hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         return execute(job, rank, world, hosted_store=hosted)
     return launch(job, quiet=quiet)
+
+
+def check_devices(job: dict[str, Any], *, torchrun: bool) -> None:
+    """Before anything loads: a CUDA job needs one visible GPU per rank on this node (DeviceError,
+    exit 2, otherwise), and ``cuda:N`` pins a single rank, not several."""
+    from ..errors import DeviceError
+    from ..verify.devices import check_gpus, node_ranks
+    from .worker import _replicas
+
+    device = str(job.get("device", "cpu"))
+    if not device.startswith("cuda"):
+        return
+    reps, _ = _replicas(job)
+    world = sum(r.size for r in reps)
+    if device != "cuda" and world > 1:
+        raise DeviceError(f"--device {device} pins one GPU, but plan {reps[0].name} has {world} ranks",
+                          key="device", hint="use --device cuda: rank r runs on cuda:LOCAL_RANK")
+    name = " + ".join(r.name for r in reps)
+    check_gpus(name, device, node_ranks(world) if torchrun else world)
 
 
 def launch(job: dict[str, Any], *, quiet: bool = True) -> dict[str, Any] | None:

@@ -1,8 +1,9 @@
 """Turn one rank's shard tensors into the runtime's weights.
 
-The tensors come from ``shardc.verify.checks.load_rank_tensors`` (sha256 + header checked against the
-Layout before a byte is used). What each tensor is, and which vocabulary rows a rank holds, is read
-from the Layout's TensorSpecs, never re-derived. int8 / fp8 weights are dequantized here with their
+The tensors come from ``shardc.verify.loader.load_shard`` (sha256 + header checked against the
+Layout before a byte is used), already on the rank's device: on CUDA they were copied from pinned
+host buffers while the file was read and hashed. What each tensor is, and which vocabulary rows a
+rank holds, is read from the Layout's TensorSpecs, never re-derived. int8 / fp8 weights are dequantized here with their
 per-channel scales (weight-only quantization: activations stay in the 16-bit base dtype); int8
 is unpacked first from compressed-tensors' pack-quantized ``X.weight_packed`` + ``X.weight_shape``.
 """
@@ -63,10 +64,10 @@ def load_stage(
     device: torch.device,
 ) -> StageWeights:
     """Load, check and arrange one rank's tensors (dequantizing int8/fp8)."""
-    from ..verify.checks import load_rank_tensors
+    from ..verify.loader import load_shard
 
     rl = layout.rank(tp_rank, pp_stage)
-    raw = load_rank_tensors(manifest, directory, tp_rank, pp_stage, device="cpu")
+    raw = load_shard(manifest, tp_rank, pp_stage, device=str(device), directory=directory)
     return arrange(raw, rl, layout, compute_dtype(manifest), device)
 
 
@@ -78,17 +79,22 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
     if missing:
         raise ManifestError(f"{rl.file} lacks tensor {missing[0]}", hint="rebuild the shards")
 
+    # The raw tensors are views of one buffer holding the whole file. When int8/fp8 weights are
+    # dequantized into new tensors, the 16-bit ones are copied out so that buffer can be freed.
+    copy_out = any(t.quant for t in rl.tensors)
+
     def get(name: str) -> torch.Tensor:
         if name not in specs and name + PACKED_SUFFIX in specs:  # int8, pack-quantized
             q = unpack_int8(raw[name + PACKED_SUFFIX], raw[name + SHAPE_SUFFIX])
             t = q.float() * raw[name + SCALE_SUFFIX].float()
             return t.to(device=device, dtype=dtype).contiguous()
         spec = specs[name]
-        t = raw[name]
+        t = raw[name].to(device)
         if spec.quant:
-            scale = raw[name + SCALE_SUFFIX]
-            t = t.float() * scale.float()  # w = q * scale, per output channel
-        return t.to(device=device, dtype=dtype).contiguous()
+            scale = raw[name + SCALE_SUFFIX].to(device)
+            return (t.float() * scale.float()).to(dtype)  # w = q * scale, per output channel
+        t = t.to(dtype=dtype).contiguous()
+        return t.clone() if copy_out and t.data_ptr() == raw[name].data_ptr() else t
 
     layers = []
     for i in range(*rl.layers):

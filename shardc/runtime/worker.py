@@ -9,9 +9,12 @@ Kinds:
   generate  greedy generation of ``prompts`` (token ids); result: tokens per prompt.
   score     forward ``windows`` [N, T]; result: per-position NLL (fp32 log-softmax, fp64 kept),
             optionally the fp32 logits themselves (tests).
-  compare   the gate: replica 0 (baseline) and replica 1 (candidate) score the same windows; the
-            candidate's last stage streams its logits to the baseline's, which computes per-position
-            NLL of both, KL(baseline || candidate) and top-1 agreement.
+  score with ``save_logits``: also write the fp32 logits, losslessly in the plan's 16-bit dtype
+            (they are 16-bit GEMM outputs), to a safetensors file: the gate's baseline pass.
+  against   the gate's candidate pass: score the windows and compare with the baseline's saved
+            logits: per-position NLL of both, KL(baseline || candidate) and top-1 agreement. The
+            two passes run one after the other on the same devices, so a gate needs max(baseline,
+            candidate) GPUs, not their sum.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
     """Run this rank's part of ``job``. Returns the result on the rank that holds it, else None."""
     import torch
 
+    from ..verify.devices import resolve_device
     from .comm import Comm, open_store
     from .engine import StageRunner, Timer
     from .llama import StageModel
@@ -58,17 +62,19 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
 
     reps, manifests = _replicas(job)
     need = sum(r.size for r in reps)
-    if world != need:
+    if world < need:
         raise DistributedError(
             f"WORLD_SIZE={world} but the job needs {need} processes "
             f"({' + '.join(f'{r.name}: {r.tp}x{r.pp}' for r in reps)})",
             hint=f"launch {need} processes (torchrun --nproc-per-node {need})",
         )
+    if rank >= need:  # under torchrun a gate's smaller plan leaves the surplus ranks idle
+        return None
+    world = need
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
-    device = torch.device(job.get("device", "cpu"))
+    device = torch.device(resolve_device(job.get("device", "cpu")) or "cpu")
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = float(job.get("timeout_s", 120.0))
@@ -95,8 +101,8 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
             result = _generate(job, runner, comm)
         elif kind == "score":
             result = _score(job, runner, comm)
-        elif kind == "compare":
-            result = _compare(job, runner, comm, reps)
+        elif kind == "against":
+            result = _against(job, runner, comm)
         else:
             raise ValueError(f"unknown job kind {kind!r}")
         seconds = timer.seconds()
@@ -118,7 +124,7 @@ def _generate(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | N
     max_len = max(len(p) for p in prompts) + max_new
     tokens = runner.generate(prompts, max_new, set(g.get("eos", [])), max_len)
     holder = comm.replica.rank(0, comm.replica.pp - 1)
-    return {"tokens": tokens} if comm.rank == holder else None
+    return {"tokens": tokens, "decode_seconds": runner.decode_seconds} if comm.rank == holder else None
 
 
 def _windows(job: dict[str, Any]) -> Any:
@@ -135,6 +141,7 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
 
     windows = _windows(job)
     keep_logits = bool(job["score"].get("return_logits", False))
+    save = _LogitSaver(job, windows, comm, runner.model) if job["score"].get("save_logits") else None
     nll, logits_out = [], []
     marks = [time.perf_counter()]  # when each micro-batch's scores were done: steady-state rates
 
@@ -147,9 +154,17 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
         nll.append(-lp.gather(-1, targets[..., None].to(lp.device))[..., 0].double().cpu())
         if keep_logits:
             logits_out.append(logits.cpu())
+        if save is not None:
+            save.write(logits)
         marks.append(time.perf_counter())
 
-    runner.score(windows, int(job["score"].get("micro_batch", 1)), on_logits)
+    try:
+        runner.score(windows, int(job["score"].get("micro_batch", 1)), on_logits)
+        if save is not None:
+            save.commit()
+    finally:
+        if save is not None:
+            save.abort()
     comm.store.set(f"trace/{comm.rank}", json.dumps(runner.trace))
     if comm.rank != comm.replica.rank(0, comm.replica.pp - 1):
         return None
@@ -162,46 +177,78 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
     return out
 
 
-def _compare(job: dict[str, Any], runner: Any, comm: Any, reps: list[Any]) -> dict[str, Any] | None:
-    """Gate: both replicas score the same windows; the baseline's last TP-0 rank compares."""
-    import torch
+class _LogitSaver:
+    """Streams the last stage's logits [windows, T - 1, vocab] into a safetensors file (atomic: a
+    temp file renamed at commit). The fp32 logits are casts of the plan's 16-bit GEMM outputs, so
+    storing them in that dtype is lossless and halves the file."""
 
-    from .comm import describe
+    def __init__(self, job: dict[str, Any], windows: Any, comm: Any, model: Any) -> None:
+        from ..formats.safetensors import ShardWriter
+        from ..spec.dtypes import from_torch_name
+
+        self.writer = None
+        if comm.rank != comm.replica.rank(0, comm.replica.pp - 1):
+            return
+        s = job["score"]
+        name = from_torch_name(str(model.dtype))
+        n, t = windows.shape
+        shape = (n, t - 1, model.d.vocab)
+        meta = {"shardc.baseline_cache": json.dumps(s.get("cache_key", {}), sort_keys=True)}
+        self.writer = ShardWriter(Path(s["save_logits"]), [("logits", name, shape)], meta)
+        self.dtype = model.dtype
+
+    def write(self, logits: Any) -> None:
+        import torch
+
+        if self.writer is None:
+            return
+        part = logits[:, :-1].to(self.dtype)
+        assert torch.equal(part.float(), logits[:, :-1]), "logits are not exact in the plan's dtype"
+        self.writer.write(part.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+
+    def commit(self) -> None:
+        if self.writer is not None:
+            self.writer.commit()
+            self.writer = None
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+
+
+def _against(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None:
+    """Gate, candidate pass: score the windows; the last TP-0 rank compares with the baseline's
+    saved logits, read window by window."""
+    import torch
+    from safetensors import safe_open
 
     windows = _windows(job)
     mb = int(job["score"].get("micro_batch", 1))
-    base_rank = reps[0].rank(0, reps[0].pp - 1)
-    cand_rank = reps[1].rank(0, reps[1].pp - 1)
     cols: dict[str, list[torch.Tensor]] = {"nll_base": [], "nll_cand": [], "kl": [], "top1": []}
-    pending: list[Any] = []
+    holder = comm.rank == comm.replica.rank(0, comm.replica.pp - 1)
+    base = safe_open(job["score"]["baseline_logits"], framework="pt") if holder else None
+    rows = base.get_slice("logits") if base is not None else None
 
     def on_logits(m: int, logits: torch.Tensor | None) -> None:
         if logits is None:
             return
-        if comm.rank == cand_rank:
-            pending.append(comm.isend(logits, base_rank, f"sending window {m} logits to the baseline "
-                                                        f"({describe(reps, base_rank)})"))
-            if len(pending) > 2:
-                pending.pop(0).wait()
-            return
-        other = comm.recv(tuple(logits.shape), torch.float32, cand_rank,
-                          f"receiving window {m} logits from the candidate ({describe(reps, cand_rank)})")
+        assert rows is not None
+        prev = rows[m * mb : (m + 1) * mb].to(logits.device, non_blocking=True).float()
         targets = windows[m * mb : (m + 1) * mb, 1:, None].to(logits.device)
-        lb = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        lc = torch.log_softmax(other[:, :-1].float(), dim=-1)
-        cols["nll_base"].append(-lb.gather(-1, targets)[..., 0].double().cpu())
-        cols["nll_cand"].append(-lc.gather(-1, targets)[..., 0].double().cpu())
+        lb = torch.log_softmax(prev, dim=-1)
+        lc = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        cols["nll_base"].append(-lb.gather(-1, targets)[..., 0].double())
+        cols["nll_cand"].append(-lc.gather(-1, targets)[..., 0].double())
         # KL(base || cand) = sum_v p_b (log p_b - log p_c): fp32 terms, fp64 sum over the vocabulary.
-        cols["kl"].append((lb.exp() * (lb - lc)).double().sum(-1).clamp_min(0).cpu())
-        cols["top1"].append((lb.argmax(-1) == lc.argmax(-1)).cpu())
-        del other, lb, lc
+        cols["kl"].append((lb.exp() * (lb - lc)).double().sum(-1).clamp_min(0))
+        cols["top1"].append(lb.argmax(-1) == lc.argmax(-1))
+        del prev, lb, lc
 
     runner.score(windows, mb, on_logits)
-    for p in pending:
-        p.wait()
-    if comm.rank != base_rank:
+    if not holder:
         return None
-    out: dict[str, Any] = {k: torch.cat(v) for k, v in cols.items()}
+    out: dict[str, Any] = {k: torch.cat(v).cpu() for k, v in cols.items()}  # one transfer at the end
     out["tokens"] = int(windows.numel())
     return out
 

@@ -3,7 +3,7 @@
 from .. import lazy_seam
 
 _SEAM = {
-    "verify_build": "checks", "verify_rank": "checks", "load_rank_tensors": "checks",
+    "verify_build": "checks", "verify_rank": "checks", "load_shard": "loader",
     "check_manifest_against_layout": "checks",
     "distributed_verify": "distributed", "open_rendezvous": "distributed",
     "describe": "inspect",

@@ -20,6 +20,7 @@ from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, typed
 from ..formats.safetensors import read_header, shard_metadata
 from ..spec.layout import Layout, RankLayout
+from .devices import resolve_device
 
 
 @dataclass
@@ -134,21 +135,23 @@ def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -
     res.checks.append("dtype-shape")
 
 
-def _load_on_device(res: RankResult, path: Path, device: str) -> int:
-    """Load every tensor onto the device and check finiteness. Returns bytes loaded."""
-    import torch
-    from safetensors import safe_open
+def _load_on_device(res: RankResult, path: Path, device: str) -> str:
+    """One pass over the file: hash it, land its data on ``device`` and check finiteness (min/max
+    per tensor, no fp32 copies). Returns the sha256 of the bytes read."""
+    from .reader import read_shard, tensors_of
 
-    total = 0
-    with safe_open(path, framework="pt", device=device) as f:
-        for name in f.keys():  # noqa: SIM118
-            t = f.get_tensor(name)
-            total += t.numel() * t.element_size()
-            if t.is_floating_point() and not bool(torch.isfinite(t.float()).all()):
-                res.fail(f"tensor {name} holds NaN or Inf on {device}")
-            del t
+    raw = read_shard(path, device, finite=True)
+    if raw.header is None:
+        return raw.sha256
+    try:
+        tensors_of(raw)
+    except VerifyMismatch as exc:
+        res.fail(exc.message)
+        return raw.sha256
+    for name in raw.nonfinite:
+        res.fail(f"tensor {name} holds NaN or Inf on {device}")
     res.checks.append(f"load:{device}")
-    return total
+    return raw.sha256
 
 
 def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -> None:
@@ -213,7 +216,12 @@ def verify_rank(
         res.fail(f"size {size} bytes, expected {entry.size} (truncated or replaced?)")
         return res
     res.checks.append("size")
-    digest = hashed if hashed is not None else sha256_file(path)
+    loaded = None
+    if device:  # hash while loading: each byte is read once
+        loaded = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
+        digest = _load_on_device(loaded, path, device)
+    else:
+        digest = hashed if hashed is not None else sha256_file(path)
     if digest != entry.sha256:
         res.fail(f"sha256 {digest[:16]}..., expected {entry.sha256[:16]}... (corrupted bytes)")
     else:
@@ -221,8 +229,11 @@ def verify_rank(
     _check_header(res, path, rl, layout)
     if not res.ok:
         return res
-    if device:
-        _load_on_device(res, path, device)
+    if loaded is not None:
+        res.problems += loaded.problems
+        res.ok = res.ok and loaded.ok
+        res.checks += loaded.checks
+        assert device is not None
         _device_room(res, rl, layout, device)
     if deep:
         _deep(res, path, rl, layout, deep)
@@ -244,8 +255,12 @@ def verify_build(
     ranks = list(layout.ranks) if ranks is None else ranks
     directory = Path(directory)
     problems = check_manifest_against_layout(manifest, layout) + check_side_files(manifest, layout, directory)
+    if device:  # verify_rank hashes while it loads each rank onto the device
+        device = resolve_device(device)
 
     def digest(rl: RankLayout) -> str | None:
+        if device:
+            return None
         if hashed is not None and rl.file in hashed:
             return hashed[rl.file]
         p = directory / rl.file
@@ -269,16 +284,3 @@ def verify_build(
         "problems": all_problems,
         "ranks": [r.as_dict() for r in results],
     }
-
-
-def load_rank_tensors(manifest: Manifest | dict[str, Any], directory: str | Path, tp_rank: int,
-                      pp_stage: int, device: str = "cpu") -> dict[str, Any]:
-    """The checked way to load one rank's tensors (runtime, gate): verify, then load."""
-    from safetensors.torch import load_file
-
-    manifest = typed(manifest)
-    rl = manifest.to_layout().rank(tp_rank, pp_stage)
-    report = verify_build(manifest, directory, [rl])
-    if not report["ok"]:
-        raise VerifyMismatch(report["problems"][0], hint="run shardc verify for the full report")
-    return load_file(Path(directory) / rl.file, device=device)

@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import DistributedError, ManifestError
 from ..formats.manifest import Manifest, typed
 from .checks import verify_build
+from .devices import check_gpus, node_ranks, resolve_device
 
 
 def _env_int(name: str) -> int:
@@ -67,6 +68,10 @@ def distributed_verify(
             f"WORLD_SIZE={world} but the plan has tp*pp = {layout.plan.world_size} ranks",
             hint=f"launch {layout.plan.world_size} processes",
         )
+    # Each process checks on its own GPU (cuda -> cuda:LOCAL_RANK), after making sure the node has
+    # one per local rank: 8 ranks on GPU 0 would fit a 70B shard 8 times onto one card.
+    check_gpus(layout.plan.name, device, node_ranks(world))
+    device = resolve_device(device)
     timeout = timedelta(seconds=timeout_s)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = open_rendezvous(rank, world, timeout_s, hosted=agent_store, prefix="shardc-verify")
