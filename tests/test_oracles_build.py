@@ -121,7 +121,7 @@ def test_base_dtype_is_the_dtype_of_what_is_not_quantized(make_ckpt, tmp_path):
     assert got["model.layers.0.mlp.up_proj.weight"].dtype == torch.int8
     assert got["model.layers.1.self_attn.q_proj.weight"].dtype == torch.int8
     cfg = json.loads((res.out_dir / "config.json").read_text())
-    assert cfg["torch_dtype"] in ("float16", None) or cfg.get("dtype") == "float16"
+    assert cfg["torch_dtype"] == "float16"
 
 
 def test_autoscaling_is_carried_into_the_manifest(make_ckpt, tmp_path):
