@@ -184,3 +184,65 @@ def test_cli_report_matches_transformers(peaked, tmp_path):
     assert p.returncode == 1, p.stdout + p.stderr
     r = json.loads(report.read_text())
     assert not r["pass"] and [c["ok"] for c in r["checks"]] == [True, False]
+
+
+# -- what the gate refuses and reads ------------------------------------------------------------------------
+GATE_KEYS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+             "num_kv_heads", "head_dim", "vocab_size", "rope_theta", "rope_scaling")
+
+
+def _manifest(tok: str | None = "t" * 64, **model) -> dict:
+    base = {"architecture": "LlamaForCausalLM", "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+            "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 96, "rope_theta": 1e4,
+            "rope_scaling": None}
+    files = [{"name": "config.json", "sha256": "c" * 64}]
+    if tok:
+        files.append({"name": "tokenizer.json", "sha256": tok})
+    return {"model": {**base, **model}, "files": files}
+
+
+@pytest.mark.parametrize("key", GATE_KEYS)
+def test_every_model_key_must_agree(key):
+    from shardc.errors import ManifestError
+    from shardc.runtime.gate import check_compatible
+
+    check_compatible(_manifest(), _manifest())  # the same network: accepted
+    other = {"architecture": "Qwen2ForCausalLM", "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+             "rope_theta": 5e5}.get(key, 7)
+    with pytest.raises(ManifestError, match=f"different models: {key} is ") as err:
+        check_compatible(_manifest(), _manifest(**{key: other}))
+    assert repr(other) in str(err.value) and err.value.hint
+
+
+def test_tokenizers_must_agree_when_both_are_known():
+    from shardc.errors import ManifestError
+    from shardc.runtime.gate import check_compatible
+
+    check_compatible(_manifest(tok="a" * 64), _manifest(tok="a" * 64))
+    check_compatible(_manifest(tok="a" * 64), _manifest(tok=None))  # one side has none: nothing to compare
+    check_compatible(_manifest(tok=None), _manifest(tok="b" * 64))
+    with pytest.raises(ManifestError, match="different tokenizer.json") as err:
+        check_compatible(_manifest(tok="a" * 64), _manifest(tok="b" * 64))
+    assert err.value.hint
+
+
+def test_golden_text_sources_and_labels(tmp_path):
+    from pydoc_data.topics import topics
+
+    from shardc.runtime.gate import GoldenError, golden_text, make_windows
+
+    text, label = golden_text("pydoc")
+    assert label == "pydoc" and text == "\n\n".join(topics[k] for k in sorted(topics))
+    f = tmp_path / "g.txt"
+    f.write_bytes("naïve café\n".encode())
+    assert golden_text(str(f)) == ("naïve café\n", str(f))
+    f.write_bytes(b"\xff\xfe")
+    with pytest.raises(GoldenError, match="cannot read golden text") as err:
+        golden_text(str(f))
+    assert err.value.hint
+    assert make_windows(list(range(7)), 2, 100) == [[0, 1], [2, 3], [4, 5]]  # 2 is the smallest window
+    with pytest.raises(GoldenError, match="--window must be at least 2, got 1"):
+        make_windows(list(range(7)), 1, 100)
+    with pytest.raises(GoldenError, match="fewer than one window") as err:
+        make_windows(list(range(7)), 4, 3)
+    assert err.value.hint
