@@ -191,3 +191,17 @@ def test_cli_upload_without_to_uses_the_plan_manifest_uri(make_ckpt, tmp_path):
     built = tmp_path / "o"
     for f in ("manifest.json", "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors", "config.json"):
         assert sha(dest / f) == sha(built / f), f
+
+
+@pytest.mark.parametrize("src_dtype, want", [("bfloat16", torch.bfloat16), ("float16", torch.float16),
+                                             ("float32", torch.bfloat16)])
+def test_default_base_dtype_follows_a_16_bit_source(make_ckpt, tmp_path, src_dtype, want):
+    """Without quantization.base_dtype, what is not quantized keeps a 16-bit source's dtype; an fp32
+    source becomes bf16."""
+    src = make_ckpt(torch_dtype=src_dtype, **MODEL)
+    res = build(plan_from_dict(plan_data(2, 1, "fp8")).with_source(str(src)), tmp_path / "o")
+    got = shard_tensors(res.out_dir / "model-tp01-pp00.safetensors")
+    sd = load_file(src / "model.safetensors")
+    assert got["model.norm.weight"].dtype == want
+    assert torch.equal(got["model.norm.weight"], sd["model.norm.weight"].to(want))
+    assert got["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
