@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.shardc-installed
 
-.PHONY: setup demo test test-fast lint bench clean
+.PHONY: setup demo test test-fast lint mutants bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,5 +32,13 @@ test-fast: setup
 lint: setup
 	$(BIN)/ruff check .
 
+# Mutation testing (mutmut, [tool.mutmut] in pyproject.toml) of the modules that decide bytes and
+# verdicts; each mutant runs against the fast tests that reach it. Narrow with
+# MUTANTS='shardc.spec.layout*' (a glob of mutant names). Results: $(BIN)/mutmut results / browse.
+MUTANTS ?=
+mutants: setup
+	$(BIN)/mutmut run $(MUTANTS)
+	$(BIN)/mutmut results
+
 clean:
-	rm -rf build .pytest_cache
+	rm -rf build .pytest_cache mutants

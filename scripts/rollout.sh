@@ -12,8 +12,12 @@ dest=${3:-}
 shardc=${SHARDC:-shardc}
 mkdir -p reports
 
-cand=$($shardc build "$cand_plan" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["out_dir"])')
-base=$($shardc build "$base_plan" --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["out_dir"])')
+# Build outside a pipeline, so a failed build exits with shardc's own code (2 = bad input).
+out_dir() { python3 -c 'import json,sys; print(json.loads(sys.argv[1])["out_dir"])' "$1"; }
+cand_json=$($shardc build "$cand_plan" --json)
+base_json=$($shardc build "$base_plan" --json)
+cand=$(out_dir "$cand_json")
+base=$(out_dir "$base_json")
 $shardc verify --manifest "$cand/manifest.json" --json > reports/verify.json
 $shardc gate --baseline "$base" --candidate "$cand" --report reports/gate.json
 if [ -n "$dest" ]; then

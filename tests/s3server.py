@@ -68,6 +68,7 @@ class Faults:
     bandwidth: float = 0.0  # bytes/second for request bodies (0: unlimited)
     seed: int = 0
     match: str = ""  # faults only for requests whose path contains this
+    stall: str = ""  # requests whose path contains this wait (unanswered) until the faults change
 
 
 @dataclass
@@ -84,7 +85,8 @@ class _State:
     faults: Faults = field(default_factory=Faults)
     log: list[Record] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    rng: random.Random = field(default_factory=random.Random)
+    attempts: dict[str, int] = field(default_factory=dict)  # request key -> requests seen
+    release: threading.Event = field(default_factory=threading.Event)  # ends stalls
     seen: threading.Condition = field(default_factory=threading.Condition)
 
 
@@ -113,7 +115,9 @@ class FaultProxy:
     def faults(self, value: Faults) -> None:
         with self.state.lock:
             self.state.faults = value
-            self.state.rng = random.Random(value.seed)
+            self.state.attempts.clear()
+            old, self.state.release = self.state.release, threading.Event()
+        old.set()  # requests stalled under the previous faults go on
 
     @property
     def log(self) -> list[Record]:
@@ -144,10 +148,17 @@ class FaultProxy:
         self._httpd.server_close()
 
     def _decide(self, method: str, path: str) -> str | None:
+        """Seeded per object and attempt, not per arrival: the n-th request for the same object part
+        meets the same fault whatever order the client's threads send requests in."""
+        obj, _, query = path.partition("?")
+        params = dict(p.partition("=")[::2] for p in query.split("&") if p)
+        key = f"{method} {obj} part={params.get('partNumber', '')}"
         with self.state.lock:
-            f, r = self.state.faults, self.state.rng.random()
+            f = self.state.faults
+            n = self.state.attempts[key] = self.state.attempts.get(key, 0) + 1
         if f.match and f.match not in path:
             return None
+        r = random.Random(f"{f.seed}:{key}:{n}").random()
         if r < f.p500:
             return "500"
         if r < f.p500 + f.preset:
@@ -202,10 +213,14 @@ class _Handler(BaseHTTPRequestHandler):
         self.close_connection = True
 
     def _handle(self) -> None:
-        owner, f = self.owner, self.owner.faults
+        owner = self.owner
+        with owner.state.lock:  # the faults and the event that ends their stalls, as one pair
+            f, release = owner.state.faults, owner.state.release
         rec = Record(self.command, self.path, 0, time.monotonic())
         owner._record(rec, new=True)
         body = self._body()
+        if f.stall and f.stall in self.path:
+            release.wait(120)
         if f.delay:
             time.sleep(f.delay)
         if f.bandwidth and body:

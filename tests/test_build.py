@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -205,24 +204,38 @@ def test_manifest_copy_and_json_cli(make_ckpt, tmp_path):
 def test_kill_and_resume_is_byte_identical(tmp_path):
     from shardc.build.synthetic import llama_config, write_checkpoint
 
-    # big enough that the build takes seconds: 4 stages, ~300 MB
-    cfg = llama_config(hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=8,
-                       num_kv_heads=4, vocab_size=16000)
+    # 4 stages; the size does not matter: the build is held after its first stage (below)
+    cfg = llama_config(hidden_size=128, intermediate_size=256, num_layers=8, num_heads=8,
+                       num_kv_heads=4, vocab_size=1000)
     ckpt = write_checkpoint(tmp_path / "src", cfg)
     import yaml
 
     plan_file = tmp_path / "p.yaml"
     plan_file.write_text(yaml.safe_dump(plan_dict(2, 4, name="resume")))
-    cmd = [sys.executable, "-m", "shardc.cli", "build", str(plan_file), "--source", str(ckpt),
-           "--out", str(tmp_path / "killed"), "--manifests-dir", str(tmp_path / "m"), "--quiet"]
-    proc = subprocess.Popen(cmd, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "killed").glob(".*.done.json")):
-        assert proc.poll() is None, "build finished before it could be killed"
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    args = ["build", str(plan_file), "--source", str(ckpt), "--out", str(tmp_path / "killed"),
+            "--manifests-dir", str(tmp_path / "m"), "--quiet"]
+    # The build runs under a wrapper that, once the first stage's resume record is in place, says so
+    # on stdout and then blocks: the kill always lands mid-build, however fast the build is.
+    wrapper = (
+        "import os, sys\n"
+        "real = os.replace\n"
+        "def replace(src, dst, **kw):\n"
+        "    real(src, dst, **kw)\n"
+        "    if str(dst).endswith('.done.json'):\n"
+        "        print('DONE', flush=True)\n"
+        "        sys.stdin.read()\n"
+        "os.replace = replace\n"
+        "from shardc.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", wrapper, *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "DONE", "the build ended before its first stage was done"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    cmd = [sys.executable, "-m", "shardc.cli", *args]
     assert not (tmp_path / "killed" / "manifest.json").exists()  # no manifest before the end
     r = subprocess.run(cmd[:-1] + ["--json"], capture_output=True, text=True, check=True)
     resumed = json.loads(r.stdout)

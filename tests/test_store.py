@@ -300,13 +300,13 @@ def test_interrupted_push_resumes(builds, s3, proxy, bucket, tmp_path):
     b = builds["bf16"]
     uri = f"s3://{bucket}/killed"
     proxy.clear()
-    proxy.faults = Faults(delay=0.05, bandwidth=2e6)  # ~8 s for the build: lots of time to kill it
+    proxy.faults = Faults(stall="partNumber=2")  # every second part waits: the push cannot end
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-c", "from shardc.cli import main; main()", "push",
            "--manifest", str(b.manifest_path), "--to", uri, "--endpoint-url", proxy.endpoint, "--quiet"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        started = proxy.wait_for(lambda log: any("partNumber=" in r.path for r in log), timeout=30)
+        started = proxy.wait_for(lambda log: any("partNumber=2" in r.path for r in log), timeout=60)
         assert started, proc.stderr.read() if proc.poll() is not None else "no part upload seen"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
