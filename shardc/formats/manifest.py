@@ -37,6 +37,7 @@ from ..errors import ManifestError
 from ..spec.layout import Layout, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import canonical_json, plan_from_dict
+from ..spec.readfile import MANIFEST_LIMIT, read_regular_file
 
 FORMAT = "shardc-manifest"
 FORMAT_VERSION = 1
@@ -107,10 +108,7 @@ def loads(data: bytes | str, origin: str = "manifest") -> dict[str, Any]:
 
 def read_manifest(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ManifestError(f"cannot read manifest {path}: {exc.strerror}", hint="check the path") from None
+    data = read_regular_file(path, limit=MANIFEST_LIMIT, what="manifest", error=ManifestError)
     return loads(data, str(path))
 
 

@@ -64,6 +64,17 @@ def read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def plan_mismatch(manifest: dict[str, Any], plan: Any, plan_file: str) -> str | None:
+    """Why the manifest is not of the plan this node expects (another plan's file is a
+    mismatch, exit 1, not bad input), or None when it is."""
+    have = manifest["plan_sha256"]
+    if plan.sha256 == have:
+        return None
+    return (f"the manifest is of plan {manifest['plan'].get('replica_group', {}).get('name')!r} "
+            f"(sha256 {str(have)[:12]}), not of {plan_file} (plan {plan.name!r}, sha256 {plan.sha256[:12]}); "
+            "pass the manifest built from this plan")
+
+
 def check_manifest_against_layout(manifest: dict[str, Any], layout: Layout) -> list[str]:
     """The manifest's own tensor records must be exactly what the Layout says (another plan's
     manifest, or an edited one, disagrees)."""
