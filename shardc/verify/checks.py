@@ -58,7 +58,10 @@ def read_header(path: Path) -> dict[str, Any]:
         data = f.read(n)
         if len(data) != n:
             raise ValueError("header truncated")
-    header = json.loads(data)
+    try:
+        header = json.loads(data)
+    except RecursionError:
+        raise ValueError("header is nested too deeply") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
     return header
