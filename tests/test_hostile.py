@@ -274,3 +274,46 @@ def test_library_errors_are_shardc_errors(tmp_path):
         read_regular_file(tmp_path / "missing", limit=10, what="file")
     with pytest.raises(ShardcError, match="is not a regular file"):
         read_regular_file(tmp_path, limit=10, what="file")
+
+
+@pytest.mark.heavy
+def test_source_truncated_during_build_subprocess(tmp_path):
+    """#17 item 6 end to end: the repro was SIGBUS, exit 135, nothing on stderr, a stale temp
+    file. The source is split so ``model.norm.weight`` (read last: tensors go in name order) lives
+    alone in a second file, which is cut while the build is writing the first shard."""
+    import threading
+    import time
+
+    from safetensors.numpy import load_file, save_file
+
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    cfg = llama_config(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
+                       num_kv_heads=4, vocab_size=16000)
+    src = write_checkpoint(tmp_path / "one", cfg)
+    tensors = load_file(src / "model.safetensors")
+    last = tensors.pop("model.norm.weight")
+    save_file(tensors, src / "a.safetensors", metadata={"format": "pt"})
+    save_file({"model.norm.weight": last}, src / "b.safetensors", metadata={"format": "pt"})
+    (src / "model.safetensors").unlink()
+    victim = src / "b.safetensors"
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardc.cli", "build", str(plan_file(tmp_path, src)), "--out", str(out),
+         "--manifests-dir", str(tmp_path / "m"), "-q"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+    def cut() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (out.exists() and list(out.glob(".*.partial"))):
+            time.sleep(0.001)
+        os.truncate(victim, 100)
+
+    t = threading.Thread(target=cut)
+    t.start()
+    stdout, stderr = proc.communicate(timeout=120)
+    t.join()
+    r = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    one_line(r, "source file b.safetensors shrank from")
+    assert not list(out.glob(".*.partial")) and not (out / "manifest.json").exists()
