@@ -370,7 +370,8 @@ def build(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
+        with source.guard():  # another process cutting a mapped source file: an error, not SIGBUS
+            return _build_locked(plan, layout, source, out, force, progress, manifests_dir, t0)
     finally:
         if gc_was_enabled:
             gc.enable()

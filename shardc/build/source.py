@@ -9,6 +9,7 @@ with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -18,6 +19,7 @@ import re
 import stat
 import struct
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ from ..spec.dtypes import from_torch, np_dtype
 from ..spec.layout import DTYPE_BYTES, source_tensors
 from ..spec.model import ModelSpec, read_config
 from ..spec.readfile import CONFIG_LIMIT, read_regular_file
+from .lease import Leases, read_leases
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.
@@ -62,6 +65,7 @@ class Source:
     # (size, inode) of each weight file when it was indexed: a file that shrinks or is replaced
     # under a running build is an error before its bytes are mapped, not a SIGBUS (view)
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _leases: Leases | None = field(default=None, repr=False)
 
     # -- validation ---------------------------------------------------------------------------
     def check(self, model: ModelSpec) -> None:
@@ -107,6 +111,9 @@ class Source:
         count = math.prod(info.shape)
         start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
         length = info.offset - start + count * DTYPE_BYTES[info.dtype]
+        if self._leases is not None and self._leases.broken(info.file):
+            raise SourceError(f"source file {info.file} is being truncated or rewritten by another process "
+                              "during the build", hint="rerun the build once the checkpoint is complete")
         with open(self.directory / info.file, "rb") as f:
             self._check_unchanged(info.file, os.fstat(f.fileno()), start + length)
             mm = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=start)
@@ -127,6 +134,16 @@ class Source:
         if st.st_size < size or st.st_size < need:
             raise SourceError(f"source file {fname} shrank from {size} to {st.st_size} bytes during the build",
                               hint="rerun the build once the checkpoint is complete")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Hold read leases on the weight files while the build maps them, so another process
+        truncating one is a SourceError in ``view`` instead of SIGBUS (build/lease.py)."""
+        with read_leases([self.directory / f for f in self.files if f != "config.json"]) as self._leases:
+            try:
+                yield
+            finally:
+                self._leases = None
 
     def read(self, name: str):
         """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""
