@@ -158,16 +158,14 @@ def test_plan_validation_matches_readers(make_ckpt, tmp_path, field, value, need
 
 
 def test_shard_prefix_collision(make_ckpt, tmp_path):
+    """tp 1 / stage 11 and tp 11 / stage 1 would both be s111x: refused before the model is read."""
     src = make_ckpt(**TINY)
-    p = plan_file(tmp_path, src, replica_group__tp_degree=2, replica_group__pp_degree=1,
-                  replica_group__gpus_per_replica=2,
-                  replica_group__checkpoint={"shard_prefix": "s{tp_rank:0}{pp_stage:0}x.safetensors"})
-    d = yaml.safe_load(p.read_text())
-    d["replica_group"]["tp_degree"], d["replica_group"]["pp_degree"] = 1, 1
-    d["replica_group"]["gpus_per_replica"] = 1
-    p.write_text(yaml.safe_dump(d))
-    r, _ = build(tmp_path, p, "--dry-run")
-    assert r.returncode == 0, r.stderr  # one rank: no collision possible
+    p = plan_file(tmp_path, src, replica_group__tp_degree=12, replica_group__pp_degree=12,
+                  replica_group__gpus_per_replica=144,
+                  replica_group__checkpoint={"shard_prefix": "s{tp_rank}{pp_stage}x.safetensors"})
+    r, out = build(tmp_path, p, "--dry-run")
+    one_line(r, "replica_group.checkpoint.shard_prefix: gives two ranks the same file name")
+    nothing_written(out)
 
 
 # -- item 12: FIFOs, devices, oversized files ------------------------------------------------------
