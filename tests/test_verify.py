@@ -161,7 +161,10 @@ def test_plan_option_and_bad_input(builds, tmp_path):
     pf = tmp_path / "p.yaml"
     pf.write_text(yaml.safe_dump(plan(8, 1).data))
     r = verify("--manifest", str(builds[4, 1, "bf16"] / "manifest.json"), "--plan", str(pf))
-    assert r.exit_code == 2 and "not of" in r.stderr
+    assert r.exit_code == 1 and "not of" in r.stderr  # another plan's file: a mismatch (#17)
+    r = verify("--manifest", str(builds[4, 1, "bf16"] / "manifest.json"), "--plan", str(pf), "--json")
+    report = json.loads(r.stdout)
+    assert r.exit_code == 1 and report["ok"] is False and "not of" in report["problems"][0]
     r = verify("--manifest", str(tmp_path / "missing.json"))
     assert r.exit_code == 2 and "cannot read manifest" in r.stderr
     (tmp_path / "junk.json").write_text("{}")

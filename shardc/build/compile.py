@@ -125,7 +125,8 @@ def build(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _run(BuildRun(plan, layout, source, out, force, progress, manifests_dir, t0))
+        with source.guard():  # another process cutting a mapped source file: an error, not SIGBUS
+            return _run(BuildRun(plan, layout, source, out, force, progress, manifests_dir, t0))
     finally:
         if gc_was_enabled:
             gc.enable()

@@ -9,12 +9,15 @@ with ``weights_only=True``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import mmap
 import os
 import re
+import stat
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,8 +31,10 @@ from ..formats.manifest import FileEntry, SourceRecord
 from ..formats.safetensors import read_header
 from ..spec.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
 from ..spec.layout import source_tensors
-from ..spec.model import ModelSpec
+from ..spec.model import ModelSpec, read_config
+from ..spec.readfile import CONFIG_LIMIT, read_regular_file
 from .arrays import from_torch, np_dtype
+from .lease import Leases, read_leases
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.
@@ -56,6 +61,10 @@ class Source:
     files: list[str]
     pickled: bool = False
     _hashes: dict[str, Future] = field(default_factory=dict, repr=False)
+    # (size, inode) of each weight file when it was indexed: a file that shrinks or is replaced
+    # under a running build is an error before its bytes are mapped, not a SIGBUS (view)
+    stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
+    _leases: Leases | None = field(default=None, repr=False)
 
     # -- validation ---------------------------------------------------------------------------
     def check(self, model: ModelSpec) -> None:
@@ -101,10 +110,39 @@ class Source:
         count = math.prod(info.shape)
         start = info.offset - info.offset % mmap.ALLOCATIONGRANULARITY
         length = info.offset - start + count * DTYPE_BYTES[info.dtype]
+        if self._leases is not None and self._leases.broken(info.file):
+            raise SourceError(f"source file {info.file} is being truncated or rewritten by another process "
+                              "during the build", hint="rerun the build once the checkpoint is complete")
         with open(self.directory / info.file, "rb") as f:
+            self._check_unchanged(info.file, os.fstat(f.fileno()), start + length)
             mm = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=start)
         a = np.frombuffer(mm, dtype=np_dtype(info.dtype), count=count, offset=info.offset - start)
         return a.reshape(info.shape)
+
+    def _check_unchanged(self, fname: str, st: os.stat_result, need: int) -> None:
+        """Touching a mapped page past the end of a truncated file is SIGBUS, which Python cannot
+        catch (the process dies with exit 135 and no message). So every tensor's file is checked
+        just before its bytes are mapped: same inode, not shorter than when it was indexed and
+        long enough for the tensor. A truncation while one tensor is being copied is not caught
+        by this (reading through pread instead would be, at 2-3x the read cost: see
+        docs/architecture.md §6)."""
+        size, ino = self.stamps.get(fname, (st.st_size, st.st_ino))
+        if st.st_ino != ino:
+            raise SourceError(f"source file {fname} was replaced during the build",
+                              hint="rerun the build once the checkpoint is complete")
+        if st.st_size < size or st.st_size < need:
+            raise SourceError(f"source file {fname} shrank from {size} to {st.st_size} bytes during the build",
+                              hint="rerun the build once the checkpoint is complete")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """Hold read leases on the weight files while the build maps them, so another process
+        truncating one is a SourceError in ``view`` instead of SIGBUS (build/lease.py)."""
+        with read_leases([self.directory / f for f in self.files if f != "config.json"]) as self._leases:
+            try:
+                yield
+            finally:
+                self._leases = None
 
     def read(self, name: str):
         """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""
@@ -226,11 +264,7 @@ def open_source(uri: str, *, allow_pickle: bool = False) -> Source:
     if not directory.is_dir():
         raise SourceError(f"source directory {directory} does not exist", key="model.source",
                           hint="run scripts/setup_demo.py for the demo model, or fix model.source")
-    cfg_path = directory / "config.json"
-    try:
-        config = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SourceError(f"cannot read {cfg_path}: {exc}", hint="a Hugging Face checkpoint has a config.json") from None
+    config = read_config(directory / "config.json", SourceError)
 
     files = _weight_files(directory)
     pickled = False
@@ -244,17 +278,32 @@ def open_source(uri: str, *, allow_pickle: bool = False) -> Source:
                 hint="convert to safetensors, or pass --allow-pickle to load them with weights_only=True",
             )
         files, pickled = bins, True
+    stamps = {}
+    for fname in files:  # a FIFO or device named *.safetensors would block or never end
+        try:
+            st = os.stat(directory / fname)
+        except OSError as exc:
+            raise SourceError(f"cannot read source file {directory / fname}: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise SourceError(f"source file {directory / fname} is not a regular file", key="model.source")
+        stamps[fname] = (st.st_size, st.st_ino)
     tensors = _index_pickles(directory, files) if pickled else _index_safetensors(directory, files)
-    return Source(uri, directory, revision, config, tensors, ["config.json", *files], pickled)
+    return Source(uri, directory, revision, config, tensors, ["config.json", *files], pickled, stamps=stamps)
 
 
 def _weight_files(directory: Path) -> list[str]:
     index = directory / "model.safetensors.index.json"
-    if index.is_file():
+    if index.exists():
+        data = read_regular_file(index, limit=CONFIG_LIMIT, what="safetensors index", error=SourceError)
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError):
-            raise SourceError(f"{index} is not a valid safetensors index", hint="it needs a weight_map") from None
+            weight_map = json.loads(data)["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, RecursionError):
+            weight_map = None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise SourceError(f"{index} is not a valid safetensors index",
+                              hint="it needs a weight_map object from tensor names to file names")
         names = sorted({safe_name(f, "weight file name") for f in weight_map.values()})
         for n in names:
             if not (directory / n).is_file():

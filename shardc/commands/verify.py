@@ -48,14 +48,12 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
     if directory is None:
         raise ManifestError("a manifest from a store needs --dir: where this node's shards are",
                             hint="shardc verify --manifest s3://bucket/prefix/manifest.json --dir /models/x")
+    plan_problem = None
     if plan_file is not None:
         from ..spec.plan import load_plan
+        from ..verify.checks import plan_mismatch
 
-        want = load_plan(plan_file).sha256
-        if want != manifest.plan_sha256:
-            raise ManifestError(
-                f"the manifest is of plan sha256 {manifest.plan_sha256[:12]}, not of {plan_file} "
-                f"({want[:12]})", hint="pass the manifest built from this plan")
+        plan_problem = plan_mismatch(manifest, load_plan(plan_file), str(plan_file))
     if distributed or "TORCHELASTIC_RUN_ID" in os.environ:  # --distributed, or launched by torchrun
         from ..verify.distributed import distributed_verify
 
@@ -67,6 +65,9 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
 
             check_gpus(manifest.name, device, 1)
         report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
+    if plan_problem:  # the shards may be sound, but they are not what this node expects: exit 1
+        report["ok"] = False
+        report["problems"].insert(0, plan_problem)
     if as_json:
         echo_json(report)
     else:

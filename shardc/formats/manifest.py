@@ -43,6 +43,7 @@ from ..errors import ManifestError
 from ..spec.layout import Layout, base_dtype, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import canonical_json, plan_from_dict
+from ..spec.readfile import MANIFEST_LIMIT, read_regular_file
 from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 
 FORMAT = "shardc-manifest"
@@ -367,10 +368,7 @@ def parse(data: bytes | str, origin: str = "manifest") -> Manifest:
 def read(path: str | Path) -> Manifest:
     """Read and validate a manifest file."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise ManifestError(f"cannot read manifest {path}: {exc.strerror}", hint="check the path") from None
+    data = read_regular_file(path, limit=MANIFEST_LIMIT, what="manifest", error=ManifestError)
     return parse(data, str(path))
 
 

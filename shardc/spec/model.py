@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelError
+from ..errors import ModelError, ShardcError
 from .dtypes import SOURCE_DTYPES, from_torch_name
+from .readfile import CONFIG_LIMIT, read_regular_file
 
 # Architecture -> which projections carry a bias. Everything else about the split table is shared.
 ARCHITECTURES: dict[str, dict[str, bool]] = {
@@ -126,15 +128,49 @@ class ModelSpec:
         }
 
 
+# Sane upper bounds, checked before anything is sized from a config (a manifest's config too):
+# ``num_hidden_layers: 1000000000`` would otherwise allocate per-layer tables until MemoryError.
+# Each is far above any published model (Llama 3.1 405B: 126 layers, 16384 hidden, 128256 vocab).
+LIMITS: dict[str, int] = {
+    "hidden_size": 1 << 18,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 4096,
+    "num_attention_heads": 4096,
+    "num_key_value_heads": 4096,
+    "head_dim": 1 << 14,
+    "vocab_size": 1 << 24,
+    "max_position_embeddings": 1 << 28,
+}
+_HINT = "pass the config.json of a Llama-family Hugging Face checkpoint"
+
+
 def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     value = cfg.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ModelError(
-            f"config.json {key} must be a positive integer, found {value!r}",
-            hint="pass the config.json of a Llama-family Hugging Face checkpoint",
-            key=key,
-        )
+        raise ModelError(f"config.json {key} must be a positive integer, found {value!r}", hint=_HINT, key=key)
+    if value > LIMITS[key]:
+        raise ModelError(f"config.json {key} is {value}, above the limit of {LIMITS[key]}", hint=_HINT, key=key)
     return value
+
+
+def _float(cfg: dict[str, Any], key: str, default: float, *, below: float | None = None) -> float:
+    """A finite positive number (below ``below`` when given)."""
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or value <= 0 or (below is not None and value >= below)):
+        bound = f" below {below}" if below is not None else ""
+        raise ModelError(f"config.json {key} must be a finite positive number{bound}, found {value!r}",
+                         hint=_HINT, key=key)
+    return float(value)
+
+
+def _flag(cfg: dict[str, Any], key: str) -> bool:
+    value = cfg.get(key, False)
+    if value is not None and not isinstance(value, bool):
+        raise ModelError(f"config.json {key} must be true or false, found {value!r}", hint=_HINT, key=key)
+    return bool(value)
 
 
 def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
@@ -143,7 +179,7 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
         raise ModelError("config.json is not a JSON object", hint="pass a Hugging Face config.json")
     archs = cfg.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else None
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelError(
             f"unsupported architecture {arch!r}",
             hint=f"supported: {', '.join(sorted(ARCHITECTURES))}",
@@ -152,15 +188,23 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
     kv = _int(cfg, "num_key_value_heads", heads)
-    head_dim = cfg.get("head_dim") or hidden // heads
+    head_dim = _int(cfg, "head_dim") if cfg.get("head_dim") is not None else hidden // heads
+    if head_dim < 1:
+        raise ModelError(f"hidden_size={hidden} is smaller than num_attention_heads={heads}", key="hidden_size")
+    rope_scaling = cfg.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise ModelError(f"config.json rope_scaling must be an object or null, found {rope_scaling!r}",
+                         hint=_HINT, key="rope_scaling")
     if heads % kv:
         raise ModelError(
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
             key="num_key_value_heads",
         )
     bias = ARCHITECTURES[arch]
-    attention_bias = bool(cfg.get("attention_bias", False))
+    attention_bias = _flag(cfg, "attention_bias")
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
+    if not isinstance(dtype, str):
+        raise ModelError(f"config.json torch_dtype must be a string, found {dtype!r}", hint=_HINT, key="torch_dtype")
     return ModelSpec(
         architecture=arch,
         hidden_size=hidden,
@@ -168,17 +212,17 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
         num_layers=_int(cfg, "num_hidden_layers"),
         num_heads=heads,
         num_kv_heads=kv,
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         vocab_size=_int(cfg, "vocab_size"),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
         qkv_bias=bias["qkv_bias"] or attention_bias,
         o_bias=bias["o_bias"] or attention_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=_flag(cfg, "mlp_bias"),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),
-        rope_scaling=copy.deepcopy(cfg.get("rope_scaling")),
-        torch_dtype=str(dtype),
+        rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, below=1.0),
+        rope_theta=_float(cfg, "rope_theta", 10000.0),
+        rope_scaling=copy.deepcopy(rope_scaling),
+        torch_dtype=dtype,
         config=copy.deepcopy(cfg),
     )
 
@@ -191,17 +235,32 @@ def load_model(ref: str | Path) -> ModelSpec:
     path = Path(ref)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ModelError(
             f"no model preset or config.json at {ref!r}",
             hint=f"use a preset ({', '.join(sorted(PRESETS))}), a config.json or a checkpoint directory",
             key="model",
         )
+    return model_from_config(read_config(path, ModelError))
+
+
+def _no_constant(name: str) -> Any:
+    # NaN / Infinity parse in Python but are not JSON: the config is copied into manifest.json
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def read_config(path: Path, error: type[ShardcError] = ModelError) -> dict[str, Any]:
+    """A config.json (bounded regular file, JSON object); anything else is one ``error``."""
+    data = read_regular_file(path, limit=CONFIG_LIMIT, what="config file", error=error)
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"cannot read {path}: {exc}", key="model") from None
-    return model_from_config(cfg)
+        cfg = json.loads(data, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
+        raise error(f"cannot read {path}: {exc}", key="model", hint=_HINT) from None
+    except RecursionError:
+        raise error(f"{path} is nested too deeply to be a config.json", key="model", hint=_HINT) from None
+    if not isinstance(cfg, dict):
+        raise error(f"{path} is not a JSON object", key="model", hint=_HINT)
+    return cfg
 
 
 def model_for_source(source: str, override: str | None = None) -> ModelSpec:

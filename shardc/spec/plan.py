@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 import string
 from collections.abc import Callable
@@ -19,12 +20,23 @@ from typing import Any
 import yaml
 
 from ..errors import PlanError
+from .readfile import PLAN_LIMIT, decode_text, read_regular_file
 
 DTYPES = ("fp16", "bf16", "int8", "fp8")
 QUANTIZED_DTYPES = ("int8", "fp8")
 DEFAULT_SHARD_PREFIX = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# What every reader of a build accepts as a shard file name (formats/manifest.py ``safe_name``):
+# a plan whose names it would refuse must not build.
+_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+# Bounds that keep a hostile plan from costing memory or time before it is refused.
+MAX_TP = 4096
+MAX_PP = 4096
+MAX_WORLD = 65536
+MAX_YAML_NODES = 10_000  # scalars + collections, counted with aliases expanded
+MAX_DEPTH = 32
+_SPEC_RE = re.compile(r"0?[1-9]?d?")
 
 
 def _positive_int(value: Any) -> str | None:
@@ -33,9 +45,20 @@ def _positive_int(value: Any) -> str | None:
     return None
 
 
+def _bounded_int(limit: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if _positive_int(value):
+            return "must be a positive integer"
+        return None if value <= limit else f"must be at most {limit}"
+
+    return check
+
+
 def _positive_number(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         return "must be a positive number"
+    if not math.isfinite(value):
+        return "must be a finite positive number"
     return None
 
 
@@ -59,15 +82,23 @@ def _name(value: Any) -> str | None:
 def _shard_prefix(value: Any) -> str | None:
     if not isinstance(value, str):
         return "must be a string"
-    fields = {f for _, f, _, _ in string.Formatter().parse(value) if f is not None}
-    if fields != {"tp_rank", "pp_stage"}:
-        return "must use exactly the fields {tp_rank} and {pp_stage}"
     try:
-        sample = value.format(tp_rank=0, pp_stage=0)
-    except (ValueError, KeyError) as exc:
+        parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(value) if f is not None]
+    except ValueError as exc:
         return f"is not a valid format string ({exc})"
-    if "/" in sample or "\\" in sample or sample.startswith(".") or not sample.endswith(".safetensors"):
-        return "must be a plain file name ending in .safetensors (no directories)"
+    if {f for f, _, _ in parsed} != {"tp_rank", "pp_stage"}:
+        return "must use exactly the fields {tp_rank} and {pp_stage}"
+    for _, spec, conv in parsed:  # a width of 10**9 would build a 1 GB name
+        if conv or not _SPEC_RE.fullmatch(spec or ""):
+            return f"may format a rank only as an integer (like {{tp_rank:02d}}), found {{...:{spec}}}"
+    for tp_rank, pp_stage in ((0, 0), (1, 0), (0, 1), (MAX_TP - 1, MAX_PP - 1)):
+        try:
+            sample = value.format(tp_rank=tp_rank, pp_stage=pp_stage)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            return f"is not a valid format string ({exc})"
+        if not sample.endswith(".safetensors") or not _FILE_RE.match(sample):
+            return ("must give plain file names ending in .safetensors: letters, digits, '.', '_', "
+                    "'-', not starting with '.' (no directories, no spaces)")
     return None
 
 
@@ -93,10 +124,10 @@ def _any(value: Any) -> str | None:
 _SCHEMA: dict[str, Any] = {
     "replica_group": {
         "name": (True, _name),
-        "tp_degree": (True, _positive_int),
-        "pp_degree": (True, _positive_int),
+        "tp_degree": (True, _bounded_int(MAX_TP)),
+        "pp_degree": (True, _bounded_int(MAX_PP)),
         "dtype": (True, _one_of(*DTYPES)),
-        "gpus_per_replica": (True, _positive_int),
+        "gpus_per_replica": (True, _bounded_int(MAX_WORLD)),
         "nvlink_domain": (False, _string),
         "kv_cache_cap_gb": (False, _positive_number),
         "max_concurrent_sequences": (False, _positive_int),
@@ -199,6 +230,59 @@ def _validate(section: dict[str, Any], schema: dict[str, Any], path: str) -> Non
             raise PlanError(f"{problem}, found {section[key]!r}", key=where)
 
 
+def _check_plain(raw: dict[str, Any]) -> None:
+    """The plan is recorded as canonical JSON: only JSON values (string keys, finite numbers; no
+    dates or binary from YAML tags), bounded in depth and size, are accepted anywhere in it,
+    ``autoscaling`` included. Iterative, so a deep document is an error and not a RecursionError."""
+    stack: list[tuple[Any, str, int]] = [(raw, "", 0)]
+    seen = 0
+    while stack:
+        value, where, depth = stack.pop()
+        seen += 1
+        if seen > MAX_YAML_NODES:
+            raise PlanError(f"the plan has more than {MAX_YAML_NODES} values", key=where or None,
+                            hint="a plan is a few dozen keys")
+        if depth > MAX_DEPTH:
+            raise PlanError(f"nested deeper than {MAX_DEPTH} levels", key=where, hint="a plan is a few levels deep")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, str):
+                    raise PlanError(f"has a key that is not a string ({k!r})", key=where or None)
+                stack.append((v, f"{where}.{k}" if where else k, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise PlanError(f"must be a finite number, found {value!r}", key=where)
+        elif value is not None and not isinstance(value, (str, int, float)):
+            raise PlanError(f"must be a plain YAML value (string, number, list, mapping), found "
+                            f"{type(value).__name__}", key=where, hint="quote dates and drop !!binary tags")
+
+
+def _safe_yaml(text: str, path: Path) -> Any:
+    """``yaml.safe_load`` with the document bounded before it is expanded: aliases make a
+    10-line file into billions of values (an alias bomb), so nodes are counted with aliases
+    expanded, stopping at the limit, before any Python object is built."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        count, depth_stack = 0, [(node, 0)]
+        while depth_stack:
+            n, depth = depth_stack.pop()
+            count += 1
+            if count > MAX_YAML_NODES or depth > MAX_DEPTH:
+                raise PlanError(f"{path} has more than {MAX_YAML_NODES} values or {MAX_DEPTH} levels "
+                                "(counting YAML aliases expanded)", hint="a plan is a few dozen keys")
+            if isinstance(n, yaml.MappingNode):
+                depth_stack.extend((x, depth + 1) for kv in n.value for x in kv)
+            elif isinstance(n, yaml.SequenceNode):
+                depth_stack.extend((x, depth + 1) for x in n.value)
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def _example_hint() -> str:
     return "see plans/tp4pp2-fp16.yaml for a complete example"
 
@@ -207,6 +291,7 @@ def plan_from_dict(raw: Any) -> Plan:
     """Validate a plan dict (as parsed from YAML) and normalize it."""
     if not isinstance(raw, dict):
         raise PlanError("a plan must be a YAML mapping with replica_group and model sections")
+    _check_plain(raw)
     _validate(raw, _SCHEMA, "")
     rg = raw["replica_group"]
     tp, pp = rg["tp_degree"], rg["pp_degree"]
@@ -216,6 +301,10 @@ def plan_from_dict(raw: Any) -> Plan:
             key="replica_group.gpus_per_replica",
             hint=f"set gpus_per_replica: {tp * pp}",
         )
+    prefix = (rg.get("checkpoint") or {}).get("shard_prefix") or DEFAULT_SHARD_PREFIX
+    if len({prefix.format(tp_rank=t, pp_stage=s) for t in range(tp) for s in range(pp)}) != tp * pp:
+        raise PlanError(f"gives two ranks the same file name ({prefix!r})",
+                        key="replica_group.checkpoint.shard_prefix", hint="use {tp_rank:02d} and {pp_stage:02d}")
     model = raw["model"]
     pp_layers = model.get("pp_layers")
     if pp_layers is not None and len(pp_layers) != pp:
@@ -249,16 +338,18 @@ def plan_from_dict(raw: Any) -> Plan:
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file. A relative local ``model.source`` is relative to the plan file."""
     path = Path(path)
+    data = read_regular_file(path, limit=PLAN_LIMIT, what="plan file", error=PlanError)
+    text = decode_text(data, path, what="plan file", error=PlanError)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise PlanError(f"cannot read plan file {path}: {exc.strerror}", hint="check the path") from None
-    try:
-        raw = yaml.safe_load(text)
+        raw = _safe_yaml(text, path)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise PlanError(f"{path} is not valid YAML{where}", hint="fix the YAML syntax") from None
+    except RecursionError:
+        raise PlanError(f"{path} is nested too deeply", hint="a plan is a few levels deep") from None
+    except (ValueError, OverflowError) as exc:  # a YAML value its constructor refuses (a 5000-digit int)
+        raise PlanError(f"{path} holds a value that cannot be read: {exc}", hint="fix the value") from None
     plan = plan_from_dict(raw)
     src = plan.source
     if "://" not in src and not Path(src).is_absolute():

@@ -45,6 +45,15 @@ class RankResult:
         }
 
 
+def plan_mismatch(manifest: Manifest, plan: Any, plan_file: str) -> str | None:
+    """Why the manifest is not of the plan this node expects (another plan's file is a
+    mismatch, exit 1, not bad input), or None when it is."""
+    if plan.sha256 == manifest.plan_sha256:
+        return None
+    return (f"the manifest is of plan {manifest.name!r} (sha256 {manifest.plan_sha256[:12]}), not of "
+            f"{plan_file} (plan {plan.name!r}, sha256 {plan.sha256[:12]}); pass the manifest built from this plan")
+
+
 def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: Layout) -> list[str]:
     """The manifest's own tensor records must be exactly what the Layout says (another plan's
     manifest, or an edited one, disagrees)."""
