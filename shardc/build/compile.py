@@ -173,7 +173,9 @@ class Materializer:
     def start_queue(self, keys: list[tuple[str, str]]) -> None:
         """Quantize ``keys`` ahead of the writers, on a thread, within a memory budget: half the
         largest source tensor (the 16-bit streaming that the quantizing overlaps holds at most
-        about that much too), and at least the largest quantized tensor."""
+        about that much too), and at least the largest quantized tensor. Keys the source holds
+        quantized already (a reshard's input build) are not quantized again."""
+        keys = [k for k in keys if not self.source.holds_quantized(*k)]
         if not keys:
             return
         infos = self.source.tensors
@@ -188,16 +190,15 @@ class Materializer:
 
     def full(self, spec: TensorSpec) -> np.ndarray:
         key = (spec.source, spec.quant)
-        if spec.quant and self.queue is not None:
+        if spec.quant and self.queue is not None and not self.source.holds_quantized(*key):
             q, scale = self.queue.get(key)
             return scale if spec.scale_of else q
         if key != self._key:
             self._value = None  # release the previous tensor before reading the next
-            w = self.source.view(spec.source)
             if spec.quant:
-                self._value = self.quantize(spec.source, spec.quant, w)
+                self._value = self.quantize(spec.source, spec.quant)
             else:
-                self._value = w
+                self._value = self.source.view(spec.source)
             self._key = key
         if spec.quant:
             return self._value[1] if spec.scale_of else self._value[0]
@@ -210,6 +211,9 @@ class Materializer:
 
     def quantize(self, name: str, scheme: str, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Quantized values and scales of a source tensor, here and now; records its error stats."""
+        if self.source.holds_quantized(name, scheme):
+            q, scale, self.stats[name] = self.source.quantized(name, scheme)
+            return q, scale
         w = self.source.view(name) if w is None else w
         q, scale, self.stats[name] = quantize_array(name, w, scheme, QUANT_WORKERS)
         return q, scale
@@ -347,11 +351,14 @@ def build(
     progress: bool = False,
     allow_pickle: bool = False,
     manifests_dir: str | Path | None = None,
+    source: Source | None = None,
 ) -> BuildResult:
-    """Compile ``plan`` into shard files. Validates everything before writing anything."""
+    """Compile ``plan`` into shard files. Validates everything before writing anything.
+    ``source`` replaces the plan's own (reshard passes an input build)."""
     t0 = time.perf_counter()
-    source = open_source(plan.source, allow_pickle=allow_pickle)
-    source.uri = plan.source_uri
+    if source is None:
+        source = open_source(plan.source, allow_pickle=allow_pickle)
+        source.uri = plan.source_uri
     model = model_from_config(source.config)
     layout = build_layout(model, plan)
     source.check(model)
