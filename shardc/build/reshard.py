@@ -86,7 +86,10 @@ class BuildSource(Source):
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
         self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
         self._lock = threading.Lock()
-        inp.schedule(_need_order(self, out_layout))
+
+    def schedule(self, out_layout: Layout) -> None:
+        """Start checking the input files in the order the output build will need them."""
+        self.input.schedule(_need_order(self, out_layout))
 
     # -- what the compiler asks ---------------------------------------------------------------
     def check(self, model: ModelSpec) -> None:
@@ -288,6 +291,8 @@ def reshard(
     existed = out.exists()
     try:
         source = BuildSource(inp, layout, dequantize=dequantize)
+        source.schedule(layout)
+        inp.prepare(inp.side_files())  # config and tokenizer files are checked too
         return build(plan, out, force=force, progress=progress, manifests_dir=manifests_dir, source=source)
     except ShardcError:
         if not existed and out.is_dir():
@@ -298,3 +303,17 @@ def reshard(
         raise
     finally:
         inp.close()
+
+
+def open_reference(ref: str, layout: Layout) -> Source:
+    """What ``verify --deep`` compares against: a checkpoint, or a build (its manifest or build
+    directory), read like reshard reads it. Quantized tensors of a build compare exactly when the
+    verified build holds them in the same scheme, and dequantized otherwise (a --dequantize
+    reshard's reference)."""
+    from .inputs import open_local_input
+    from .source import open_source
+
+    path = Path(ref.removeprefix("file://"))
+    if path.suffix == ".json" or (path / "manifest.json").is_file():
+        return BuildSource(open_local_input(ref), layout, dequantize=True)
+    return open_source(ref)
