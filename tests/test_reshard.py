@@ -337,3 +337,22 @@ def test_reshard_from_s3(make_ckpt, tmp_path, s3_env, compress):
     assert victim in res.stderr and "Traceback" not in res.output
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".shardc-input-")]
     assert os.listdir(tmp_path / "r")  # the earlier output is untouched
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_reshard_and_export_never_import_torch(make_ckpt, tmp_path, dtype):
+    """Like build: numpy and the numba kernels do the work, torch's 1-2 s import is not paid."""
+    import subprocess
+    import sys
+
+    ckpt = make_ckpt(**GQA)
+    a = build(plan_of(ckpt, 4, 1, dtype), tmp_path / "a")
+    plan = _plan_file(tmp_path / "p.yaml", ckpt, 2, 2, dtype)
+    args = [["reshard", "--manifest", str(a.manifest_path), "--plan", str(plan), "--out", str(tmp_path / "r"),
+             "--manifests-dir", str(tmp_path / "m"), "-q"],
+            ["export", "--manifest", str(a.manifest_path), "--out", str(tmp_path / "hf")]]
+    code = ("import sys; from shardc.cli import main\n"
+            f"for a in {args!r}:\n    main(a, standalone_mode=False)\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
+    assert (tmp_path / "r" / "manifest.json").is_file() and (tmp_path / "hf" / "config.json").is_file()

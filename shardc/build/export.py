@@ -74,8 +74,8 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
         plan = export_plan(inp.manifest)
         layout = build_layout(model_from_config(inp.manifest["model"]["config"]), plan)
         source = BuildSource(inp, layout)
-        source.schedule(layout)
         inp.prepare(inp.side_files())
+        source.schedule(layout)
         out = Path(out_dir)
         existed = out.exists()
         written: list[Path] = []

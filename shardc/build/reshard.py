@@ -10,7 +10,7 @@ lossless ``reshard(build(src, A), B)`` is byte-identical to ``build(src, B)`` by
 
 Checks on the way: every input file's sha256 before its first byte is used (BuildInput), each
 piece's dtype and shape against the file header, replicas (KV heads at tp > kv_heads, replicated
-norms, a tied lm_head copy) byte-identical, and the dtype rules of DTYPE_RULES below up front.
+norms, a tied lm_head copy) byte-identical, and the dtype rules (``check_dtypes``) up front.
 """
 
 from __future__ import annotations
@@ -25,19 +25,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ManifestError, ModelError, PlanError, ShardcError, VerifyMismatch
+from ..errors import ManifestError, ModelError, OutputError, PlanError, ShardcError, VerifyMismatch
 from ..formats.manifest import layout_of
 from ..spec.dtypes import as_bytes, np_dtype
-from ..spec.layout import DTYPE_BYTES, Layout, TensorSpec
+from ..spec.layout import DTYPE_BYTES, Layout, TensorSpec, source_tensors
 from ..spec.model import ModelSpec, model_for_source, model_from_config
 from ..spec.plan import Plan
 from .inputs import BuildInput
 from .source import Source, TensorInfo, data_offsets
 
-DTYPE_RULES = """\
-same 16-bit dtype: exact copy | 16-bit -> other 16-bit: build's cast | 16-bit -> int8/fp8: quantized
-as build does (whole tensor) | int8/fp8 -> same scheme: exact re-slice | int8/fp8 -> anything else:
-refused unless --dequantize (q * scale in fp32, then cast or quantized; lossy, recorded)"""
 # summary() field -> the config.json key a user knows
 _CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                "num_kv_heads": "num_key_value_heads", "architecture": "architectures",
@@ -67,6 +63,7 @@ class BuildSource(Source):
     def __init__(self, inp: BuildInput, out_layout: Layout, *, dequantize: bool = False) -> None:
         self.input = inp
         self.in_layout = layout_of(inp.manifest)
+        _check_records(inp.manifest, self.in_layout)
         self.dequantize = dequantize
         model = self.in_layout.model
         super().__init__(inp.uri, inp.directory, None, model.config, {}, [])
@@ -80,8 +77,7 @@ class BuildSource(Source):
         # the quantization error stats the input recorded: a re-slice keeps them as they are
         self.stats = {rec["source"]: rec["stats"] for s in inp.manifest["shards"]
                       for rec in s["tensors"].values() if "stats" in rec}
-        full = {t.name: t.shape for t in _source_shapes(model)}
-        for name, shape in full.items():
+        for name, shape in ((t.name, t.shape) for t in source_tensors(model)):
             dtype = self.pieces[(name, "weight")][0].spec.dtype
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
         self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
@@ -101,7 +97,7 @@ class BuildSource(Source):
             if not self.dequantize:  # check_dtypes refused such plans; a bug if we get here
                 raise AssertionError(f"{name} is quantized in the input build")
             q, scale = self._assemble(name, "weight"), self._assemble(name, "scale")
-            return q.astype(np.float32) * scale
+            return np.multiply(q, scale, dtype=np.float32)  # as the runtime dequantizes: fp32 q * s
         return self._assemble(name, "weight")
 
     def holds_quantized(self, name: str, scheme: str) -> bool:
@@ -213,10 +209,20 @@ class BuildSource(Source):
             return self._offsets[file]
 
 
-def _source_shapes(model: ModelSpec):
-    from ..spec.layout import source_tensors
-
-    return source_tensors(model)
+def _check_records(manifest: dict[str, Any], layout: Layout) -> None:
+    """The input manifest's tensor records must be what its own plan's Layout says (the pieces
+    are read by the Layout; an edited manifest would point them at the wrong bytes)."""
+    by_file = {s["file"]: s for s in manifest["shards"]}
+    for rl in layout.ranks:
+        entry = by_file.get(rl.file)
+        have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
+                for n, r in (entry or {}).get("tensors", {}).items()}
+        if entry is None or have != {t.name: t.record() for t in rl.tensors}:
+            raise ManifestError(f"the input manifest's record of {rl.file} does not match its own plan",
+                                hint="the manifest was edited or is damaged; run shardc verify on the input")
+    if len(by_file) != len(layout.ranks):
+        raise ManifestError("the input manifest lists shards its plan does not have",
+                            hint="the manifest was edited or is damaged; run shardc verify on the input")
 
 
 def _need_order(src: BuildSource, out: Layout) -> list[str]:
@@ -231,7 +237,11 @@ def _need_order(src: BuildSource, out: Layout) -> list[str]:
 
 
 def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set[str]:
-    """Apply DTYPE_RULES to every output tensor; returns the tensors that get dequantized."""
+    """The dtype rules, for every output tensor: same 16-bit dtype, exact copy; 16-bit to another
+    16-bit, build's cast; 16-bit to int8/fp8, quantized as build does (whole tensor); int8/fp8 to
+    the same scheme, exact re-slice; int8/fp8 to anything else is refused (PlanError, exit 2)
+    unless ``dequantize`` (q * scale in fp32, then cast or quantized: lossy). Returns the source
+    tensors that get dequantized, which the manifest records."""
     lossy = set()
     for rl in out.ranks:
         for t in rl.tensors:
@@ -284,23 +294,29 @@ def reshard(
     from ..spec.layout import build_layout
     from .compile import LOCK, build
 
-    model = model_from_config(inp.manifest["model"]["config"])
-    check_model(plan, model)
-    layout = build_layout(model, plan)
-    out = Path(out_dir) if out_dir else Path("build") / plan.name
-    existed = out.exists()
     try:
+        model = model_from_config(inp.manifest["model"]["config"])
+        check_model(plan, model)
+        layout = build_layout(model, plan)
+        out = Path(out_dir) if out_dir else Path("build") / plan.name
+        if out.resolve() == inp.directory.resolve():
+            raise PlanError(f"the output directory {out} is the input build's own directory",
+                            key="--out", hint="reshard into another directory")
+        existed = out.exists()
         source = BuildSource(inp, layout, dequantize=dequantize)
+        inp.prepare(inp.side_files())  # config and tokenizer files are checked too (small: first)
         source.schedule(layout)
-        inp.prepare(inp.side_files())  # config and tokenizer files are checked too
-        return build(plan, out, force=force, progress=progress, manifests_dir=manifests_dir, source=source)
-    except ShardcError:
-        if not existed and out.is_dir():
-            for p in [out / LOCK, *out.glob(".*.partial"), *out.glob(".*.done.json")]:
-                p.unlink(missing_ok=True)
-            if not any(out.iterdir()):
-                shutil.rmtree(out, ignore_errors=True)
-        raise
+        try:
+            return build(plan, out, force=force, progress=progress, manifests_dir=manifests_dir,
+                         source=source)
+        except ShardcError as exc:
+            # build removed this run's shards (bad input); a disk failure keeps them to resume
+            if not existed and out.is_dir() and not isinstance(exc, OutputError):
+                for p in [out / LOCK, *out.glob(".*.partial"), *out.glob(".*.done.json")]:
+                    p.unlink(missing_ok=True)
+                if not any(out.iterdir()):
+                    shutil.rmtree(out, ignore_errors=True)
+            raise
     finally:
         inp.close()
 
