@@ -21,7 +21,9 @@ from ..errors import ManifestError, VerifyMismatch
 from ..formats.manifest import dumps, read_manifest, safe_name
 from .source import sha256_file
 
-HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
+# Hashing is what a reshard waits for first (a pp=1 input's first tensor needs every file), and
+# sha256 is one core per file: as many threads as cores, up to one per file of a tp8 input.
+HASH_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 
 class BuildInput:
@@ -66,9 +68,7 @@ class LocalBuildInput(BuildInput):
     """A build directory on local disk: files are hashed in place, a few threads at a time."""
 
     def __init__(self, manifest_path: str | Path, uri: str | None = None) -> None:
-        path = Path(str(manifest_path).removeprefix("file://"))
-        if path.is_dir():
-            path = path / "manifest.json"
+        path = Path(manifest_path)
         self.manifest = read_manifest(path)
         self.uri = uri or str(manifest_path)
         self.directory = path.parent
