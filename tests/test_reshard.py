@@ -356,3 +356,16 @@ def test_reshard_and_export_never_import_torch(make_ckpt, tmp_path, dtype):
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())})
     assert (tmp_path / "r" / "manifest.json").is_file() and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_missing_input_file_and_output_onto_input(make_ckpt, tmp_path):
+    ckpt = make_ckpt(**GQA)
+    a = build(plan_of(ckpt, 2, 2, "bf16"), tmp_path / "a")
+    plan = _plan_file(tmp_path / "p.yaml", ckpt, 1, 1)
+    res = _cli("--manifest", a.out_dir, "--plan", plan, "--out", a.out_dir)  # a build directory works too
+    assert res.exit_code == 2 and "--out" in res.stderr
+    assert (a.out_dir / "manifest.json").is_file()
+    (a.out_dir / "model-tp01-pp01.safetensors").unlink()
+    res = _cli("--manifest", a.out_dir, "--plan", plan, "--out", tmp_path / "r", "--manifests-dir", tmp_path / "m")
+    assert res.exit_code == 1 and "model-tp01-pp01.safetensors" in res.stderr and "missing" in res.stderr
+    assert not (tmp_path / "r").exists()
