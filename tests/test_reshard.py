@@ -369,3 +369,22 @@ def test_missing_input_file_and_output_onto_input(make_ckpt, tmp_path):
     res = _cli("--manifest", a.out_dir, "--plan", plan, "--out", tmp_path / "r", "--manifests-dir", tmp_path / "m")
     assert res.exit_code == 1 and "model-tp01-pp01.safetensors" in res.stderr and "missing" in res.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_dequantize_to_the_other_scheme_requantizes_q_times_scale(make_ckpt, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from shardc.build.quantize import quantize
+
+    ckpt = make_ckpt(**GQA)
+    a = build(plan_of(ckpt, 2, 1, "int8"), tmp_path / "a")
+    r = reshard(open_local_input(a.manifest_path), plan_of(ckpt, 1, 1, "fp8"), tmp_path / "r", dequantize=True)
+    assert r.manifest["source"]["reshard_of"]["dtype"] == "int8"
+    name = "model.layers.3.self_attn.o_proj.weight"  # row-split in the input: whole scales on each rank
+    parts = [load_file(a.out_dir / f"model-tp0{i}-pp00.safetensors") for i in range(2)]
+    w = torch.cat([p[name].float() for p in parts], dim=1) * parts[0][name + "_scale"]
+    q, scale, _ = quantize(name, w, "fp8")
+    got = load_file(r.out_dir / "model-tp00-pp00.safetensors")
+    assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got[name + "_scale"], scale)
