@@ -16,12 +16,13 @@ from . import __version__
 from .commands.output import error_line
 from .errors import ShardcError
 
-COMMAND_MODULES = ("build", "verify", "store", "plan", "runtime")
+COMMAND_MODULES = ("build", "reshard", "verify", "store", "plan", "runtime")
 
 EPILOG = """\b
 Examples:
   shardc plan --model llama-3.3-70b --gpu a100-80gb
   shardc build plans/tp4pp2-fp16.yaml
+  shardc reshard --manifest build/demo-tp3pp2-bf16/manifest.json --plan plans/demo-tp1pp1-bf16.yaml
   shardc verify --manifest build/llama3-70b-fp16-primary/manifest.json --rank 0
   shardc push --manifest manifests/llama3-70b-fp16-primary.json --to s3://models/llama3-70b/fp16
   shardc gate --baseline build/demo-tp1pp1-bf16 --candidate build/demo-tp3pp2-bf16

@@ -101,11 +101,13 @@ def build(
     progress: bool = False,
     allow_pickle: bool = False,
     manifests_dir: str | Path | None = None,
+    source: Source | None = None,
 ) -> BuildResult:
     """Compile ``plan`` into shard files. Validates everything before writing anything."""
     t0 = time.perf_counter()
-    source = open_source(plan.source, allow_pickle=allow_pickle)
-    source.uri = plan.source_uri
+    if source is None:  # reshard passes an input build as the source
+        source = open_source(plan.source, allow_pickle=allow_pickle)
+        source.uri = plan.source_uri
     model = model_from_config(source.config)
     layout = build_layout(model, plan)
     source.check(model)

@@ -105,7 +105,9 @@ class Materializer:
     def start_queue(self, keys: list[tuple[str, str]]) -> None:
         """Quantize ``keys`` ahead of the writers, on a thread, within a memory budget: half the
         largest source tensor (the 16-bit streaming that the quantizing overlaps holds at most
-        about that much too), and at least the largest quantized tensor."""
+        about that much too), and at least the largest quantized tensor. Keys the source holds
+        quantized already (a reshard's input build) are not quantized again."""
+        keys = [k for k in keys if not self.source.holds_quantized(*k)]
         if not keys:
             return
         infos = self.source.tensors
@@ -122,16 +124,15 @@ class Materializer:
         if spec.value is not None:  # X.weight_shape: its contents are in the Layout
             return np.asarray(spec.value, np.int64)
         key = (spec.source, spec.quant)
-        if spec.quant and self.queue is not None:
+        if spec.quant and self.queue is not None and not self.source.holds_quantized(*key):
             q, scale = self.queue.get(key)
             return scale if spec.scale_of else q
         if key != self._key:
             self._value = None  # release the previous tensor before reading the next
-            w = self.source.view(spec.source)
             if spec.quant:
-                self._value = self.quantize(spec.source, spec.quant, w)
+                self._value = self.quantize(spec.source, spec.quant)
             else:
-                self._value = w
+                self._value = self.source.view(spec.source)
             self._key = key
         if spec.quant:
             return self._value[1] if spec.scale_of else self._value[0]
@@ -143,7 +144,12 @@ class Materializer:
             self.queue.release((spec.source, spec.quant))
 
     def quantize(self, name: str, scheme: str, w: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Quantized values and scales of a source tensor, here and now; records its error stats."""
+        """Quantized values and scales of a source tensor, here and now; records its error stats.
+        A source that holds the tensor quantized already (a reshard's input build) hands its values
+        over unchanged (int8 unpacked: the stored form is made here, as for a fresh quantization)."""
+        if self.source.holds_quantized(name, scheme):
+            q, scale, self.stats[name] = self.source.quantized(name, scheme)
+            return stored(q, scheme), scale
         w = self.source.view(name) if w is None else w
         q, scale, self.stats[name] = quantize_array(name, w, scheme, QUANT_WORKERS)
         return stored(q, scheme), scale

@@ -157,6 +157,14 @@ class Source:
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(name)
 
+    def holds_quantized(self, name: str, scheme: str) -> bool:
+        """Whether ``quantized`` has this tensor already quantized (never, for a checkpoint)."""
+        return False
+
+    def quantized(self, name: str, scheme: str) -> tuple[np.ndarray, np.ndarray, dict]:
+        """Quantized values, scales and error stats held by the source (see holds_quantized)."""
+        raise KeyError(name)
+
     # -- identity -----------------------------------------------------------------------------
     def start_hashing(self) -> None:
         """Hash the source files in a background thread while the build runs."""

@@ -182,15 +182,16 @@ def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -
 
 
 def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_uri: str) -> None:
-    """Reassemble against the source: byte-exact for 16-bit, re-quantized for int8/fp8."""
+    """Reassemble against the source (a checkpoint or an input build): byte-exact for 16-bit,
+    re-quantized for int8/fp8 (re-sliced when the reference build holds them quantized)."""
     import numpy as np
     from safetensors import safe_open
 
     from ..build.arrays import as_bytes, from_torch
     from ..build.materialize import Materializer, cut
-    from ..build.source import open_source
+    from ..build.reshard import open_reference
 
-    source = open_source(source_uri)
+    source = open_reference(source_uri, layout)  # a checkpoint, or the build it was resharded from
     mat = Materializer(source, layout)
     with safe_open(path, framework="pt") as f:
         for spec in rl.tensors:

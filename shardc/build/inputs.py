@@ -1,0 +1,116 @@
+"""An existing build as input: its manifest, and its files on local disk, checked before use.
+
+``reshard`` and ``export`` read a build instead of a Hugging Face checkpoint. They reach its files
+through :class:`BuildInput`: ``schedule`` says in which order files will be needed (checks start
+in the background, in that order), ``prepare`` blocks until the named files are local and their
+sha256 matches the input manifest. A local build is hashed where it lies; a build in object
+storage is fetched by the store layer (``shardc.store.reshard_input``), which hashes while it
+downloads, so every input byte is checked exactly once before anything reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..errors import ManifestError, VerifyMismatch
+from ..formats.manifest import dumps, read_manifest, safe_name
+from .source import sha256_file
+
+# Hashing is what a reshard waits for first (a pp=1 input's first tensor needs every file), and
+# sha256 is one core per file: as many threads as cores, up to one per file of a tp8 input.
+HASH_WORKERS = max(1, min(8, os.cpu_count() or 1))
+
+
+class BuildInput:
+    """The interface reshard reads through. ``directory`` holds the files once prepared."""
+
+    uri: str
+    manifest: dict[str, Any]
+    directory: Path
+
+    @property
+    def manifest_sha256(self) -> str:
+        """sha256 of the manifest as its build wrote it (canonical JSON, compression records of a
+        push stripped), so a local build and its pushed copy have the same identity."""
+        return hashlib.sha256(dumps(self.manifest)).hexdigest()
+
+    def entry(self, name: str) -> dict[str, Any]:
+        for e in self.manifest["shards"]:
+            if e["file"] == name:
+                return e
+        for e in self.manifest["files"]:
+            if e["name"] == name:
+                return e
+        raise ManifestError(f"the input manifest names no file {name!r}")
+
+    def side_files(self) -> list[str]:
+        """config.json, tokenizer files: what the manifest lists besides shards."""
+        return sorted(f["name"] for f in self.manifest["files"])
+
+    def schedule(self, files: list[str]) -> None:
+        """Start checking (or fetching) ``files`` in this order, in the background."""
+
+    def prepare(self, files: list[str]) -> None:
+        """Block until ``files`` are in ``directory`` with the manifest's sha256 (VerifyMismatch
+        naming the first bad file otherwise)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Stop background work and drop temporary copies."""
+
+
+class LocalBuildInput(BuildInput):
+    """A build directory on local disk: files are hashed in place, a few threads at a time."""
+
+    def __init__(self, manifest_path: str | Path, uri: str | None = None) -> None:
+        path = Path(manifest_path)
+        self.manifest = read_manifest(path)
+        self.uri = uri or str(manifest_path)
+        self.directory = path.parent
+        self._pool = ThreadPoolExecutor(HASH_WORKERS, thread_name_prefix="shardc-inhash")
+        self._checks: dict[str, Future] = {}
+        self._lock = threading.Lock()
+
+    def schedule(self, files: list[str]) -> None:
+        with self._lock:
+            for f in files:
+                if f not in self._checks:
+                    self._checks[f] = self._pool.submit(self._check, f)
+
+    def prepare(self, files: list[str]) -> None:
+        self.schedule(files)
+        for f in files:
+            self._checks[f].result()
+
+    def _check(self, name: str) -> None:
+        entry = self.entry(safe_name(name))
+        path = self.directory / name
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise VerifyMismatch(f"input file {path} is missing", hint="the input build is incomplete; "
+                                 "run shardc verify on it") from None
+        if size != entry["size"]:
+            raise VerifyMismatch(f"input file {path} has {size} bytes, the input manifest says {entry['size']}",
+                                 hint="the input build is damaged; run shardc verify on it")
+        digest = sha256_file(path)
+        if digest != entry["sha256"]:
+            raise VerifyMismatch(f"input file {path} is corrupted: sha256 {digest[:16]}..., the input "
+                                 f"manifest says {entry['sha256'][:16]}...",
+                                 hint="restore the file (shardc pull) or rebuild the input")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def open_local_input(ref: str | Path) -> LocalBuildInput:
+    """A manifest path, ``file://`` URI or build directory."""
+    path = Path(str(ref).removeprefix("file://"))
+    if path.is_dir():
+        path = path / "manifest.json"
+    return LocalBuildInput(path, uri=str(ref))

@@ -1,0 +1,335 @@
+"""Reshard: an existing build becomes the Source of an ordinary build for another plan.
+
+``BuildSource`` answers the questions the compiler asks a checkpoint (``view``: the whole tensor;
+``quantized``: values + scales already quantized) by reassembling tensors from the input ranks.
+Where each rank tensor's bytes came from is read from the input's Layout (recomputed from its
+plan and model config, like verify does), never re-derived here: a piece is one rank tensor with
+its source tensor, role (weight or scale), sliced dim, start/stop and padding. So the compiler,
+unchanged, cuts the output exactly as ``build`` cuts a checkpoint, and whenever the path is
+lossless ``reshard(build(src, A), B)`` is byte-identical to ``build(src, B)`` by construction.
+
+Checks on the way: every input file's sha256 before its first byte is used (BuildInput), each
+piece's dtype and shape against the file header, replicas (KV heads at tp > kv_heads, replicated
+norms, a tied lm_head copy) byte-identical, and the dtype rules (``check_dtypes``) up front.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ManifestError, ModelError, OutputError, PlanError, ShardcError, VerifyMismatch
+from ..formats.manifest import layout_of
+from ..spec.dtypes import as_bytes, np_dtype
+from ..spec.layout import DTYPE_BYTES, Layout, TensorSpec, source_tensors
+from ..spec.model import ModelSpec, model_for_source, model_from_config
+from ..spec.plan import Plan
+from .inputs import BuildInput
+from .source import Source, TensorInfo, data_offsets
+
+# summary() field -> the config.json key a user knows
+_CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads", "architecture": "architectures",
+               "qkv_bias": "attention_bias", "o_bias": "attention_bias"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank tensor of the input build: which file, and which part of which tensor it holds."""
+
+    file: str
+    spec: TensorSpec
+
+    @property
+    def region(self) -> tuple:
+        return (self.spec.dim, self.spec.start, self.spec.stop)
+
+
+def _role(spec: TensorSpec) -> str:
+    """Which full tensor a rank tensor is part of: the weight (16-bit or quantized) or its scales."""
+    return "scale" if spec.scale_of else "weight"
+
+
+class BuildSource(Source):
+    """A build read as a checkpoint: full tensors reassembled from its ranks (see module doc)."""
+
+    def __init__(self, inp: BuildInput, out_layout: Layout, *, dequantize: bool = False) -> None:
+        self.input = inp
+        self.in_layout = layout_of(inp.manifest)
+        _check_records(inp.manifest, self.in_layout)
+        self.dequantize = dequantize
+        model = self.in_layout.model
+        super().__init__(inp.uri, inp.directory, None, model.config, {}, [])
+        self.pieces: dict[tuple[str, str], list[Piece]] = {}
+        for rl in self.in_layout.ranks:
+            for t in rl.tensors:
+                self.pieces.setdefault((t.source, _role(t)), []).append(Piece(rl.file, t))
+        self.in_quant = {src: p[0].spec.quant for (src, role), p in self.pieces.items()
+                         if role == "weight" and p[0].spec.quant}
+        self.dequantized = check_dtypes(self.in_quant, out_layout, dequantize)
+        # the quantization error stats the input recorded: a re-slice keeps them as they are
+        self.stats = {rec["source"]: rec["stats"] for s in inp.manifest["shards"]
+                      for rec in s["tensors"].values() if "stats" in rec}
+        for name, shape in ((t.name, t.shape) for t in source_tensors(model)):
+            dtype = self.pieces[(name, "weight")][0].spec.dtype
+            self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
+        self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
+        self._lock = threading.Lock()
+
+    def schedule(self, out_layout: Layout) -> None:
+        """Start checking the input files in the order the output build will need them."""
+        self.input.schedule(_need_order(self, out_layout))
+
+    # -- what the compiler asks ---------------------------------------------------------------
+    def check(self, model: ModelSpec) -> None:
+        """The model is the input build's own (reshard checked the plan against it)."""
+
+    def view(self, name: str) -> np.ndarray:
+        """The whole 16-bit tensor (or, with --dequantize, q * scale in fp32)."""
+        if name in self.in_quant:
+            if not self.dequantize:  # check_dtypes refused such plans; a bug if we get here
+                raise AssertionError(f"{name} is quantized in the input build")
+            q, scale = self._assemble(name, "weight"), self._assemble(name, "scale")
+            return np.multiply(q, scale, dtype=np.float32)  # as the runtime dequantizes: fp32 q * s
+        return self._assemble(name, "weight")
+
+    def holds_quantized(self, name: str, scheme: str) -> bool:
+        return self.in_quant.get(name) == scheme
+
+    def quantized(self, name: str, scheme: str) -> tuple[np.ndarray, np.ndarray, dict]:
+        """The input's quantized values and scales, whole again: re-sliced, never requantized."""
+        return self._assemble(name, "weight"), self._assemble(name, "scale"), dict(self.stats[name])
+
+    # -- identity -----------------------------------------------------------------------------
+    def start_hashing(self) -> None:
+        """Input files are checked by the BuildInput, before use."""
+
+    def identity(self) -> dict[str, Any]:
+        """Provenance, where a build records its Hugging Face source: the input manifest."""
+        m = self.input.manifest
+        return {
+            "uri": self.input.uri,
+            "revision": None,
+            "files": [],
+            "reshard_of": {
+                "manifest_sha256": self.input.manifest_sha256,
+                "plan": m["plan"]["replica_group"]["name"],
+                "plan_sha256": m["plan_sha256"],
+                "dtype": m["layout"]["dtype"],
+                "dequantized": sorted(self.dequantized),
+            },
+        }
+
+    def fingerprint(self) -> list[list]:
+        return [["manifest", self.input.manifest_sha256], ["dequantize", self.dequantize]]
+
+    # -- reassembly ---------------------------------------------------------------------------
+    def _assemble(self, name: str, role: str) -> np.ndarray:
+        """The full tensor from its pieces. One distinct piece without padding is returned as a
+        mapped view (no copy); replicas of a piece must be byte-identical."""
+        pieces = self.pieces[(name, role)]
+        self.input.prepare(sorted({p.file for p in pieces}))
+        distinct: dict[tuple, tuple[Piece, np.ndarray]] = {}
+        for p in pieces:
+            a = self._read(p)
+            first = distinct.get(p.region)
+            if first is None:
+                distinct[p.region] = (p, a)
+            elif not np.array_equal(as_bytes(a), as_bytes(first[1])):
+                raise VerifyMismatch(
+                    f"tensor {p.spec.name} of {p.file} differs from its replica in {first[0].file} "
+                    f"({name}{' scales' if role == 'scale' else ''})",
+                    hint="the input build's replicas must be identical; it was not written by shardc build",
+                )
+        if len(distinct) == 1:
+            (p, a), = distinct.values()
+            if p.spec.dim is None or a.shape == self._full_shape(name, role):
+                return a
+        shape = self._full_shape(name, role)
+        out = np.empty(shape, next(iter(distinct.values()))[1].dtype)
+        covered = 0
+        for p, a in distinct.values():
+            if p.spec.dim == 0:
+                out[p.spec.start : p.spec.stop] = a
+            elif p.spec.dim == 1:
+                out[:, p.spec.start : p.spec.stop] = a
+            else:
+                raise ManifestError(f"tensor {name} is both whole and split in the input build")
+            covered += p.spec.stop - p.spec.start
+        dim = next(iter(distinct.values()))[0].spec.dim
+        if covered != shape[dim]:
+            raise ManifestError(f"the input ranks do not cover tensor {name} exactly")
+        return out
+
+    def _full_shape(self, name: str, role: str) -> tuple[int, ...]:
+        shape = self.tensors[name].shape
+        return (shape[0], 1) if role == "scale" else shape
+
+    def _read(self, p: Piece) -> np.ndarray:
+        """A rank tensor as a read-only view of its mapped bytes, vocabulary padding stripped."""
+        spec = p.spec
+        offsets = self._header(p.file)
+        if spec.name not in offsets:
+            raise VerifyMismatch(f"input file {p.file} lacks tensor {spec.name}")
+        offset, dtype, shape = offsets[spec.name]
+        if dtype != spec.dtype or tuple(shape) != spec.shape:
+            raise VerifyMismatch(f"tensor {spec.name} in {p.file} is {dtype}{shape}, the input "
+                                 f"layout says {spec.dtype}{list(spec.shape)}")
+        rows = spec.shape[0] - spec.pad_rows if spec.shape else 1
+        count = math.prod(spec.shape[1:]) * rows if spec.shape else 1
+        if count == 0:
+            return np.empty((0, *spec.shape[1:]), np_dtype(dtype))
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset - start + count * DTYPE_BYTES[dtype]
+        with open(self.input.directory / p.file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=start)
+        a = np.frombuffer(mm, dtype=np_dtype(dtype), count=count, offset=offset - start)
+        return a.reshape((rows, *spec.shape[1:]) if spec.shape else ())
+
+    def _header(self, file: str) -> dict[str, tuple[int, str, list[int]]]:
+        with self._lock:
+            if file not in self._offsets:
+                import json
+                import struct
+
+                path = self.input.directory / file
+                offs = data_offsets(path)
+                with open(path, "rb") as f:
+                    (n,) = struct.unpack("<Q", f.read(8))
+                    header = json.loads(f.read(n))
+                self._offsets[file] = {k: (offs[k], v["dtype"], v["shape"]) for k, v in header.items()
+                                       if k != "__metadata__"}
+            return self._offsets[file]
+
+
+def _check_records(manifest: dict[str, Any], layout: Layout) -> None:
+    """The input manifest's tensor records must be what its own plan's Layout says (the pieces
+    are read by the Layout; an edited manifest would point them at the wrong bytes)."""
+    by_file = {s["file"]: s for s in manifest["shards"]}
+    for rl in layout.ranks:
+        entry = by_file.get(rl.file)
+        have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
+                for n, r in (entry or {}).get("tensors", {}).items()}
+        if entry is None or have != {t.name: t.record() for t in rl.tensors}:
+            raise ManifestError(f"the input manifest's record of {rl.file} does not match its own plan",
+                                hint="the manifest was edited or is damaged; run shardc verify on the input")
+    if len(by_file) != len(layout.ranks):
+        raise ManifestError("the input manifest lists shards its plan does not have",
+                            hint="the manifest was edited or is damaged; run shardc verify on the input")
+
+
+def _need_order(src: BuildSource, out: Layout) -> list[str]:
+    """Input files in the order the output build will first need them (stage by stage)."""
+    order: dict[str, None] = {}
+    for s in range(out.plan.pp):
+        for t in out.ranks[s * out.plan.tp].tensors:
+            for role in ("weight", "scale"):
+                for p in src.pieces.get((t.source, role), []):
+                    order.setdefault(p.file)
+    return list(order)
+
+
+def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set[str]:
+    """The dtype rules, for every output tensor: same 16-bit dtype, exact copy; 16-bit to another
+    16-bit, build's cast; 16-bit to int8/fp8, quantized as build does (whole tensor); int8/fp8 to
+    the same scheme, exact re-slice; int8/fp8 to anything else is refused (PlanError, exit 2)
+    unless ``dequantize`` (q * scale in fp32, then cast or quantized: lossy). Returns the source
+    tensors that get dequantized, which the manifest records."""
+    lossy = set()
+    for rl in out.ranks:
+        for t in rl.tensors:
+            held = in_quant.get(t.source)
+            if held is None or t.scale_of or (t.quant == held):
+                continue
+            if not dequantize:
+                want = t.quant or t.dtype
+                raise PlanError(
+                    f"the input build holds {t.source} as {held}; a {out.plan.dtype} plan needs it as "
+                    f"{want}, which means dequantizing (lossy)",
+                    key="replica_group.dtype",
+                    hint=f"reshard to dtype {held} (exact), or pass --dequantize to accept the loss",
+                )
+            lossy.add(t.source)
+    return lossy
+
+
+def check_model(plan: Plan, model: ModelSpec) -> None:
+    """A plan whose own model.source resolves to a config must describe the build's model."""
+    try:
+        theirs = model_for_source(plan.source)
+    except ModelError:
+        return  # the plan's source is not at hand (a hub repo without preset, a path elsewhere)
+    a, b = theirs.summary(), model.summary()
+    for key in a:
+        if a[key] != b[key]:
+            field = _CONFIG_KEY.get(key, key)
+            raise PlanError(
+                f"the plan's model ({plan.source}) has {field}={a[key]!r} but the input build's "
+                f"model has {field}={b[key]!r}",
+                key=field,
+                hint="reshard with a plan for the same model as the input build",
+            )
+
+
+def reshard(
+    inp: BuildInput,
+    plan: Plan,
+    out_dir: str | Path | None = None,
+    *,
+    dequantize: bool = False,
+    force: bool = False,
+    progress: bool = False,
+    manifests_dir: str | Path | None = None,
+):
+    """Build ``plan`` from the input build instead of a checkpoint. Everything that can be
+    checked before writing is (model, degrees, dtype rules); a failure later (a corrupted input
+    file, replicas that differ) leaves no file of this run behind."""
+    from ..spec.layout import build_layout
+    from .compile import LOCK, build
+
+    try:
+        model = model_from_config(inp.manifest["model"]["config"])
+        check_model(plan, model)
+        layout = build_layout(model, plan)
+        out = Path(out_dir) if out_dir else Path("build") / plan.name
+        if out.resolve() == inp.directory.resolve():
+            raise PlanError(f"the output directory {out} is the input build's own directory",
+                            key="--out", hint="reshard into another directory")
+        existed = out.exists()
+        source = BuildSource(inp, layout, dequantize=dequantize)
+        inp.prepare(inp.side_files())  # config and tokenizer files are checked too (small: first)
+        source.schedule(layout)
+        try:
+            return build(plan, out, force=force, progress=progress, manifests_dir=manifests_dir,
+                         source=source)
+        except ShardcError as exc:
+            # build removed this run's shards (bad input); a disk failure keeps them to resume
+            if not existed and out.is_dir() and not isinstance(exc, OutputError):
+                for p in [out / LOCK, *out.glob(".*.partial"), *out.glob(".*.done.json")]:
+                    p.unlink(missing_ok=True)
+                if not any(out.iterdir()):
+                    shutil.rmtree(out, ignore_errors=True)
+            raise
+    finally:
+        inp.close()
+
+
+def open_reference(ref: str, layout: Layout) -> Source:
+    """What ``verify --deep`` compares against: a checkpoint, or a build (its manifest or build
+    directory), read like reshard reads it. Quantized tensors of a build compare exactly when the
+    verified build holds them in the same scheme, and dequantized otherwise (a --dequantize
+    reshard's reference)."""
+    from .inputs import open_local_input
+    from .source import open_source
+
+    path = Path(ref.removeprefix("file://"))
+    if path.suffix == ".json" or (path / "manifest.json").is_file():
+        return BuildSource(open_local_input(ref), layout, dequantize=True)
+    return open_source(ref)

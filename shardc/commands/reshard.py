@@ -1,0 +1,100 @@
+"""`shardc reshard` and `shardc export`: a build to another plan, or back to one HF checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("reshard", epilog="""\b
+Reads only the input build (never its source); every input file is checked against the input
+manifest's sha256 before use. Exit codes: 0 done, 1 a corrupted input (names the file) or replicas
+that differ (names the tensor), 2 bad input (another model's plan, a lossy dtype change without
+--dequantize, a malformed manifest); nothing is left in the output on failure.
+Examples:
+  shardc reshard --manifest build/demo-tp3pp2-bf16/manifest.json --plan plans/demo-tp1pp1-bf16.yaml
+  shardc reshard --manifest s3://models/llama3-70b/fp16/manifest.json --plan plans/tp4pp2-fp16.yaml --json
+  shardc reshard --manifest build/x-int8/manifest.json --plan plans/x-bf16.yaml --dequantize
+""")
+@click.option("--manifest", "manifest_ref", required=True,
+              help="Input build: manifest.json path, build directory, file:// or s3:// manifest URI.")
+@click.option("--plan", "plan_file", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="The plan to reshard to (same model as the input build).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Output directory [default: build/<plan name>].")
+@click.option("--dequantize", is_flag=True, help="Allow int8/fp8 -> 16-bit or another scheme "
+              "(lossy: q * scale, then cast or quantized; recorded in the manifest).")
+@click.option("--manifests-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=Path("manifests"), show_default=True,
+              help="Where the copy of the manifest (the rollout record) goes.")
+@click.option("--force", is_flag=True, help="Rebuild even if the output is complete and up to date.")
+@click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, force, endpoint_url,
+                quiet, as_json) -> None:
+    """Build PLAN from an existing build instead of the Hugging Face source."""
+    from ..build.reshard import reshard
+    from ..spec.plan import load_plan
+    from ..store.reshard_input import open_input
+    from .output import echo_json, show_progress
+
+    plan = load_plan(plan_file)
+    out = out_dir or Path("build") / plan.name
+    inp = open_input(manifest_ref, endpoint_url=endpoint_url, spool_parent=out.parent)
+    result = reshard(inp, plan, out, dequantize=dequantize, force=force, manifests_dir=manifests_dir,
+                     progress=show_progress(quiet) and not as_json)
+    summary = result.summary()
+    summary["input"] = result.manifest["source"]
+    if hasattr(inp, "bytes_fetched"):
+        summary["input_bytes_fetched"] = inp.bytes_fetched
+    if as_json:
+        echo_json(summary)
+        return
+    if quiet:
+        return
+    state = "up to date" if result.up_to_date else f"resharded in {summary['seconds']:.1f}s"
+    click.echo(f"{summary['plan']}: {state} from {manifest_ref}; {len(summary['shards'])} shards, "
+               f"{summary['total_bytes'] / 2**30:.2f} GiB in {result.out_dir}")
+    for s in summary["shards"]:
+        click.echo(f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
+                   f"layers {s['layers'][0]}:{s['layers'][1]}  {s['size'] / 2**20:10.1f} MiB  {s['sha256'][:12]}")
+    if summary["input"]["reshard_of"]["dequantized"]:
+        click.echo(f"  dequantized (lossy): {len(summary['input']['reshard_of']['dequantized'])} tensors")
+    click.echo(f"manifest: {result.manifest_path}")
+
+
+@click.command("export", epilog="""\b
+Exit codes: 0 done, 1 a corrupted input file (named), 2 bad input.
+Examples:
+  shardc export --manifest build/demo-tp3pp2-bf16/manifest.json --out /tmp/smollm2-hf
+  shardc export --manifest s3://models/llama3-70b/fp16/manifest.json --out ./hf --max-shard-size 10GB
+""")
+@click.option("--manifest", "manifest_ref", required=True,
+              help="Input build: manifest.json path, build directory, file:// or s3:// manifest URI.")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Directory for the Hugging Face checkpoint.")
+@click.option("--max-shard-size", default="5GB", show_default=True,
+              help="Largest file (5GB = 5e9 bytes, 5GiB = 5*2^30); a larger tensor gets its own file.")
+@click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, as_json) -> None:
+    """Write a build as one Hugging Face checkpoint: model-0000i-of-0000n.safetensors + index."""
+    from ..build.export import export, parse_size
+    from ..store.reshard_input import open_input
+    from .output import echo_json
+
+    limit = parse_size(max_shard_size)
+    inp = open_input(manifest_ref, endpoint_url=endpoint_url, spool_parent=out_dir.parent)
+    summary = export(inp, out_dir, max_shard_size=limit)
+    if as_json:
+        echo_json(summary)
+        return
+    click.echo(f"exported {len(summary['files'])} file(s), {summary['total_bytes'] / 2**30:.2f} GiB "
+               f"({summary['dtype']}) to {summary['out_dir']} in {summary['seconds']:.1f}s")
+    for f in summary["files"]:
+        click.echo(f"  {f['name']}  {f['tensors']:5d} tensors  {f['size'] / 2**20:10.1f} MiB  {f['sha256'][:12]}")
+
+
+COMMANDS = [reshard_cmd, export_cmd]

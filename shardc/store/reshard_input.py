@@ -1,0 +1,116 @@
+"""A build in object storage as the input of ``shardc reshard`` / ``shardc export``.
+
+Only the store's public pull interface is used: the manifest comes from ``fetch_manifest``, and
+the shards of one input pipeline stage at a time from ``pull_build`` (parallel ranged GETs, every
+file hashed on the way and renamed into place only when it matches the manifest). A file's
+sha256 covers all of its bytes, so a file is fetched whole before any tensor of it is used; each
+input byte is fetched once. A background thread fetches stages in the order the output needs
+them, so downloading overlaps writing; the copies live in a temporary directory next to the
+output and are removed at the end.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+from ..build.inputs import BuildInput
+from ..errors import ShardcError, StoreError
+from ..formats.manifest import dumps
+from .transfer import fetch_manifest, pull_build
+
+
+class RemoteBuildInput(BuildInput):
+    """``s3://bucket/prefix/manifest.json`` (or any URI pull understands) as a BuildInput."""
+
+    def __init__(self, manifest_uri: str, *, endpoint_url: str | None = None,
+                 spool_parent: str | Path | None = None) -> None:
+        self.uri = manifest_uri
+        self.endpoint_url = endpoint_url
+        self.manifest = fetch_manifest(manifest_uri, endpoint_url=endpoint_url)
+        if spool_parent is not None:
+            Path(spool_parent).mkdir(parents=True, exist_ok=True)
+        try:
+            self.directory = Path(tempfile.mkdtemp(prefix=".shardc-input-", dir=spool_parent))
+        except OSError as exc:
+            raise StoreError(f"cannot create a temporary directory for the input: {exc.strerror}") from None
+        self.bytes_fetched = 0  # bytes of files downloaded (what the benchmark compares)
+        self._rank = {s["file"]: s["rank"] for s in self.manifest["shards"]}
+        self._stage = {s["file"]: s["pp_stage"] for s in self.manifest["shards"]}
+        self._done: dict[str, threading.Event] = {}
+        self._errors: dict[str, BaseException] = {}
+        self._queue: list[list[str]] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._fetch_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def schedule(self, files: list[str]) -> None:
+        """Fetch in this order, one input stage per pull, on a background thread."""
+        groups: dict[int, list[str]] = {}
+        for f in files:
+            if f in self._rank:
+                groups.setdefault(self._stage[f], []).append(f)
+        with self._cond:
+            for group in groups.values():
+                todo = [f for f in group if f not in self._done]
+                for f in todo:
+                    self._done[f] = threading.Event()
+                if todo:
+                    self._queue.append(todo)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="shardc-input-fetch", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def prepare(self, files: list[str]) -> None:
+        shards = [f for f in files if f in self._rank]
+        if len(shards) < len(files):  # side files (config, tokenizer): pulled along with no ranks
+            self._pull([])
+        self.schedule(shards)
+        for f in shards:
+            self._done[f].wait()
+            if f in self._errors:
+                raise self._errors[f]
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                group = self._queue.pop(0)
+            try:
+                self._pull(group)
+            except BaseException as exc:  # noqa: BLE001 - whoever waits for these files raises it
+                for f in group:
+                    self._errors[f] = exc if isinstance(exc, ShardcError) else StoreError(str(exc))
+            for f in group:
+                self._done[f].set()
+
+    def _pull(self, files: list[str]) -> None:
+        with self._fetch_lock:
+            report = pull_build(self.uri, self.directory, global_ranks=[self._rank[f] for f in files],
+                                endpoint_url=self.endpoint_url)
+            # each pull reads the manifest again: counted too
+            self.bytes_fetched += report["bytes_downloaded"] + len(dumps(self.manifest))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def open_input(ref: str, *, endpoint_url: str | None = None, spool_parent: str | Path | None = None) -> BuildInput:
+    """A local manifest/build directory, or a manifest URI in a store."""
+    if "://" in ref and not ref.startswith("file://"):
+        return RemoteBuildInput(ref, endpoint_url=endpoint_url, spool_parent=spool_parent)
+    from ..build.inputs import open_local_input
+
+    return open_local_input(ref)
