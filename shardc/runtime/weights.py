@@ -83,16 +83,20 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
     # dequantized into new tensors, the 16-bit ones are copied out so that buffer can be freed.
     copy_out = any(t.quant for t in rl.tensors)
 
+    # w = q * scale per output channel, with the scale rounded to the compute dtype first: that is
+    # how the serving clients hold it (compressed-tensors and vLLM's W8A16 schemes create
+    # weight_scale in the model's dtype), so the gate scores the weights a server will use.
+    def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (q.float() * scale.to(device=device, dtype=dtype).float()).to(dtype)
+
     def get(name: str) -> torch.Tensor:
         if name not in specs and name + PACKED_SUFFIX in specs:  # int8, pack-quantized
             q = unpack_int8(raw[name + PACKED_SUFFIX], raw[name + SHAPE_SUFFIX])
-            t = q.float() * raw[name + SCALE_SUFFIX].float()
-            return t.to(device=device, dtype=dtype).contiguous()
+            return dequantize(q.to(device), raw[name + SCALE_SUFFIX]).contiguous()
         spec = specs[name]
         t = raw[name].to(device)
         if spec.quant:
-            scale = raw[name + SCALE_SUFFIX].to(device)
-            return (t.float() * scale.float()).to(dtype)  # w = q * scale, per output channel
+            return dequantize(t, raw[name + SCALE_SUFFIX])
         t = t.to(dtype=dtype).contiguous()
         return t.clone() if copy_out and t.data_ptr() == raw[name].data_ptr() else t
 
