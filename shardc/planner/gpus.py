@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import PlanError
 
@@ -99,30 +100,23 @@ GPU_ALIASES = {
 }
 
 
+def _preset(table: dict[str, Any], aliases: dict[str, str], name: str, key: str, what: str,
+            hint: str) -> Any:
+    """A preset by name (case-insensitive, aliases resolved); PlanError names the field and lists them."""
+    k = aliases.get(name.lower(), name.lower())
+    if k not in table:
+        raise PlanError(f"unknown {what} preset {name!r}", key=key, hint=f"presets: {', '.join(table)}{hint}")
+    return table[k]
+
+
 def get_gpu(name: str) -> GPU:
-    """A GPU preset by name (case-insensitive, a few aliases); PlanError lists the presets."""
-    key = name.lower()
-    key = GPU_ALIASES.get(key, key)
-    if key not in GPUS:
-        raise PlanError(
-            f"unknown GPU preset {name!r}",
-            key="gpu",
-            hint=f"presets: {', '.join(GPUS)} (override figures with `gpu_memory`, `hbm_bandwidth`)",
-        )
-    return GPUS[key]
+    """A GPU preset by name (a few aliases: a100, h100, ...)."""
+    return _preset(GPUS, GPU_ALIASES, name, "gpu", "GPU", " (override figures with `gpu_memory`, `hbm_bandwidth`)")
 
 
 def get_interconnect(name: str) -> Interconnect:
     """An interconnect preset by name or alias (nvlink3, pcie, ib-ndr, ...)."""
-    key = name.lower()
-    key = INTERCONNECT_ALIASES.get(key, key)
-    if key not in INTERCONNECTS:
-        raise PlanError(
-            f"unknown interconnect preset {name!r}",
-            key="interconnect",
-            hint=f"presets: {', '.join(INTERCONNECTS)}",
-        )
-    return INTERCONNECTS[key]
+    return _preset(INTERCONNECTS, INTERCONNECT_ALIASES, name, "interconnect", "interconnect", "")
 
 
 def override_gpu(
