@@ -191,14 +191,19 @@ GATE_KEYS = ("architecture", "hidden_size", "intermediate_size", "num_layers", "
              "num_kv_heads", "head_dim", "vocab_size", "rope_theta", "rope_scaling")
 
 
-def _manifest(tok: str | None = "t" * 64, **model) -> dict:
+def _manifest(tok: str | None = "t" * 64, **model):
+    """A typed Manifest carrying only what the gate compares (model record, side-file hashes)."""
+    from shardc.formats.manifest import FileEntry, LayoutRecord, Manifest, SourceRecord
+
     base = {"architecture": "LlamaForCausalLM", "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
             "num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "vocab_size": 96, "rope_theta": 1e4,
             "rope_scaling": None}
-    files = [{"name": "config.json", "sha256": "c" * 64}]
+    files = [FileEntry("config.json", 10, "c" * 64)]
     if tok:
-        files.append({"name": "tokenizer.json", "sha256": tok})
-    return {"model": {**base, **model}, "files": files}
+        files.append(FileEntry("tokenizer.json", 10, tok))
+    return Manifest(plan={}, plan_sha256="p" * 64, model={**base, **model},
+                    layout=LayoutRecord(1, 1, [(0, 2)], "bf16", "bf16"),
+                    source=SourceRecord("synthetic", None, []), files=files, shards=[])
 
 
 @pytest.mark.parametrize("key", GATE_KEYS)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from shardc.errors import ShardcError
+from shardc.formats.manifest import Manifest
 from shardc.store import pull_build, push_build
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,13 +40,13 @@ def twins(tmp_path_factory):
             "model": {"source": str(src)}})
         out[name] = build(plan, root / f"build-{name}")
     a, b = out["a"].manifest, out["b"].manifest
-    assert [(s["file"], s["size"]) for s in a["shards"]] == [(s["file"], s["size"]) for s in b["shards"]]
-    assert all(x["sha256"] != y["sha256"] for x, y in zip(a["shards"], b["shards"], strict=True))
+    assert [(s.file, s.size) for s in a.shards] == [(s.file, s.size) for s in b.shards]
+    assert all(x.sha256 != y.sha256 for x, y in zip(a.shards, b.shards, strict=True))
     return out
 
 
-def _digests(d: Path, manifest: dict) -> dict[str, str]:
-    return {s["file"]: hashlib.sha256((d / s["file"]).read_bytes()).hexdigest() for s in manifest["shards"]}
+def _digests(d: Path, manifest: Manifest) -> dict[str, str]:
+    return {s.file: hashlib.sha256((d / s.file).read_bytes()).hexdigest() for s in manifest.shards}
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +90,7 @@ def test_push_over_a_same_size_build_replaces_every_shard(twins, tmp_path, s3, a
     assert _digests(tmp_path / "pulled", twins["b"].manifest) == _digests(twins["b"].out_dir, twins["b"].manifest)
 
 
-# Local store only: on S3 the failure runs into s3transfer's shutdown TypeError (issue 19, fixed
-# on another branch); the S3 order is pinned by the request log below instead.
-@pytest.mark.parametrize("kind", ["local"])
+@pytest.mark.parametrize("kind", ["local", "s3"])
 def test_failed_repush_leaves_no_stale_manifest(twins, tmp_path, s3, aws_env, kind):
     """Build b's first shard rots on disk after its build (same size): the push of b fails while
     hashing it. By then the store's manifest of a must already be deleted."""
@@ -101,7 +100,7 @@ def test_failed_repush_leaves_no_stale_manifest(twins, tmp_path, s3, aws_env, ki
     push_build(twins["a"].manifest_path, uri, **kw)
     rotten = tmp_path / "b"
     shutil.copytree(twins["b"].out_dir, rotten)
-    f = rotten / twins["b"].manifest["shards"][0]["file"]
+    f = rotten / twins["b"].manifest.shards[0].file
     data = bytearray(f.read_bytes())
     data[-3] ^= 0xFF
     f.write_bytes(bytes(data))

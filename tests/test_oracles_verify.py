@@ -69,10 +69,9 @@ def rewrite(d: Path, file: str, edit=None, meta_edit=None) -> None:
         meta_edit(meta)
     save_file(tensors, str(d / file), metadata=meta)
     m = json.loads((d / "manifest.json").read_text())
-    for s in m["shards"]:
-        if s["file"] == file:
-            s["size"] = (d / file).stat().st_size
-            s["sha256"] = hashlib.sha256((d / file).read_bytes()).hexdigest()
+    s = m["shards"][file]  # format_version 2: shards keyed by file name
+    s["size"] = (d / file).stat().st_size
+    s["sha256"] = hashlib.sha256((d / file).read_bytes()).hexdigest()
     (d / "manifest.json").write_text(json.dumps(m))
 
 
@@ -94,8 +93,8 @@ def test_swapped_same_shape_shards_are_caught_by_their_metadata(copy_of):
     tmp = d / "swap"
     a.rename(tmp), b.rename(a), tmp.rename(b)
     m = json.loads((d / "manifest.json").read_text())
-    for s in m["shards"]:
-        p = d / s["file"]
+    for file, s in m["shards"].items():
+        p = d / file
         s["size"], s["sha256"] = p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()
     (d / "manifest.json").write_text(json.dumps(m))
     r = verify("--manifest", str(d / "manifest.json"))
@@ -107,7 +106,7 @@ def test_swapped_same_shape_shards_are_caught_by_their_metadata(copy_of):
 def test_manifest_ranks_are_checked_against_the_layout(copy_of, field):
     d = copy_of((2, 2, "bf16"))
     m = json.loads((d / "manifest.json").read_text())
-    entry = next(s for s in m["shards"] if s["file"] == "model-tp01-pp01.safetensors")
+    entry = m["shards"]["model-tp01-pp01.safetensors"]
     entry[field] = 0
     (d / "manifest.json").write_text(json.dumps(m))
     r = verify("--manifest", str(d / "manifest.json"))
@@ -148,13 +147,14 @@ def test_deep_finds_non_zero_vocab_padding(builds, copy_of, name):
 @pytest.mark.parametrize("what", ["weight", "scale"])
 def test_deep_checks_quantized_weights_and_scales(builds, copy_of, dtype, what):
     d = copy_of((4, 1, dtype))
-    name = "model.layers.0.self_attn.k_proj.weight" + ("_scale" if what == "scale" else "")
+    # int8 is stored pack-quantized: four int8 values + 128 per int32 of X.weight_packed
+    name = "model.layers.0.self_attn.k_proj.weight" + {"scale": "_scale", "weight": "_packed" if dtype == "int8" else ""}[what]
 
     def nudge(t):
         x = t[name].clone()
         if what == "scale":
             x[0, 0] *= 1.5
-        else:  # one quantized step in the raw bytes: int8 +1, fp8 the next code
+        else:  # one quantized step in the raw bytes: int8 +1 (a low byte of the pack), fp8 the next code
             raw = x.view(torch.uint8)
             raw[1, 2] = raw[1, 2] ^ 1
         t[name] = x

@@ -418,8 +418,12 @@ def test_push_refuses_a_shard_that_rotted_on_disk(builds, s3, bucket, tmp_path, 
 # --- faults -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("compress", [None, pytest.param("zstd", marks=needs_zstd)])
-def test_push_and_pull_survive_faults(builds, s3, proxy, bucket, tmp_path, compress):
+def test_push_and_pull_survive_faults(builds, s3, proxy, tmp_path, compress):
     b = builds["int8"]
+    # The proxy seeds each fault by object path and attempt: a bucket of its own (not the numbered
+    # fixture's, which depends on the tests run before) makes the faults met the same in every run.
+    bucket = f"faults-{compress or 'raw'}"
+    s3.client().create_bucket(Bucket=bucket)
     uri = f"s3://{bucket}/faulty"
     proxy.clear()
     proxy.faults = Faults(p500=0.15, preset=0.1, pcut=0.2, seed=7)
