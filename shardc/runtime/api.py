@@ -133,12 +133,14 @@ def score(ref: BuildRef, windows: Any, *, micro_batch: int = 1, return_logits: b
 
 def save_baseline(ref: BuildRef, windows: Any, path: str | Path, key: dict[str, Any], *,
                   micro_batch: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  device: str = "cpu") -> dict[str, Any] | None:
+                  device: str = "cpu", threads: int | None = None) -> dict[str, Any] | None:
     """The gate's baseline pass: score ``windows`` and write the logits (what KL and top-1 need) to
-    ``path``, a safetensors file whose metadata holds ``key``. Written atomically."""
+    ``path``, a safetensors file whose metadata holds ``key``. Written atomically. ``threads``:
+    CPU threads per rank (default: the cores shared out over the ranks)."""
     from .launch import run_job
 
-    job = _job("score", [ref], None, timeout_s, device, phase="baseline",
+    extra = {"threads": threads} if threads else {}
+    job = _job("score", [ref], None, timeout_s, device, phase="baseline", **extra,
                score={"windows": _as_lists(windows), "micro_batch": micro_batch,
                       "save_logits": str(path), "cache_key": key})
     return run_job(job)
@@ -146,12 +148,13 @@ def save_baseline(ref: BuildRef, windows: Any, path: str | Path, key: dict[str, 
 
 def score_against(candidate: BuildRef, windows: Any, baseline_logits: str | Path, *,
                   micro_batch: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  device: str = "cpu") -> dict[str, Any] | None:
+                  device: str = "cpu", threads: int | None = None) -> dict[str, Any] | None:
     """The gate's candidate pass: per-position NLL of both, KL(baseline || candidate) and top-1
     agreement against the baseline logits saved by ``save_baseline``."""
     from .launch import run_job
 
-    job = _job("against", [candidate], ["candidate"], timeout_s, device, phase="candidate",
+    extra = {"threads": threads} if threads else {}
+    job = _job("against", [candidate], ["candidate"], timeout_s, device, phase="candidate", **extra,
                score={"windows": _as_lists(windows), "micro_batch": micro_batch,
                       "baseline_logits": str(baseline_logits)})
     return run_job(job)

@@ -166,6 +166,9 @@ def paired_bootstrap_ci(nb: Any, nc: Any, samples: int, seed: int) -> tuple[floa
     return float(np.percentile(d, 2.5)), float(np.percentile(d, 97.5))
 
 
+GATE_CPU_THREADS = 1  # per rank, both passes (see run_gate)
+
+
 def run_gate(
     baseline: str | Path, candidate: str | Path, *, golden: str = "pydoc",
     max_tokens: int = DEFAULT_MAX_TOKENS, window: int = DEFAULT_WINDOW,
@@ -188,7 +191,11 @@ def run_gate(
     tok = load_tokenizer(base, tokenizer)
     ids = tok.encode(text).ids
     windows = make_windows(ids, window, max_tokens)
-    key = cache_key(base, text, window, max_tokens, windows)
+    # On CPU every rank of both passes runs one thread: bf16 matmuls round differently with the
+    # thread count, so this keeps a gate's figures (and a cached baseline) the same on any host
+    # and for any pair of plans.
+    threads = GATE_CPU_THREADS if device == "cpu" else None
+    key = cache_key(base, text, window, max_tokens, windows, threads)
     t0 = time.perf_counter()
     path = Path(baseline_cache) if baseline_cache is not None else scratch_path(in_torchrun())
     status = "none"
@@ -199,8 +206,9 @@ def run_gate(
             if status == "stale" and note is not None:
                 note(f"baseline cache {path} is of another baseline ({why}); recomputing it")
         if status != "hit":
-            base_res = save_baseline(base, windows, path, key, timeout_s=timeout_s, device=device)
-        res = score_against(cand, windows, path, timeout_s=timeout_s, device=device)
+            base_res = save_baseline(base, windows, path, key, timeout_s=timeout_s, device=device,
+                                     threads=threads)
+        res = score_against(cand, windows, path, timeout_s=timeout_s, device=device, threads=threads)
     finally:
         if baseline_cache is None and (not in_torchrun() or res_holder(cand)):
             path.unlink(missing_ok=True)
@@ -225,11 +233,13 @@ def run_gate(
     return report
 
 
-def cache_key(base: Any, text: str, window: int, max_tokens: int, windows: list[list[int]]) -> dict[str, Any]:
+def cache_key(base: Any, text: str, window: int, max_tokens: int, windows: list[list[int]],
+              threads: int | None = None) -> dict[str, Any]:
     """What the baseline's logits depend on: the baseline build (its manifest's bytes pin every shard's
     sha256), the golden text and the window settings (the token windows themselves, hashed, also pin
-    the tokenizer)."""
+    the tokenizer), and the CPU threads per rank (None on a GPU)."""
     return {
+        "cpu_threads": threads,
         "baseline_manifest_sha256": hashlib.sha256(base.manifest_path.read_bytes()).hexdigest(),
         "golden_sha256": hashlib.sha256(text.encode()).hexdigest(),
         "window": int(window),
