@@ -26,8 +26,8 @@ def test_demo_reshard_export_and_transformers_logits(demo_model_dir, tmp_path):
     plan = load_plan(PLANS / "demo-tp1pp1-bf16.yaml")
     got = reshard(open_local_input(a.manifest_path), plan, tmp_path / "r")
     want = build(plan, tmp_path / "b")
-    for s in want.manifest["shards"]:
-        assert hashlib.sha256((got.out_dir / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+    for s in want.manifest.shards:
+        assert hashlib.sha256((got.out_dir / s.file).read_bytes()).hexdigest() == s.sha256
 
     out = tmp_path / "hf"
     info = export(open_local_input(a.manifest_path), out, max_shard_size=100 * 10**6)

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -21,7 +22,8 @@ from shardc.build.compile import build
 from shardc.build.inputs import open_local_input
 from shardc.build.reshard import reshard
 from shardc.cli import main
-from shardc.errors import PlanError, VerifyMismatch
+from shardc.errors import ManifestError, PlanError, VerifyMismatch
+from shardc.formats.manifest import parse, read
 from shardc.spec.plan import plan_from_dict
 
 GQA = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=2, vocab_size=100)
@@ -68,8 +70,8 @@ def digests(res) -> dict[str, str]:
             if p.is_file() and not p.name.startswith(".") and p.name != "manifest.json"}
 
 
-def without_source(manifest: dict) -> dict:
-    return {k: v for k, v in manifest.items() if k != "source"}
+def without_source(manifest) -> dict:
+    return {k: v for k, v in manifest.to_dict().items() if k != "source"}
 
 
 @pytest.mark.parametrize(("model", "a", "b"), MATRIX, ids=[f"{m}-{a}-{b}" for m, a, b in MATRIX])
@@ -80,11 +82,27 @@ def test_reshard_equals_build(make_ckpt, tmp_path, model, a, b):
     got = reshard(open_local_input(built_a.manifest_path), plan_of(ckpt, *b), tmp_path / "r")
     assert digests(got) == digests(want)
     assert without_source(got.manifest) == without_source(want.manifest)
-    src = got.manifest["source"]
-    assert src["uri"] == str(built_a.manifest_path)
-    assert src["reshard_of"]["manifest_sha256"] == hashlib.sha256(built_a.manifest_path.read_bytes()).hexdigest()
-    assert src["reshard_of"]["dequantized"] == []
+    src = got.manifest.source
+    assert src.uri == str(built_a.manifest_path)
+    assert src.reshard_of.manifest_sha256 == hashlib.sha256(built_a.manifest_path.read_bytes()).hexdigest()
+    assert src.reshard_of.dequantized == [] and src.reshard_of.plan_sha256 == built_a.manifest.plan_sha256
+    # the provenance survives the one reader (and a build's manifest has no reshard_of key)
+    assert read(got.manifest_path) == got.manifest
+    assert "reshard_of" not in json.loads(want.manifest_path.read_text())["source"]
     assert not [p for p in got.out_dir.iterdir() if p.name.startswith(".") and p.name != ".shardc-build.lock"]
+
+
+@pytest.mark.parametrize(("key", "value"), [("manifest_sha256", "beef"), ("dequantized", [3]), ("extra", 1)])
+def test_reshard_provenance_is_validated_on_read(make_ckpt, tmp_path, key, value):
+    """reshard_of is part of the typed manifest: the one reader refuses a malformed record."""
+    ckpt = make_ckpt(**GQA)
+    a = build(plan_of(ckpt, 2, 1, "bf16"), tmp_path / "a")
+    r = reshard(open_local_input(a.manifest_path), plan_of(ckpt, 1, 1, "bf16"), tmp_path / "r")
+    data = json.loads(r.manifest_path.read_text())
+    data["source"]["reshard_of"][key] = value
+    with pytest.raises(ManifestError) as exc:
+        parse(json.dumps(data))
+    assert exc.value.key == ("source.reshard_of" if key == "extra" else f"source.reshard_of.{key}")
 
 
 def test_deterministic_resumable_and_verified_deep(make_ckpt, tmp_path):
@@ -116,16 +134,19 @@ def test_dtype_rules(make_ckpt, tmp_path):
         assert exc.value.key == "replica_group.dtype" and "--dequantize" in exc.value.hint
         assert not (tmp_path / dtype).exists()
     r = reshard(open_local_input(a.manifest_path), plan_of(ckpt, 1, 1, "bf16"), tmp_path / "deq", dequantize=True)
-    lossy = r.manifest["source"]["reshard_of"]["dequantized"]
+    lossy = r.manifest.source.reshard_of.dequantized
     assert len(lossy) == GQA["num_layers"] * 7 and all(n.endswith("proj.weight") for n in lossy)
     # the dequantized weights are q * scale, computed independently here with torch
     import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file
 
     q = load_file(a.out_dir / "model-tp00-pp00.safetensors")
     name = "model.layers.1.mlp.gate_proj.weight"
     got = load_file(r.out_dir / "model-tp00-pp00.safetensors")[name]
-    want = (q[name].float() * q[name + "_scale"]).to(torch.bfloat16)
+    packed = q[name + "_packed"]
+    values = unpack_from_int32(packed, 8, torch.Size([packed.shape[0], packed.shape[1] * 4]))
+    want = (values.float() * q[name + "_scale"]).to(torch.bfloat16)
     assert torch.equal(got[: want.shape[0]], want)
     # unquantized tensors stay exact
     src = load_file(ckpt / "model.safetensors")
@@ -164,20 +185,19 @@ def test_corrupted_input_is_exit_1_naming_the_file(make_ckpt, tmp_path):
 
 def test_replicas_that_differ_are_exit_1_naming_the_tensor(make_ckpt, tmp_path):
     """A KV replica changed and the manifest re-hashed to match: only the replica check sees it."""
-    from shardc.build.source import data_offsets
-    from shardc.formats.manifest import dumps, read_manifest
+    from shardc.formats.safetensors import read_header
 
     ckpt = make_ckpt(**GQA)
     a = build(plan_of(ckpt, 8, 1, "bf16"), tmp_path / "a")  # 4 ranks hold each of the 2 KV heads
     victim = a.out_dir / "model-tp05-pp00.safetensors"
     name = "model.layers.2.self_attn.v_proj.weight"
     data = bytearray(victim.read_bytes())
-    data[data_offsets(victim)[name] + 6] ^= 0x10
+    tensors, _, start = read_header(victim)
+    data[start + tensors[name]["data_offsets"][0] + 6] ^= 0x10
     victim.write_bytes(bytes(data))
-    m = read_manifest(a.manifest_path)
-    entry = next(s for s in m["shards"] if s["file"] == victim.name)
-    entry["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
-    a.manifest_path.write_bytes(dumps(m))
+    m = read(a.manifest_path)
+    m.shard(victim.name).sha256 = hashlib.sha256(bytes(data)).hexdigest()
+    m.write(a.manifest_path)
     out = tmp_path / "r"
     res = _cli("--manifest", a.manifest_path, "--plan", _plan_file(tmp_path / "p.yaml", ckpt, 2, 1),
                "--out", out, "--manifests-dir", tmp_path / "m")
@@ -259,21 +279,62 @@ def test_export_is_the_checkpoint(make_ckpt, tmp_path, model, a):
     assert cfg == json.loads((ckpt / "config.json").read_text())
 
 
-def test_export_of_a_quantized_build_keeps_its_values(make_ckpt, tmp_path):
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_export_of_a_quantized_build_is_compressed_tensors(make_ckpt, tmp_path, dtype):
+    """The export holds the build's quantized values and scales as they are, in the form a tp=1
+    build of the checkpoint holds them (int8 pack-quantized), with its compressed-tensors config."""
     from reassemble import reassemble
     from safetensors.torch import load_file
 
     ckpt = make_ckpt(**GQA)
-    built = build(plan_of(ckpt, 4, 2, "int8"), tmp_path / "a")
+    built = build(plan_of(ckpt, 4, 2, dtype), tmp_path / "a")
     out = tmp_path / "hf"
     res = CliRunner().invoke(main, ["export", "--manifest", str(built.manifest_path), "--out", str(out)])
     assert res.exit_code == 0, res.output
     got = load_file(out / "model-00001-of-00001.safetensors")
-    want = reassemble(built.out_dir)
+    # the oracle: a tp=1 build of the checkpoint itself
+    one = build(plan_of(ckpt, 1, 1, dtype), tmp_path / "one")
+    want = load_file(one.out_dir / "model-tp00-pp00.safetensors")
     assert set(got) == set(want)
     for k in want:
-        assert got[k].equal(want[k]), k
-    assert json.loads((out / "config.json").read_text())["quantization_config"]["shardc_scheme"] == "int8"
+        assert got[k].dtype == want[k].dtype and got[k].view(-1).view(torch.uint8).equal(
+            want[k].view(-1).view(torch.uint8)), k
+    assert (out / "config.json").read_bytes() == (one.out_dir / "config.json").read_bytes()
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    assert qc["format"] == ("pack-quantized" if dtype == "int8" else "float-quantized")
+    # and, independently of shardc's Layout, the input's own shards put back together
+    parts = reassemble(built.out_dir)
+    for k, t in got.items():
+        if k.endswith("_shape"):  # each rank holds its own slice's shape; the export the whole
+            assert t.tolist() == list(parts[k.removesuffix("_shape")].shape)
+        else:
+            assert t.view(-1).view(torch.uint8).equal(parts[k].contiguous().view(-1).view(torch.uint8)), k
+
+
+@pytest.mark.heavy
+def test_int8_export_loads_in_transformers(make_ckpt, tmp_path):
+    """transformers + compressed-tensors read the int8 export: the same logits as the tp=1 int8
+    build of the source (which tests/test_clients.py checks against the dequantized source)."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = make_ckpt(**dict(GQA, num_layers=3))
+    built = build(plan_of(ckpt, 2, 3, "int8"), tmp_path / "a")
+    out = tmp_path / "hf"
+    from shardc.build.export import export
+
+    export(open_local_input(built.manifest_path), out)
+    one = build(plan_of(ckpt, 1, 1, "int8"), tmp_path / "one")
+    x = torch.randint(0, GQA["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name, path in (("export", out), ("build", one.out_dir), ("source", ckpt)):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        with torch.inference_mode():
+            logits[name] = model(x).logits.float()
+    assert torch.isfinite(logits["export"]).all()
+    assert torch.equal(logits["export"], logits["build"])
+    assert not torch.equal(logits["export"], logits["source"])  # the weights really are the quantized ones
+    torch.testing.assert_close(logits["export"], logits["source"], rtol=0, atol=0.1)
 
 
 # --- from object storage ------------------------------------------------------------------------
@@ -299,8 +360,8 @@ def s3_env(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("compress", [None, "zstd"])
 def test_reshard_from_s3(make_ckpt, tmp_path, s3_env, compress):
+    from shardc.store.push import push_build
     from shardc.store.reshard_input import RemoteBuildInput
-    from shardc.store.transfer import push_build
 
     ckpt = make_ckpt(**TIED)
     a = build(plan_of(ckpt, 4, 3, "int8"), tmp_path / "a")
@@ -310,19 +371,18 @@ def test_reshard_from_s3(make_ckpt, tmp_path, s3_env, compress):
     inp = RemoteBuildInput("s3://models/a/manifest.json", endpoint_url=s3_env.endpoint, spool_parent=tmp_path)
     got = reshard(inp, b, tmp_path / "r")
     assert digests(got) == digests(want)
-    assert got.manifest["source"]["uri"] == "s3://models/a/manifest.json"
-    assert got.manifest["source"]["reshard_of"]["manifest_sha256"] == \
-        hashlib.sha256(a.manifest_path.read_bytes()).hexdigest()
+    assert got.manifest.source.uri == "s3://models/a/manifest.json"
+    assert got.manifest.source.reshard_of.manifest_sha256 == hashlib.sha256(a.manifest_path.read_bytes()).hexdigest()
     if not compress:  # each input byte is fetched once (plus the small manifest per stage pulled)
-        shard_bytes = sum(s["size"] for s in a.manifest["shards"])
-        side = sum(f["size"] for f in a.manifest["files"])
+        shard_bytes = sum(s.size for s in a.manifest.shards)
+        side = sum(f.size for f in a.manifest.files)
         assert shard_bytes + side <= inp.bytes_fetched <= (shard_bytes + side) * 1.05 + 4 * len(
             a.manifest_path.read_bytes())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shardc-input-")]  # spool removed
 
     # a corrupted object: exit 1 naming the file, nothing left
     c = s3_env.client()
-    victim = a.manifest["shards"][2]["file"]
+    victim = a.manifest.shards[2].file
     key = f"a/{victim}" + (".zst" if compress else "")
     obj = c.get_object(Bucket="models", Key=key)
     data = bytearray(obj["Body"].read())
@@ -380,10 +440,13 @@ def test_dequantize_to_the_other_scheme_requantizes_q_times_scale(make_ckpt, tmp
     ckpt = make_ckpt(**GQA)
     a = build(plan_of(ckpt, 2, 1, "int8"), tmp_path / "a")
     r = reshard(open_local_input(a.manifest_path), plan_of(ckpt, 1, 1, "fp8"), tmp_path / "r", dequantize=True)
-    assert r.manifest["source"]["reshard_of"]["dtype"] == "int8"
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    assert r.manifest.source.reshard_of.dtype == "int8"
     name = "model.layers.3.self_attn.o_proj.weight"  # row-split in the input: whole scales on each rank
     parts = [load_file(a.out_dir / f"model-tp0{i}-pp00.safetensors") for i in range(2)]
-    w = torch.cat([p[name].float() for p in parts], dim=1) * parts[0][name + "_scale"]
+    values = [unpack_from_int32(p[name + "_packed"], 8, torch.Size(p[name + "_shape"].tolist())) for p in parts]
+    w = torch.cat([v.float() for v in values], dim=1) * parts[0][name + "_scale"]
     q, scale, _ = quantize(name, w, "fp8")
     got = load_file(r.out_dir / "model-tp00-pp00.safetensors")
     assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))

@@ -5,7 +5,10 @@ It is reshard to one rank, through the same BuildSource and the same Layout, onl
 ``max_shard_size`` bytes each (a larger tensor gets a file of its own), tensors in name order,
 ``model.safetensors.index.json`` (written last: the commit point), config.json and the tokenizer.
 A 16-bit export holds the build's tensors bit for bit; a quantized one keeps the build's
-quantized values and scales as they are (config.json carries the quantization_config).
+quantized values and scales as they are, in compressed-tensors' form (int8 pack-quantized: the
+tensors a tp=1 build of the same dtype holds; config.json carries the quantization_config).
+The tensors are produced by the build's own Materializer, so an export is what ``shardc build``
+would write for the checkpoint at tp=1, only named and grouped into files the HF way.
 """
 
 from __future__ import annotations
@@ -18,16 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, OutputError, ShardcError
-from ..formats.manifest import safe_name, write_atomic
+from ..formats.files import safe_name, write_atomic
+from ..formats.manifest import Manifest
 from ..formats.safetensors import ShardWriter
 from ..spec.layout import TensorSpec, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import plan_from_dict
-from .compile import TOKENIZER_FILES, output_config, stream_region
 from .inputs import BuildInput
+from .materialize import Materializer, stream_region
+from .outputs import INDEX, TOKENIZER_FILES, output_config
 from .reshard import BuildSource
 
-INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD = "5GB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -44,9 +48,9 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
-def export_plan(manifest: dict[str, Any]):
+def export_plan(manifest: Manifest):
     """The input's plan at tp=1, pp=1: same dtype, quantization ignore list and base dtype."""
-    data = json.loads(json.dumps(manifest["plan"]))
+    data = json.loads(json.dumps(manifest.plan))
     rg = data["replica_group"]
     rg.update(tp_degree=1, pp_degree=1, gpus_per_replica=1)
     rg.get("checkpoint", {}).pop("shard_prefix", None)
@@ -72,7 +76,7 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
     t0 = time.perf_counter()
     try:
         plan = export_plan(inp.manifest)
-        layout = build_layout(model_from_config(inp.manifest["model"]["config"]), plan)
+        layout = build_layout(model_from_config(inp.manifest.config), plan)
         source = BuildSource(inp, layout)
         inp.prepare(inp.side_files())
         source.schedule(layout)
@@ -106,17 +110,12 @@ def _write(inp: BuildInput, source: BuildSource, layout, out: Path, limit: int,
     (out / INDEX).unlink(missing_ok=True)  # the old index no longer describes the directory
     meta = {"format": "pt", "shardc.export_of": inp.manifest_sha256}
     weight_map, files = {}, []
+    mat = Materializer(source, layout)  # int8 packed again, X.weight_shape from the Layout
     for fname, group in zip(names, groups, strict=True):
         w = ShardWriter(out / fname, [(t.name, t.dtype, t.shape) for t in group], meta)
         try:
             for t in group:
-                if t.quant:
-                    q, scale, _ = source.quantized(t.source, t.quant)
-                    full = scale if t.scale_of else q
-                else:
-                    full = source.view(t.source)
-                stream_region(w, full, t)
-                del full
+                stream_region(w, mat.full(t), t)
                 weight_map[t.name] = fname
             size, sha = w.commit()
         except BaseException:

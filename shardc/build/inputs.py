@@ -15,11 +15,10 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 from ..errors import ManifestError, VerifyMismatch
-from ..formats.manifest import dumps, read_manifest, safe_name
-from .source import sha256_file
+from ..formats.files import safe_name, sha256_file
+from ..formats.manifest import FileEntry, Manifest, ShardEntry, read
 
 # Hashing is what a reshard waits for first (a pp=1 input's first tensor needs every file), and
 # sha256 is one core per file: as many threads as cores, up to one per file of a tp8 input.
@@ -30,27 +29,24 @@ class BuildInput:
     """The interface reshard reads through. ``directory`` holds the files once prepared."""
 
     uri: str
-    manifest: dict[str, Any]
+    manifest: Manifest
     directory: Path
 
     @property
     def manifest_sha256(self) -> str:
         """sha256 of the manifest as its build wrote it (canonical JSON, compression records of a
         push stripped), so a local build and its pushed copy have the same identity."""
-        return hashlib.sha256(dumps(self.manifest)).hexdigest()
+        return hashlib.sha256(self.manifest.dumps()).hexdigest()
 
-    def entry(self, name: str) -> dict[str, Any]:
-        for e in self.manifest["shards"]:
-            if e["file"] == name:
-                return e
-        for e in self.manifest["files"]:
-            if e["name"] == name:
-                return e
-        raise ManifestError(f"the input manifest names no file {name!r}")
+    def entry(self, name: str) -> ShardEntry | FileEntry:
+        entry = self.manifest.shard(name) or self.manifest.file(name)
+        if entry is None:
+            raise ManifestError(f"the input manifest names no file {name!r}")
+        return entry
 
     def side_files(self) -> list[str]:
         """config.json, tokenizer files: what the manifest lists besides shards."""
-        return sorted(f["name"] for f in self.manifest["files"])
+        return sorted(f.name for f in self.manifest.files)
 
     def schedule(self, files: list[str]) -> None:
         """Start checking (or fetching) ``files`` in this order, in the background."""
@@ -69,7 +65,7 @@ class LocalBuildInput(BuildInput):
 
     def __init__(self, manifest_path: str | Path, uri: str | None = None) -> None:
         path = Path(manifest_path)
-        self.manifest = read_manifest(path)
+        self.manifest = read(path)
         self.uri = uri or str(manifest_path)
         self.directory = path.parent
         self._pool = ThreadPoolExecutor(HASH_WORKERS, thread_name_prefix="shardc-inhash")
@@ -95,13 +91,13 @@ class LocalBuildInput(BuildInput):
         except OSError:
             raise VerifyMismatch(f"input file {path} is missing", hint="the input build is incomplete; "
                                  "run shardc verify on it") from None
-        if size != entry["size"]:
-            raise VerifyMismatch(f"input file {path} has {size} bytes, the input manifest says {entry['size']}",
+        if size != entry.size:
+            raise VerifyMismatch(f"input file {path} has {size} bytes, the input manifest says {entry.size}",
                                  hint="the input build is damaged; run shardc verify on it")
         digest = sha256_file(path)
-        if digest != entry["sha256"]:
+        if digest != entry.sha256:
             raise VerifyMismatch(f"input file {path} is corrupted: sha256 {digest[:16]}..., the input "
-                                 f"manifest says {entry['sha256'][:16]}...",
+                                 f"manifest says {entry.sha256[:16]}...",
                                  hint="restore the file (shardc pull) or rebuild the input")
 
     def close(self) -> None:

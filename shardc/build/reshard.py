@@ -8,6 +8,11 @@ its source tensor, role (weight or scale), sliced dim, start/stop and padding. S
 unchanged, cuts the output exactly as ``build`` cuts a checkpoint, and whenever the path is
 lossless ``reshard(build(src, A), B)`` is byte-identical to ``build(src, B)`` by construction.
 
+int8 is stored pack-quantized (``X.weight_packed``, four values per int32, row-parallel slices cut
+in packed columns; ``X.weight_shape``, whose contents the Layout fixes; ``X.weight_scale``): the
+packed pieces are put back together in packed columns and unpacked, so ``quantized`` hands the
+compiler plain int8 values, which it packs again exactly as it packs a fresh quantization.
+
 Checks on the way: every input file's sha256 before its first byte is used (BuildInput), each
 piece's dtype and shape against the file header, replicas (KV heads at tp > kv_heads, replicated
 norms, a tied lm_head copy) byte-identical, and the dtype rules (``check_dtypes``) up front.
@@ -21,18 +26,21 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from ..errors import ManifestError, ModelError, OutputError, PlanError, ShardcError, VerifyMismatch
-from ..formats.manifest import layout_of
-from ..spec.dtypes import as_bytes, np_dtype
-from ..spec.layout import DTYPE_BYTES, Layout, TensorSpec, source_tensors
+from ..formats.files import temp_files
+from ..formats.manifest import Manifest, ReshardRecord, SourceRecord
+from ..formats.safetensors import read_header
+from ..spec.dtypes import DTYPE_BYTES
+from ..spec.layout import Layout, TensorSpec, source_tensors
 from ..spec.model import ModelSpec, model_for_source, model_from_config
 from ..spec.plan import Plan
+from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput
-from .source import Source, TensorInfo, data_offsets
+from .quantize import unpack_int8
+from .source import Source, TensorInfo
 
 # summary() field -> the config.json key a user knows
 _CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -53,8 +61,12 @@ class Piece:
 
 
 def _role(spec: TensorSpec) -> str:
-    """Which full tensor a rank tensor is part of: the weight (16-bit or quantized) or its scales."""
-    return "scale" if spec.scale_of else "weight"
+    """Which full tensor a rank tensor is part of: the weight (16-bit, fp8 or int8's
+    X.weight_packed), its scales (X.weight_scale), or int8's X.weight_shape (contents fixed by the
+    Layout: checked against it, never needed to rebuild a tensor)."""
+    if spec.scale_of:
+        return "scale"
+    return "shape" if spec.value is not None else "weight"
 
 
 class BuildSource(Source):
@@ -62,7 +74,7 @@ class BuildSource(Source):
 
     def __init__(self, inp: BuildInput, out_layout: Layout, *, dequantize: bool = False) -> None:
         self.input = inp
-        self.in_layout = layout_of(inp.manifest)
+        self.in_layout = inp.manifest.to_layout()
         _check_records(inp.manifest, self.in_layout)
         self.dequantize = dequantize
         model = self.in_layout.model
@@ -75,8 +87,8 @@ class BuildSource(Source):
                          if role == "weight" and p[0].spec.quant}
         self.dequantized = check_dtypes(self.in_quant, out_layout, dequantize)
         # the quantization error stats the input recorded: a re-slice keeps them as they are
-        self.stats = {rec["source"]: rec["stats"] for s in inp.manifest["shards"]
-                      for rec in s["tensors"].values() if "stats" in rec}
+        self.stats = {rec["source"]: rec["stats"] for s in inp.manifest.shards
+                      for rec in s.tensors.values() if "stats" in rec}
         for name, shape in ((t.name, t.shape) for t in source_tensors(model)):
             dtype = self.pieces[(name, "weight")][0].spec.dtype
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
@@ -104,36 +116,44 @@ class BuildSource(Source):
         return self.in_quant.get(name) == scheme
 
     def quantized(self, name: str, scheme: str) -> tuple[np.ndarray, np.ndarray, dict]:
-        """The input's quantized values and scales, whole again: re-sliced, never requantized."""
+        """The input's quantized values (int8 unpacked) and scales, whole again: re-sliced, never
+        requantized."""
         return self._assemble(name, "weight"), self._assemble(name, "scale"), dict(self.stats[name])
 
     # -- identity -----------------------------------------------------------------------------
     def start_hashing(self) -> None:
         """Input files are checked by the BuildInput, before use."""
 
-    def identity(self) -> dict[str, Any]:
+    def identity(self) -> SourceRecord:
         """Provenance, where a build records its Hugging Face source: the input manifest."""
         m = self.input.manifest
-        return {
-            "uri": self.input.uri,
-            "revision": None,
-            "files": [],
-            "reshard_of": {
-                "manifest_sha256": self.input.manifest_sha256,
-                "plan": m["plan"]["replica_group"]["name"],
-                "plan_sha256": m["plan_sha256"],
-                "dtype": m["layout"]["dtype"],
-                "dequantized": sorted(self.dequantized),
-            },
-        }
+        return SourceRecord(self.input.uri, None, [], ReshardRecord(
+            self.input.manifest_sha256, m.name, m.plan_sha256, m.layout.dtype, sorted(self.dequantized)))
 
     def fingerprint(self) -> list[list]:
         return [["manifest", self.input.manifest_sha256], ["dequantize", self.dequantize]]
 
     # -- reassembly ---------------------------------------------------------------------------
+    def _check_values(self, name: str) -> None:
+        """int8's X.weight_shape holds what the input's Layout says (the unpacked [out, in] of
+        each rank's slice): a file whose packed values would be read at another width is refused."""
+        for p in self.pieces.get((name, "shape"), []):
+            got = self._read(p).tolist()
+            if got != list(p.spec.value):
+                raise VerifyMismatch(f"tensor {p.spec.name} of {p.file} is {got}, the input layout says "
+                                     f"{list(p.spec.value)}", hint="the input build was not written by shardc build")
+
     def _assemble(self, name: str, role: str) -> np.ndarray:
-        """The full tensor from its pieces. One distinct piece without padding is returned as a
-        mapped view (no copy); replicas of a piece must be byte-identical."""
+        """The full tensor from its pieces, int8 unpacked. One distinct piece without padding is
+        returned as a mapped view (no copy); replicas of a piece must be byte-identical."""
+        a = self._assemble_stored(name, role)
+        if not self.pieces[(name, role)][0].spec.pack:
+            return a
+        self._check_values(name)  # same files as the packed pieces: checked by _assemble_stored
+        return unpack_int8(a)
+
+    def _assemble_stored(self, name: str, role: str) -> np.ndarray:
+        """The full tensor as the files store it (int8 still packed: slices of packed columns)."""
         pieces = self.pieces[(name, role)]
         self.input.prepare(sorted({p.file for p in pieces}))
         distinct: dict[tuple, tuple[Piece, np.ndarray]] = {}
@@ -148,29 +168,32 @@ class BuildSource(Source):
                     f"({name}{' scales' if role == 'scale' else ''})",
                     hint="the input build's replicas must be identical; it was not written by shardc build",
                 )
+        pack = pieces[0].spec.pack or 1
+        shape = self._full_shape(name, role, pack)
         if len(distinct) == 1:
             (p, a), = distinct.values()
-            if p.spec.dim is None or a.shape == self._full_shape(name, role):
+            if p.spec.dim is None or a.shape == shape:
                 return a
-        shape = self._full_shape(name, role)
         out = np.empty(shape, next(iter(distinct.values()))[1].dtype)
         covered = 0
         for p, a in distinct.values():
             if p.spec.dim == 0:
                 out[p.spec.start : p.spec.stop] = a
-            elif p.spec.dim == 1:
-                out[:, p.spec.start : p.spec.stop] = a
+            elif p.spec.dim == 1:  # packed: start/stop count source columns, ``pack`` per element
+                out[:, p.spec.start // pack : p.spec.stop // pack] = a
             else:
                 raise ManifestError(f"tensor {name} is both whole and split in the input build")
             covered += p.spec.stop - p.spec.start
         dim = next(iter(distinct.values()))[0].spec.dim
-        if covered != shape[dim]:
+        if covered != self.tensors[name].shape[dim]:
             raise ManifestError(f"the input ranks do not cover tensor {name} exactly")
         return out
 
-    def _full_shape(self, name: str, role: str) -> tuple[int, ...]:
+    def _full_shape(self, name: str, role: str, pack: int = 1) -> tuple[int, ...]:
         shape = self.tensors[name].shape
-        return (shape[0], 1) if role == "scale" else shape
+        if role == "scale":
+            return (shape[0], 1)
+        return (shape[0], shape[1] // pack) if pack > 1 else shape
 
     def _read(self, p: Piece) -> np.ndarray:
         """A rank tensor as a read-only view of its mapped bytes, vocabulary padding stripped."""
@@ -178,10 +201,10 @@ class BuildSource(Source):
         offsets = self._header(p.file)
         if spec.name not in offsets:
             raise VerifyMismatch(f"input file {p.file} lacks tensor {spec.name}")
-        offset, dtype, shape = offsets[spec.name]
-        if dtype != spec.dtype or tuple(shape) != spec.shape:
-            raise VerifyMismatch(f"tensor {spec.name} in {p.file} is {dtype}{shape}, the input "
-                                 f"layout says {spec.dtype}{list(spec.shape)}")
+        offset, dtype, shape, nbytes = offsets[spec.name]
+        if dtype != spec.dtype or tuple(shape) != spec.shape or nbytes != spec.nbytes:
+            raise VerifyMismatch(f"tensor {spec.name} in {p.file} is {dtype}{shape} ({nbytes} bytes), "
+                                 f"the input layout says {spec.dtype}{list(spec.shape)}")
         rows = spec.shape[0] - spec.pad_rows if spec.shape else 1
         count = math.prod(spec.shape[1:]) * rows if spec.shape else 1
         if count == 0:
@@ -193,34 +216,28 @@ class BuildSource(Source):
         a = np.frombuffer(mm, dtype=np_dtype(dtype), count=count, offset=offset - start)
         return a.reshape((rows, *spec.shape[1:]) if spec.shape else ())
 
-    def _header(self, file: str) -> dict[str, tuple[int, str, list[int]]]:
+    def _header(self, file: str) -> dict[str, tuple[int, str, list[int], int]]:
+        """name -> (absolute data offset, dtype, shape, byte length), from the one header parser."""
         with self._lock:
             if file not in self._offsets:
-                import json
-                import struct
-
-                path = self.input.directory / file
-                offs = data_offsets(path)
-                with open(path, "rb") as f:
-                    (n,) = struct.unpack("<Q", f.read(8))
-                    header = json.loads(f.read(n))
-                self._offsets[file] = {k: (offs[k], v["dtype"], v["shape"]) for k, v in header.items()
-                                       if k != "__metadata__"}
+                tensors, _, start = read_header(self.input.directory / file)
+                self._offsets[file] = {k: (start + e["data_offsets"][0], e["dtype"], e["shape"],
+                                           e["data_offsets"][1] - e["data_offsets"][0])
+                                       for k, e in tensors.items()}
             return self._offsets[file]
 
 
-def _check_records(manifest: dict[str, Any], layout: Layout) -> None:
+def _check_records(manifest: Manifest, layout: Layout) -> None:
     """The input manifest's tensor records must be what its own plan's Layout says (the pieces
     are read by the Layout; an edited manifest would point them at the wrong bytes)."""
-    by_file = {s["file"]: s for s in manifest["shards"]}
     for rl in layout.ranks:
-        entry = by_file.get(rl.file)
+        entry = manifest.shard(rl.file)
         have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
-                for n, r in (entry or {}).get("tensors", {}).items()}
+                for n, r in (entry.tensors if entry else {}).items()}
         if entry is None or have != {t.name: t.record() for t in rl.tensors}:
             raise ManifestError(f"the input manifest's record of {rl.file} does not match its own plan",
                                 hint="the manifest was edited or is damaged; run shardc verify on the input")
-    if len(by_file) != len(layout.ranks):
+    if len(manifest.shards) != len(layout.ranks):
         raise ManifestError("the input manifest lists shards its plan does not have",
                             hint="the manifest was edited or is damaged; run shardc verify on the input")
 
@@ -295,7 +312,7 @@ def reshard(
     from .compile import LOCK, build
 
     try:
-        model = model_from_config(inp.manifest["model"]["config"])
+        model = model_from_config(inp.manifest.config)
         check_model(plan, model)
         layout = build_layout(model, plan)
         out = Path(out_dir) if out_dir else Path("build") / plan.name
@@ -312,7 +329,7 @@ def reshard(
         except ShardcError as exc:
             # build removed this run's shards (bad input); a disk failure keeps them to resume
             if not existed and out.is_dir() and not isinstance(exc, OutputError):
-                for p in [out / LOCK, *out.glob(".*.partial"), *out.glob(".*.done.json")]:
+                for p in [out / LOCK, *temp_files(out), *out.glob(".*.done.json")]:
                     p.unlink(missing_ok=True)
                 if not any(out.iterdir()):
                     shutil.rmtree(out, ignore_errors=True)

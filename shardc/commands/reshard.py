@@ -46,7 +46,7 @@ def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, for
     result = reshard(inp, plan, out, dequantize=dequantize, force=force, manifests_dir=manifests_dir,
                      progress=show_progress(quiet) and not as_json)
     summary = result.summary()
-    summary["input"] = result.manifest["source"]
+    summary["input"] = result.manifest.source.to_dict()
     if hasattr(inp, "bytes_fetched"):
         summary["input_bytes_fetched"] = inp.bytes_fetched
     if as_json:

@@ -9,7 +9,8 @@ Schema (format_version 2)::
       "layout": {"tp_degree": int, "pp_degree": int, "stages": [[start, stop], ...],
                  "base_dtype": "BF16", "dtype": "fp16|bf16|int8|fp8"},
       "source": {"uri": str, "revision": str|null,
-                 "files": [{"name": str, "size": int, "sha256": hex}, ...]},
+                 "files": [{"name": str, "size": int, "sha256": hex}, ...],
+                 "reshard_of": {...}  (only a reshard's: ReshardRecord)},
       "files": [{"name": "config.json", "size": int, "sha256": hex}],
       "shards": {"model-tp00-pp00.safetensors": {"tp_rank": 0, "pp_stage": 0, "rank": 0,
                   "layers": [start, stop], "size": int, "sha256": hex,
@@ -182,21 +183,54 @@ class ShardEntry:
 
 
 @dataclass
+class ReshardRecord:
+    """A resharded build's input, where a build names its checkpoint's files: which manifest (its
+    canonical sha256), its plan and dtype, and the source tensors that were dequantized (lossy)."""
+
+    manifest_sha256: str
+    plan: str
+    plan_sha256: str
+    dtype: str
+    dequantized: list[str]
+
+    @classmethod
+    def read(cls, r: _Reader) -> ReshardRecord:
+        r.only("manifest_sha256", "plan", "plan_sha256", "dtype", "dequantized")
+        lossy = r.get("dequantized", list)
+        if not all(isinstance(n, str) for n in lossy):
+            raise r.error(f"is {lossy!r}, expected a list of tensor names", "dequantized")
+        return cls(r.sha256("manifest_sha256"), r.get("plan", str), r.sha256("plan_sha256"),
+                   r.get("dtype", str), list(lossy))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"manifest_sha256": self.manifest_sha256, "plan": self.plan, "plan_sha256": self.plan_sha256,
+                "dtype": self.dtype, "dequantized": list(self.dequantized)}
+
+
+@dataclass
 class SourceRecord:
-    """What the build read: the source as the plan names it, its revision, every file's hash."""
+    """What the build read: the source as the plan names it, its revision, every file's hash.
+    A reshard's source is the input build: ``uri`` its manifest, ``reshard_of`` what it was (the
+    key is absent from a build's manifest, whose bytes stay as they were)."""
 
     uri: str
     revision: str | None
     files: list[FileEntry]
+    reshard_of: ReshardRecord | None = None
 
     @classmethod
     def read(cls, r: _Reader) -> SourceRecord:
-        r.only("uri", "revision", "files")
+        r.only("uri", "revision", "files", "reshard_of")
+        of = r.sub("reshard_of", optional=True)
         return cls(r.get("uri", str), r.get("revision", str, optional=True),
-                   [FileEntry.read(f, "source file name") for f in r.items("files")])
+                   [FileEntry.read(f, "source file name") for f in r.items("files")],
+                   None if of is None else ReshardRecord.read(of))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"uri": self.uri, "revision": self.revision, "files": [f.to_dict() for f in self.files]}
+        out = {"uri": self.uri, "revision": self.revision, "files": [f.to_dict() for f in self.files]}
+        if self.reshard_of is not None:
+            out["reshard_of"] = self.reshard_of.to_dict()
+        return out
 
 
 @dataclass

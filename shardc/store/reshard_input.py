@@ -18,8 +18,7 @@ from pathlib import Path
 
 from ..build.inputs import BuildInput
 from ..errors import ShardcError, StoreError
-from ..formats.manifest import dumps
-from .transfer import fetch_manifest, pull_build
+from .pull import fetch_manifest, pull_build
 
 
 class RemoteBuildInput(BuildInput):
@@ -37,8 +36,8 @@ class RemoteBuildInput(BuildInput):
         except OSError as exc:
             raise StoreError(f"cannot create a temporary directory for the input: {exc.strerror}") from None
         self.bytes_fetched = 0  # bytes of files downloaded (what the benchmark compares)
-        self._rank = {s["file"]: s["rank"] for s in self.manifest["shards"]}
-        self._stage = {s["file"]: s["pp_stage"] for s in self.manifest["shards"]}
+        self._rank = {s.file: s.rank for s in self.manifest.shards}
+        self._stage = {s.file: s.pp_stage for s in self.manifest.shards}
         self._done: dict[str, threading.Event] = {}
         self._errors: dict[str, BaseException] = {}
         self._queue: list[list[str]] = []
@@ -96,7 +95,7 @@ class RemoteBuildInput(BuildInput):
             report = pull_build(self.uri, self.directory, global_ranks=[self._rank[f] for f in files],
                                 endpoint_url=self.endpoint_url)
             # each pull reads the manifest again: counted too
-            self.bytes_fetched += report["bytes_downloaded"] + len(dumps(self.manifest))
+            self.bytes_fetched += report["bytes_downloaded"] + len(self.manifest.dumps())
 
     def close(self) -> None:
         with self._cond:
