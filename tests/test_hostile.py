@@ -320,3 +320,24 @@ def test_source_truncated_during_build_subprocess(tmp_path, victim):
     one_line(r, f"source file {victim.name} is being truncated or rewritten by another process")
     assert not temp_files(out) and not (out / "manifest.json").exists()
     assert victim.stat().st_size == 100  # the other process went ahead once the build let go
+
+
+def test_planted_lock_symlink_is_refused_not_followed(tmp_path):
+    """#17 item 1: a symlink at <out>/.shardc-build.lock used to be opened with "w", truncating
+    whatever it pointed at. Now the lock is opened without following links or truncating."""
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", llama_config(**TINY))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".shardc-build.lock").symlink_to(victim)
+    r, _ = build(tmp_path, plan_file(tmp_path, src))
+    one_line(r, "cannot open the build lock", code=1)
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in out.iterdir()) == [".shardc-build.lock"]  # nothing else written
+    (out / ".shardc-build.lock").unlink()
+    (out / ".shardc-build.lock").write_text("")  # a plain lock file left by an earlier run is fine
+    r, _ = build(tmp_path, plan_file(tmp_path, src))
+    assert r.returncode == 0, r.stderr

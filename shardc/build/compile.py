@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import gc
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -117,10 +118,17 @@ def build(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SourceError(f"cannot create output directory {out}: {exc.strerror}") from None
-    lock = open(out / LOCK, "w")  # noqa: SIM115 - held for the whole build
+    # Held for the whole build. Never truncated, and a link planted at its name is refused rather
+    # than followed (O_NOFOLLOW): the lock file is only ever an empty file of ours.
+    try:
+        lock = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise OutputError(f"cannot open the build lock {out / LOCK}: {exc.strerror}",
+                          hint="build into a writable directory you own (--out DIR)") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
+        os.close(lock)
         raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
     # The cyclic garbage collector finds next to nothing in a build, yet runs hundreds of times
     # (mostly while numba loads; docs/performance.md §2): it waits until the build is done.
@@ -132,7 +140,7 @@ def build(
     finally:
         if gc_was_enabled:
             gc.enable()
-        lock.close()
+        os.close(lock)
 
 
 def _run(run: BuildRun) -> BuildResult:

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, OutputError, ShardcError
-from ..formats.files import safe_name, write_atomic
+from ..formats.files import copy_atomic, safe_name, write_atomic
 from ..formats.manifest import Manifest
 from ..formats.safetensors import ShardWriter
 from ..spec.layout import TensorSpec, build_layout
@@ -131,8 +130,7 @@ def _write(inp: BuildInput, source: BuildSource, layout, out: Path, limit: int,
     written.append(out / "config.json")
     for name in TOKENIZER_FILES:
         if (inp.directory / safe_name(name)).is_file() and name in inp.side_files():
-            shutil.copyfile(inp.directory / name, out / f".{name}.tmp")
-            (out / f".{name}.tmp").replace(out / name)
+            copy_atomic(inp.directory / name, out / name)
             written.append(out / name)
     total = sum(t.nbytes for t in rl.tensors)
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}

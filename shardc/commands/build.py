@@ -39,7 +39,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
               endpoint_url, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
     from ..spec.plan import load_plan
-    from .output import echo_json, show_progress
+    from .output import echo_json, show_progress, summary_lines
 
     plan = load_plan(plan_file)
     if source:
@@ -63,12 +63,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     if quiet:
         return
     state = "up to date" if result.up_to_date else f"built in {summary['seconds']:.1f}s"
-    click.echo(f"{summary['plan']}: {state}; {len(summary['shards'])} shards, "
-               f"{human_size(summary['total_bytes'])} in {result.out_dir}")
-    for s in summary["shards"]:
-        click.echo(f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
-                   f"layers {s['layers'][0]}:{s['layers'][1]}  {human_size(s['size']):>12}  "
-                   f"{s['sha256'][:12]}")
+    click.echo("\n".join(summary_lines(summary, state, result.out_dir)))
     if result.skipped and not result.up_to_date:
         click.echo(f"  resumed: {len(result.skipped)} shard(s) already complete were kept")
     click.echo(f"manifest: {result.manifest_path}")

@@ -61,3 +61,15 @@ def echo_json(obj: Any) -> None:
 def show_progress(quiet: bool) -> bool:
     """Progress bars only on a TTY, and never with --quiet."""
     return not quiet and sys.stderr.isatty()
+
+
+def summary_lines(summary: dict[str, Any], state: str, out_dir: Any) -> list[str]:
+    """A build's or reshard's summary as text: what happened, then a line per shard (file, ranks,
+    layers, size, sha256)."""
+    from ..formats.files import human_size
+
+    head = (f"{summary['plan']}: {state}; {len(summary['shards'])} shards, "
+            f"{human_size(summary['total_bytes'])} in {out_dir}")
+    return [head] + [f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
+            f"layers {s['layers'][0]}:{s['layers'][1]}  {human_size(s['size']):>12}  {s['sha256'][:12]}"
+            for s in summary["shards"]]

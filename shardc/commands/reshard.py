@@ -38,7 +38,7 @@ def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, for
     from ..build.reshard import reshard
     from ..spec.plan import load_plan
     from ..store.reshard_input import open_input
-    from .output import echo_json, show_progress
+    from .output import echo_json, show_progress, summary_lines
 
     plan = load_plan(plan_file)
     out = out_dir or Path("build") / plan.name
@@ -55,11 +55,7 @@ def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, for
     if quiet:
         return
     state = "up to date" if result.up_to_date else f"resharded in {summary['seconds']:.1f}s"
-    click.echo(f"{summary['plan']}: {state} from {manifest_ref}; {len(summary['shards'])} shards, "
-               f"{summary['total_bytes'] / 2**30:.2f} GiB in {result.out_dir}")
-    for s in summary["shards"]:
-        click.echo(f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
-                   f"layers {s['layers'][0]}:{s['layers'][1]}  {s['size'] / 2**20:10.1f} MiB  {s['sha256'][:12]}")
+    click.echo("\n".join(summary_lines(summary, f"{state} from {manifest_ref}", result.out_dir)))
     if summary["input"]["reshard_of"]["dequantized"]:
         click.echo(f"  dequantized (lossy): {len(summary['input']['reshard_of']['dequantized'])} tensors")
     click.echo(f"manifest: {result.manifest_path}")
