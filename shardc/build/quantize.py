@@ -131,9 +131,12 @@ def quantize(name: str, w: Any, scheme: str, workers: int | None = None) -> tupl
 
 
 def dequantize(q: Any, scale: Any, dtype: Any = None) -> Any:
-    """w ~= q * scale (row-wise) for torch tensors, in ``dtype`` (default float32)."""
-    w = q.float() * scale.float()
-    return w if dtype is None else w.to(dtype)
+    """w ~= q * scale (row-wise) for torch tensors, in ``dtype`` (default float32). With a 16-bit
+    ``dtype`` the scale is rounded to it first, as the serving clients (compressed-tensors, vLLM's
+    W8A16 schemes) and shardc's runtime hold it."""
+    if dtype is None:
+        return q.float() * scale.float()
+    return (q.float() * scale.to(dtype).float()).to(dtype)
 
 
 def _round(x: float) -> float:
