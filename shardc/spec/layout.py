@@ -1,14 +1,14 @@
 """The Layout: which slice of which source tensor goes to which rank. Pure: no I/O, no torch.
 
-Split rules are data (``SPLIT_RULES``), interpreted by one function (``_slice_for_rank``). build,
-verify, the runtime and the planner all ask the Layout; none of them re-derives a rule
+Split rules are data (``SPLIT_RULES`` in tensors.py), interpreted by one function
+(``_slice_for_rank``); which tensors are quantized and how they are stored is quantization.py's.
+build, verify, the runtime and the planner all ask the Layout; none of them re-derives a rule
 (docs/architecture.md §4).
 """
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,47 +18,28 @@ from .dtypes import DTYPE_BYTES, PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
 
-# HF name pattern -> split kind. First match wins.
-#   column:    dim 0 split evenly (output rows); biases the same way
-#   kv_column: like column, but when tp > kv_heads each rank holds one whole (replicated) KV head
-#   row:       dim 1 split evenly (input columns)
-#   vocab:     dim 0 split by vocabulary rows, padded with zero rows to a multiple of tp
-#   replicated: whole tensor on every TP rank of the owning stage
-SPLIT_RULES: tuple[tuple[str, str], ...] = (
-    (r"model\.embed_tokens\.weight", "vocab"),
-    (r"lm_head\.weight", "vocab"),
-    (r"model\.layers\.\d+\.self_attn\.q_proj\.(weight|bias)", "column"),
-    (r"model\.layers\.\d+\.self_attn\.[kv]_proj\.(weight|bias)", "kv_column"),
-    (r"model\.layers\.\d+\.mlp\.(gate|up)_proj\.(weight|bias)", "column"),
-    (r"model\.layers\.\d+\.(self_attn\.o|mlp\.down)_proj\.weight", "row"),
-    (r"model\.layers\.\d+\.(self_attn\.o|mlp\.down)_proj\.bias", "replicated"),
-    (r"model\.layers\.\d+\.(input|post_attention)_layernorm\.weight", "replicated"),
-    (r"model\.norm\.weight", "replicated"),
+# The rules the Layout applies, each in its own module; re-exported here because every reader
+# asks the Layout first.
+from .quantization import (  # noqa: F401
+    PACK,
+    PACKED_SUFFIX,
+    QUANTIZABLE,
+    SCALE_SUFFIX,
+    SHAPE_SUFFIX,
+    base_dtype,
+    check_packing,
+    quantized_names,
 )
-_COMPILED = tuple((re.compile(p), kind) for p, kind in SPLIT_RULES)
-# Weight-only quantization applies to the linear projections of the decoder layers only.
-QUANTIZABLE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
-SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
-# int8 is stored as compressed-tensors "pack-quantized": X.weight_packed holds the int8 values
-# (+128) four to an int32 (little-endian, along the input dimension), X.weight_shape the unpacked
-# [out, in] of the tensor in the file. vLLM selects its W8A16 int kernels only for this format.
-PACKED_SUFFIX, SHAPE_SUFFIX = "_packed", "_shape"
-PACK = {"int8": 4}  # quantized values per stored int32, by scheme (fp8 is stored unpacked)
-
-MAX_TP_HINT = 64
-
-
-def split_kind(name: str) -> str:
-    """The split rule for an HF tensor name (LayoutError for names outside the Llama family)."""
-    for pattern, kind in _COMPILED:
-        if pattern.fullmatch(name):
-            return kind
-    raise LayoutError(f"no split rule for tensor {name!r}", hint="only Llama-family names are known")
-
-
-def layer_of(name: str) -> int | None:
-    m = re.match(r"model\.layers\.(\d+)\.", name)
-    return int(m.group(1)) if m else None
+from .tensors import (  # noqa: F401
+    MAX_TP_HINT,
+    SPLIT_RULES,
+    SourceTensor,
+    _tp_problems,
+    layer_of,
+    source_tensors,
+    split_kind,
+    valid_tp_degrees,
+)
 
 
 @dataclass(frozen=True)
@@ -113,72 +94,6 @@ class RankLayout:
             if t.name == name:
                 return t
         raise KeyError(name)
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    """A tensor the checkpoint must contain, with the shape the config implies."""
-
-    name: str
-    shape: tuple[int, ...]
-
-
-def source_tensors(model: ModelSpec) -> list[SourceTensor]:
-    """Every tensor a checkpoint of this model must hold, in HF naming, with its shape."""
-    h, hd = model.hidden_size, model.head_dim
-    q_out, kv_out, inter = model.num_heads * hd, model.num_kv_heads * hd, model.intermediate_size
-    out = [SourceTensor("model.embed_tokens.weight", (model.vocab_size, h))]
-    for i in range(model.num_layers):
-        p = f"model.layers.{i}."
-        out += [
-            SourceTensor(p + "input_layernorm.weight", (h,)),
-            SourceTensor(p + "post_attention_layernorm.weight", (h,)),
-            SourceTensor(p + "self_attn.q_proj.weight", (q_out, h)),
-            SourceTensor(p + "self_attn.k_proj.weight", (kv_out, h)),
-            SourceTensor(p + "self_attn.v_proj.weight", (kv_out, h)),
-            SourceTensor(p + "self_attn.o_proj.weight", (h, q_out)),
-            SourceTensor(p + "mlp.gate_proj.weight", (inter, h)),
-            SourceTensor(p + "mlp.up_proj.weight", (inter, h)),
-            SourceTensor(p + "mlp.down_proj.weight", (h, inter)),
-        ]
-        if model.qkv_bias:
-            out += [
-                SourceTensor(p + "self_attn.q_proj.bias", (q_out,)),
-                SourceTensor(p + "self_attn.k_proj.bias", (kv_out,)),
-                SourceTensor(p + "self_attn.v_proj.bias", (kv_out,)),
-            ]
-        if model.o_bias:
-            out.append(SourceTensor(p + "self_attn.o_proj.bias", (h,)))
-        if model.mlp_bias:
-            out += [
-                SourceTensor(p + "mlp.gate_proj.bias", (inter,)),
-                SourceTensor(p + "mlp.up_proj.bias", (inter,)),
-                SourceTensor(p + "mlp.down_proj.bias", (h,)),
-            ]
-    out.append(SourceTensor("model.norm.weight", (h,)))
-    if not model.tie_word_embeddings:
-        out.append(SourceTensor("lm_head.weight", (model.vocab_size, h)))
-    return sorted(out, key=lambda t: t.name)
-
-
-def valid_tp_degrees(model: ModelSpec, limit: int = MAX_TP_HINT) -> list[int]:
-    return [t for t in range(1, limit + 1) if not _tp_problems(model, t)]
-
-
-def _tp_problems(model: ModelSpec, tp: int) -> list[str]:
-    problems = []
-    if model.num_heads % tp:
-        problems.append(f"num_attention_heads={model.num_heads} is not divisible by tp={tp}")
-    kv = model.num_kv_heads
-    if kv >= tp and kv % tp:
-        problems.append(f"num_key_value_heads={kv} is not divisible by tp={tp}")
-    if kv < tp and tp % kv:
-        problems.append(f"tp={tp} is not a multiple of num_key_value_heads={kv}")
-    if model.intermediate_size % tp:
-        problems.append(f"intermediate_size={model.intermediate_size} is not divisible by tp={tp}")
-    if model.hidden_size % tp:
-        problems.append(f"hidden_size={model.hidden_size} is not divisible by tp={tp}")
-    return problems
 
 
 def stage_ranges(model: ModelSpec, plan: Plan) -> list[tuple[int, int]]:
@@ -257,40 +172,6 @@ def _slice_for_rank(kind: str, shape: tuple[int, ...], r: int, model: ModelSpec,
             "pad_rows": per - (stop - start),
         }
     raise AssertionError(kind)
-
-
-def _ignore_matches(entry: str, name: str) -> bool:
-    """Segment-aligned match: 'layers.1' matches model.layers.1.* but not model.layers.10.*."""
-    parts, want = name.split("."), entry.split(".")
-    return any(parts[i : i + len(want)] == want for i in range(len(parts) - len(want) + 1))
-
-
-def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
-    """Source weights the plan quantizes; an ignore entry that matches nothing is an error."""
-    if not plan.quantized:
-        return set()
-    names = [t.name for t in source_tensors(model)]
-    for entry in plan.quant_ignore:
-        if not any(_ignore_matches(entry, n) for n in names) and entry not in ("lm_head",):
-            raise QuantizationError(
-                f"ignore entry {entry!r} matches no tensor of this model",
-                key="quantization.ignore",
-                hint="use name parts such as lm_head, embed_tokens, layers.0, layers.79.mlp, q_proj",
-            )
-    return {
-        n
-        for n in names
-        if QUANTIZABLE.fullmatch(n) and not any(_ignore_matches(e, n) for e in plan.quant_ignore)
-    }
-
-
-def base_dtype(model: ModelSpec, plan: Plan) -> str:
-    """The 16-bit dtype for tensors that are not quantized."""
-    if not plan.quantized:
-        return PLAN_DTYPE[plan.dtype]
-    if plan.base_dtype:
-        return PLAN_DTYPE[plan.base_dtype]
-    return model.source_dtype if model.source_dtype in ("F16", "BF16") else "BF16"
 
 
 @dataclass(frozen=True)
@@ -406,35 +287,6 @@ def _weight_specs(common: dict, qdtype: str, local: tuple[int, ...], quant: str)
     shape = TensorSpec(name=name + SHAPE_SUFFIX, dtype="I64", shape=(2,), source=common["source"],
                        split=common["split"], quant=quant, value=local)
     return [packed, shape]
-
-
-def check_packing(model: ModelSpec, plan: Plan, quantized: set[str]) -> None:
-    """A packed weight holds ``pack`` input columns per stored int32, so every rank's input width
-    (the row-parallel slice of o_proj / down_proj) must be a multiple of it: checked before a
-    byte is written, naming the tensor and the tp degrees that would work."""
-    pack = PACK.get(plan.dtype)
-    if not pack:
-        return
-
-    def bad(tp: int) -> tuple[str, int] | None:
-        for t in source_tensors(model):
-            if t.name in quantized:
-                width = t.shape[1] // tp if split_kind(t.name) == "row" else t.shape[1]
-                if width % pack:
-                    return t.name, width
-        return None
-
-    problem = bad(plan.tp)
-    if problem:
-        good = [t for t in valid_tp_degrees(model) if not bad(t)]
-        name, width = problem
-        raise LayoutError(
-            f"tensor {name} gets {width} input columns per rank at tp={plan.tp}; {plan.dtype} is "
-            f"stored pack-quantized ({pack} values per int32), which needs a multiple of {pack}",
-            key="replica_group.tp_degree",
-            hint=f"tp_degree values that work for this model with {plan.dtype}: "
-                 f"{', '.join(map(str, good)) or 'none'}",
-        )
 
 
 def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:

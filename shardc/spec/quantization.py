@@ -1,0 +1,88 @@
+"""Which tensors a plan quantizes and how they are stored (docs/architecture.md §5). Pure.
+
+Weight-only quantization touches the decoder's linear projections only; a plan's
+``quantization.ignore`` entries keep some in 16 bits. int8 is stored compressed-tensors
+pack-quantized, four values to an int32 along the input dimension, which constrains TP.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import LayoutError, QuantizationError
+from .dtypes import PLAN_DTYPE
+from .model import ModelSpec
+from .plan import Plan
+from .tensors import source_tensors, split_kind, valid_tp_degrees
+
+# Weight-only quantization applies to the linear projections of the decoder layers only.
+QUANTIZABLE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
+SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
+# int8 is stored as compressed-tensors "pack-quantized": X.weight_packed holds the int8 values
+# (+128) four to an int32 (little-endian, along the input dimension), X.weight_shape the unpacked
+# [out, in] of the tensor in the file. vLLM selects its W8A16 int kernels only for this format.
+PACKED_SUFFIX, SHAPE_SUFFIX = "_packed", "_shape"
+PACK = {"int8": 4}  # quantized values per stored int32, by scheme (fp8 is stored unpacked)
+
+
+def _ignore_matches(entry: str, name: str) -> bool:
+    """Segment-aligned match: 'layers.1' matches model.layers.1.* but not model.layers.10.*."""
+    parts, want = name.split("."), entry.split(".")
+    return any(parts[i : i + len(want)] == want for i in range(len(parts) - len(want) + 1))
+
+
+def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
+    """Source weights the plan quantizes; an ignore entry that matches nothing is an error."""
+    if not plan.quantized:
+        return set()
+    names = [t.name for t in source_tensors(model)]
+    for entry in plan.quant_ignore:
+        if not any(_ignore_matches(entry, n) for n in names) and entry not in ("lm_head",):
+            raise QuantizationError(
+                f"ignore entry {entry!r} matches no tensor of this model",
+                key="quantization.ignore",
+                hint="use name parts such as lm_head, embed_tokens, layers.0, layers.79.mlp, q_proj",
+            )
+    return {
+        n
+        for n in names
+        if QUANTIZABLE.fullmatch(n) and not any(_ignore_matches(e, n) for e in plan.quant_ignore)
+    }
+
+
+def base_dtype(model: ModelSpec, plan: Plan) -> str:
+    """The 16-bit dtype for tensors that are not quantized."""
+    if not plan.quantized:
+        return PLAN_DTYPE[plan.dtype]
+    if plan.base_dtype:
+        return PLAN_DTYPE[plan.base_dtype]
+    return model.source_dtype if model.source_dtype in ("F16", "BF16") else "BF16"
+
+
+def check_packing(model: ModelSpec, plan: Plan, quantized: set[str]) -> None:
+    """A packed weight holds ``pack`` input columns per stored int32, so every rank's input width
+    (the row-parallel slice of o_proj / down_proj) must be a multiple of it: checked before a
+    byte is written, naming the tensor and the tp degrees that would work."""
+    pack = PACK.get(plan.dtype)
+    if not pack:
+        return
+
+    def bad(tp: int) -> tuple[str, int] | None:
+        for t in source_tensors(model):
+            if t.name in quantized:
+                width = t.shape[1] // tp if split_kind(t.name) == "row" else t.shape[1]
+                if width % pack:
+                    return t.name, width
+        return None
+
+    problem = bad(plan.tp)
+    if problem:
+        good = [t for t in valid_tp_degrees(model) if not bad(t)]
+        name, width = problem
+        raise LayoutError(
+            f"tensor {name} gets {width} input columns per rank at tp={plan.tp}; {plan.dtype} is "
+            f"stored pack-quantized ({pack} values per int32), which needs a multiple of {pack}",
+            key="replica_group.tp_degree",
+            hint=f"tp_degree values that work for this model with {plan.dtype}: "
+                 f"{', '.join(map(str, good)) or 'none'}",
+        )
