@@ -66,15 +66,21 @@ def test_resume_rehashes_the_shards_it_keeps(make_ckpt, tmp_path):
     assert {f: sha(out / f) for f in want} == want
 
 
-def test_pickled_source_gives_the_checkpoint_values(make_ckpt, tmp_path):
-    src = make_ckpt(**MODEL)
-    sd = load_file(src / "model.safetensors")
+def _pickled_build(src: Path, sd: dict, tmp_path: Path):
+    """Replace the checkpoint by a pickled ``pytorch_model.bin`` holding ``sd``; build it from the
+    CLI with --allow-pickle."""
     torch.save(sd, src / "pytorch_model.bin")
     (src / "model.safetensors").unlink()
     pf = tmp_path / "p.yaml"
     pf.write_text(yaml.safe_dump(plan_data(1, 1, source=str(src))))
-    r = CliRunner().invoke(main, ["build", str(pf), "--out", str(tmp_path / "o"), "--manifests-dir",
-                                  str(tmp_path / "m"), "--allow-pickle", "--quiet"])
+    return CliRunner().invoke(main, ["build", str(pf), "--out", str(tmp_path / "o"), "--manifests-dir",
+                                     str(tmp_path / "m"), "--allow-pickle", "--quiet"])
+
+
+def test_pickled_source_gives_the_checkpoint_values(make_ckpt, tmp_path):
+    src = make_ckpt(**MODEL)
+    sd = load_file(src / "model.safetensors")
+    r = _pickled_build(src, sd, tmp_path)
     assert r.exit_code == 0, r.output
     got = shard_tensors(tmp_path / "o" / "model-tp00-pp00.safetensors")
     assert sorted(got) == sorted(sd)
@@ -97,12 +103,7 @@ def test_pickle_with_code_is_refused_even_when_allowed(make_ckpt, tmp_path):
     sd = dict(load_file(src / "model.safetensors"))
     marker = tmp_path / "code-ran"
     sd["payload"] = _Payload(marker)
-    torch.save(sd, src / "pytorch_model.bin")
-    (src / "model.safetensors").unlink()
-    pf = tmp_path / "p.yaml"
-    pf.write_text(yaml.safe_dump(plan_data(1, 1, source=str(src))))
-    r = CliRunner().invoke(main, ["build", str(pf), "--out", str(tmp_path / "o"), "--manifests-dir",
-                                  str(tmp_path / "m"), "--allow-pickle", "--quiet"])
+    r = _pickled_build(src, sd, tmp_path)
     assert not marker.exists()
     assert r.exit_code != 0
     assert not (tmp_path / "o" / "manifest.json").exists()
