@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -44,7 +42,23 @@ def test_results_equal_direct_quantization_and_buffers_are_reused(scheme):
         queue.close()
 
 
-def test_budget_holds_the_quantizer_back_until_release():
+def test_budget_holds_the_quantizer_back_until_release(monkeypatch):
+    """The quantizer parks on its condition for b (a holds the whole budget): observed, not
+    slept for. A queue that ignored the budget would never park, and the wait below fails."""
+    import threading
+    import types
+
+    from shardc.build import quantqueue
+
+    parked = threading.Event()
+
+    class SeenParking(threading.Condition):
+        def wait(self, timeout=None):
+            parked.set()
+            return super().wait(timeout)
+
+    monkeypatch.setattr(quantqueue, "threading",
+                        types.SimpleNamespace(Condition=SeenParking, Thread=threading.Thread))
     src = tensors()
     done: list[str] = []
 
@@ -55,13 +69,11 @@ def test_budget_holds_the_quantizer_back_until_release():
     queue = QuantQueue([(n, "int8") for n in src], view, {}, budget=64 * 32)
     try:
         queue.get(("a", "int8"))
-        deadline = time.monotonic() + 30
-        while len(done) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.2)  # room for a wrong quantizer to go past the budget
-        assert done == ["a", "b"]  # b is mapped, but waits for room before it is quantized
-        assert not queue._results[("b", "int8")].done()
-        assert queue.peak_held == 64 * 32
+        assert parked.wait(30), "the quantizer never waited for room"
+        with queue._cond:  # parked on it: nothing moves until a release
+            assert done == ["a", "b"]  # b is mapped, but waits for room before it is quantized
+            assert not queue._results[("b", "int8")].done()
+            assert queue.peak_held == 64 * 32
         queue.release(("a", "int8"))
         for name in ("b", "c"):
             queue.get((name, "int8"))

@@ -166,6 +166,26 @@ def test_local_round_trip(builds, tmp_path, dtype, scheme, compress):
     assert again["downloaded"] == 0 and again["present"] == len(out["files"])
 
 
+@needs_zstd
+def test_cli_push_compress_zstd_round_trip(builds, tmp_path):
+    """README: `push --compress zstd` stores .zst objects; a pull decompresses and verifies them."""
+    b = builds["bf16"]
+    store = tmp_path / "store"
+    res = run_cli("push", "--manifest", str(b.manifest_path), "--to", str(store), "--compress", "zstd",
+                  "--json")
+    assert res.exit_code == 0, res.output
+    shards = {s.file for s in b.manifest.shards}
+    assert {p.name for p in store.iterdir() if p.suffix == ".zst"} == {f + ".zst" for f in shards}
+    assert not any((store / f).exists() for f in shards)  # only the compressed objects
+    remote = json.loads((store / "manifest.json").read_text())
+    assert all(e["compressed"]["codec"] == "zstd" for e in remote["shards"].values())
+    dest = tmp_path / "node"
+    res = run_cli("pull", "--manifest", f"{store}/manifest.json", "--all", "--dest", str(dest), "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["verify"]["ok"]
+    assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
+
+
 @pytest.mark.parametrize("dtype,compress", [("bf16", None), pytest.param("int8", "zstd", marks=needs_zstd),
                                             ("fp8", None)])
 def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
