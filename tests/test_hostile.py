@@ -341,3 +341,147 @@ def test_planted_lock_symlink_is_refused_not_followed(tmp_path):
     (out / ".shardc-build.lock").write_text("")  # a plain lock file left by an earlier run is fine
     r, _ = build(tmp_path, plan_file(tmp_path, src))
     assert r.returncode == 0, r.stderr
+
+
+# -- #17 item 2: a rebuild never loses the complete build that is there ------------------------------
+def _verify_ok(out: Path) -> bool:
+    return shardc("verify", "--manifest", str(out / "manifest.json")).returncode == 0
+
+
+def _two_sources(tmp_path: Path) -> tuple[Path, Path]:
+    """Two checkpoints of one model with different weights (so a rebuild changes every shard)."""
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    cfg = llama_config(**TINY)
+    return write_checkpoint(tmp_path / "a", cfg, seed=1), write_checkpoint(tmp_path / "b", cfg, seed=2)
+
+
+def _fsize_limit(limit: int):
+    """In the child: files it writes may not grow past ``limit`` bytes (EFBIG, a real write error
+    from the kernel, like a full disk), and SIGXFSZ does not kill it."""
+    import resource
+    import signal
+
+    def set_limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return set_limit
+
+
+def test_rebuild_failing_mid_write_keeps_the_old_build(tmp_path):
+    a, b = _two_sources(tmp_path)
+    r, out = build(tmp_path, plan_file(tmp_path, a))
+    assert r.returncode == 0, r.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    biggest = max(len(v) for k, v in before.items() if k.endswith(".safetensors"))
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file(tmp_path, b)), "--out", str(out),
+                        "--manifests-dir", str(tmp_path / "m"), "-q"], capture_output=True, text=True,
+                       env=env, cwd=ROOT, timeout=120, preexec_fn=_fsize_limit(biggest // 2))
+    one_line(r, "the build already there is untouched", code=1)
+    after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert after == before  # every file of the old build, byte for byte; no temp file left
+    assert _verify_ok(out)
+    r, _ = build(tmp_path, plan_file(tmp_path, b))  # with room again, the rebuild goes through
+    assert r.returncode == 0, r.stderr
+    assert _verify_ok(out)
+    assert (out / "model-tp00-pp00.safetensors").read_bytes() != before["model-tp00-pp00.safetensors"]
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A real filesystem too small for two copies of the tiny build (root only)."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_rebuild_that_does_not_fit_beside_the_old_one_is_refused_first(tmp_path, small_tmpfs):
+    a, b = _two_sources(tmp_path)
+    out = small_tmpfs / "out"
+    args = ["--out", str(out), "--manifests-dir", str(tmp_path / "m"), "-q"]
+    r = shardc("build", str(plan_file(tmp_path, a)), *args)
+    assert r.returncode == 0, r.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert sum(len(v) for v in before.values()) * 2 > 160 * 1024  # a second copy cannot fit
+    r = shardc("build", str(plan_file(tmp_path, b)), *args)
+    one_line(r, "the build already there stays until the new one is complete", code=1)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert _verify_ok(out)
+
+
+# -- #17 item 3: resume keeps only what it can prove ---------------------------------------------------
+def _killed_state(out: Path, plan, src: Path, forge: dict[str, Path] | None = None) -> None:
+    """Turn a complete build into what a build killed after writing its shards leaves: no manifest,
+    and a resume record per shard (as the build writes them: its key, size and sha256). ``forge``
+    puts another file under a shard's name first, with a record made to match it."""
+    import hashlib
+
+    from shardc import __version__
+    from shardc.build.outputs import LAYOUT_REVISION, done_path
+    from shardc.spec.plan import canonical_json
+
+    (out / "manifest.json").unlink()
+    key = {"plan_sha256": plan.sha256, "source": open_source(str(src)).fingerprint(), "shardc_version": __version__,
+           "layout_revision": LAYOUT_REVISION}
+    for name, other in (forge or {}).items():
+        (out / name).write_bytes(other.read_bytes())
+    for shard in sorted(out.glob("model-*.safetensors")):
+        data = shard.read_bytes()
+        done_path(out, shard.name).write_bytes(canonical_json(
+            {"key": key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+
+
+def _plan(src: Path, name: str = "h", tp: int = 1, pp: int = 2):
+    from shardc.spec.plan import plan_from_dict
+
+    d = json.loads(json.dumps(PLAN))
+    d["replica_group"].update(name=name, tp_degree=tp, pp_degree=pp, gpus_per_replica=tp * pp)
+    d["model"]["source"] = str(src)
+    return plan_from_dict(d)
+
+
+def test_resume_keeps_an_untouched_shard_and_rebuilds_a_foreign_one(tmp_path):
+    from shardc.build.compile import build
+
+    a, _ = _two_sources(tmp_path)
+    plan = _plan(a)
+    clean = build(plan, tmp_path / "clean")
+    other = build(_plan(a, name="other"), tmp_path / "other")  # same shapes, another plan's metadata
+    out = tmp_path / "out"
+    build(plan, out)
+    _killed_state(out, plan, a)
+    res = build(plan, out)  # an honest resume keeps both shards
+    assert sorted(res.skipped) == ["model-tp00-pp00.safetensors", "model-tp00-pp01.safetensors"]
+    _killed_state(out, plan, a, forge={"model-tp00-pp00.safetensors": other.out_dir / "model-tp00-pp00.safetensors"})
+    res = build(plan, out)
+    assert res.skipped == ["model-tp00-pp01.safetensors"] and res.built == ["model-tp00-pp00.safetensors"]
+    assert (out / "manifest.json").read_bytes() == (clean.out_dir / "manifest.json").read_bytes()
+    assert _verify_ok(out)
+
+
+def test_resume_after_the_source_was_rewritten_with_its_old_size_and_mtime(tmp_path):
+    """The rerun must not mix shards of two checkpoints: every kept shard came from these bytes."""
+    from shardc.build.compile import build
+
+    a, b = _two_sources(tmp_path)
+    plan = _plan(a)
+    out = tmp_path / "out"
+    build(plan, out)
+    _killed_state(out, plan, a)
+    weights = a / "model.safetensors"
+    st = os.stat(weights)
+    new = (b / "model.safetensors").read_bytes()
+    assert len(new) == st.st_size
+    weights.write_bytes(new)  # same size; mtime put back below
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    res = build(plan, out)
+    assert res.skipped == []
+    want = build(plan, tmp_path / "fresh")  # the rewritten source, built from scratch
+    for f in ("model-tp00-pp00.safetensors", "model-tp00-pp01.safetensors"):
+        assert (out / f).read_bytes() == (want.out_dir / f).read_bytes(), f

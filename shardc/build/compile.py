@@ -20,20 +20,25 @@ from typing import Any
 
 from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
-from ..formats.files import final_name, temp_files, write_atomic
-from ..formats.manifest import Manifest, ShardEntry, new_manifest
+from ..formats.files import final_name, fsync_dir, temp_files, write_atomic
+from ..formats.manifest import FileEntry, Manifest, ShardEntry, new_manifest
 from ..formats.safetensors import ShardWriter
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import Plan, canonical_json
 from .materialize import Materializer
 from .outputs import (
+    INDEX,
     LAYOUT_REVISION,
     check_space,
     copy_manifest,
     done_path,
+    file_entry,
     remove_files,
+    side_files,
     stage_done,
+    stage_side_files,
+    tokenizer_files,
     up_to_date,
     write_side_files,
 )
@@ -89,6 +94,10 @@ class BuildRun:
     hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # shard file -> (size, sha256)
     key: dict[str, Any] = field(default_factory=dict)  # what a resume record must match
     bar: Any = None
+    # A complete build is already there: it stays, untouched, until this one is complete. Every
+    # new file waits at its temp name (staged: final -> temp), and all switch at the end.
+    replacing: bool = False
+    staged: dict[Path, Path] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.result = BuildResult(self.out, self.out / "manifest.json", None)
@@ -152,6 +161,7 @@ def _run(run: BuildRun) -> BuildResult:
         run.result.manifest, run.result.up_to_date = m, True
         run.result.skipped = [s.file for s in m.shards]
         return _finish(run)
+    run.replacing = (run.out / "manifest.json").is_file()
     _prepare_output(run)
     mat = Materializer(run.source, run.layout)
     try:
@@ -174,9 +184,8 @@ def _current_manifest(run: BuildRun) -> Manifest | None:
 
 
 def _prepare_output(run: BuildRun) -> None:
-    check_space(run.out, run.layout)  # before anything is touched: a refused build loses nothing
-    # From here on the old manifest no longer describes the directory: remove it first.
-    (run.out / "manifest.json").unlink(missing_ok=True)
+    # Before anything is touched: a refused build loses nothing.
+    check_space(run.out, run.layout, replacing=run.replacing)
     for stale in temp_files(run.out):  # left by a killed run (the lock says none is running)
         stale.unlink()
     run.key = {"plan_sha256": run.plan.sha256, "source": run.source.fingerprint(), "shardc_version": __version__,
@@ -194,7 +203,7 @@ def _stages_to_write(run: BuildRun) -> list[list[RankLayout]]:
     for stage in range(plan.pp):
         todo = []
         for rl in run.layout.ranks[stage * plan.tp : (stage + 1) * plan.tp]:
-            done = None if run.force else stage_done(run.out, rl, run.key)
+            done = None if run.force else stage_done(run.out, run.layout, rl, run.key)
             if done:
                 run.hashes[rl.file] = done
                 run.result.skipped.append(rl.file)
@@ -208,11 +217,15 @@ def _stages_to_write(run: BuildRun) -> list[list[RankLayout]]:
 
 
 def _commit(run: BuildRun, todo: list[RankLayout], writers: dict[str, ShardWriter]) -> dict[str, tuple[int, str]]:
-    """Rename a written stage's shards into place, each with its resume record."""
+    """Rename a written stage's shards into place, each with its resume record (when replacing a
+    build: make them durable at their temp names, to be switched with the rest at the end)."""
     done = {}
     try:
         for rl in todo:
-            size, sha = done[rl.file] = writers[rl.file].commit()
+            size, sha = done[rl.file] = writers[rl.file].commit(rename=not run.replacing)
+            if run.replacing:
+                run.staged[run.out / rl.file] = writers[rl.file].tmp
+                continue
             write_atomic(done_path(run.out, rl.file), canonical_json({"key": run.key, "size": size, "sha256": sha}))
     except BaseException:
         for w in writers.values():
@@ -234,7 +247,8 @@ def _write_stages(run: BuildRun, stages: list[list[RankLayout]], mat: Materializ
         for todo in stages:
             # Old files in the way are deleted on the commit thread while the stage is written
             # (slow on a filesystem mounted with discard), before its renames.
-            committer.submit(remove_files, [out / rl.file for rl in todo if (out / rl.file).exists()])
+            if not run.replacing:
+                committer.submit(remove_files, [out / rl.file for rl in todo if (out / rl.file).exists()])
             writers = write_stage(run.layout, todo, out, mat, run.bar)
             commits.append((todo, committer.submit(_commit, run, todo, writers)))
         for todo, fut in commits:
@@ -245,18 +259,25 @@ def _write_stages(run: BuildRun, stages: list[list[RankLayout]], mat: Materializ
     except ShardcError:
         # Bad input found mid-build (NaN in a late layer): leave nothing of this run behind.
         committer.shutdown(wait=True)
-        for todo, _ in commits:
-            for rl in todo:
-                (out / rl.file).unlink(missing_ok=True)
-                done_path(out, rl.file).unlink(missing_ok=True)
+        if run.replacing:
+            remove_files(list(run.staged.values()))
+        else:
+            for todo, _ in commits:
+                for rl in todo:
+                    (out / rl.file).unlink(missing_ok=True)
+                    done_path(out, rl.file).unlink(missing_ok=True)
         raise
     except OSError as exc:
-        # The disk, not the input: keep the committed stages, a rerun resumes from them.
+        # The disk, not the input: keep the committed stages, a rerun resumes from them; when
+        # replacing a build, drop this run's files instead: the old build is still complete.
         committer.shutdown(wait=True)
         what = final_name(exc.filename2 or exc.filename) if exc.filename else "the shards"
+        if run.replacing:
+            remove_files(list(run.staged.values()))
         raise OutputError(
             f"cannot write {what} in {out}: {exc.strerror or exc}",
-            hint="free space or fix the disk, then rerun the same build: finished stages are kept",
+            hint=("free space or fix the disk; the build already there is untouched" if run.replacing
+                  else "free space or fix the disk, then rerun the same build: finished stages are kept"),
         ) from None
     finally:
         committer.shutdown(wait=True)
@@ -271,7 +292,10 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
         for name in sorted({t.source for rl in layout.ranks for t in rl.tensors if t.quant}):
             if name not in mat.stats:
                 mat.quantize(name, run.plan.dtype)
-    side = write_side_files(layout, run.source, run.out)
+    try:
+        side = _switch_in(run) if run.replacing else write_side_files(layout, run.source, run.out)
+    except OSError as exc:
+        raise _output_error(run, exc) from None
     shards = []
     for rl in layout.ranks:
         size, sha = run.hashes[rl.file]
@@ -284,10 +308,38 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
             tensors[t.name] = rec
         shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
-    manifest.write(run.out / "manifest.json")  # the commit point
+    try:
+        manifest.write(run.out / "manifest.json")  # the commit point
+    except OSError as exc:
+        raise _output_error(run, exc) from None
     for rl in layout.ranks:
         done_path(run.out, rl.file).unlink(missing_ok=True)
     return manifest
+
+
+def _switch_in(run: BuildRun) -> list[FileEntry]:
+    """Replacing a build: stage the side files too, then end the old build (its manifest goes
+    first) and rename every new file into place. Until here the old build was complete; from
+    here a crash leaves no manifest, and the rerun rebuilds."""
+    out = run.out
+    try:
+        run.staged.update(stage_side_files(run.layout, run.source, out))
+    except BaseException:
+        remove_files(list(run.staged.values()))
+        raise
+    (out / "manifest.json").unlink(missing_ok=True)
+    for final, tmp in run.staged.items():
+        os.replace(tmp, final)
+    if INDEX not in {p.name for p in run.staged}:
+        (out / INDEX).unlink(missing_ok=True)  # a tp > 1 build where a tp = 1 build was
+    fsync_dir(out)
+    return [file_entry(out, n) for n in [*side_files(run.layout), *tokenizer_files(run.source)]]
+
+
+def _output_error(run: BuildRun, exc: OSError) -> OutputError:
+    what = final_name(exc.filename) if exc.filename else "the build's files"
+    return OutputError(f"cannot write {what} in {run.out}: {exc.strerror or exc}",
+                       hint="free space or fix the disk, then rerun the same build")
 
 
 def _finish(run: BuildRun) -> BuildResult:

@@ -5,14 +5,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..errors import OutputError, ShardcError
-from ..formats.files import copy_atomic, human_size, sha256_file, temp_files, write_atomic
+from ..formats.files import (
+    copy_atomic,
+    create_temp,
+    human_size,
+    sha256_file,
+    temp_files,
+    write_atomic,
+)
 from ..formats.manifest import FileEntry, Manifest, SourceRecord, parse
+from ..formats.safetensors import read_header, shard_metadata
 from ..spec.dtypes import torch_name
 from ..spec.layout import Layout, RankLayout
 from ..spec.plan import Plan
@@ -68,14 +77,25 @@ def done_path(out_dir: Path, file: str) -> Path:
     return out_dir / f".{file}.done.json"
 
 
-def stage_done(out_dir: Path, rl: RankLayout, key: dict) -> tuple[int, str] | None:
-    """A shard finished by an earlier run of the same build, if its bytes still hash right."""
+def stage_done(out_dir: Path, layout: Layout, rl: RankLayout, key: dict) -> tuple[int, str] | None:
+    """A shard finished by an earlier run of the same build: kept only if its record matches this
+    build (plan, source fingerprint, versions), its bytes still hash to the record, and its header
+    is this rank's (metadata, tensor names, dtypes, shapes), so a foreign shard next to a forged
+    record is rebuilt, not blessed."""
     done, path = done_path(out_dir, rl.file), out_dir / rl.file
     try:
         rec = json.loads(done.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return None
-    if rec.get("key") != key or not path.is_file() or path.stat().st_size != rec.get("size"):
+    if not isinstance(rec, dict) or rec.get("key") != key or not path.is_file() \
+            or path.stat().st_size != rec.get("size"):
+        return None
+    try:
+        tensors, meta, _ = read_header(path)
+    except ShardcError:
+        return None
+    want = {t.name: (t.dtype, list(t.shape)) for t in rl.tensors}
+    if meta != shard_metadata(layout, rl) or {n: (e["dtype"], e["shape"]) for n, e in tensors.items()} != want:
         return None
     if sha256_file(path) != rec.get("sha256"):
         return None
@@ -101,17 +121,19 @@ def up_to_date(out_dir: Path, plan: Plan, layout: Layout, identity: SourceRecord
     return m
 
 
-def check_space(out: Path, layout: Layout) -> None:
-    """Refuse up front a build the disk cannot hold (files it replaces, and leftovers of a killed
-    run, count as free)."""
+def check_space(out: Path, layout: Layout, replacing: bool = False) -> None:
+    """Refuse up front a build the disk cannot hold (leftovers of a killed run count as free, and
+    so do files it overwrites unless ``replacing``: a complete build that must stay until the new
+    one is written)."""
     need = 0
     for rl in layout.ranks:
         p = out / rl.file
-        need += rl.nbytes - (p.stat().st_size if p.is_file() else 0)
+        need += rl.nbytes - (p.stat().st_size if p.is_file() and not replacing else 0)
     free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in temp_files(out))
     if need > free:
+        kept = "; the build already there stays until the new one is complete" if replacing else ""
         raise OutputError(
-            f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more",
+            f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more{kept}",
             hint="free space, or build elsewhere with --out DIR",
         )
 
@@ -153,6 +175,31 @@ def write_side_files(layout: Layout, source: Source, out: Path) -> list[FileEntr
         (out / INDEX).unlink(missing_ok=True)  # a tp > 1 build in a directory a tp = 1 build used
     copy_tokenizer(source, out)
     return [file_entry(out, n) for n in generated] + [file_entry(out, n) for n in tokenizer_files(source)]
+
+
+def stage_side_files(layout: Layout, source: Source, out: Path) -> dict[Path, Path]:
+    """config.json (+ index) and the tokenizer files written durably at exclusive temp names next
+    to their final ones, for a rebuild that switches every file at once: {final: temp}."""
+    staged: dict[Path, Path] = {}
+    try:
+        for name, data in side_files(layout).items():
+            fd, tmp = create_temp(out / name)
+            staged[out / name] = tmp
+            with open(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        for name in tokenizer_files(source):
+            fd, tmp = create_temp(out / name)
+            staged[out / name] = tmp
+            with open(fd, "wb") as f, open(source.directory / name, "rb") as src:
+                shutil.copyfileobj(src, f)
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        remove_files(list(staged.values()))
+        raise
+    return staged
 
 
 def copy_manifest(manifest: Manifest, manifests_dir: str | Path | None) -> None:

@@ -184,11 +184,13 @@ class Source:
         return SourceRecord(self.uri, self.revision, files)
 
     def fingerprint(self) -> list[list]:
-        """Cheap identity (name, size, mtime) for resume records; the manifest gets real hashes."""
+        """Cheap identity for resume records (name, size, mtime, ctime, inode): a file replaced or
+        rewritten between a killed build and its rerun changes ctime even when its size and mtime
+        are put back, so no shard of the old bytes is kept. The manifest gets real hashes."""
         out = []
         for name in self.files:
             st = os.stat(self.directory / name)
-            out.append([name, st.st_size, st.st_mtime_ns])
+            out.append([name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
         return out
 
 
@@ -203,11 +205,13 @@ _cache_lock = threading.Lock()
 
 
 def cached_sha256(path: Path) -> tuple[int, str]:
-    """(size, sha256) of a source file, remembered across builds by path, size, mtime and inode:
-    building several plans from one checkpoint hashes its 140 GB once, not once per plan."""
+    """(size, sha256) of a source file, remembered across builds by path, size, mtime, ctime and
+    inode: building several plans from one checkpoint hashes its 140 GB once, not once per plan.
+    ctime cannot be set back by a user (writing or touching a file moves it), so a file rewritten
+    with its old size and mtime restored is hashed again."""
     path = Path(path).resolve()
     st = os.stat(path)
-    stamp = [st.st_size, st.st_mtime_ns, st.st_ino]
+    stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
     db = cache_dir() / "source-sha256.json"
     with _cache_lock:
         try:

@@ -223,7 +223,9 @@ class ShardWriter:
             mv, offset = mv[done:], offset + done
         mv.release()
 
-    def commit(self) -> tuple[int, str]:
+    def commit(self, rename: bool = True) -> tuple[int, str]:
+        """Finish the file: (size, sha256). Durable (fsync) either way; ``rename=False`` leaves it
+        at its temp name (``self.tmp``) for a caller that switches many files at once."""
         if self.written != self.expected:
             self.abort()
             raise ValueError(f"{self.path.name}: wrote {self.written} of {self.expected} bytes")
@@ -237,7 +239,8 @@ class ShardWriter:
             os.ftruncate(self._fd, self.written)
             os.fsync(self._fd)
             self._close()
-            os.replace(self.tmp, self.path)
+            if rename:
+                os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()
             raise
