@@ -485,3 +485,29 @@ def test_resume_after_the_source_was_rewritten_with_its_old_size_and_mtime(tmp_p
     want = build(plan, tmp_path / "fresh")  # the rewritten source, built from scratch
     for f in ("model-tp00-pp00.safetensors", "model-tp00-pp01.safetensors"):
         assert (out / f).read_bytes() == (want.out_dir / f).read_bytes(), f
+
+
+def test_manifest_that_cannot_be_written_is_one_line_and_leaves_no_temp_file(tmp_path):
+    """#17 item 2: the last write (the manifest) failing used to be a traceback and a temp file
+    left forever. A model of many tiny layers has a manifest larger than any shard, so a file size
+    limit between the two fails exactly that write (EFBIG, as a full disk would fail it)."""
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    src = write_checkpoint(tmp_path / "src", llama_config(hidden_size=8, intermediate_size=16, num_layers=24,
+                                                          num_heads=2, num_kv_heads=1, vocab_size=16))
+    plan = plan_file(tmp_path, src, replica_group__pp_degree=6, replica_group__gpus_per_replica=6)
+    out = tmp_path / "probe"
+    r = shardc("build", str(plan), "--out", str(out), "--manifests-dir", str(tmp_path / "m"), "-q")
+    assert r.returncode == 0, r.stderr
+    shard = max(p.stat().st_size for p in out.glob("model-*.safetensors"))
+    manifest = (out / "manifest.json").stat().st_size
+    assert shard < manifest
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan), "--out", str(out),
+                        "--manifests-dir", str(tmp_path / "m2"), "-q"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120, preexec_fn=_fsize_limit((shard + manifest) // 2))
+    one_line(r, "cannot write manifest.json", code=1)
+    from shardc.formats.files import temp_files
+
+    assert not temp_files(out) and not (out / "manifest.json").exists()

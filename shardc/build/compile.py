@@ -295,7 +295,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
     try:
         side = _switch_in(run) if run.replacing else write_side_files(layout, run.source, run.out)
     except OSError as exc:
-        raise _output_error(run, exc) from None
+        raise _output_error(run, exc, "config.json and the tokenizer files") from None
     shards = []
     for rl in layout.ranks:
         size, sha = run.hashes[rl.file]
@@ -311,7 +311,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
     try:
         manifest.write(run.out / "manifest.json")  # the commit point
     except OSError as exc:
-        raise _output_error(run, exc) from None
+        raise _output_error(run, exc, "manifest.json") from None
     for rl in layout.ranks:
         done_path(run.out, rl.file).unlink(missing_ok=True)
     return manifest
@@ -336,8 +336,8 @@ def _switch_in(run: BuildRun) -> list[FileEntry]:
     return [file_entry(out, n) for n in [*side_files(run.layout), *tokenizer_files(run.source)]]
 
 
-def _output_error(run: BuildRun, exc: OSError) -> OutputError:
-    what = final_name(exc.filename) if exc.filename else "the build's files"
+def _output_error(run: BuildRun, exc: OSError, what: str) -> OutputError:
+    what = final_name(exc.filename) if exc.filename else what
     return OutputError(f"cannot write {what} in {run.out}: {exc.strerror or exc}",
                        hint="free space or fix the disk, then rerun the same build")
 
