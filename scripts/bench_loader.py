@@ -62,11 +62,11 @@ def measure(manifest: Path, rank: int, device: str, repeat: int = 5) -> dict[str
     """Seconds of the baseline, load_shard and verify --device for one rank (each the best of
     ``repeat``, the three interleaved so a noisy neighbour hits all alike), and the ratios."""
     import shardc
-    from shardc.formats.manifest import layout_of, read_manifest
+    from shardc.formats.manifest import read
     from shardc.verify.checks import verify_build
 
-    m = read_manifest(manifest)
-    rl = layout_of(m).ranks[rank]
+    m = read(manifest)
+    rl = m.to_layout().ranks[rank]
     path = manifest.parent / rl.file
 
     def verify() -> Any:

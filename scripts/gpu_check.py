@@ -141,9 +141,9 @@ def verify_all(manifests: dict[str, Path]) -> None:
 
 
 def flipped_byte(manifest: Path) -> None:
-    from shardc.formats.manifest import layout_of, read_manifest
+    from shardc.formats.manifest import read
 
-    f = manifest.parent / layout_of(read_manifest(manifest)).ranks[0].file
+    f = manifest.parent / read(manifest).to_layout().ranks[0].file
     with open(f, "r+b") as fh:
         fh.seek(-5, os.SEEK_END)
         b = fh.read(1)

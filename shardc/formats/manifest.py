@@ -412,8 +412,8 @@ def dumps(manifest: Manifest | dict[str, Any]) -> bytes:
     return typed(manifest).dumps()
 
 
-# The plain-dict form (version 1's shard list), validated by the same reader: store/ still works
-# on it; ``dumps`` turns it back into current bytes.
+# The plain-dict form (version 1's shard list), validated by the same reader, for callers that
+# edit a manifest as data (tests planting faults); ``dumps`` turns it back into current bytes.
 def loads(data: bytes | str, origin: str = "manifest") -> dict[str, Any]:
     return parse(data, origin).to_dict(version=1)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..build.quantize import dequantize
 from ..errors import ManifestError
 from ..formats.manifest import Manifest
 from ..spec.dtypes import torch_name
@@ -83,20 +84,19 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
     # dequantized into new tensors, the 16-bit ones are copied out so that buffer can be freed.
     copy_out = any(t.quant for t in rl.tensors)
 
-    # w = q * scale per output channel, with the scale rounded to the compute dtype first: that is
-    # how the serving clients hold it (compressed-tensors and vLLM's W8A16 schemes create
-    # weight_scale in the model's dtype), so the gate scores the weights a server will use.
-    def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (q.float() * scale.to(device=device, dtype=dtype).float()).to(dtype)
+    # w = q * scale per output channel, the scale rounded to the compute dtype first as the serving
+    # clients hold it (build/quantize.py dequantize), so the gate scores what a server computes.
+    def deq(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize(q.to(device), scale.to(device), dtype)
 
     def get(name: str) -> torch.Tensor:
         if name not in specs and name + PACKED_SUFFIX in specs:  # int8, pack-quantized
             q = unpack_int8(raw[name + PACKED_SUFFIX], raw[name + SHAPE_SUFFIX])
-            return dequantize(q.to(device), raw[name + SCALE_SUFFIX]).contiguous()
+            return deq(q, raw[name + SCALE_SUFFIX]).contiguous()
         spec = specs[name]
         t = raw[name].to(device)
         if spec.quant:
-            return dequantize(t, raw[name + SCALE_SUFFIX])
+            return deq(t, raw[name + SCALE_SUFFIX])
         t = t.to(dtype=dtype).contiguous()
         return t.clone() if copy_out and t.data_ptr() == raw[name].data_ptr() else t
 
