@@ -183,6 +183,42 @@ def test_corrupted_input_is_exit_1_naming_the_file(make_ckpt, tmp_path):
     assert not out.exists() and not (tmp_path / "m").exists()
 
 
+@pytest.mark.parametrize("victim_name", ["model-tp00-pp00.safetensors", "model-tp01-pp01.safetensors"])
+@pytest.mark.parametrize("replacing", [False, True])
+def test_a_flip_only_the_hash_can_see_commits_nothing(make_ckpt, tmp_path, victim_name, replacing):
+    """Input bytes are resharded while their sha256 is checked on another core; a flipped bit in a
+    tensor without replicas (nothing but the hash can see it) must still leave nothing of the run:
+    no shard renamed into place, no resume record, no manifest, and an older build in the output
+    directory byte for byte as it was. The first file is read first (its stage is committed
+    first); the last is read at the end."""
+    from safetensors import safe_open
+
+    ckpt = make_ckpt(**GQA)
+    a = build(plan_of(ckpt, 2, 2, "bf16"), tmp_path / "a")
+    victim = a.out_dir / victim_name
+    with safe_open(str(victim), "np") as f:  # the first layer's q_proj slice: held by this rank only
+        name = next(k for k in sorted(f.keys()) if k.endswith("q_proj.weight"))
+    header_len = int.from_bytes(victim.read_bytes()[:8], "little")
+    offset = 8 + header_len + json.loads(victim.read_bytes()[8 : 8 + header_len])[name]["data_offsets"][0]
+    data = bytearray(victim.read_bytes())
+    data[offset] ^= 0x40
+    victim.write_bytes(bytes(data))
+    out = tmp_path / "r"
+    plan = _plan_file(tmp_path / "p.yaml", ckpt, 1, 2)
+    if replacing:
+        build(plan_from_dict(yaml.safe_load(plan.read_text())), out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()} if replacing else {}
+    res = _cli("--manifest", a.manifest_path, "--plan", plan, "--out", out, "--manifests-dir", tmp_path / "m",
+               "--force")
+    assert res.exit_code == 1, res.output
+    assert victim_name in res.stderr and "corrupted" in res.stderr, res.stderr
+    if replacing:
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    else:
+        assert not out.exists()
+    assert not (tmp_path / "m").exists()
+
+
 def test_replicas_that_differ_are_exit_1_naming_the_tensor(make_ckpt, tmp_path):
     """A KV replica changed and the manifest re-hashed to match: only the replica check sees it."""
     from shardc.formats.safetensors import read_header
@@ -451,3 +487,23 @@ def test_dequantize_to_the_other_scheme_requantizes_q_times_scale(make_ckpt, tmp
     got = load_file(r.out_dir / "model-tp00-pp00.safetensors")
     assert torch.equal(got[name].view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(got[name + "_scale"], scale)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_tiles_fill_any_window_like_the_whole_tensor(dim):
+    """A writer's chunk filled piece by piece (build/tiles.py) equals the same window of the whole
+    tensor put together by numpy, for windows inside one piece, across several, and at the ends."""
+    import numpy as np
+
+    from shardc.build.tiles import Tiles
+
+    rng = np.random.default_rng(7)
+    whole = rng.standard_normal((12, 10)).astype(np.float32)
+    cuts = [0, 3, 4, 9, whole.shape[dim]]
+    parts = tuple((a, b, np.take(whole, range(a, b), axis=dim)) for a, b in zip(cuts, cuts[1:]))
+    tiles = Tiles(whole.shape, whole.dtype, dim, parts)
+    assert np.array_equal(np.asarray(tiles), whole)
+    for r0, r1, c0, c1 in [(0, 12, 0, 10), (1, 3, 0, 10), (2, 11, 3, 8), (4, 5, 4, 9), (11, 12, 9, 10)]:
+        dst = np.full((r1 - r0, c1 - c0), np.nan, np.float32)
+        tiles.fill(dst, (r0, c0))
+        assert np.array_equal(dst, whole[r0:r1, c0:c1]), (r0, r1, c0, c1)

@@ -221,6 +221,7 @@ def _commit(run: BuildRun, todo: list[RankLayout], writers: dict[str, ShardWrite
     build: make them durable at their temp names, to be switched with the rest at the end)."""
     done = {}
     try:
+        run.source.confirm()  # nothing derived from an unchecked input byte is committed
         for rl in todo:
             size, sha = done[rl.file] = writers[rl.file].commit(rename=not run.replacing)
             if run.replacing:
@@ -292,6 +293,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
         for name in sorted({t.source for rl in layout.ranks for t in rl.tensors if t.quant}):
             if name not in mat.stats:
                 mat.quantize(name, run.plan.dtype)
+    run.source.confirm()  # every input byte behind the manifest (committed stages were confirmed)
     try:
         side = _switch_in(run) if run.replacing else write_side_files(layout, run.source, run.out)
     except OSError as exc:

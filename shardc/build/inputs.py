@@ -5,7 +5,15 @@ through :class:`BuildInput`: ``schedule`` says in which order files will be need
 in the background, in that order), ``prepare`` blocks until the named files are local and their
 sha256 matches the input manifest. A local build is hashed where it lies; a build in object
 storage is fetched by the store layer (``shardc.store.reshard_input``), which hashes while it
-downloads, so every input byte is checked exactly once before anything reads it.
+downloads, so every input byte is checked exactly once.
+
+``ready`` is the speculative form reshard uses for a local input: it blocks only until a file is
+there with the manifest's size (so a mapping cannot fault), and its sha256 is checked on another
+core while its bytes are being resharded. Nothing derived from a file is committed before its
+check has passed (the compiler calls ``confirm`` before a stage's shards are renamed into place
+and before the manifest), so a corrupted input still leaves nothing in the output; only the CPU
+time spent on it is lost. This is what lets reshard take about as long as build on two cores,
+instead of hashing first and working after.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import hashlib
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import ManifestError, VerifyMismatch
@@ -32,7 +41,7 @@ class BuildInput:
     manifest: Manifest
     directory: Path
 
-    @property
+    @cached_property
     def manifest_sha256(self) -> str:
         """sha256 of the manifest as its build wrote it (canonical JSON, compression records of a
         push stripped), so a local build and its pushed copy have the same identity."""
@@ -56,6 +65,13 @@ class BuildInput:
         naming the first bad file otherwise)."""
         raise NotImplementedError
 
+    def ready(self, files: list[str]) -> None:
+        """Block until ``files`` can be read (their checks may still run: see ``confirm``)."""
+        self.prepare(files)
+
+    def confirm(self) -> None:
+        """Block until every file passed to ``ready`` so far has passed its check."""
+
     def close(self) -> None:
         """Stop background work and drop temporary copies."""
 
@@ -70,6 +86,7 @@ class LocalBuildInput(BuildInput):
         self.directory = path.parent
         self._pool = ThreadPoolExecutor(HASH_WORKERS, thread_name_prefix="shardc-inhash")
         self._checks: dict[str, Future] = {}
+        self._sized: set[str] = set()  # sizes checked: safe to map
         self._lock = threading.Lock()
 
     def schedule(self, files: list[str]) -> None:
@@ -83,7 +100,30 @@ class LocalBuildInput(BuildInput):
         for f in files:
             self._checks[f].result()
 
+    def ready(self, files: list[str]) -> None:
+        self.schedule(files)
+        for f in files:
+            if f not in self._sized:
+                self._check_size(f)
+                with self._lock:
+                    self._sized.add(f)
+
+    def confirm(self) -> None:
+        with self._lock:
+            pending = [self._checks[f] for f in sorted(self._sized)]
+        for fut in pending:
+            fut.result()
+
     def _check(self, name: str) -> None:
+        path = self._check_size(name)
+        digest = sha256_file(path)
+        entry = self.entry(safe_name(name))
+        if digest != entry.sha256:
+            raise VerifyMismatch(f"input file {path} is corrupted: sha256 {digest[:16]}..., the input "
+                                 f"manifest says {entry.sha256[:16]}...",
+                                 hint="restore the file (shardc pull) or rebuild the input")
+
+    def _check_size(self, name: str) -> Path:
         entry = self.entry(safe_name(name))
         path = self.directory / name
         try:
@@ -94,11 +134,7 @@ class LocalBuildInput(BuildInput):
         if size != entry.size:
             raise VerifyMismatch(f"input file {path} has {size} bytes, the input manifest says {entry.size}",
                                  hint="the input build is damaged; run shardc verify on it")
-        digest = sha256_file(path)
-        if digest != entry.sha256:
-            raise VerifyMismatch(f"input file {path} is corrupted: sha256 {digest[:16]}..., the input "
-                                 f"manifest says {entry.sha256[:16]}...",
-                                 hint="restore the file (shardc pull) or rebuild the input")
+        return path
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

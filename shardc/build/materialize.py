@@ -17,6 +17,7 @@ from .arrays import np_dtype
 from .quantize import quantize_array, stored
 from .quantqueue import QuantQueue
 from .source import Source
+from .tiles import Tiles
 
 # Threads quantizing a tensor's row chunks: half the cores, at most 4. One thread of the numba
 # kernels keeps pace with reading a layer from disk; the other cores hash and write. On 2 cores
@@ -24,8 +25,11 @@ from .source import Source
 QUANT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 
-def region(full: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    """The rank's slice of a full tensor (source or quantized) as a view: nothing is copied."""
+def region(full: np.ndarray | Tiles, spec: TensorSpec) -> np.ndarray:
+    """The rank's slice of a full tensor (source or quantized) as a view: nothing is copied
+    (except from Tiles, which are put together first: ``stream_region`` avoids that)."""
+    if isinstance(full, Tiles):
+        full = np.asarray(full)
     if spec.dim == 0:
         return full[spec.start : spec.stop]
     if spec.dim == 1:  # a packed tensor holds ``pack`` source columns per element
@@ -63,23 +67,32 @@ def stream_region(writer: ShardWriter, full: np.ndarray, spec: TensorSpec) -> No
 
     Each chunk of rows is sliced and cast straight into the writer's staging buffer (no
     intermediate copy, and the GIL is free meanwhile); only a chunk that straddles the end of a
-    staging buffer goes through the thread's own buffer and a plain ``write``."""
-    part = region(full, spec)
+    staging buffer goes through the thread's own buffer and a plain ``write``. From Tiles (a
+    reshard's input ranks) each chunk is filled from the pieces it spans."""
+    if isinstance(full, Tiles):
+        lo = [spec.start if spec.dim == i else 0 for i in range(len(full.shape))]
+        shape = tuple(spec.stop - spec.start if spec.dim == i else n for i, n in enumerate(full.shape))
+    else:
+        part = region(full, spec)
+        shape = part.shape
     dtype = np_dtype(spec.dtype)
-    row_bytes = max(1, math.prod(part.shape[1:]) * dtype.itemsize)
+    row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
     step = max(1, CHUNK_BYTES // row_bytes)
     r0 = 0
-    while r0 < part.shape[0]:
-        rows = min(step, part.shape[0] - r0, writer.room() // row_bytes) or 1
-        piece = part[r0 : r0 + rows]
-        n = piece.size * dtype.itemsize
+    while r0 < shape[0]:
+        rows = min(step, shape[0] - r0, writer.room() // row_bytes) or 1
+        chunk = (rows, *shape[1:])
+        n = math.prod(chunk) * dtype.itemsize
         staged = writer.reserve(n)
+        out = (np.frombuffer(staged, dtype=dtype) if staged is not None else _chunk_buffer(n).view(dtype))
+        out = out.reshape(chunk)
+        if isinstance(full, Tiles):
+            full.fill(out, (lo[0] + r0, *lo[1:]), _cast)
+        else:
+            _cast(out, part[r0 : r0 + rows])
         if staged is not None:
-            _cast(np.frombuffer(staged, dtype=dtype).reshape(piece.shape), piece)
             writer.advance(n)
         else:
-            out = _chunk_buffer(n).view(dtype).reshape(piece.shape)
-            _cast(out, piece)
             writer.write(out.reshape(-1).view(np.uint8))
         r0 += rows
 
@@ -113,7 +126,7 @@ class Materializer:
         infos = self.source.tensors
         largest = max(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in infos.values())
         budget = max(largest // 2, max(math.prod(infos[n].shape) for n, _ in keys))
-        self.queue = QuantQueue(keys, self.source.view, self.stats, budget, QUANT_WORKERS)
+        self.queue = QuantQueue(keys, self.whole, self.stats, budget, QUANT_WORKERS)
 
     def close(self) -> None:
         if self.queue is not None:
@@ -138,6 +151,11 @@ class Materializer:
             return self._value[1] if spec.scale_of else self._value[0]
         return self._value
 
+    def whole(self, name: str) -> np.ndarray:
+        """A source tensor as one array (the quantizer needs it whole; a reshard's Tiles are put
+        together here)."""
+        return np.asarray(self.source.view(name))
+
     def release(self, spec: TensorSpec) -> None:
         """The writers are done with this spec's quantized tensor."""
         if spec.quant and self.queue is not None:
@@ -150,6 +168,6 @@ class Materializer:
         if self.source.holds_quantized(name, scheme):
             q, scale, self.stats[name] = self.source.quantized(name, scheme)
             return stored(q, scheme), scale
-        w = self.source.view(name) if w is None else w
+        w = self.whole(name) if w is None else w
         q, scale, self.stats[name] = quantize_array(name, w, scheme, QUANT_WORKERS)
         return stored(q, scheme), scale

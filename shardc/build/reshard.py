@@ -41,6 +41,7 @@ from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput
 from .quantize import unpack_int8
 from .source import Source, TensorInfo
+from .tiles import Tiles
 
 # summary() field -> the config.json key a user knows
 _CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
@@ -72,8 +73,13 @@ def _role(spec: TensorSpec) -> str:
 class BuildSource(Source):
     """A build read as a checkpoint: full tensors reassembled from its ranks (see module doc)."""
 
-    def __init__(self, inp: BuildInput, out_layout: Layout, *, dequantize: bool = False) -> None:
+    def __init__(self, inp: BuildInput, out_layout: Layout, *, dequantize: bool = False,
+                 speculative: bool = False) -> None:
         self.input = inp
+        # speculative (reshard): read a file while its hash is checked, confirm before commit;
+        # otherwise (verify --deep's reference) every file is checked before it is read
+        self._ready = inp.ready if speculative else inp.prepare
+        self._speculative = speculative  # and hand 16-bit tensors to the writers as Tiles
         self.in_layout = inp.manifest.to_layout()
         _check_records(inp.manifest, self.in_layout)
         self.dequantize = dequantize
@@ -110,7 +116,7 @@ class BuildSource(Source):
                 raise AssertionError(f"{name} is quantized in the input build")
             q, scale = self._assemble(name, "weight"), self._assemble(name, "scale")
             return np.multiply(q, scale, dtype=np.float32)  # as the runtime dequantizes: fp32 q * s
-        return self._assemble(name, "weight")
+        return self._assemble_stored(name, "weight", tiles=self._speculative)
 
     def holds_quantized(self, name: str, scheme: str) -> bool:
         return self.in_quant.get(name) == scheme
@@ -120,9 +126,12 @@ class BuildSource(Source):
         requantized."""
         return self._assemble(name, "weight"), self._assemble(name, "scale"), dict(self.stats[name])
 
+    def confirm(self) -> None:
+        self.input.confirm()
+
     # -- identity -----------------------------------------------------------------------------
     def start_hashing(self) -> None:
-        """Input files are checked by the BuildInput, before use."""
+        """Input files are checked by the BuildInput (see ``confirm``)."""
 
     def identity(self) -> SourceRecord:
         """Provenance, where a build records its Hugging Face source: the input manifest."""
@@ -152,10 +161,11 @@ class BuildSource(Source):
         self._check_values(name)  # same files as the packed pieces: checked by _assemble_stored
         return unpack_int8(a)
 
-    def _assemble_stored(self, name: str, role: str) -> np.ndarray:
-        """The full tensor as the files store it (int8 still packed: slices of packed columns)."""
+    def _assemble_stored(self, name: str, role: str, tiles: bool = False) -> np.ndarray | Tiles:
+        """The full tensor as the files store it (int8 still packed: slices of packed columns);
+        with ``tiles``, pieces side by side are left where they are mapped (build/tiles.py)."""
         pieces = self.pieces[(name, role)]
-        self.input.prepare(sorted({p.file for p in pieces}))
+        self._ready(sorted({p.file for p in pieces}))
         distinct: dict[tuple, tuple[Piece, np.ndarray]] = {}
         for p in pieces:
             a = self._read(p)
@@ -174,6 +184,11 @@ class BuildSource(Source):
             (p, a), = distinct.values()
             if p.spec.dim is None or a.shape == shape:
                 return a
+        if tiles and pack == 1:
+            parts = sorted((p.spec.start, p.spec.stop, a) for p, a in distinct.values())
+            dim = parts and next(iter(distinct.values()))[0].spec.dim
+            if dim in (0, 1) and _covers(parts, shape[dim]):
+                return Tiles(shape, parts[0][2].dtype, dim, tuple(parts))
         out = np.empty(shape, next(iter(distinct.values()))[1].dtype)
         covered = 0
         for p, a in distinct.values():
@@ -225,6 +240,16 @@ class BuildSource(Source):
                                            e["data_offsets"][1] - e["data_offsets"][0])
                                        for k, e in tensors.items()}
             return self._offsets[file]
+
+
+def _covers(parts: list[tuple[int, int, np.ndarray]], n: int) -> bool:
+    """Sorted (start, stop) ranges tile ``[0, n)`` exactly."""
+    at = 0
+    for start, stop, _ in parts:
+        if start != at:
+            return False
+        at = stop
+    return at == n
 
 
 def _check_records(manifest: Manifest, layout: Layout) -> None:
@@ -320,7 +345,7 @@ def reshard(
             raise PlanError(f"the output directory {out} is the input build's own directory",
                             key="--out", hint="reshard into another directory")
         existed = out.exists()
-        source = BuildSource(inp, layout, dequantize=dequantize)
+        source = BuildSource(inp, layout, dequantize=dequantize, speculative=True)
         inp.prepare(inp.side_files())  # config and tokenizer files are checked too (small: first)
         source.schedule(layout)
         try:
@@ -333,9 +358,21 @@ def reshard(
                     p.unlink(missing_ok=True)
                 if not any(out.iterdir()):
                     shutil.rmtree(out, ignore_errors=True)
+            if not isinstance(exc, OutputError):
+                _raise_corruption(inp)
             raise
     finally:
         inp.close()
+
+
+def _raise_corruption(inp: BuildInput) -> None:
+    """Bytes are used while their hashes are checked (``BuildInput.ready``): whatever went wrong
+    on the way (replicas that differ, a bad header, NaN), a corrupted input file read so far is
+    the root cause to report; raise its mismatch if there is one."""
+    try:
+        inp.confirm()
+    except VerifyMismatch as corrupt:
+        raise corrupt from None
 
 
 def open_reference(ref: str, layout: Layout) -> Source:

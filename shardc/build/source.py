@@ -165,6 +165,11 @@ class Source:
         """Quantized values, scales and error stats held by the source (see holds_quantized)."""
         raise KeyError(name)
 
+    def confirm(self) -> None:
+        """Block until every byte read so far is known good; the compiler calls it before it
+        commits anything derived from them. A checkpoint has nothing to check its bytes against;
+        a build input (reshard) is hashed against its manifest while it is being used."""
+
     # -- identity -----------------------------------------------------------------------------
     def start_hashing(self) -> None:
         """Hash the source files in a background thread while the build runs."""
