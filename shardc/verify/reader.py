@@ -32,6 +32,7 @@ from ..spec.dtypes import DTYPES
 
 CHUNK = 32 << 20  # bytes per read / hash / copy step into pinned memory (CUDA)
 HOST_CHUNK = 1 << 20  # bytes per read / hash step on CPU (stays in cache between the two)
+HOST_RING = 3  # CPU with finite checks: pieces being hashed (one thread) while the next are checked
 PINNED_BUFFERS = 3  # ring of pinned staging buffers on CUDA: read, hash and copy in flight at once
 FINITE_CHUNK = 1 << 22  # elements per finite-check step (bounds the temporaries)
 
@@ -100,23 +101,37 @@ def _read_to_host(f: Any, path: Path, length: int, h: Any, header: dict[str, Any
     import torch
 
     start = f.tell()
-    buf = bytearray(HOST_CHUNK)
-    mv = memoryview(buf)
     bad: list[str] = []
     scratch: dict[str, Any] = {}
     pos = 0
-    for seg_end, name, dtype in _segments(header if finite else None, length):
-        while pos < seg_end:
-            k = _read_full(f, mv[: min(HOST_CHUNK, seg_end - pos)])
-            if not k:
-                break
-            h.update(mv[:k])
-            if dtype is not None and (not bad or bad[-1] != name) and _piece_bad(mv[:k], dtype, scratch):
-                bad.append(name)
-            pos += k
-    while k := f.readinto(buf):  # bytes past the last segment (a file longer than its header says)
-        h.update(mv[:k])
-        pos += k
+    # With ``finite``, a thread hashes each piece (hashlib releases the GIL) while this one checks
+    # it: the check costs no wall time where a core is free. Without, one cache-hot buffer.
+    ring = [memoryview(bytearray(HOST_CHUNK)) for _ in range(HOST_RING if finite else 1)]
+    hashed: list[Future[Any] | None] = [None] * len(ring)
+    i = 0
+    with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
+        # the trailing segment also takes bytes past the last one (a file longer than its header says)
+        for seg_end, name, dtype in [*_segments(header if finite else None, length), (None, None, None)]:
+            while seg_end is None or pos < seg_end:
+                j = i % len(ring)
+                if hashed[j] is not None:
+                    hashed[j].result()
+                    hashed[j] = None
+                mv = ring[j]
+                k = _read_full(f, mv if seg_end is None else mv[: min(HOST_CHUNK, seg_end - pos)])
+                if not k:
+                    break
+                if finite:
+                    hashed[j] = hasher.submit(h.update, mv[:k])
+                else:
+                    h.update(mv[:k])
+                if dtype is not None and (not bad or bad[-1] != name) and _piece_bad(mv[:k], dtype, scratch):
+                    bad.append(name)
+                pos += k
+                i += 1
+        for fut in hashed:
+            if fut is not None:
+                fut.result()
     if pos != length:
         raise VerifyMismatch(f"{path}: file changed size while it was read", hint="is something rewriting it?")
     if not length:
