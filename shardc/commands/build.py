@@ -19,7 +19,9 @@ Examples:
 """)
 @click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--source", help="Read weights from here instead of the plan's model.source "
-              "(local dir or hf://org/repo[@rev]); the recorded plan is unchanged.")
+              "(local dir or hf://org/repo[@rev]). The plan and its sha256 in the shards are "
+              "unchanged; the manifest records the override and the effective plan's sha256 "
+              "(check with verify --plan PLAN --source SOURCE).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Output directory [default: build/<plan name>].")
 @click.option("--manifests-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -80,7 +82,8 @@ def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
     ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
               "layers": list(r.layers), "tensors": len(r.tensors), "bytes": r.nbytes} for r in layout.ranks]
     if as_json:
-        echo_json({"plan": plan.name, "plan_sha256": plan.sha256, "valid": True, "ranks": ranks})
+        echo_json({"plan": plan.name, "plan_sha256": plan.sha256, "effective_plan_sha256": plan.effective_sha256,
+                   "overrides": plan.overrides, "valid": True, "ranks": ranks})
         return
     click.echo(f"{plan.name}: valid (tp={plan.tp} pp={plan.pp} dtype={plan.dtype}, "
                f"{layout.model.architecture} {layout.model.num_layers} layers)")
