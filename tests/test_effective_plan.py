@@ -75,6 +75,10 @@ def test_the_manifest_records_the_override_and_the_effective_plan(world):
     effective["model"]["source"] = world["elsewhere"]
     assert over["effective_plan_sha256"] == sha_of(effective) != over["plan_sha256"]
     assert over["source"]["uri"] == world["elsewhere"]
+    from shardc.verify.inspect import describe
+
+    assert f"source     {world['elsewhere']}  (build --source; the plan's own is weights, effective plan " \
+           f"sha256 {over['effective_plan_sha256'][:12]})" in describe(world["over"])["lines"]
     # a build without override records neither key: its bytes are what they always were
     assert "overrides" not in plain and "effective_plan_sha256" not in plain
     assert plain["source"]["uri"] == "weights"
