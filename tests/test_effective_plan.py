@@ -205,8 +205,26 @@ def test_an_inconsistent_override_record_is_refused(world, tmp_path, edit, code,
     assert r.returncode == code and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def test_source_without_plan_is_bad_input(world):
+def test_source_flags_that_mean_nothing_or_two_things_are_bad_input(world, tmp_path):
     r = verify(world["plain"], "--source", world["elsewhere"])
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        "error: --source: is given without --plan (it names the source of the plan this node expects) "
+        "error: --source goes with --plan (it names the source of the plan this node expects) "
         "(hint: shardc verify --manifest M --plan PLAN.yaml --source SRC)"]
+    # the plan's own words, relative to another directory (here: the repository, the cwd):
+    # recorded as the plan's source they would lie, so the build is refused before anything
+    r = shardc("build", world["plan"], "--out", tmp_path / "o", "--source", "weights", "-q")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"--source 'weights' is the plan's own model.source, which the plan resolves to {world['root'] / 'weights'}" \
+        in r.stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_the_override_record_survives_push_and_pull(world, tmp_path, compress):
+    """A node checks a pulled build: the pulled manifest.json is the build's, override included."""
+    from shardc.store import pull_build, push_build
+
+    push_build(world["over"] / "manifest.json", str(tmp_path / "store"), compress=compress)
+    pull_build(str(tmp_path / "store" / "manifest.json"), tmp_path / "node")
+    assert (tmp_path / "node" / "manifest.json").read_bytes() == (world["over"] / "manifest.json").read_bytes()
+    assert verify(tmp_path / "node", "--plan", world["plan"], "--source", world["elsewhere"]).returncode == 0
+    assert verify(tmp_path / "node", "--plan", world["plan"]).returncode == 1

@@ -45,6 +45,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
 
     plan = load_plan(plan_file)
     if source:
+        _check_same_words(plan, source)
         plan = plan.with_source(source)
     if dry_run:
         _dry_run(plan, model_ref, as_json)
@@ -71,6 +72,19 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     click.echo(f"manifest: {result.manifest_path}")
     if manifests_dir is not None:
         click.echo(f"record:   {Path(manifests_dir) / (summary['plan'] + '.json')}")
+
+
+def _check_same_words(plan, source: str) -> None:
+    """``--source`` in the plan's own words is no override, and is recorded as none; a relative
+    path means another directory here (the plan's is relative to the plan file), so that is
+    refused rather than recorded as the plan's own source."""
+    from .output import UsageError
+
+    if source == plan.data["model"]["source"] and plan.source_label is not None \
+            and Path(source).resolve() != Path(plan.source).resolve():
+        raise UsageError(f"--source {source!r} is the plan's own model.source, which the plan resolves to "
+                         f"{plan.source}, not {Path(source).resolve()}",
+                         hint="pass the directory as it should be recorded, e.g. an absolute path")
 
 
 def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:

@@ -43,9 +43,9 @@ Examples:
 def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, pp_stage, all_ranks, device,
                deep_source, jobs, distributed, timeout_s, endpoint_url, as_json) -> None:
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
-    from ..errors import ManifestError, PlanError
+    from ..errors import ManifestError
     from ..verify.checks import verify_build
-    from .output import chosen_ranks, echo_json
+    from .output import UsageError, chosen_ranks, echo_json
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
@@ -53,8 +53,8 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, 
         raise ManifestError("a manifest from a store needs --dir: where this node's shards are",
                             hint="shardc verify --manifest s3://bucket/prefix/manifest.json --dir /models/x")
     if source is not None and plan_file is None:
-        raise PlanError("is given without --plan (it names the source of the plan this node expects)",
-                        key="--source", hint="shardc verify --manifest M --plan PLAN.yaml --source SRC")
+        raise UsageError("--source goes with --plan (it names the source of the plan this node expects)",
+                         hint="shardc verify --manifest M --plan PLAN.yaml --source SRC")
     plan_record = None
     if plan_file is not None:
         from ..spec.plan import load_plan
