@@ -228,3 +228,14 @@ def test_the_override_record_survives_push_and_pull(world, tmp_path, compress):
     assert (tmp_path / "node" / "manifest.json").read_bytes() == (world["over"] / "manifest.json").read_bytes()
     assert verify(tmp_path / "node", "--plan", world["plan"], "--source", world["elsewhere"]).returncode == 0
     assert verify(tmp_path / "node", "--plan", world["plan"]).returncode == 1
+
+
+def test_an_override_of_a_plan_without_a_source_is_refused_on_read(world):
+    from shardc.errors import ManifestError
+    from shardc.formats.manifest import parse
+
+    m = json.loads((world["over"] / "manifest.json").read_text())
+    m["plan"]["model"] = ["not", "a", "section"]
+    with pytest.raises(ManifestError, match="expected dict") as err:
+        parse(json.dumps(m))
+    assert err.value.key == "plan.model"

@@ -403,6 +403,7 @@ def _read_overrides(r: _Reader) -> tuple[dict[str, str], str | None]:
     if "overrides" not in r.data:
         return {}, None
     overrides = r.get("overrides", dict)
+    r.sub("plan").sub("model").get("source", str)  # what the override replaces
     if not overrides:
         raise r.error("is empty (a build without overrides records neither key)", "overrides")
     for key, value in overrides.items():
