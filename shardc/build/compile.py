@@ -64,6 +64,8 @@ class BuildResult:
         return {
             "plan": m.name,
             "plan_sha256": m.plan_sha256,
+            "effective_plan_sha256": m.effective_sha256,
+            "overrides": dict(m.overrides),
             "out_dir": str(self.out_dir),
             "manifest": str(self.manifest_path),
             "up_to_date": self.up_to_date,

@@ -108,7 +108,8 @@ def up_to_date(out_dir: Path, plan: Plan, layout: Layout, identity: SourceRecord
         m = parse(mpath.read_bytes(), str(mpath))
     except (OSError, ShardcError):
         return None
-    if m.plan_sha256 != plan.sha256 or m.source != identity or m.shardc_version != __version__:
+    if (m.plan_sha256 != plan.sha256 or m.effective_sha256 != plan.effective_sha256
+            or m.overrides != plan.overrides or m.source != identity or m.shardc_version != __version__):
         return None
     listed = {f.name: f.sha256 for f in m.files}
     for name, data in side_files(layout).items():  # an older shardc's config or layout

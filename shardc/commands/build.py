@@ -19,7 +19,9 @@ Examples:
 """)
 @click.argument("plan_file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--source", help="Read weights from here instead of the plan's model.source "
-              "(local dir or hf://org/repo[@rev]); the recorded plan is unchanged.")
+              "(local dir or hf://org/repo[@rev]). The plan and its sha256 in the shards are "
+              "unchanged; the manifest records the override and the effective plan's sha256 "
+              "(check with verify --plan PLAN --source SOURCE).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Output directory [default: build/<plan name>].")
 @click.option("--manifests-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -43,6 +45,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
 
     plan = load_plan(plan_file)
     if source:
+        _check_same_words(plan, source)
         plan = plan.with_source(source)
     if dry_run:
         _dry_run(plan, model_ref, as_json)
@@ -71,6 +74,19 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
         click.echo(f"record:   {Path(manifests_dir) / (summary['plan'] + '.json')}")
 
 
+def _check_same_words(plan, source: str) -> None:
+    """``--source`` in the plan's own words is no override, and is recorded as none; a relative
+    path means another directory here (the plan's is relative to the plan file), so that is
+    refused rather than recorded as the plan's own source."""
+    from .output import UsageError
+
+    if source == plan.data["model"]["source"] and plan.source_label is not None \
+            and Path(source).resolve() != Path(plan.source).resolve():
+        raise UsageError(f"--source {source!r} is the plan's own model.source, which the plan resolves to "
+                         f"{plan.source}, not {Path(source).resolve()}",
+                         hint="pass the directory as it should be recorded, e.g. an absolute path")
+
+
 def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
     from ..spec.layout import build_layout
     from ..spec.model import model_for_source
@@ -80,7 +96,8 @@ def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
     ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
               "layers": list(r.layers), "tensors": len(r.tensors), "bytes": r.nbytes} for r in layout.ranks]
     if as_json:
-        echo_json({"plan": plan.name, "plan_sha256": plan.sha256, "valid": True, "ranks": ranks})
+        echo_json({"plan": plan.name, "plan_sha256": plan.sha256, "effective_plan_sha256": plan.effective_sha256,
+                   "overrides": plan.overrides, "valid": True, "ranks": ranks})
         return
     click.echo(f"{plan.name}: valid (tp={plan.tp} pp={plan.pp} dtype={plan.dtype}, "
                f"{layout.model.architecture} {layout.model.num_layers} layers)")

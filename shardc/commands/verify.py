@@ -14,6 +14,7 @@ Examples:
   shardc verify --manifest build/demo-tp3pp2-bf16/manifest.json
   shardc verify --manifest /models/manifest.json --rank 5 --device cuda
   shardc verify --manifest build/x/manifest.json --deep /data/Llama-3.3-70B-Instruct --json
+  shardc verify --manifest /nvme/build/manifest.json --plan plans/tp2pp1-int8.yaml --source /data/Llama-3.3-70B-Instruct
   torchrun --nproc-per-node 8 -m shardc.cli verify --manifest m.json --distributed --device cuda
 """)
 @click.option("--manifest", "manifest_path", required=True,
@@ -21,7 +22,10 @@ Examples:
 @click.option("--dir", "directory", type=click.Path(file_okay=False, path_type=Path),
               help="Directory holding the shards [default: the manifest's directory].")
 @click.option("--plan", "plan_file", type=click.Path(dir_okay=False, path_type=Path),
-              help="The plan this node expects; the manifest must be of exactly this plan.")
+              help="The plan this node expects; the manifest must be of exactly this plan "
+                   "(and of its model.source, unless --source).")
+@click.option("--source", "source", help="With --plan: the --source the build was made with (as "
+              "typed to shardc build); the manifest must record exactly that override.")
 @click.option("--rank", type=int, help="Global rank to verify (only its file is read).")
 @click.option("--tp-rank", type=int, help="TP rank (with --pp-stage).")
 @click.option("--pp-stage", type=int, help="PP stage (with --tp-rank).")
@@ -36,24 +40,28 @@ Examples:
 @click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
 @click.option("--json", "as_json", is_flag=True, help="Per-rank result objects for orchestration.")
 @click.pass_context
-def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage, all_ranks, device,
+def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, pp_stage, all_ranks, device,
                deep_source, jobs, distributed, timeout_s, endpoint_url, as_json) -> None:
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
     from ..errors import ManifestError
     from ..verify.checks import verify_build
-    from .output import chosen_ranks, echo_json
+    from .output import UsageError, chosen_ranks, echo_json
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
     if directory is None:
         raise ManifestError("a manifest from a store needs --dir: where this node's shards are",
                             hint="shardc verify --manifest s3://bucket/prefix/manifest.json --dir /models/x")
-    plan_problem = None
+    if source is not None and plan_file is None:
+        raise UsageError("--source goes with --plan (it names the source of the plan this node expects)",
+                         hint="shardc verify --manifest M --plan PLAN.yaml --source SRC")
+    plan_record = None
     if plan_file is not None:
         from ..spec.plan import load_plan
-        from ..verify.checks import plan_mismatch
+        from ..verify.checks import plan_check
 
-        plan_problem = plan_mismatch(manifest, load_plan(plan_file), str(plan_file))
+        expected = load_plan(plan_file)
+        plan_record = plan_check(manifest, expected.with_source(source) if source else expected, str(plan_file))
     if distributed or "TORCHELASTIC_RUN_ID" in os.environ:  # --distributed, or launched by torchrun
         from ..verify.distributed import distributed_verify
 
@@ -65,9 +73,11 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, rank, tp_rank, pp_stage
 
             check_gpus(manifest.name, device, 1)
         report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
-    if plan_problem:  # the shards may be sound, but they are not what this node expects: exit 1
-        report["ok"] = False
-        report["problems"].insert(0, plan_problem)
+    if plan_record is not None:
+        report["plan_check"] = plan_record
+        if not plan_record["ok"]:  # the shards may be sound, but they are not what this node expects: exit 1
+            report["ok"] = False
+            report["problems"].insert(0, plan_record["problem"])
     if as_json:
         echo_json(report)
     else:

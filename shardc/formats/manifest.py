@@ -5,6 +5,8 @@ Schema (format_version 2)::
     {
       "format": "shardc-manifest", "format_version": 2, "shardc_version": "0.1.0",
       "plan": {...normalized plan...}, "plan_sha256": "<hex>",
+      "overrides": {"model.source": str}, "effective_plan_sha256": "<hex>"
+                   (both only when the build overrode the plan: ``build --source``),
       "model": {...ModelSpec.summary()..., "padded_vocab_size": int, "config": {HF config.json}},
       "layout": {"tp_degree": int, "pp_degree": int, "stages": [[start, stop], ...],
                  "base_dtype": "BF16", "dtype": "fp16|bf16|int8|fp8"},
@@ -16,6 +18,10 @@ Schema (format_version 2)::
                   "layers": [start, stop], "size": int, "sha256": hex,
                   "tensors": {name: TensorSpec.record() (+ "stats" for quantized weights)}}, ...}
     }
+
+``plan`` is the plan file's (its hash is in every shard's metadata); the effective plan is ``plan``
+with ``overrides`` applied, and without them it is ``plan`` itself (so a build without override,
+and every manifest written before overrides were recorded, has no such keys and the same bytes).
 
 ``manifest["shards"][file]["sha256"]`` is all a loader needs to check a shard. Version 1 (still
 read) listed the shards instead, each entry naming its ``"file"``.
@@ -43,7 +49,7 @@ from .. import __version__
 from ..errors import ManifestError
 from ..spec.layout import Layout, base_dtype, build_layout
 from ..spec.model import model_from_config
-from ..spec.plan import canonical_json, plan_from_dict
+from ..spec.plan import OVERRIDABLE, apply_overrides, canonical_json, plan_from_dict
 from ..spec.readfile import MANIFEST_LIMIT, read_regular_file
 from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 
@@ -271,6 +277,10 @@ class Manifest:
     files: list[FileEntry]
     shards: list[ShardEntry]
     shardc_version: str = __version__
+    # What the command line changed in the plan (``{"model.source": "/data/x"}``), and the hash
+    # of the plan with those changes; both empty/None when nothing was overridden.
+    overrides: dict[str, str] = field(default_factory=dict)
+    effective_plan_sha256: str | None = None
     _by_file: dict[str, ShardEntry] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     # -- reading --------------------------------------------------------------------------------
@@ -287,6 +297,16 @@ class Manifest:
     @property
     def world_size(self) -> int:
         return self.layout.tp_degree * self.layout.pp_degree
+
+    @property
+    def effective_sha256(self) -> str:
+        """The hash of the plan the build applied: ``verify --plan`` compares this."""
+        return self.effective_plan_sha256 or self.plan_sha256
+
+    @property
+    def effective_plan(self) -> dict[str, Any]:
+        """The plan the build applied: ``plan`` with ``overrides``."""
+        return apply_overrides(self.plan, self.overrides)
 
     @property
     def total_bytes(self) -> int:
@@ -323,6 +343,8 @@ class Manifest:
             "shardc_version": self.shardc_version,
             "plan": self.plan,
             "plan_sha256": self.plan_sha256,
+            **({"overrides": dict(self.overrides), "effective_plan_sha256": self.effective_sha256}
+               if self.overrides else {}),
             "model": self.model,
             "layout": self.layout.to_dict(),
             "source": self.source.to_dict(),
@@ -349,8 +371,8 @@ class Manifest:
                 hint="use the shardc version that wrote it",
             )
         r = _Reader(m, "", origin)
-        r.only("format", "format_version", "shardc_version", "plan", "plan_sha256", "model", "layout",
-               "source", "files", "shards")
+        r.only("format", "format_version", "shardc_version", "plan", "plan_sha256", "overrides",
+               "effective_plan_sha256", "model", "layout", "source", "files", "shards")
         plan = r.get("plan", dict)
         rg = r.sub("plan").sub("replica_group")
         rg.get("name", str)
@@ -364,10 +386,32 @@ class Manifest:
             shards = [ShardEntry.read(s) for s in r.items("shards")]
         else:
             shards = sorted((ShardEntry.read(s, file) for file, s in r.entries("shards")), key=lambda s: s.rank)
+        overrides, effective = _read_overrides(r)
         return cls(plan=plan, plan_sha256=r.sha256("plan_sha256"), model=model.data, layout=layout,
                    source=SourceRecord.read(r.sub("source")),
                    files=[FileEntry.read(f) for f in r.items("files")], shards=shards,
-                   shardc_version=r.get("shardc_version", str))
+                   shardc_version=r.get("shardc_version", str), overrides=overrides,
+                   effective_plan_sha256=effective)
+
+
+def _read_overrides(r: _Reader) -> tuple[dict[str, str], str | None]:
+    """``overrides`` and ``effective_plan_sha256`` come together or not at all (absent: the
+    effective plan is the plan); only the keys a command line can override, as strings."""
+    if ("overrides" in r.data) != ("effective_plan_sha256" in r.data):
+        missing = "effective_plan_sha256" if "overrides" in r.data else "overrides"
+        raise r.error("is missing (overrides and effective_plan_sha256 come together)", missing)
+    if "overrides" not in r.data:
+        return {}, None
+    overrides = r.get("overrides", dict)
+    r.sub("plan").sub("model").get("source", str)  # what the override replaces
+    if not overrides:
+        raise r.error("is empty (a build without overrides records neither key)", "overrides")
+    for key, value in overrides.items():
+        if key not in OVERRIDABLE:
+            raise r.error(f"has key {key!r}; only {', '.join(OVERRIDABLE)} can be overridden", "overrides")
+        if not isinstance(value, str) or not value:
+            raise r.error(f"is {value!r}, expected a non-empty string", f"overrides.{key}")
+    return dict(overrides), r.sha256("effective_plan_sha256")
 
 
 def new_manifest(layout: Layout, source: SourceRecord, shards: list[ShardEntry],
@@ -382,6 +426,8 @@ def new_manifest(layout: Layout, source: SourceRecord, shards: list[ShardEntry],
         source=source,
         files=sorted(files, key=lambda f: f.name),
         shards=sorted(shards, key=lambda s: s.rank),
+        overrides=dict(plan.overrides),
+        effective_plan_sha256=plan.effective_sha256 if plan.overrides else None,
     )
 
 

@@ -166,6 +166,10 @@ class Plan:
     kv_cache_cap_gb: float | None
     data: dict[str, Any]
     source_label: str | None = None  # the source as written, when ``source`` was resolved from it
+    # Plan keys the command line replaced (``build --source``: {"model.source": "<as typed>"}).
+    # ``data`` stays the plan file's, so shard metadata does not depend on where the weights lie;
+    # the manifest records these and the effective plan's hash (docs/architecture.md §3.3).
+    overrides: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -177,18 +181,37 @@ class Plan:
 
     @property
     def sha256(self) -> str:
-        return hashlib.sha256(canonical_json(self.data)).hexdigest()
+        return data_sha256(self.data)
+
+    @property
+    def effective_data(self) -> dict[str, Any]:
+        """The plan as this build applies it: ``data`` with the command-line overrides."""
+        return apply_overrides(self.data, self.overrides)
+
+    @property
+    def effective_sha256(self) -> str:
+        """What the manifest records as ``effective_plan_sha256`` (the plan's own hash when
+        nothing was overridden)."""
+        return data_sha256(self.effective_data) if self.overrides else self.sha256
 
     def shard_name(self, tp_rank: int, pp_stage: int) -> str:
         return self.shard_prefix.format(tp_rank=tp_rank, pp_stage=pp_stage)
 
     def with_source(self, source: str) -> Plan:
-        """The same plan reading weights from ``source``.
+        """The same plan reading weights from ``source`` (``--source``, as the user typed it).
 
-        The recorded plan (and so its sha256) keeps ``model.source`` as written, so the same plan
-        file gives the same shard bytes wherever the checkout or the weights live.
+        The recorded plan (and so its sha256 and the shard metadata) keeps ``model.source`` as
+        written, so the same plan file gives the same shard bytes wherever the weights live; the
+        override is kept in ``overrides``, so the manifest says which source the build was made
+        from and ``verify --plan`` can insist on it. An override in the plan's own words changes
+        nothing and is not recorded.
         """
-        return dataclasses.replace(self, source=source, source_label=None)
+        overrides = dict(self.overrides)
+        if source == self.data["model"]["source"]:
+            overrides.pop("model.source", None)
+        else:
+            overrides["model.source"] = source
+        return dataclasses.replace(self, source=source, source_label=None, overrides=overrides)
 
     @property
     def source_uri(self) -> str:
@@ -200,6 +223,29 @@ class Plan:
 def canonical_json(obj: Any) -> bytes:
     """Sorted keys, fixed separators, UTF-8: same object, same bytes."""
     return (json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode()
+
+
+def data_sha256(data: dict[str, Any]) -> str:
+    """The sha256 of a normalized plan: of its canonical JSON."""
+    return hashlib.sha256(canonical_json(data)).hexdigest()
+
+
+# Plan keys a command line may override (dotted paths into the plan), and the flag that does it.
+OVERRIDABLE = {"model.source": "--source"}
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
+    """A copy of ``data`` with each dotted key set to its override (``data`` is not changed)."""
+    out = json.loads(json.dumps(data))
+    for dotted, value in overrides.items():
+        if dotted not in OVERRIDABLE:
+            raise PlanError(f"cannot be overridden (only {', '.join(OVERRIDABLE)})", key=dotted)
+        *sections, key = dotted.split(".")
+        node = out
+        for sec in sections:
+            node = node.setdefault(sec, {})
+        node[key] = value
+    return out
 
 
 def _validate(section: dict[str, Any], schema: dict[str, Any], path: str) -> None:

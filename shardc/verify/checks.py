@@ -9,6 +9,7 @@ releases the GIL) in large blocks; shape checks read only the safetensors header
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, typed
 from ..formats.safetensors import read_header, shard_metadata
 from ..spec.layout import Layout, RankLayout
+from ..spec.plan import Plan, data_sha256
 from .devices import resolve_device
 
 
@@ -45,13 +47,46 @@ class RankResult:
         }
 
 
-def plan_mismatch(manifest: Manifest, plan: Any, plan_file: str) -> str | None:
-    """Why the manifest is not of the plan this node expects (another plan's file is a
-    mismatch, exit 1, not bad input), or None when it is."""
-    if plan.sha256 == manifest.plan_sha256:
-        return None
-    return (f"the manifest is of plan {manifest.name!r} (sha256 {manifest.plan_sha256[:12]}), not of "
-            f"{plan_file} (plan {plan.name!r}, sha256 {plan.sha256[:12]}); pass the manifest built from this plan")
+def plan_check(manifest: Manifest, plan: Plan, plan_file: str) -> dict[str, Any]:
+    """Is the manifest of exactly the plan this node expects, as applied (``plan`` carries the
+    ``--source`` verify was given, if any)? The effective plans' hashes are compared, so a build
+    made with ``build --source`` is of its plan only together with that source. Returns the
+    --json record: ``ok``, the hashes and overrides on both sides, and ``problem`` (one line)."""
+    record = {"ok": True, "plan_file": plan_file, "expected_effective_plan_sha256": plan.effective_sha256,
+              "expected_overrides": dict(plan.overrides), "effective_plan_sha256": manifest.effective_sha256,
+              "overrides": dict(manifest.overrides), "problem": None}
+    if plan.effective_sha256 != manifest.effective_sha256:
+        record.update(ok=False, problem=_plan_problem(manifest, plan, plan_file))
+    return record
+
+
+def plan_mismatch(manifest: Manifest, plan: Plan, plan_file: str) -> str | None:
+    """Why the manifest is not of the plan this node expects (another plan's file, or the plan
+    built from another source, is a mismatch, exit 1, not bad input), or None when it is."""
+    return plan_check(manifest, plan, plan_file)["problem"]
+
+
+def _plan_problem(manifest: Manifest, plan: Plan, plan_file: str) -> str:
+    if plan.sha256 != manifest.plan_sha256:
+        return (f"the manifest is of plan {manifest.name!r} (sha256 {manifest.plan_sha256[:12]}), not of "
+                f"{plan_file} (plan {plan.name!r}, sha256 {plan.sha256[:12]}); pass the manifest built "
+                "from this plan")
+    # The same plan file, applied to another source than the one this node expects.
+    own = plan.data["model"]["source"]
+    built = manifest.overrides.get("model.source")
+    wanted = plan.overrides.get("model.source")
+    accept = f"`shardc verify --plan {shlex.quote(plan_file)}"
+    if built is None:
+        how = (f"resharded from {manifest.source.uri} under the plan's own source `{own}`"
+               if manifest.source.reshard_of is not None else f"built from the plan's own source `{own}`")
+        return f"{how}, not from `--source {wanted}`; {accept}` (without --source) accepts it"
+    accept += f" --source {shlex.quote(built)}` accepts that source"
+    if wanted is None:
+        return f"built from `--source {built}` instead of the plan's `{own}`; {accept}"
+    if wanted != built:
+        return f"built from `--source {built}`, not `--source {wanted}` (the plan's own is `{own}`); {accept}"
+    return (f"the manifest's effective_plan_sha256 {manifest.effective_sha256[:12]} is not that of {plan_file} "
+            f"with --source {built} ({plan.effective_sha256[:12]}); the manifest was edited")
 
 
 def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: Layout) -> list[str]:
@@ -61,6 +96,13 @@ def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: L
     problems = []
     if manifest.plan_sha256 != layout.plan.sha256:
         problems.append("manifest plan_sha256 does not match the hash of its own plan")
+    if manifest.overrides:
+        if manifest.effective_sha256 != data_sha256(manifest.effective_plan):
+            problems.append("manifest effective_plan_sha256 does not match the hash of its plan with its overrides")
+        src = manifest.overrides.get("model.source")
+        if src is not None and manifest.source.reshard_of is None and src != manifest.source.uri:
+            problems.append(f"manifest overrides model.source with {src!r} but its source record read "
+                            f"{manifest.source.uri!r}")
     by_file = {s.file: s for s in manifest.shards}
     for rl in layout.ranks:
         entry = by_file.get(rl.file)

@@ -26,7 +26,9 @@ def describe(path: Path) -> dict[str, Any]:
         f"model      {model['architecture']} layers={model['num_layers']} hidden={model['hidden_size']} "
         f"heads={model['num_heads']}/{model['num_kv_heads']} vocab={model['vocab_size']}"
         f" (padded {model['padded_vocab_size']}) tied={model['tie_word_embeddings']}",
-        f"source     {m.source.uri}" + (f" @ {m.source.revision}" if m.source.revision else ""),
+        f"source     {m.source.uri}" + (f" @ {m.source.revision}" if m.source.revision else "")
+        + (f"  (build --source; the plan's own is {m.plan['model']['source']}, effective plan sha256 "
+           f"{m.effective_sha256[:12]})" if "model.source" in m.overrides else ""),
         f"shards     {len(m.shards)} files, {human_size(m.total_bytes)}",
     ]
     stored = {"int8": "pack-quantized: X.weight_packed int32 + X.weight_shape + X.weight_scale",
