@@ -41,9 +41,12 @@ SMALL = ["--hidden", "512", "--intermediate", "1536", "--heads", "8", "--kv-head
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-def run(cmd: list[str], warm: list[Path], env: dict | None = None) -> tuple[float, int, str]:
+CPU: dict[str, list[float]] = {}  # kind -> CPU seconds (user + sys) of each timed child
+
+
+def run(cmd: list[str], warm: list[Path], env: dict | None = None, kind: str = "") -> tuple[float, int, str]:
     """Wall seconds, peak RSS (KiB, ru_maxrss) and stdout of one child, after flushing dirty pages
-    and reading ``warm`` into the page cache."""
+    and reading ``warm`` into the page cache (its CPU seconds go to ``CPU[kind]``)."""
     subprocess.run(["sync"], check=True)
     time.sleep(0.5)
     for f in warm:
@@ -55,6 +58,7 @@ def run(cmd: list[str], warm: list[Path], env: dict | None = None) -> tuple[floa
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env or ENV)
         _, status, usage = os.wait4(proc.pid, 0)
         dt = time.perf_counter() - t0
+        CPU.setdefault(kind, []).append(usage.ru_utime + usage.ru_stime)
         proc.returncode = os.waitstatus_to_exitcode(status)
         out.seek(0)
         err.seek(0)
@@ -131,17 +135,19 @@ def main() -> None:
                 if kind == "reshard":
                     cmd = cli("reshard", "--manifest", str(ins[n] / "manifest.json"), "--plan", str(target),
                               "--out", str(work / "o"), "--manifests-dir", str(work / "m"), "-q")
-                    dt, peak, _ = run(cmd, files(ins[n]))
+                    dt, peak, _ = run(cmd, files(ins[n]), kind=kind)
                     rss["reshard"].append(peak)
                 else:
                     cache = warm_cache if kind == "build_warm_cache" else work / f"hash-cache-cold-{i}"
                     cmd = cli("build", str(target), "--out", str(work / "o"), "--manifests-dir",
                               str(work / "m"), "-q")
-                    dt, peak, _ = run(cmd, src_files, {**ENV, "SHARDC_CACHE_DIR": str(cache)})
+                    dt, peak, _ = run(cmd, src_files, {**ENV, "SHARDC_CACHE_DIR": str(cache)}, kind=kind)
                     rss["build"].append(peak)
                 times[kind].append(dt)
-                print(f"  run {i + 1} {kind:<17} {dt:6.2f} s  peak RSS {peak / 1024:7.1f} MiB", flush=True)
+                print(f"  run {i + 1} {kind:<17} {dt:6.2f} s  CPU {CPU[kind][-1]:5.2f} s  peak RSS "
+                      f"{peak / 1024:7.1f} MiB  (load average {os.getloadavg()[0]:.1f})", flush=True)
         report["seconds"] = {k: med(v) for k, v in times.items()}
+        report["cpu_seconds"] = {k: med(CPU[k]) for k in times}
         report["reshard_vs_build_warm_cache"] = med(times["reshard"]) / med(times["build_warm_cache"])
         report["reshard_vs_build_cold_cache"] = med(times["reshard"]) / med(times["build_cold_cache"])
 
