@@ -1,0 +1,215 @@
+"""#17 item 2: a rebuild killed while switching its files in is finished by the next build.
+
+Real subprocess builds, really killed (SIGKILL from the fault hook ``SHARDC_FAULT=switch:N`` in
+``build/switch.py``: after the N-th rename), real files. The oracle is an uninterrupted rebuild
+into another directory, compared byte for byte, and ``shardc verify``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
+JOURNAL = ".shardc-switch.json"
+INTERRUPTED = "a rebuild was interrupted while switching its files in"
+
+
+def shardc(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SHARDC_FAULT", None)
+    if fault:
+        env["SHARDC_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+
+
+def one_line(r: subprocess.CompletedProcess, needle: str, code: int = 2) -> None:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict[str, Path]:
+    """A: tp 1 x pp 2 of checkpoint a (writes the HF index); B: tp 2 x pp 1 of checkpoint b (same
+    model, other weights: every shard changes, and the index of A has to go)."""
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    d = tmp_path_factory.mktemp("switch")
+    cfg = llama_config(**TINY)
+    out = {}
+    for name, seed, tp, pp in [("A", 1, 1, 2), ("B", 2, 2, 1)]:
+        src = write_checkpoint(d / name.lower(), cfg, seed=seed)
+        plan = {"replica_group": {"name": "h", "tp_degree": tp, "pp_degree": pp, "dtype": "bf16",
+                                  "gpus_per_replica": tp * pp}, "model": {"source": str(src)}}
+        (d / f"{name}.yaml").write_text(yaml.safe_dump(plan))
+        out[name] = d / f"{name}.yaml"
+    return out
+
+
+def build(plan: Path, out: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    return shardc("build", str(plan), "--out", str(out), "--manifests-dir", str(out.parent / "m"), *extra,
+                  fault=fault)
+
+
+def built(plan: Path, out: Path, *extra: str) -> dict:
+    r = build(plan, out, "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def files(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != ".shardc-build.lock"}
+
+
+@pytest.fixture(scope="module")
+def reference(plans, tmp_path_factory) -> dict[str, bytes]:
+    """A, then B over it, uninterrupted: what every finished switch must end as."""
+    out = tmp_path_factory.mktemp("ref") / "out"
+    built(plans["A"], out)
+    assert built(plans["B"], out)["built"]
+    return files(out)
+
+
+def interrupted(plans, tmp_path: Path, n: int) -> Path:
+    """A complete build A, and a rebuild to B killed after the n-th rename of its switch."""
+    out = tmp_path / "out"
+    built(plans["A"], out)
+    r = build(plans["B"], out, "-q", fault=f"switch:{n}")
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    assert (out / JOURNAL).is_file()
+    return out
+
+
+def renames_in_b(reference: dict[str, bytes]) -> int:
+    """How many files B's switch renames before its manifest: its shards and listed side files."""
+    m = json.loads(reference["manifest.json"])
+    return len(m["shards"]) + len(m["files"])
+
+
+@pytest.mark.parametrize("point", ["0", "1", "last"])
+def test_kill_during_the_switch_is_finished_by_the_rerun(plans, reference, tmp_path, point):
+    n = renames_in_b(reference) if point == "last" else int(point)
+    out = interrupted(plans, tmp_path, n)
+    assert not (out / "manifest.json").exists()
+    for cmd in (["verify", "--manifest", str(out / "manifest.json")], ["verify", "--manifest", str(out)],
+                ["pull", "--manifest", str(out), "--all", "--dest", str(tmp_path / "pulled")]):
+        one_line(shardc(*cmd), INTERRUPTED)
+    from shardc.errors import ManifestError
+    from shardc.verify.loader import load_shard
+
+    with pytest.raises(ManifestError, match=INTERRUPTED):
+        load_shard(out, 0, 0, device="cpu")
+    journal = json.loads((out / JOURNAL).read_text())
+    inodes = {name: (out / name).stat().st_ino for pair in journal["renames"] for name in pair
+              if (out / name).exists()}
+    assert sum(1 for tmp, _ in journal["renames"] if not (out / tmp).exists()) == n  # n renamed
+
+    res = built(plans["B"], out)  # the same build again: finished, nothing rewritten
+    assert res["finished_switch"] and res["up_to_date"] and res["built"] == []
+    for tmp, final in journal["renames"]:  # each file is the one written before the kill
+        assert (out / final).stat().st_ino == inodes.get(tmp, inodes.get(final)), final
+    assert files(out) == reference  # no temp file, no journal, no index of A: byte-identical
+    assert shardc("verify", "--manifest", str(out / "manifest.json")).returncode == 0
+
+
+def test_kill_after_the_manifest_rename_leaves_a_build_the_rerun_tidies(plans, reference, tmp_path):
+    out = interrupted(plans, tmp_path, renames_in_b(reference) + 1)  # all renamed, journal not removed
+    assert shardc("verify", "--manifest", str(out)).returncode == 0
+    res = built(plans["B"], out)
+    assert res["finished_switch"] and res["up_to_date"] and res["built"] == []
+    assert files(out) == reference
+
+
+def test_another_plan_after_an_interrupted_switch_finishes_it_then_rebuilds(plans, reference, tmp_path):
+    out = interrupted(plans, tmp_path, 1)
+    a_alone = tmp_path / "a"
+    built(plans["A"], a_alone)
+    res = built(plans["A"], out)  # B's switch first (so this is a rebuild over B), then A
+    assert res["finished_switch"] and not res["up_to_date"]
+    assert sorted(res["built"]) == ["model-tp00-pp00.safetensors", "model-tp00-pp01.safetensors"]
+    for name in ("manifest.json", "config.json", "model.safetensors.index.json", *res["built"]):
+        assert (out / name).read_bytes() == (a_alone / name).read_bytes(), name
+    assert not (out / JOURNAL).exists() and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert shardc("verify", "--manifest", str(out)).returncode == 0
+
+
+def test_reshard_into_a_directory_with_an_interrupted_switch_finishes_it_first(plans, reference, tmp_path):
+    out = interrupted(plans, tmp_path, 1)
+    a_alone = tmp_path / "a"
+    built(plans["A"], a_alone)
+    r = shardc("reshard", "--manifest", str(a_alone), "--plan", str(plans["B"]), "--out", str(out),
+               "--manifests-dir", str(tmp_path / "m"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["finished_switch"]
+    assert not (out / JOURNAL).exists() and not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert shardc("verify", "--manifest", str(out)).returncode == 0
+
+
+def _snapshot(out: Path) -> dict[str, tuple]:
+    return {p.name: (p.is_symlink(), os.readlink(p) if p.is_symlink() else p.read_bytes())
+            for p in sorted(out.iterdir())}
+
+
+def _edit(journal: dict, out: Path, case: str, victim: Path) -> bytes | None:
+    """The journal as the case spoils it (bytes), or None when the case spoils the directory."""
+    renames = journal["renames"]
+    if case == "not-json":
+        return b'{"format": "shardc-switch", "renames": ['
+    if case == "slash":
+        renames[0][1] = "sub/" + renames[0][1]
+    elif case == "dotdot":
+        renames[0] = [f".{renames[0][1]}.0123456789abcdef.tmp".replace(renames[0][1], ".."), ".."]
+    elif case == "parent-path":
+        renames[0][1] = "../" + victim.name
+    elif case == "absolute":
+        journal["remove"] = [str(victim)]
+    elif case == "foreign-temp":
+        renames[0][0] = ".passwd.0123456789abcdef.tmp"
+    elif case == "symlink-temp":  # the manifest's temp name now links to a file outside
+        tmp = out / renames[-1][0]
+        tmp.unlink()
+        tmp.symlink_to(victim)
+        return None
+    elif case == "symlink-journal":
+        real = out.parent / "journal.json"
+        real.write_bytes((out / JOURNAL).read_bytes())
+        (out / JOURNAL).unlink()
+        (out / JOURNAL).symlink_to(real)
+        return None
+    return json.dumps(journal).encode()
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("not-json", "is not JSON"),
+    ("slash", "which is not a plain file name of its directory"),
+    ("dotdot", "which is not a plain file name of its directory"),
+    ("parent-path", "which is not a plain file name of its directory"),
+    ("absolute", "which is not a plain file name of its directory"),
+    ("foreign-temp", "which is not a temp name of"),
+    ("symlink-temp", "which is not a regular file"),
+    ("symlink-journal", "is not a regular file (a link?)"),
+])
+def test_malformed_journal_is_one_line_and_touches_nothing(plans, reference, tmp_path, case, needle):
+    out = interrupted(plans, tmp_path, 1)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    data = _edit(json.loads((out / JOURNAL).read_text()), out, case, victim)
+    if data is not None:
+        (out / JOURNAL).write_bytes(data)
+    before = _snapshot(out)
+    r = build(plans["B"], out, "-q")
+    one_line(r, needle)
+    assert "switch journal" in r.stderr and "delete it and rebuild" in r.stderr
+    assert _snapshot(out) == before  # no rename, no removal, no temp cleanup
+    assert victim.read_text() == "precious"
