@@ -213,3 +213,41 @@ def test_malformed_journal_is_one_line_and_touches_nothing(plans, reference, tmp
     assert "switch journal" in r.stderr and "delete it and rebuild" in r.stderr
     assert _snapshot(out) == before  # no rename, no removal, no temp cleanup
     assert victim.read_text() == "precious"
+
+
+def test_rebuild_whose_manifest_cannot_be_written_keeps_the_old_build(tmp_path):
+    """The new manifest is the last file staged: failing to write it (EFBIG from a file size limit
+    between the largest shard and the manifest, as a full disk fails it) leaves the old build
+    byte for byte, no journal and no temp file."""
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    cfg = llama_config(hidden_size=8, intermediate_size=16, num_layers=24, num_heads=2, num_kv_heads=1, vocab_size=16)
+    plans = {}
+    for name, seed in [("a", 1), ("b", 2)]:
+        src = write_checkpoint(tmp_path / name, cfg, seed=seed)
+        plans[name] = tmp_path / f"{name}.yaml"
+        plans[name].write_text(yaml.safe_dump({"replica_group": {"name": "h", "tp_degree": 1, "pp_degree": 6,
+                                                                 "dtype": "bf16", "gpus_per_replica": 6},
+                                               "model": {"source": str(src)}}))
+    out = tmp_path / "out"
+    built(plans["a"], out)
+    before = files(out)
+    shard = max(len(v) for k, v in before.items() if k.endswith(".safetensors"))
+    assert shard < len(before["manifest.json"])
+
+    def limit() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        lim = (shard + len(before["manifest.json"])) // 2
+        resource.setrlimit(resource.RLIMIT_FSIZE, (lim, lim))
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SHARDC_FAULT", None)
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plans["b"]), "--out", str(out),
+                        "--manifests-dir", str(tmp_path / "m"), "-q"], capture_output=True, text=True, env=env,
+                       cwd=ROOT, timeout=120, preexec_fn=limit)
+    one_line(r, "cannot write manifest.json", code=1)
+    assert "the build already there is untouched" in r.stderr
+    assert files(out) == before  # no journal, no temp file, every old file as it was
+    assert shardc("verify", "--manifest", str(out)).returncode == 0

@@ -20,8 +20,8 @@ from typing import Any
 
 from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
-from ..formats.files import final_name, sha256_file, temp_files, write_atomic, write_temp
-from ..formats.manifest import FileEntry, Manifest, ShardEntry, new_manifest
+from ..formats.files import final_name, fsync_dir, sha256_file, temp_files, write_atomic, write_temp
+from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, new_manifest
 from ..formats.safetensors import ShardWriter
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, build_layout
 from ..spec.model import model_from_config
@@ -353,6 +353,10 @@ def _switch(run: BuildRun, manifest: Manifest) -> None:
         stale = [] if out / INDEX in run.staged else [INDEX]  # a tp > 1 build where a tp = 1 build was
         journal = write_journal(out, run.staged, tmp, stale)
     except BaseException as exc:
+        # Interrupted before the switch began: the old build is all there is. A journal already
+        # on disk (it is ours: the lock is held) goes first, so no rerun acts on it.
+        remove_files([out / SWITCH_JOURNAL])
+        fsync_dir(out)
         remove_files(staged)
         if isinstance(exc, OSError):
             what = final_name(exc.filename) if exc.filename else "manifest.json"

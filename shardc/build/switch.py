@@ -85,7 +85,11 @@ def apply_switch(out: Path, renames: list[list[str]], remove: list[str]) -> None
     """The switch a journal records, idempotent: what a kill left undone is done by running it
     again. Returns once the new build is in place and the journal gone."""
     *files, (manifest_tmp, _) = renames
-    if os.path.lexists(out / manifest_tmp):
+    # The new manifest still at its temp name: the switch is not done. Once it is renamed, every
+    # other rename and removal was done and made durable before it, so nothing is left but the
+    # journal (and a journal whose files someone deleted removes nothing).
+    pending = os.path.lexists(out / manifest_tmp)
+    if pending:
         (out / MANIFEST).unlink(missing_ok=True)  # the old build ends here
     done = 0
     _fault(done)
@@ -94,10 +98,10 @@ def apply_switch(out: Path, renames: list[list[str]], remove: list[str]) -> None
             os.replace(out / tmp, out / final)
             done += 1
             _fault(done)
-    for name in remove:
-        (out / name).unlink(missing_ok=True)
-    fsync_dir(out)  # every file in place before the manifest says so
-    if os.path.lexists(out / manifest_tmp):
+    if pending:
+        for name in remove:
+            (out / name).unlink(missing_ok=True)
+        fsync_dir(out)  # every file in place before the manifest says so
         os.replace(out / manifest_tmp, out / MANIFEST)  # the new build's commit point
         _fault(done + 1)
     fsync_dir(out)
