@@ -251,3 +251,56 @@ def test_rebuild_whose_manifest_cannot_be_written_keeps_the_old_build(tmp_path):
     assert "the build already there is untouched" in r.stderr
     assert files(out) == before  # no journal, no temp file, every old file as it was
     assert shardc("verify", "--manifest", str(out)).returncode == 0
+
+
+_NAMES = ["manifest.json", "config.json", "model-tp00-pp00.safetensors", ".manifest.json.0123456789abcdef.tmp",
+          ".config.json.0123456789abcdef.tmp", ".model-tp00-pp00.safetensors.0123456789abcdef.tmp",
+          "../victim.txt", "/tmp/x", "..", ".", "", "a/b", ".shardc-build.lock", ".shardc-switch.json"]
+
+
+def test_journal_reader_fuzz(tmp_path):
+    """Any journal ends in a finished switch or a ShardcError, never another exception, and
+    nothing outside the directory changes (the victim beside it)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from shardc.build.switch import finish_switch
+    from shardc.errors import ShardcError
+
+    names = st.sampled_from(_NAMES) | st.text(max_size=12)
+    value = st.recursive(st.none() | st.integers(-2, 3) | names,
+                         lambda inner: st.lists(inner, max_size=4), max_leaves=12)
+    journal = st.fixed_dictionaries({}, optional={
+        "format": st.sampled_from(["shardc-switch", "x"]), "version": st.sampled_from([1, 2, True]),
+        "renames": st.lists(st.lists(names, min_size=2, max_size=2), max_size=4) | value,
+        "remove": st.lists(names, max_size=3) | value, "extra": value})
+    pairs = st.sampled_from([[f".{n}.0123456789abcdef.tmp", n] for n in _NAMES[:3]] + [["..", ".."], ["a/b", "b"]])
+    journal |= st.fixed_dictionaries({"format": st.just("shardc-switch"), "version": st.just(1),
+                                      "renames": st.lists(pairs, min_size=1, max_size=4),
+                                      "remove": st.lists(names, max_size=3)})
+    outcomes = []
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    counter = iter(range(10**6))
+
+    @settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow,
+              HealthCheck.function_scoped_fixture], database=None)
+    @given(journal, st.sets(st.sampled_from(_NAMES[:6])))
+    def check(j, present):
+        out = tmp_path / f"d{next(counter)}"
+        out.mkdir()
+        for name in present:
+            (out / name).write_text(name)
+        (out / JOURNAL).write_text(json.dumps(j))
+        try:
+            finished = finish_switch(out)
+        except ShardcError:
+            outcomes.append(False)
+            return
+        outcomes.append(True)
+        assert finished and not (out / JOURNAL).exists()
+        assert victim.read_text() == "precious" and sorted(p.name for p in tmp_path.iterdir() if
+                                                            not p.name.startswith("d")) == ["victim.txt"]
+
+    check()
+    assert True in outcomes and False in outcomes  # both ends were reached
