@@ -20,8 +20,8 @@ from typing import Any
 
 from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
-from ..formats.files import final_name, fsync_dir, temp_files, write_atomic
-from ..formats.manifest import FileEntry, Manifest, ShardEntry, new_manifest
+from ..formats.files import final_name, fsync_dir, sha256_file, temp_files, write_atomic, write_temp
+from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, new_manifest
 from ..formats.safetensors import ShardWriter
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, build_layout
 from ..spec.model import model_from_config
@@ -33,17 +33,15 @@ from .outputs import (
     check_space,
     copy_manifest,
     done_path,
-    file_entry,
     remove_files,
-    side_files,
     stage_done,
     stage_side_files,
-    tokenizer_files,
     up_to_date,
     write_side_files,
 )
 from .source import Source, open_source
 from .stages import write_stage
+from .switch import apply_switch, finish_switch, write_journal
 
 LOCK = ".shardc-build.lock"
 
@@ -57,6 +55,7 @@ class BuildResult:
     skipped: list[str] = field(default_factory=list)
     up_to_date: bool = False
     seconds: float = 0.0
+    finished_switch: bool = False  # an interrupted rebuild's switch was finished first
 
     def summary(self) -> dict[str, Any]:
         """Machine-readable summary for --json."""
@@ -69,6 +68,7 @@ class BuildResult:
             "out_dir": str(self.out_dir),
             "manifest": str(self.manifest_path),
             "up_to_date": self.up_to_date,
+            "finished_switch": self.finished_switch,
             "built": self.built,
             "skipped": self.skipped,
             "seconds": round(self.seconds, 3),
@@ -146,8 +146,13 @@ def build(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
+        # A rebuild killed while switching its files in left a journal: finish that switch before
+        # anything looks at the directory (up-to-date check, temp cleanup), whatever this plan is.
+        finished = finish_switch(out)
         with source.guard():  # another process cutting a mapped source file: an error, not SIGBUS
-            return _run(BuildRun(plan, layout, source, out, force, progress, manifests_dir, t0))
+            run = BuildRun(plan, layout, source, out, force, progress, manifests_dir, t0)
+            run.result.finished_switch = finished
+            return _run(run)
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -287,7 +292,8 @@ def _write_stages(run: BuildRun, stages: list[list[RankLayout]], mat: Materializ
 
 
 def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
-    """Side files, then the manifest: the commit point of the build."""
+    """Side files, then the manifest: the commit point of the build (when replacing a build, both
+    are staged too and everything switches in at once: ``build/switch.py``)."""
     layout = run.layout
     # A resumed build skipped some tensors; recompute their error stats so the manifest is
     # identical to an uninterrupted build's.
@@ -297,7 +303,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
                 mat.quantize(name, run.plan.dtype)
     run.source.confirm()  # every input byte behind the manifest (committed stages were confirmed)
     try:
-        side = _switch_in(run) if run.replacing else write_side_files(layout, run.source, run.out)
+        side = _stage_side_files(run) if run.replacing else write_side_files(layout, run.source, run.out)
     except OSError as exc:
         raise _output_error(run, exc, "config.json and the tokenizer files") from None
     shards = []
@@ -312,6 +318,9 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
             tensors[t.name] = rec
         shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
+    if run.replacing:
+        _switch(run, manifest)
+        return manifest
     try:
         manifest.write(run.out / "manifest.json")  # the commit point
     except OSError as exc:
@@ -321,23 +330,44 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
     return manifest
 
 
-def _switch_in(run: BuildRun) -> list[FileEntry]:
-    """Replacing a build: stage the side files too, then end the old build (its manifest goes
-    first) and rename every new file into place. Until here the old build was complete; from
-    here a crash leaves no manifest, and the rerun rebuilds."""
-    out = run.out
+def _stage_side_files(run: BuildRun) -> list[FileEntry]:
+    """Replacing a build: the side files go to temp names too; their entries are their temp
+    files' sizes and hashes under their final names."""
     try:
-        run.staged.update(stage_side_files(run.layout, run.source, out))
+        staged = stage_side_files(run.layout, run.source, run.out)
     except BaseException:
         remove_files(list(run.staged.values()))
         raise
-    (out / "manifest.json").unlink(missing_ok=True)
-    for final, tmp in run.staged.items():
-        os.replace(tmp, final)
-    if INDEX not in {p.name for p in run.staged}:
-        (out / INDEX).unlink(missing_ok=True)  # a tp > 1 build where a tp = 1 build was
-    fsync_dir(out)
-    return [file_entry(out, n) for n in [*side_files(run.layout), *tokenizer_files(run.source)]]
+    run.staged.update(staged)
+    return [FileEntry(final.name, tmp.stat().st_size, sha256_file(tmp)) for final, tmp in staged.items()]
+
+
+def _switch(run: BuildRun, manifest: Manifest) -> None:
+    """Replacing a build: the new manifest is staged durably like every other file, then the
+    journal makes the switch one that always finishes (``build/switch.py``). Until the journal is
+    written the old build is complete and a failure removes this run's files; after it, a failure
+    keeps them for the rerun, which finishes the switch first."""
+    out, staged = run.out, list(run.staged.values())
+    try:
+        staged.append(tmp := write_temp(out / "manifest.json", manifest.dumps()))
+        stale = [] if out / INDEX in run.staged else [INDEX]  # a tp > 1 build where a tp = 1 build was
+        journal = write_journal(out, run.staged, tmp, stale)
+    except BaseException as exc:
+        # Interrupted before the switch began: the old build is all there is. A journal already
+        # on disk (it is ours: the lock is held) goes first, so no rerun acts on it.
+        remove_files([out / SWITCH_JOURNAL])
+        fsync_dir(out)
+        remove_files(staged)
+        if isinstance(exc, OSError):
+            what = final_name(exc.filename) if exc.filename else "manifest.json"
+            raise OutputError(f"cannot write {what} in {out}: {exc.strerror or exc}",
+                              hint="free space or fix the disk; the build already there is untouched") from None
+        raise
+    try:
+        apply_switch(out, *journal)
+    except OSError as exc:
+        raise OutputError(f"cannot switch the new build into {out}: {exc.strerror or exc}",
+                          hint="fix the disk, then rerun the build: it finishes the switch first") from None
 
 
 def _output_error(run: BuildRun, exc: OSError, what: str) -> OutputError:

@@ -70,6 +70,9 @@ def summary_lines(summary: dict[str, Any], state: str, out_dir: Any) -> list[str
 
     head = (f"{summary['plan']}: {state}; {len(summary['shards'])} shards, "
             f"{human_size(summary['total_bytes'])} in {out_dir}")
-    return [head] + [f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
-            f"layers {s['layers'][0]}:{s['layers'][1]}  {human_size(s['size']):>12}  {s['sha256'][:12]}"
-            for s in summary["shards"]]
+    lines = [head] + [f"  {s['file']}  rank {s['rank']:>3} (tp {s['tp_rank']}, pp {s['pp_stage']})  "
+             f"layers {s['layers'][0]}:{s['layers'][1]}  {human_size(s['size']):>12}  {s['sha256'][:12]}"
+             for s in summary["shards"]]
+    if summary.get("finished_switch"):
+        lines.append("  first finished switching in the files of an interrupted rebuild (build/switch.py)")
+    return lines

@@ -80,6 +80,21 @@ def write_atomic(path: str | Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def write_temp(final: str | Path, data: bytes) -> Path:
+    """``data`` durably (fsynced) at a new temp file for ``final``, not renamed: a rebuild stages
+    files this way and switches them in later (build/switch.py). Removed again on failure."""
+    fd, tmp = create_temp(final)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return tmp
+
+
 def copy_atomic(src: str | Path, dst: str | Path) -> None:
     """Copy ``src`` to ``dst`` through a temp file: ``dst`` is never half a copy."""
     fd, tmp = create_temp(dst)

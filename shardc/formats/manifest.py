@@ -41,6 +41,7 @@ pulled manifest.json is byte-identical to the build's.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -445,9 +446,26 @@ def parse(data: bytes | str, origin: str = "manifest") -> Manifest:
     return Manifest.from_dict(m, origin)
 
 
+# Written by a rebuild while it switches its files into place (build/switch.py); a directory
+# holding it and no manifest.json is a build being switched, which the next build finishes.
+SWITCH_JOURNAL = ".shardc-switch.json"
+
+
+def interrupted_switch(directory: str | Path) -> ManifestError | None:
+    """The error for a missing manifest.json in ``directory`` when a rebuild's switch journal says
+    why it is missing (None otherwise): every reader of a build directory reports it the same way."""
+    directory = Path(directory)
+    if os.path.lexists(directory / "manifest.json") or not os.path.lexists(directory / SWITCH_JOURNAL):
+        return None
+    return ManifestError(f"{directory} has no manifest.json: a rebuild was interrupted while switching its files in",
+                         hint=f"rerun the build into it (any shardc build --out {directory}): it finishes the switch first")
+
+
 def read(path: str | Path) -> Manifest:
     """Read and validate a manifest file."""
     path = Path(path)
+    if not os.path.lexists(path) and (err := interrupted_switch(path.parent)) is not None:
+        raise err
     data = read_regular_file(path, limit=MANIFEST_LIMIT, what="manifest", error=ManifestError)
     return parse(data, str(path))
 

@@ -20,15 +20,17 @@ MANIFEST_LIMIT = 256 << 20  # the same bound a manifest fetched from a store has
 
 
 def read_regular_file(
-    path: str | Path, *, limit: int, what: str, error: type[ShardcError] = ShardcError
+    path: str | Path, *, limit: int, what: str, error: type[ShardcError] = ShardcError,
+    follow_links: bool = True,
 ) -> bytes:
     """The bytes of ``path`` if it is a regular file of at most ``limit`` bytes, else ``error``.
 
     The file is opened non-blocking so a FIFO is refused instead of waiting for a writer, and
-    at most ``limit + 1`` bytes are read, so a file that grows while it is read stays bounded."""
+    at most ``limit + 1`` bytes are read, so a file that grows while it is read stays bounded.
+    ``follow_links=False``: a symlink at ``path`` is refused (a file shardc itself wrote there)."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow_links else os.O_NOFOLLOW))
     except OSError as exc:
         raise error(f"cannot read {what} {path}: {exc.strerror}", hint="check the path") from None
     try:

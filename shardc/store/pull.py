@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
-from ..formats.manifest import Manifest, ShardEntry, parse
+from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, parse
 from .base import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -22,6 +22,7 @@ from .base import (
     env_flag,
 )
 from .codec import CODECS, VerifiedSink, remove_stale_partials, zstd_module
+from .local import LocalStore
 from .transfer import entries, os_errors, progress_bar, strip_compressed
 from .uri import open_store, split_object_uri
 
@@ -118,6 +119,8 @@ def _fetch(manifest_uri: str, endpoint_url: str | None, settings: S3Settings) ->
     store = open_store(root, endpoint_url=endpoint_url, settings=settings)
     data = store.get_bytes(name, MAX_MANIFEST_BYTES)
     if data is None:
+        if isinstance(store, LocalStore) and (err := interrupted_switch(store.root)):
+            raise err  # a local build directory in the middle of a rebuild's switch
         raise StoreError(f"no manifest at {store.object_uri(name)}",
                          hint="check the URI; a build is visible only once shardc push has finished")
     return store, parse(data, store.object_uri(name))
