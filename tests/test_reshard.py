@@ -500,7 +500,7 @@ def test_tiles_fill_any_window_like_the_whole_tensor(dim):
     rng = np.random.default_rng(7)
     whole = rng.standard_normal((12, 10)).astype(np.float32)
     cuts = [0, 3, 4, 9, whole.shape[dim]]
-    parts = tuple((a, b, np.take(whole, range(a, b), axis=dim)) for a, b in zip(cuts, cuts[1:]))
+    parts = tuple((a, b, np.take(whole, range(a, b), axis=dim)) for a, b in zip(cuts, cuts[1:], strict=False))
     tiles = Tiles(whole.shape, whole.dtype, dim, parts)
     assert np.array_equal(np.asarray(tiles), whole)
     for r0, r1, c0, c1 in [(0, 12, 0, 10), (1, 3, 0, 10), (2, 11, 3, 8), (4, 5, 4, 9), (11, 12, 9, 10)]:
