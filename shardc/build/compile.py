@@ -22,6 +22,7 @@ from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
 from ..formats.files import final_name, fsync_dir, sha256_file, temp_files, write_atomic, write_temp
 from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, new_manifest
+from ..formats.manifest import read as read_manifest
 from ..formats.safetensors import ShardWriter
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, build_layout
 from ..spec.model import model_from_config
@@ -342,6 +343,18 @@ def _stage_side_files(run: BuildRun) -> list[FileEntry]:
     return [FileEntry(final.name, tmp.stat().st_size, sha256_file(tmp)) for final, tmp in staged.items()]
 
 
+def _replaced_files(out: Path, new: set[str]) -> list[str]:
+    """Files of the build being replaced that the new one does not have, removed by the switch: a
+    tp 1 x pp 2 build rebuilt as tp 2 x pp 1 leaves no model-tp00-pp01 behind, a tp > 1 build no
+    HF index. Names come from the old manifest (validated on read: plain names in ``out``)."""
+    try:
+        old = read_manifest(out / "manifest.json")
+        names = {INDEX, *(s.file for s in old.shards), *(f.name for f in old.files)}
+    except ShardcError:
+        names = {INDEX}  # an unreadable old manifest: only what no new build can leave behind
+    return sorted(n for n in names - new if n != "manifest.json")
+
+
 def _switch(run: BuildRun, manifest: Manifest) -> None:
     """Replacing a build: the new manifest is staged durably like every other file, then the
     journal makes the switch one that always finishes (``build/switch.py``). Until the journal is
@@ -350,7 +363,7 @@ def _switch(run: BuildRun, manifest: Manifest) -> None:
     out, staged = run.out, list(run.staged.values())
     try:
         staged.append(tmp := write_temp(out / "manifest.json", manifest.dumps()))
-        stale = [] if out / INDEX in run.staged else [INDEX]  # a tp > 1 build where a tp = 1 build was
+        stale = _replaced_files(out, {p.name for p in run.staged})
         journal = write_journal(out, run.staged, tmp, stale)
     except BaseException as exc:
         # Interrupted before the switch began: the old build is all there is. A journal already
