@@ -26,7 +26,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import ManifestError, VerifyMismatch
-from ..formats.files import safe_name, sha256_file
+from ..formats.files import safe_name, sha256_file, sha256_mapped
 from ..formats.manifest import FileEntry, Manifest, ShardEntry, read
 
 # Hashing is what a reshard waits for first (a pp=1 input's first tensor needs every file), and
@@ -116,7 +116,8 @@ class LocalBuildInput(BuildInput):
 
     def _check(self, name: str) -> None:
         path = self._check_size(name)
-        digest = sha256_file(path)
+        # shards are mapped by the reader anyway: hash them from the mapping (no copy)
+        digest = (sha256_mapped if self.manifest.shard(name) else sha256_file)(path)
         entry = self.entry(safe_name(name))
         if digest != entry.sha256:
             raise VerifyMismatch(f"input file {path} is corrupted: sha256 {digest[:16]}..., the input "
