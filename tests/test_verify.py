@@ -208,23 +208,35 @@ def test_gpu_load(builds):
 
 # -- distributed mode: one real process per rank, a gloo group, bounded waits ---------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _held_port() -> socket.socket:
+    """A port that stays ours for the whole test, for rank 0's rendezvous store.
+
+    Bound with SO_REUSEADDR and never listened on: Linux still lets the TCPStore that rank 0 starts
+    bind and listen on the same port (c10d sets SO_REUSEADDR on its listening socket too, and only
+    a *listening* socket conflicts with another reusable one), while no other process can take it
+    meanwhile: a plain bind fails, and port-0 binds and outgoing connections skip a bound port. So
+    there is no window between choosing the port and rank 0 listening on it, unlike binding,
+    closing and reusing. Until rank 0 listens, a connection to it is refused.
+    """
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def _launch(manifest: Path, ranks: list[int], world: int, timeout: float = 10.0):
-    port = _free_port()
-    procs = []
-    for r in ranks:
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "shardc.cli", "verify", "--manifest", str(manifest), "--distributed",
-             "--timeout", str(timeout), "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
-    return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    with _held_port() as held:
+        procs = [_start_rank(manifest, r, world, held.getsockname()[1], timeout) for r in ranks]
+        return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+def _start_rank(manifest: Path, rank: int, world: int, port: int, timeout: float) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardc.cli", "verify", "--manifest", str(manifest), "--distributed",
+         "--timeout", str(timeout), "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
 
 
 @pytest.mark.heavy
