@@ -343,16 +343,53 @@ def test_torchrun_launch(pipe2):
     assert json.loads(p.stdout)["outputs"][0]["tokens"] == direct
 
 
-def test_pipeline_keeps_micro_batches_in_flight(tmp_path):
-    """pp 2, 6 micro-batches: stage 0 starts micro-batch k+1 while stage 1 still computes k (the
-    sends are asynchronous), which is what makes the bubble (pp-1)/(M+pp-1) rather than (pp-1)/pp."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+def test_pipeline_keeps_micro_batches_in_flight(pipe2, tmp_path):
+    """pp 2, 6 micro-batches: stage 0 starts micro-batch 1 while stage 1 has not even received
+    micro-batch 0 (the sends are asynchronous), which is what makes the bubble (pp-1)/(M+pp-1)
+    rather than (pp-1)/pp.
 
-    src = write_checkpoint(tmp_path / "wide", llama_config(hidden_size=256, intermediate_size=768,
-                                                            num_layers=4, vocab_size=99), seed=4)
-    res = score(build_plan(src, tmp_path, 1, 2), _ids(6, 128, 99, seed=3), timeout_s=60)
-    s0, s1 = ({m: (a, b) for m, a, b in res["trace"][r]} for r in (0, 1))
-    assert sorted(s0) == sorted(s1) == list(range(6))
-    overlapped = [k for k in range(5) if s0[k + 1][0] < s1[k][1]]
-    assert overlapped, (s0, s1)
-    assert res["pipeline"]["bubble_formula"] == pytest.approx(1 / 7)
+    Proved with events, not timestamps: stage 1 (rank 1) is held at its first step, before it
+    receives micro-batch 0 (SHARDC_FAULT hang:1:1), and stage 0's heartbeat is read from the real
+    rendezvous store, which this test hosts as the built-in launcher would. Stage 0 reaching its
+    second step means it started micro-batch 1 with micro-batch 0 still in flight; a pipeline that
+    waited for stage 1 before its next micro-batch stays at step 1 and the test fails at the deadline.
+    """
+    import os
+    import signal
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    job = {"id": "in-flight", "kind": "score", "replicas": [pipe2.job_entry()], "timeout_s": 120.0,
+           "device": "cpu", "threads": 1,
+           "score": {"windows": _ids(6, 16, 99, seed=3).tolist(), "micro_batch": 1}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    host = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=30),
+                         wait_for_workers=False)  # port 0: the OS picks it, and it stays ours
+    store = dist.PrefixStore(f"shardc/{job['id']}", host)
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(host.port),
+           "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "SHARDC_FAULT": "hang:1:1"}
+    logs, procs = [tmp_path / f"rank{r}.log" for r in range(2)], []
+    for r in range(2):
+        with logs[r].open("wb") as log:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "shardc.runtime.worker", str(tmp_path / "job.json")],
+                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=ROOT, stdout=subprocess.DEVNULL,
+                stderr=log))
+
+    def step(rank: int) -> int:
+        return int(store.get(f"beat/{rank}")) if store.check([f"beat/{rank}"]) else 0
+
+    try:
+        deadline = time.monotonic() + 120  # start-up and loading; the run itself takes milliseconds
+        while step(0) < 2:
+            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+                pytest.fail(f"stage 0 never started micro-batch 1 while stage 1 held micro-batch 0 "
+                            f"(stage 0 at step {step(0)}; exit codes {[p.poll() for p in procs]}): "
+                            f"the pipeline waits for the next stage\n{logs[0].read_text()[-2000:]}")
+            time.sleep(0.05)  # polling a condition; how long it takes does not matter
+        assert step(1) == 0 and procs[1].poll() is None  # stage 1 still holds micro-batch 0, unreceived
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=30)

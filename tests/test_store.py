@@ -500,15 +500,12 @@ def test_endless_faults_fail_clearly(builds, s3, proxy, bucket, tmp_path, monkey
 
 
 def test_dead_endpoint_fails_fast(builds, tmp_path, monkeypatch):
-    import socket
-
     monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
-    with socket.socket() as s:  # a port with nobody listening
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    held, port = _held_port()  # a port with nobody listening, and nobody can start to meanwhile
     t0 = time.monotonic()
-    res = run_cli("pull", "--manifest", "s3://bkt/m/manifest.json", "--all", "--dest", str(tmp_path),
-                  "--endpoint-url", f"http://127.0.0.1:{port}")
+    with held:  # type: ignore[attr-defined]
+        res = run_cli("pull", "--manifest", "s3://bkt/m/manifest.json", "--all", "--dest", str(tmp_path),
+                      "--endpoint-url", f"http://127.0.0.1:{port}")
     assert res.exit_code == 2 and "cannot reach" in one_error_line(res)
     assert time.monotonic() - t0 < 15
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -208,23 +210,35 @@ def test_gpu_load(builds):
 
 # -- distributed mode: one real process per rank, a gloo group, bounded waits ---------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _held_port() -> socket.socket:
+    """A port that stays ours for the whole test, for rank 0's rendezvous store.
+
+    Bound with SO_REUSEADDR and never listened on: Linux still lets the TCPStore that rank 0 starts
+    bind and listen on the same port (c10d sets SO_REUSEADDR on its listening socket too, and only
+    a *listening* socket conflicts with another reusable one), while no other process can take it
+    meanwhile: a plain bind fails, and port-0 binds and outgoing connections skip a bound port. So
+    there is no window between choosing the port and rank 0 listening on it, unlike binding,
+    closing and reusing. Until rank 0 listens, a connection to it is refused.
+    """
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
 
 
 def _launch(manifest: Path, ranks: list[int], world: int, timeout: float = 10.0):
-    port = _free_port()
-    procs = []
-    for r in ranks:
-        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "LOCAL_RANK": str(r)}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "shardc.cli", "verify", "--manifest", str(manifest), "--distributed",
-             "--timeout", str(timeout), "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True))
-    return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+    with _held_port() as held:
+        procs = [_start_rank(manifest, r, world, held.getsockname()[1], timeout) for r in ranks]
+        return [(p.wait(timeout=120), *p.communicate()) for p in procs]
+
+
+def _start_rank(manifest: Path, rank: int, world: int, port: int, timeout: float) -> subprocess.Popen:
+    env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "LOCAL_RANK": str(rank)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardc.cli", "verify", "--manifest", str(manifest), "--distributed",
+         "--timeout", str(timeout), "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
 
 
 @pytest.mark.heavy
@@ -257,6 +271,173 @@ def test_distributed_rank_never_joins(builds):
     for rc, _out, err in results:
         assert rc == 1
         assert "rank(s) [3] never joined" in err, err
+
+
+def _one_error_line(err: str) -> str:
+    """The whole of stderr is one ``error:`` line: no traceback, no c10d log lines or C++ frames."""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err[-3000:]
+    return lines[0]
+
+
+def _watch(port: int):
+    """A client of the rendezvous store rank 0 hosts: the test waits on the ranks' own keys."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    client = dist.TCPStore("127.0.0.1", port, 4, is_master=False, timeout=timedelta(seconds=90))
+    return dist.PrefixStore("shardc-verify", client)
+
+
+def _results(procs: dict[int, subprocess.Popen], skip: int | None = None) -> dict[int, tuple[int, str, str]]:
+    """Wait for every rank but ``skip`` (one that hangs would fail the test through TimeoutExpired)."""
+    return {r: (p.wait(timeout=120), *p.communicate()) for r, p in procs.items() if r != skip}
+
+
+@contextlib.contextmanager
+def _running() -> Iterator[dict[int, subprocess.Popen]]:
+    """The rank processes a test starts; whatever still runs at the end (a stopped rank) is killed."""
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        yield procs
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()  # SIGKILL ends a stopped process too
+                p.wait()
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+
+
+@pytest.mark.heavy
+def test_distributed_rank0_never_starts(builds):
+    """Rank 0 hosts the rendezvous: without it every other rank gives up within a bound (c10d
+    retries the connection once, so about twice --timeout) with one line naming the rendezvous and
+    the setting, exit 1."""
+    manifest = builds[2, 2, "bf16"] / "manifest.json"
+    t0 = time.monotonic()
+    with _held_port() as held:  # nobody listens on it: rank 0, which would, never starts
+        port = held.getsockname()[1]
+        with _running() as procs:
+            procs.update({r: _start_rank(manifest, r, 4, port, 4) for r in (1, 2, 3)})
+            results = _results(procs)
+    assert time.monotonic() - t0 < 60
+    for r, (rc, out, err) in results.items():
+        line = _one_error_line(err)
+        assert rc == 1 and out == ""
+        assert f"rank {r}: cannot reach the rendezvous at 127.0.0.1:{port} within 4s" in line
+        assert "Raise --timeout" in line
+
+
+@contextlib.contextmanager
+def _opens_wait(path: Path) -> Iterator[None]:
+    """While inside, another process's open() of ``path`` waits: a Linux write lease, which the
+    opener waits on until it is released (at most /proc/sys/fs/lease-break-time, 45 s by default).
+    A rank then stops in the middle of verifying its shard, at a point the test controls, as on a
+    stalled disk."""
+    import fcntl
+    import signal
+
+    old = signal.signal(signal.SIGIO, signal.SIG_IGN)  # the lease-break notice; by default it kills
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        except OSError as exc:
+            pytest.skip(f"no write lease on {path} here ({exc})")
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        os.close(fd)
+        signal.signal(signal.SIGIO, old)
+
+
+@pytest.mark.heavy
+def test_distributed_rank0_dies_after_joining(builds):
+    """Rank 0 is killed once ranks 0-2 joined, while rank 1 is still verifying (its shard's open
+    waits on a lease until rank 0 is gone), so rank 1 meets the dead store with its verdict in
+    hand. Ranks 1 and 2 end with one line naming rank 0, rank 3 (started after) with the
+    rendezvous it cannot reach; exit 1 each, within a bound."""
+    manifest = builds[2, 2, "bf16"] / "manifest.json"
+    with _held_port() as held, _running() as procs:
+        port = held.getsockname()[1]
+        with _opens_wait(manifest.parent / "model-tp01-pp00.safetensors"):  # global rank 1
+            procs.update({r: _start_rank(manifest, r, 4, port, 5) for r in (0, 1, 2)})
+            _watch(port).wait(["joined/0", "joined/1", "joined/2"])
+            procs[0].kill()
+            procs[0].wait()
+        t0 = time.monotonic()
+        procs[3] = _start_rank(manifest, 3, 4, port, 5)
+        results = _results(procs, skip=0)
+    assert time.monotonic() - t0 < 60
+    for r in (1, 2):
+        rc, out, err = results[r]
+        assert rc == 1 and out == ""
+        line = _one_error_line(err)
+        assert f"rank {r}: distributed verify failed" in line
+        assert "rank 0 (which hosts the rendezvous) is gone or not answering" in line
+    rc, _out, err = results[3]
+    assert rc == 1 and "rank 3: cannot reach the rendezvous" in _one_error_line(err)
+
+
+@pytest.mark.heavy
+def test_distributed_peer_hangs_while_verifying(builds):
+    """Rank 2 joins, then hangs reading its shard (its open waits on a lease): the other ranks
+    report, wait --timeout for its verdict and end with one line naming it, exit 1."""
+    manifest = builds[2, 2, "bf16"] / "manifest.json"
+    with _held_port() as held, _running() as procs:
+        port = held.getsockname()[1]
+        with _opens_wait(manifest.parent / "model-tp00-pp01.safetensors"):  # global rank 2
+            procs.update({r: _start_rank(manifest, r, 4, port, 5) for r in range(4)})
+            _watch(port).wait(["joined/2", "report/0", "report/1", "report/3"])
+            t0 = time.monotonic()
+            results = _results(procs, skip=2)
+            elapsed = time.monotonic() - t0
+    assert elapsed < 40  # --timeout, then rank 0 waits for the others' diagnosis
+    for r, (rc, out, err) in results.items():
+        assert rc == 1 and out == ""
+        line = _one_error_line(err)
+        assert f"rank {r}: distributed verify failed after up to 5s: rank(s) [2] did not finish verifying" in line
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("hung", [2, 0])
+def test_distributed_peer_joins_then_hangs(builds, hung):
+    """A rank verifies its shard and reports, then stops answering (SIGSTOP once ranks 0-2 have
+    reported) before rank 3 starts, so it cannot have read the others' verdicts: every live rank
+    ends within about --timeout with one line naming it, exit 1. A hung rank 0 takes the store it
+    hosts with it (its TCPStore takes connections and never answers): ranks 1 and 2 say so after
+    about twice --timeout, and so does rank 3, started after. With rank 2 hung, rank 3 must start and report within --timeout
+    (the others wait that long for its verdict), hence 15 s there."""
+    import signal
+
+    manifest = builds[2, 2, "bf16"] / "manifest.json"
+    timeout = 15 if hung else 5
+    with _held_port() as held:
+        port = held.getsockname()[1]
+        with _running() as procs:
+            procs.update({r: _start_rank(manifest, r, 4, port, timeout) for r in (0, 1, 2)})
+            _watch(port).wait(["report/0", "report/1", "report/2"])  # all three in the store's hands
+            os.kill(procs[hung].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            procs[3] = _start_rank(manifest, 3, 4, port, timeout)
+            results = _results(procs, skip=hung)
+            elapsed = time.monotonic() - t0
+    assert elapsed < 75
+    for r, (rc, out, err) in results.items():
+        assert rc == 1 and out == ""
+        line = _one_error_line(err)
+        if hung == 0 and r == 3:
+            assert "rank 3: the rendezvous at" in line and "takes connections but does not answer" in line
+            assert "Raise --timeout (now 5s)" in line
+            continue
+        expect = {2: "rank(s) [2] stopped answering after reporting (hung or killed)",
+                  0: "rank 0 (which hosts the rendezvous) is gone or not answering"}[hung]
+        assert f"rank {r}: distributed verify failed after up to {timeout}s: {expect}" in line, line
+        assert f"--timeout (now {timeout}s)" in line
 
 
 @pytest.mark.heavy
