@@ -314,7 +314,7 @@ def _running() -> Iterator[dict[int, subprocess.Popen]]:
 @pytest.mark.heavy
 def test_distributed_rank0_never_starts(builds):
     """Rank 0 hosts the rendezvous: without it every other rank gives up within a bound (c10d
-    retries the connection once, so about twice --timeout) with one line naming the rendezvous and
+    retries the connection once after a random back-off, so up to about three times --timeout) with one line naming the rendezvous and
     the setting, exit 1."""
     manifest = builds[2, 2, "bf16"] / "manifest.json"
     t0 = time.monotonic()
@@ -410,7 +410,7 @@ def test_distributed_peer_joins_then_hangs(builds, hung):
     reported) before rank 3 starts, so it cannot have read the others' verdicts: every live rank
     ends within about --timeout with one line naming it, exit 1. A hung rank 0 takes the store it
     hosts with it (its TCPStore takes connections and never answers): ranks 1 and 2 say so after
-    about twice --timeout, and so does rank 3, started after. With rank 2 hung, rank 3 must start and report within --timeout
+    about three times --timeout, and so does rank 3, started after. With rank 2 hung, rank 3 must start and report within --timeout
     (the others wait that long for its verdict), hence 15 s there."""
     import signal
 

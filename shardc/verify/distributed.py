@@ -126,8 +126,10 @@ def distributed_verify(
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     run = f"/{os.environ.get('TORCHELASTIC_RUN_ID', '')}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     # torchrun's agent store outlives a restart: a run's keys must not be read by the next one.
-    try:  # c10d retries a refused connection once, for up to the timeout each time
-        store = _Bounded(_within(2 * timeout_s + 5, lambda: open_rendezvous(
+    # c10d retries a refused connection once, for up to the timeout each time, with a random
+    # back-off between the two (up to about the timeout again): its own error must come first.
+    try:
+        store = _Bounded(_within(3 * timeout_s + 10, lambda: open_rendezvous(
             rank, world, timeout_s, hosted=agent_store, prefix="shardc-verify" + (run if agent_store else ""))),
             timeout_s + 5)
     except _NoAnswer:
