@@ -1,6 +1,7 @@
 """build/quantize.py behaviours that mutation testing found unchecked, each against values derived
 by hand here: the 16-bit dequantization rule (scale rounded to the dtype first), unpacking
-pack-quantized int8 (the reshard of an int8 build reads it), and the hint of the NaN error."""
+pack-quantized int8 (the reshard of an int8 build reads it), the hint of the NaN error, tensors
+of several row chunks on one thread or a pool, and the compressed-tensors config block."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from shardc.build.quantize import dequantize, pack_int8, quantize, quantize_array, unpack_int8
+from shardc.build.quantize import (
+    dequantize,
+    pack_int8,
+    quantization_config,
+    quantize,
+    quantize_array,
+    unpack_int8,
+)
 from shardc.errors import QuantizationError
 
 # q = [100, -5], scale 1 + 3 * 2^-9 = 1.005859375 (exact in fp32)
@@ -98,3 +106,56 @@ def test_a_one_element_weight_on_a_fresh_thread():
     t.join()
     q, s, _ = out[0]
     assert q.tolist() == [[127]] and s.tolist() == [[np.float32(0.5) / np.float32(127)]]
+
+
+def _ref_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """docs/architecture.md §5 in numpy: scale = absmax/127 in fp32 (1 for a zero row), q =
+    clamp(round half to even(w / scale), ±127)."""
+    scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
+    scale[scale == 0] = 1
+    return np.clip(np.round(w / scale), -127, 127).astype(np.int8), scale
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_tensor_of_several_row_chunks(workers):
+    """600 x 1000 fp32 is 2.3 chunks of 2^18 elements (262 rows each): every row quantized once,
+    the statistics over the whole tensor, on one thread or a pool."""
+    w = np.random.default_rng(3).standard_normal((600, 1000)).astype(np.float32)
+    w[599] *= 50  # the last, partial chunk holds the largest error
+    q, s, stats = quantize_array("w", w, "int8", workers)
+    q_ref, s_ref = _ref_int8(w)
+    assert np.array_equal(q, q_ref) and np.array_equal(s, s_ref)
+    err = w.astype(np.float64) - (q_ref.astype(np.float32) * s_ref).astype(np.float64)
+    assert stats["max_abs_err"] == pytest.approx(np.abs(err).max(), rel=1e-3)
+    assert stats["rel_rms_err"] == pytest.approx(np.sqrt((err ** 2).sum() / (w.astype(np.float64) ** 2).sum()),
+                                                 rel=1e-3)
+
+
+def test_an_all_zero_weight_has_zero_error():
+    q, s, stats = quantize_array("w", np.zeros((3, 8), np.float32), "fp8", 1)
+    assert not q.view(np.uint8).any() and s.tolist() == [[1.0]] * 3
+    assert stats == {"max_abs_err": 0.0, "rel_rms_err": 0.0}
+
+
+def test_unknown_scheme_is_one_line_with_its_hint():
+    with pytest.raises(QuantizationError) as info:
+        quantize_array("w", np.ones((2, 4), np.float32), "int4")
+    assert info.value.one_line() == "unknown scheme 'int4' (hint: int8 or fp8)"
+
+
+@pytest.mark.parametrize(("scheme", "kind", "fmt"), [("int8", "int", "pack-quantized"),
+                                                      ("fp8", "float", "float-quantized")])
+def test_quantization_config_block_written_out(scheme, kind, fmt):
+    """compressed-tensors' weight-only, per-channel, symmetric 8-bit scheme, key by key."""
+    weights = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel", "dynamic": False,
+               "group_size": None}
+    assert quantization_config(scheme, ["lm_head", "a.b"]) == {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                      "output_activations": None, "format": fmt}},
+        "ignore": ["a.b", "lm_head"],
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+    }
