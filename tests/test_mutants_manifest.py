@@ -32,7 +32,8 @@ def base() -> dict:
                    "reshard_of": {"manifest_sha256": H["c"], "plan": "old", "plan_sha256": H["d"],
                                   "dtype": "int8", "dequantized": ["x.weight"]}},
         "files": [{"name": "config.json", "size": 11, "sha256": H["e"]},
-                  {"name": "tokenizer.json", "size": 13, "sha256": H["f"]}],
+                  {"name": "tokenizer.json", "size": 13, "sha256": H["f"],
+                   "compressed": {"codec": "zstd", "size": 9, "sha256": H["3"], "object": "tokenizer.json.zst"}}],
         "shards": {
             S1: {"tp_rank": 0, "pp_stage": 1, "rank": 1, "layers": [1, 2], "size": 200, "sha256": H["1"],
                  "tensors": {"x.weight": TENSOR},
@@ -58,7 +59,9 @@ def test_typed_fields_of_the_hand_written_manifest():
     assert m.layout.stages == [(0, 1), (1, 2)] and (m.layout.base_dtype, m.layout.dtype) == ("BF16", "bf16")
     assert m.config == {"num_hidden_layers": 2, "vocab_size": 64, "head_dim": None}
     assert m.shard(S1) is s1 and m.shard("nope") is None
-    assert m.file("config.json").size == 11 and m.file("nope") is None
+    assert m.file("config.json").size == 11 and m.file("nope") is None and m.file("config.json").compressed is None
+    assert m.file("tokenizer.json").compressed == {"codec": "zstd", "size": 9, "sha256": H["3"],
+                                                   "object": "tokenizer.json.zst"}
     assert m.tokenizer_sha256 == H["f"]
     src = m.source
     assert (src.uri, src.revision, [(f.name, f.size, f.sha256) for f in src.files]) == \
@@ -101,6 +104,10 @@ def test_read_and_read_manifest_take_a_path(tmp_path):
     m = _parse(base())
     m.write(tmp_path / "w.json")
     assert (tmp_path / "w.json").read_bytes() == p.read_bytes()
+    with pytest.raises(ManifestError) as e:
+        read(tmp_path)
+    assert e.value.one_line() == (f"manifest {tmp_path} is not a regular file "
+                                  "(hint: pass the file itself, not a pipe or device)")
     p.write_bytes(b"\xff\xfe")
     with pytest.raises(ManifestError) as e:
         read(p)
@@ -287,3 +294,52 @@ def test_default_origin_is_manifest():
     with pytest.raises(ManifestError) as e:
         Manifest.from_dict([])
     assert e.value.one_line().startswith("manifest is not a shardc manifest")
+
+
+def test_loads_names_its_origin():
+    with pytest.raises(ManifestError) as e:
+        loads(b"{", "x.json")
+    assert e.value.one_line() == "x.json is not JSON (hint: pass the manifest.json that shardc build wrote)"
+    with pytest.raises(ManifestError) as e:
+        loads(b"{")
+    assert e.value.one_line() == "manifest is not JSON (hint: pass the manifest.json that shardc build wrote)"
+
+
+def test_zero_pipeline_stages_are_refused():
+    d = base()
+    d["layout"]["pp_degree"], d["layout"]["stages"] = 0, []
+    with pytest.raises(ManifestError) as e:
+        _parse(d)
+    assert e.value.one_line() == _err("layout.pp_degree", "is 0, outside 1..4096")
+
+
+def test_new_manifest_records_the_layout_it_was_built_from():
+    """tp=4 pp=2 int8 over an fp16-based plan, vocabulary 102 (padded to 104 for tp=4); files and
+    shards handed over out of order come out sorted by name and by rank."""
+    from shardc.build.synthetic import llama_config
+    from shardc.formats.manifest import FileEntry, ShardEntry, SourceRecord, layout_of, new_manifest
+    from shardc.spec.layout import build_layout
+    from shardc.spec.model import model_from_config
+    from shardc.spec.plan import plan_from_dict
+
+    cfg = llama_config(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4,
+                       vocab_size=102)
+    plan = plan_from_dict({"replica_group": {"name": "nm", "tp_degree": 4, "pp_degree": 2, "dtype": "int8",
+                                             "gpus_per_replica": 8},
+                           "model": {"source": "x"}, "quantization": {"base_dtype": "fp16"}})
+    layout = build_layout(model_from_config(cfg), plan)
+    shards = [ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, (0, 1), 1, H["0"], {})
+              for rl in reversed(layout.ranks)]
+    files = [FileEntry("z.json", 1, H["1"]), FileEntry("config.json", 2, H["2"])]
+    source = SourceRecord("/src", "rev", [])
+    m = new_manifest(layout, source, shards, files)
+    assert m.plan == plan.data and m.plan_sha256 == plan.sha256 and m.source is source
+    assert [s.rank for s in m.shards] == list(range(8)) and [f.name for f in m.files] == ["config.json", "z.json"]
+    assert (m.layout.tp_degree, m.layout.pp_degree, m.layout.base_dtype, m.layout.dtype) == (4, 2, "F16", "int8")
+    assert m.layout.stages == [tuple(s) for s in layout.stages] and len(m.layout.stages) == 2
+    assert m.model["padded_vocab_size"] == 104 and m.model["vocab_size"] == 102 and m.config == cfg
+    assert (m.model["num_layers"], m.model["num_kv_heads"], m.model["hidden_size"]) == (4, 4, 64)
+    assert m.world_size == 8
+    back = m.to_layout()  # the layout recomputed from what the manifest recorded
+    assert [rl.file for rl in back.ranks] == [rl.file for rl in layout.ranks] and back.padded_vocab == 104
+    assert layout_of(m.to_dict()).plan.sha256 == plan.sha256
