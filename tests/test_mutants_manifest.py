@@ -313,9 +313,14 @@ def test_zero_pipeline_stages_are_refused():
     assert e.value.one_line() == _err("layout.pp_degree", "is 0, outside 1..4096")
 
 
-def test_new_manifest_records_the_layout_it_was_built_from():
-    """tp=4 pp=2 int8 over an fp16-based plan, vocabulary 102 (padded to 104 for tp=4); files and
-    shards handed over out of order come out sorted by name and by rank."""
+@pytest.mark.parametrize(("quant", "torch_dtype", "base"), [
+    ({"base_dtype": "fp16"}, "bfloat16", "F16"),  # the plan's word wins
+    (None, "float16", "F16"),  # else the source's 16-bit dtype
+    (None, "float32", "BF16"),  # else bf16
+])
+def test_new_manifest_records_the_layout_it_was_built_from(quant, torch_dtype, base):
+    """tp=4 pp=2 int8, vocabulary 102 (padded to 104 for tp=4); files and shards handed over out
+    of order come out sorted by name and by rank."""
     from shardc.build.synthetic import llama_config
     from shardc.formats.manifest import FileEntry, ShardEntry, SourceRecord, layout_of, new_manifest
     from shardc.spec.layout import build_layout
@@ -324,9 +329,12 @@ def test_new_manifest_records_the_layout_it_was_built_from():
 
     cfg = llama_config(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4,
                        vocab_size=102)
-    plan = plan_from_dict({"replica_group": {"name": "nm", "tp_degree": 4, "pp_degree": 2, "dtype": "int8",
-                                             "gpus_per_replica": 8},
-                           "model": {"source": "x"}, "quantization": {"base_dtype": "fp16"}})
+    cfg["torch_dtype"] = torch_dtype
+    plan_data = {"replica_group": {"name": "nm", "tp_degree": 4, "pp_degree": 2, "dtype": "int8",
+                                   "gpus_per_replica": 8}, "model": {"source": "x"}}
+    if quant:
+        plan_data["quantization"] = quant
+    plan = plan_from_dict(plan_data)
     layout = build_layout(model_from_config(cfg), plan)
     shards = [ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, (0, 1), 1, H["0"], {})
               for rl in reversed(layout.ranks)]
@@ -335,7 +343,7 @@ def test_new_manifest_records_the_layout_it_was_built_from():
     m = new_manifest(layout, source, shards, files)
     assert m.plan == plan.data and m.plan_sha256 == plan.sha256 and m.source is source
     assert [s.rank for s in m.shards] == list(range(8)) and [f.name for f in m.files] == ["config.json", "z.json"]
-    assert (m.layout.tp_degree, m.layout.pp_degree, m.layout.base_dtype, m.layout.dtype) == (4, 2, "F16", "int8")
+    assert (m.layout.tp_degree, m.layout.pp_degree, m.layout.base_dtype, m.layout.dtype) == (4, 2, base, "int8")
     assert m.layout.stages == [tuple(s) for s in layout.stages] and len(m.layout.stages) == 2
     assert m.model["padded_vocab_size"] == 104 and m.model["vocab_size"] == 102 and m.config == cfg
     assert (m.model["num_layers"], m.model["num_kv_heads"], m.model["hidden_size"]) == (4, 4, 64)
