@@ -1,0 +1,83 @@
+"""verify/checks.py behaviours that mutation testing found unchecked: the warning that a rank's
+weights plus the plan's KV-cache cap exceed host memory (at its exact threshold, with the memory
+read from /proc/meminfo, not from the code under test), and the plan-mismatch line."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from shardc.build.compile import build
+from shardc.verify.checks import plan_mismatch, verify_build
+
+CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64)
+GiB = 2**30
+
+
+def _plan_data(name: str, cap: float | None) -> dict:
+    rg = {"name": name, "tp_degree": 1, "pp_degree": 1, "dtype": "bf16", "gpus_per_replica": 1}
+    if cap is not None:
+        rg["kv_cache_cap_gb"] = cap
+    return {"replica_group": rg, "model": {"source": "synthetic"}}
+
+
+def _host_memory() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal")
+
+
+def _data_bytes(shard: Path) -> int:
+    """The tensor bytes of a safetensors file: all of it but the 8-byte length and the header."""
+    (n,) = struct.unpack("<Q", shard.read_bytes()[:8])
+    return shard.stat().st_size - 8 - n
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("c") / "src", llama_config(**CFG))
+
+
+def _warnings(src: Path, out: Path, cap: float | None) -> tuple[list[str], int]:
+    from shardc.spec.plan import plan_from_dict
+
+    res = build(plan_from_dict(_plan_data("c", cap)).with_source(str(src)), out)
+    (rank,) = verify_build(res.manifest, res.out_dir, device="cpu")["ranks"]
+    assert rank["ok"], rank
+    return rank["warnings"], _data_bytes(res.out_dir / res.manifest.shards[0].file)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.3f} GiB" if n >= 2**28 else f"{n / 2**20:.2f} MiB"
+
+
+def test_kv_cap_that_exceeds_host_memory_is_a_warning(src, tmp_path):
+    total = _host_memory()
+    # one byte over: weights + cap = total + 1 (exact in floats: far below 2^53)
+    probe, nbytes = _warnings(src, tmp_path / "probe", None)
+    assert probe == []
+    cap = (total + 1 - nbytes) / GiB
+    got, _ = _warnings(src, tmp_path / "over", cap)
+    assert got == [f"weights {_gib(nbytes)} + KV cap {_gib(cap * GiB)} exceed host memory ({_gib(total)})"]
+    at, _ = _warnings(src, tmp_path / "at", (total - nbytes) / GiB)  # exactly fits: no warning
+    assert at == []
+    small, _ = _warnings(src, tmp_path / "small", 1.0)
+    assert small == []
+
+
+def test_plan_mismatch_names_both_plans_by_12_hex_digits(src, tmp_path):
+    from shardc.spec.plan import plan_from_dict
+
+    res = build(plan_from_dict(_plan_data("built", None)).with_source(str(src)), tmp_path / "o")
+    other = plan_from_dict(_plan_data("other", None))
+    assert plan_mismatch(res.manifest, plan_from_dict(_plan_data("built", None)), "p.yaml") is None
+    assert plan_mismatch(res.manifest, other, "p.yaml") == (
+        f"the manifest is of plan 'built' (sha256 {res.manifest.plan_sha256[:12]}), not of p.yaml "
+        f"(plan 'other', sha256 {other.sha256[:12]}); pass the manifest built from this plan")
+    assert len(res.manifest.plan_sha256) == 64 and res.manifest.plan_sha256 != other.sha256
