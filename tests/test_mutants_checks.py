@@ -81,3 +81,19 @@ def test_plan_mismatch_names_both_plans_by_12_hex_digits(src, tmp_path):
         f"the manifest is of plan 'built' (sha256 {res.manifest.plan_sha256[:12]}), not of p.yaml "
         f"(plan 'other', sha256 {other.sha256[:12]}); pass the manifest built from this plan")
     assert len(res.manifest.plan_sha256) == 64 and res.manifest.plan_sha256 != other.sha256
+
+
+def test_deep_against_a_build_as_the_reference(src, tmp_path):
+    """verify --deep may name a build (a reshard's input) instead of a checkpoint: a tp=2 build
+    checked against a tp=1 build of the same checkpoint agrees byte for byte."""
+    from shardc.spec.plan import plan_from_dict
+
+    ref = build(plan_from_dict(_plan_data("ref", None)).with_source(str(src)), tmp_path / "ref")
+    d = _plan_data("tp2", None)
+    d["replica_group"].update(tp_degree=2, gpus_per_replica=2)
+    res = build(plan_from_dict(d).with_source(str(src)), tmp_path / "tp2")
+    out = verify_build(res.manifest, res.out_dir, deep=str(ref.out_dir))
+    assert out["ok"], out["problems"]
+    assert all("deep" in r["checks"] for r in out["ranks"])
+    out = verify_build(res.manifest, res.out_dir, deep=str(ref.manifest_path))
+    assert out["ok"], out["problems"]
