@@ -97,3 +97,60 @@ def test_deep_against_a_build_as_the_reference(src, tmp_path):
     assert all("deep" in r["checks"] for r in out["ranks"])
     out = verify_build(res.manifest, res.out_dir, deep=str(ref.manifest_path))
     assert out["ok"], out["problems"]
+
+
+BASE_CHECKS = ["present", "size", "sha256", "header", "metadata", "tensor-set", "dtype-shape"]
+
+
+def test_checks_run_are_listed_and_deep_trims_vocab_padding(src, tmp_path):
+    """Vocabulary 62 at tp=4 pads to 64: the last rank's embedding and lm_head slices end in two
+    zero rows, which --deep trims before comparing with the checkpoint (a clean build passes).
+    Every rank lists the checks it ran, in order."""
+    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.spec.plan import plan_from_dict
+
+    ck = write_checkpoint(tmp_path / "src62", llama_config(**{**CFG, "vocab_size": 62}))
+    d = _plan_data("pad", None)
+    d["replica_group"].update(tp_degree=4, gpus_per_replica=4)
+    res = build(plan_from_dict(d).with_source(str(ck)), tmp_path / "o")
+    assert res.manifest.model["padded_vocab_size"] == 64
+    out = verify_build(res.manifest, res.out_dir, deep=str(ck))
+    assert out["ok"], out["problems"]
+    assert [r["checks"] for r in out["ranks"]] == [BASE_CHECKS + ["deep"]] * 4
+    out = verify_build(res.manifest, res.out_dir, device="cpu")
+    assert [r["checks"] for r in out["ranks"]] == [BASE_CHECKS + ["load:cpu"]] * 4
+
+
+def _rehash(d: Path, file: str) -> None:
+    import hashlib
+    import json
+
+    m = json.loads((d / "manifest.json").read_text())
+    m["shards"][file].update(size=(d / file).stat().st_size,
+                             sha256=hashlib.sha256((d / file).read_bytes()).hexdigest())
+    (d / "manifest.json").write_text(json.dumps(m))
+
+
+def test_header_problems_are_named(src, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shardc.formats.manifest import read
+    from shardc.spec.plan import plan_from_dict
+
+    res = build(plan_from_dict(_plan_data("h", None)).with_source(str(src)), tmp_path / "o")
+    file = res.manifest.shards[0].file
+    path = res.out_dir / file
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(path), metadata=meta)
+    _rehash(res.out_dir, file)
+    out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
+    assert out["problems"] == [f"{file}: missing tensor model.norm.weight"]
+    path.write_bytes(struct.pack("<Q", 2) + b"[]")  # a header that is JSON but not an object
+    _rehash(res.out_dir, file)
+    out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
+    (problem,) = out["problems"]
+    assert problem.startswith(f"{file}: safetensors header does not parse (") and "JSON object" in problem
