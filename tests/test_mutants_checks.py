@@ -149,8 +149,25 @@ def test_header_problems_are_named(src, tmp_path):
     _rehash(res.out_dir, file)
     out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
     assert out["problems"] == [f"{file}: missing tensor model.norm.weight"]
+    assert out["ranks"] == [{"file": file, "tp_rank": 0, "pp_stage": 0, "rank": 0, "ok": False,
+                             "problems": out["problems"], "warnings": [],
+                             "checks": BASE_CHECKS}]  # the checks that ran, not only those passed
     path.write_bytes(struct.pack("<Q", 2) + b"[]")  # a header that is JSON but not an object
     _rehash(res.out_dir, file)
     out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
     (problem,) = out["problems"]
     assert problem.startswith(f"{file}: safetensors header does not parse (") and "JSON object" in problem
+
+
+def test_a_manifest_whose_plan_hash_is_not_its_plans(src, tmp_path):
+    import dataclasses
+
+    from shardc.spec.plan import plan_from_dict
+    from shardc.verify.checks import check_manifest_against_layout
+
+    res = build(plan_from_dict(_plan_data("p", None)).with_source(str(src)), tmp_path / "o")
+    layout = res.manifest.to_layout()
+    assert check_manifest_against_layout(res.manifest, layout) == []
+    edited = dataclasses.replace(res.manifest, plan_sha256="0" * 64)
+    assert check_manifest_against_layout(edited, layout) == [
+        "manifest plan_sha256 does not match the hash of its own plan"]
