@@ -171,3 +171,22 @@ def test_a_manifest_whose_plan_hash_is_not_its_plans(src, tmp_path):
     edited = dataclasses.replace(res.manifest, plan_sha256="0" * 64)
     assert check_manifest_against_layout(edited, layout) == [
         "manifest plan_sha256 does not match the hash of its own plan"]
+
+
+def test_device_load_names_data_that_does_not_fit(src, tmp_path):
+    """A shard cut 2 bytes short (its manifest entry re-hashed to match): loading it onto the
+    device finds the last tensor's data past the end of the file, and says which."""
+    from shardc.formats.manifest import read
+    from shardc.spec.plan import plan_from_dict
+
+    res = build(plan_from_dict(_plan_data("t", None)).with_source(str(src)), tmp_path / "o")
+    file = res.manifest.shards[0].file
+    path = res.out_dir / file
+    data = path.read_bytes()
+    path.write_bytes(data[:-2])
+    _rehash(res.out_dir, file)
+    (n,) = struct.unpack("<Q", data[:8])
+    end = len(data) - 8 - n  # the last tensor (model.norm.weight, BF16[32]) ends at the data's end
+    out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir, device="cpu")
+    assert out["problems"] == [f"{file}: tensor model.norm.weight: data_offsets [{end - 64}, {end}] do not fit "
+                               "BF16[32] in the file"]
