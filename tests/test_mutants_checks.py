@@ -190,3 +190,46 @@ def test_device_load_names_data_that_does_not_fit(src, tmp_path):
     out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir, device="cpu")
     assert out["problems"] == [f"{file}: tensor model.norm.weight: data_offsets [{end - 64}, {end}] do not fit "
                                "BF16[32] in the file"]
+
+
+def test_side_file_problems_each_named(src, tmp_path):
+    """config.json and (tp = 1) the index: an edited manifest entry, a file changed on disk at
+    the same size, an entry missing while a later file is missing too (both reported), an index
+    listed by a tp=2 manifest, and a shard the manifest lacks."""
+    import dataclasses
+
+    from shardc.build.outputs import INDEX, side_files
+    from shardc.formats.manifest import FileEntry
+    from shardc.spec.plan import plan_from_dict
+    from shardc.verify.checks import check_side_files
+
+    res = build(plan_from_dict(_plan_data("s", None)).with_source(str(src)), tmp_path / "o")
+    m, d = res.manifest, res.out_dir
+    layout = m.to_layout()
+    assert check_side_files(m, layout, d) == []
+    cfg = d / "config.json"
+    good = cfg.read_bytes()
+    cfg.write_bytes(good.replace(b"{", b"[", 1))  # same size, other bytes
+    assert check_side_files(m, layout, d) == ["config.json: size or sha256 differs from the manifest"]
+    cfg.write_bytes(good)
+    edited = dataclasses.replace(m, files=[dataclasses.replace(f, sha256="0" * 64) if f.name == "config.json"
+                                           else f for f in m.files])
+    assert check_side_files(edited, layout, d) == [
+        "manifest's config.json is not the one this plan's build writes (an older shardc, or edited)",
+        "config.json: size or sha256 differs from the manifest"]
+    first, second = list(side_files(layout))
+    assert {first, second} == {"config.json", INDEX}
+    (d / second).unlink()
+    unlisted = dataclasses.replace(m, files=[f for f in m.files if f.name != first])
+    assert check_side_files(unlisted, layout, d) == [f"manifest does not list {first}",
+                                                     f"{second}: missing (expected at {d / second})"]
+    d2 = _plan_data("s2", None)
+    d2["replica_group"].update(tp_degree=2, gpus_per_replica=2)
+    res2 = build(plan_from_dict(d2).with_source(str(src)), tmp_path / "o2")
+    extra = dataclasses.replace(res2.manifest, files=[*res2.manifest.files, FileEntry(INDEX, 1, "0" * 64)])
+    assert check_side_files(extra, res2.manifest.to_layout(), res2.out_dir) == [
+        f"manifest lists {INDEX}, which a tp=2 build does not have"]
+    lacking = dataclasses.replace(res2.manifest, shards=res2.manifest.shards[:1])
+    out = verify_build(lacking, res2.out_dir)
+    lost = res2.manifest.shards[1].file
+    assert out["problems"] == [f"manifest lacks shard {lost} that the plan requires", f"{lost}: not in the manifest"]
