@@ -190,6 +190,7 @@ def test_device_load_names_data_that_does_not_fit(src, tmp_path):
     out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir, device="cpu")
     assert out["problems"] == [f"{file}: tensor model.norm.weight: data_offsets [{end - 64}, {end}] do not fit "
                                "BF16[32] in the file"]
+    assert out["ranks"][0]["ok"] is False  # the rank's own verdict, not only the build's
 
 
 def test_side_file_problems_each_named(src, tmp_path):
@@ -233,3 +234,21 @@ def test_side_file_problems_each_named(src, tmp_path):
     out = verify_build(lacking, res2.out_dir)
     lost = res2.manifest.shards[1].file
     assert out["problems"] == [f"manifest lacks shard {lost} that the plan requires", f"{lost}: not in the manifest"]
+
+
+def test_digests_given_are_used_and_ranks_can_be_chosen(src, tmp_path):
+    """``hashed`` (digests a pull took while downloading) stands in for reading the file: a wrong
+    one is a mismatch, named by both hashes' first 16 digits. ``ranks`` verifies only those."""
+    from shardc.spec.plan import plan_from_dict
+
+    d = _plan_data("r", None)
+    d["replica_group"].update(tp_degree=2, gpus_per_replica=2)
+    res = build(plan_from_dict(d).with_source(str(src)), tmp_path / "o")
+    s0, s1 = res.manifest.shards
+    wrong = "f" * 64
+    out = verify_build(res.manifest, res.out_dir, hashed={s0.file: wrong})
+    assert out["problems"] == [f"{s0.file}: sha256 {wrong[:16]}..., expected {s0.sha256[:16]}... (corrupted bytes)"]
+    (res.out_dir / s1.file).unlink()  # only rank 0 is here, as after a pull of one rank
+    layout = res.manifest.to_layout()
+    out = verify_build(res.manifest, res.out_dir, ranks=[layout.ranks[0]])
+    assert out["ok"] and [r["file"] for r in out["ranks"]] == [s0.file]
