@@ -234,6 +234,12 @@ def test_side_file_problems_each_named(src, tmp_path):
     out = verify_build(lacking, res2.out_dir)
     lost = res2.manifest.shards[1].file
     assert out["problems"] == [f"manifest lacks shard {lost} that the plan requires", f"{lost}: not in the manifest"]
+    from shardc.verify.checks import check_manifest_against_layout
+
+    s0, s1 = res2.manifest.shards
+    both = dataclasses.replace(res2.manifest, shards=[dataclasses.replace(s1, rank=0)])  # rank 0 gone, rank 1 wrong
+    assert check_manifest_against_layout(both, res2.manifest.to_layout()) == [
+        f"manifest lacks shard {s0.file} that the plan requires", f"manifest entry {s1.file} has the wrong ranks"]
 
 
 def test_digests_given_are_used_and_ranks_can_be_chosen(src, tmp_path):
