@@ -258,3 +258,5 @@ def test_digests_given_are_used_and_ranks_can_be_chosen(src, tmp_path):
     layout = res.manifest.to_layout()
     out = verify_build(res.manifest, res.out_dir, ranks=[layout.ranks[0]])
     assert out["ok"] and [r["file"] for r in out["ranks"]] == [s0.file]
+    assert {k: v for k, v in out.items() if k != "ranks"} == {
+        "ok": True, "plan": "r", "plan_sha256": res.manifest.plan_sha256, "problems": []}
