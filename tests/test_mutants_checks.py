@@ -14,6 +14,7 @@ from shardc.verify.checks import plan_mismatch, verify_build
 
 CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64)
 GiB = 2**30
+TENSOR_REC = {"dtype": "BF16", "shape": [1], "source": "bogus.weight", "split": "replicated"}
 
 
 def _plan_data(name: str, cap: float | None) -> dict:
@@ -240,6 +241,11 @@ def test_side_file_problems_each_named(src, tmp_path):
     both = dataclasses.replace(res2.manifest, shards=[dataclasses.replace(s1, rank=0)])  # rank 0 gone, rank 1 wrong
     assert check_manifest_against_layout(both, res2.manifest.to_layout()) == [
         f"manifest lacks shard {s0.file} that the plan requires", f"manifest entry {s1.file} has the wrong ranks"]
+    tensors = {k: v for k, v in s0.tensors.items() if k != "model.norm.weight"} | {"bogus.weight": TENSOR_REC}
+    odd = dataclasses.replace(res2.manifest, shards=[dataclasses.replace(s0, tensors=tensors), s1])
+    assert check_manifest_against_layout(odd, res2.manifest.to_layout()) == [
+        f"manifest entry {s0.file} lists unexpected tensor bogus.weight",
+        f"manifest entry {s0.file} lacks tensor model.norm.weight"]
 
 
 def test_digests_given_are_used_and_ranks_can_be_chosen(src, tmp_path):
