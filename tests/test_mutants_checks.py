@@ -77,7 +77,9 @@ def test_plan_mismatch_names_both_plans_by_12_hex_digits(src, tmp_path):
 
     res = build(plan_from_dict(_plan_data("built", None)).with_source(str(src)), tmp_path / "o")
     other = plan_from_dict(_plan_data("other", None))
-    assert plan_mismatch(res.manifest, plan_from_dict(_plan_data("built", None)), "p.yaml") is None
+    # the build read --source src: the plan as applied matches, the plan alone does not
+    assert plan_mismatch(res.manifest, plan_from_dict(_plan_data("built", None)).with_source(str(src)), "p.yaml") is None
+    assert plan_mismatch(res.manifest, plan_from_dict(_plan_data("built", None)), "p.yaml") is not None
     assert plan_mismatch(res.manifest, other, "p.yaml") == (
         f"the manifest is of plan 'built' (sha256 {res.manifest.plan_sha256[:12]}), not of p.yaml "
         f"(plan 'other', sha256 {other.sha256[:12]}); pass the manifest built from this plan")
