@@ -170,3 +170,19 @@ def test_version_2_shard_keys_are_safe_names(built, tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError, match="unsafe shard file name"):
         read(tmp_path / "manifest.json")
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 65536, 65537, 3 * 65536 + 7])
+def test_sha256_mapped_is_hashlib_over_the_bytes(tmp_path, monkeypatch, size):
+    """Hashing from windows of mappings (reshard's input check) gives hashlib's digest of the
+    file's bytes at every size around the window edges (windows shrunk to 64 KiB here)."""
+    import hashlib
+    import os
+
+    from shardc.formats import files
+
+    monkeypatch.setattr(files, "MAP_WINDOW", 65536)
+    data = os.urandom(size)
+    p = tmp_path / "f"
+    p.write_bytes(data)
+    assert files.sha256_mapped(p, block=4096) == hashlib.sha256(data).hexdigest()

@@ -33,6 +33,7 @@ from ..errors import ManifestError, ModelError, OutputError, PlanError, ShardcEr
 from ..formats.files import temp_files
 from ..formats.manifest import Manifest, ReshardRecord, SourceRecord
 from ..formats.safetensors import read_header
+from ..spec.dtypes import DTYPE_BYTES
 from ..spec.layout import Layout, TensorSpec, source_tensors
 from ..spec.model import ModelSpec, model_for_source, model_from_config
 from ..spec.plan import Plan
@@ -98,7 +99,6 @@ class BuildSource(Source):
             dtype = self.pieces[(name, "weight")][0].spec.dtype
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
         self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def schedule(self, out_layout: Layout) -> None:
@@ -224,18 +224,14 @@ class BuildSource(Source):
         count = math.prod(spec.shape[1:]) * rows if spec.shape else 1
         if count == 0:
             return np.empty((0, *spec.shape[1:]), np_dtype(dtype))
-        a = np.frombuffer(self._map(p.file), dtype=np_dtype(dtype), count=count, offset=offset)
+        # A mapping of just this tensor, gone with the last array that views it: mapped pages
+        # count in the RSS, so a mapping of the whole file would hold every page read so far.
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        length = offset - start + count * DTYPE_BYTES[dtype]
+        with open(self.input.directory / p.file, "rb") as f:
+            mm = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=start)
+        a = np.frombuffer(mm, dtype=np_dtype(dtype), count=count, offset=offset - start)
         return a.reshape((rows, *spec.shape[1:]) if spec.shape else ())
-
-    def _map(self, file: str) -> mmap.mmap:
-        """The whole file, mapped once (its size was checked against the manifest first); the
-        mapping lives as long as the arrays that view it."""
-        with self._lock:
-            mm = self._maps.get(file)
-            if mm is None:
-                with open(self.input.directory / file, "rb") as f:
-                    mm = self._maps[file] = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-            return mm
 
     def _header(self, file: str) -> dict[str, tuple[int, str, list[int], int]]:
         """name -> (absolute data offset, dtype, shape, byte length), from the one header parser."""

@@ -35,17 +35,21 @@ def sha256_file(path: str | Path, block: int = HASH_BLOCK) -> str:
     return h.hexdigest()
 
 
+MAP_WINDOW = 8 << 20  # sha256_mapped maps this much at a time: mapped pages count in the RSS
+
+
 def sha256_mapped(path: str | Path, block: int = 1 << 20) -> str:
-    """Hex sha256 of a file hashed straight from its mapping: no copy out of the page cache
-    (about 18% less CPU than ``sha256_file`` here). Only for a file the caller maps anyway: a
-    file truncated meanwhile is SIGBUS, as it is for the caller's own mapping."""
+    """Hex sha256 of a file hashed straight from mappings of it, a window at a time: no copy out of
+    the page cache (about 18% less CPU than ``sha256_file`` here), and the RSS grows by one window
+    at most. Only for a file the caller maps anyway: a file truncated meanwhile is SIGBUS, as it is
+    for the caller's own mapping."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return h.hexdigest()
-        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-            with memoryview(m) as mv:
-                for i in range(0, len(mv), block):
+        size = os.fstat(f.fileno()).st_size
+        for start in range(0, size, MAP_WINDOW):
+            n = min(MAP_WINDOW, size - start)
+            with mmap.mmap(f.fileno(), n, prot=mmap.PROT_READ, offset=start) as m, memoryview(m) as mv:
+                for i in range(0, n, block):
                     h.update(mv[i : i + block])
     return h.hexdigest()
 
