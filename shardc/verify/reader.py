@@ -5,8 +5,9 @@ the whole file has been checked: the manifest against the Layout recomputed from
 size and sha256 against the manifest, and the safetensors header (metadata, tensor set, every dtype
 and shape) against the Layout. Problems raise ShardcError subclasses; nothing exits.
 
-Each byte is read once. On CPU the file is hashed through a small cache-hot buffer and then mapped
-copy-on-write, so the tensors share the page cache and nothing is copied. On CUDA it is read in
+Each byte is read once. On CPU the file is read through a ring of small buffers that a thread hashes
+(hashlib releases the GIL) while the next piece is read and, for ``verify --device``, checked for
+NaN/Inf; then it is mapped copy-on-write, so the tensors share the page cache and nothing is copied. On CUDA it is read in
 large chunks into a ring of pinned host buffers; a hashing thread (hashlib releases the GIL) hashes
 each chunk while the next one is read, and every chunk is copied to the GPU asynchronously on a side
 stream from its pinned buffer, so reading, hashing and the copy overlap. The tensors are views of
@@ -32,7 +33,7 @@ from ..spec.dtypes import DTYPES
 
 CHUNK = 32 << 20  # bytes per read / hash / copy step into pinned memory (CUDA)
 HOST_CHUNK = 1 << 20  # bytes per read / hash step on CPU (stays in cache between the two)
-HOST_RING = 3  # CPU with finite checks: pieces being hashed (one thread) while the next are checked
+HOST_RING = 3  # CPU: pieces being hashed (one thread) while the next are read and checked
 PINNED_BUFFERS = 3  # ring of pinned staging buffers on CUDA: read, hash and copy in flight at once
 FINITE_CHUNK = 1 << 22  # elements per finite-check step (bounds the temporaries)
 
@@ -93,8 +94,8 @@ def read_shard(path: Path, device: str, *, finite: bool = False) -> RawShard:
 
 def _read_to_host(f: Any, path: Path, length: int, h: Any, header: dict[str, Any] | None,
                   finite: bool) -> tuple[Any, list[str]]:
-    """Hash the rest of the file through one small reused buffer (cache-hot, as the design's
-    loader does), then map the file copy-on-write: the tensors share the page cache's pages, so the
+    """Hash the rest of the file through a ring of small reused buffers (hashed on a thread while
+    the next is read), then map the file copy-on-write: the tensors share the page cache's pages, so the
     bytes are read once and copied never. (A file rewritten in place after the hash would show
     through the mapping, as it would through ``safe_open``'s.) With ``finite``, each float tensor's
     pieces are min/max-checked while they are in cache: returns the names holding NaN or Inf."""
@@ -104,9 +105,9 @@ def _read_to_host(f: Any, path: Path, length: int, h: Any, header: dict[str, Any
     bad: list[str] = []
     scratch: dict[str, Any] = {}
     pos = 0
-    # With ``finite``, a thread hashes each piece (hashlib releases the GIL) while this one checks
-    # it: the check costs no wall time where a core is free. Without, one cache-hot buffer.
-    ring = [memoryview(bytearray(HOST_CHUNK)) for _ in range(HOST_RING if finite else 1)]
+    # A thread hashes each piece (hashlib releases the GIL) while this one reads the next and, with
+    # ``finite``, checks it: where a core is free, the read and the check cost no wall time.
+    ring = [memoryview(bytearray(HOST_CHUNK)) for _ in range(HOST_RING)]
     hashed: list[Future[Any] | None] = [None] * len(ring)
     i = 0
     with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
@@ -121,10 +122,7 @@ def _read_to_host(f: Any, path: Path, length: int, h: Any, header: dict[str, Any
                 k = _read_full(f, mv if seg_end is None else mv[: min(HOST_CHUNK, seg_end - pos)])
                 if not k:
                     break
-                if finite:
-                    hashed[j] = hasher.submit(h.update, mv[:k])
-                else:
-                    h.update(mv[:k])
+                hashed[j] = hasher.submit(h.update, mv[:k])
                 if dtype is not None and (not bad or bad[-1] != name) and _piece_bad(mv[:k], dtype, scratch):
                     bad.append(name)
                 pos += k
