@@ -6,6 +6,8 @@ small concrete model, never derived by calling layout code (docs/mutation-testin
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shardc.build.synthetic import llama_config
@@ -179,8 +181,9 @@ def test_tp4_pp2_every_record(tied):
     # down 16x8) + norm 16 + lm_head 3x16, all bf16
     assert lay.rank(3, 1).nbytes == 2 * (16 + 16 + 64 + 64 + 64 + 64 + 128 + 128 + 128 + 16 + 48)
     assert lay.rank(3, 1).tensor("lm_head.weight").nbytes == 96
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError) as e:
         lay.rank(3, 1).tensor("model.embed_tokens.weight")
+    assert e.value.args == ("model.embed_tokens.weight",)
 
 
 def test_tp2_kv_divides_and_tp1_vocab():
@@ -205,6 +208,15 @@ def test_tp2_kv_divides_and_tp1_vocab():
                                                "dim": 0, "start": 0, "stop": 10,
                                                "source": "model.embed_tokens.weight"}
     assert len(r0) == 1 + 9 * 3 + 2
+
+
+def test_tied_single_stage_has_no_lm_head():
+    # pp=1: the one stage holds the embedding, which serves as the head; no lm_head.weight at all
+    lay = build_layout(_model(tie_word_embeddings=True), _plan(2, 1))
+    for t in range(2):
+        names = [x.name for x in lay.rank(t, 0).tensors]
+        assert "lm_head.weight" not in names
+        assert len(names) == 1 + 9 * 3 + 1
 
 
 def test_tp4_kv1_every_rank_holds_head_0():
@@ -282,6 +294,9 @@ def test_int8_packed_records_tp2():
     assert r[q + "_scale"] == {"dtype": "F32", "shape": [8, 1], "split": "column", "dim": 0,
                                "start": 8, "stop": 16, "quant": "int8", "source": q, "scale_of": q}
     assert r["model.norm.weight"]["dtype"] == "F16"
+    # shapes are ints (the manifest and the safetensors header write them as JSON integers)
+    assert json.dumps(r[d + "_packed"]["shape"]) == "[16, 4]"
+    assert json.dumps(r[q + "_packed"]["shape"]) == "[8, 4]"
 
 
 def test_quant_ignore_keeps_16_bit():
