@@ -35,3 +35,15 @@ def make_ckpt(tmp_path):
 def _isolated_hash_cache(tmp_path_factory):
     """Keep the source-hash cache of test runs out of the user's ~/.cache."""
     os.environ["SHARDC_CACHE_DIR"] = str(tmp_path_factory.mktemp("shardc-cache"))
+
+
+def edit_at(d: dict, path: tuple, value) -> None:
+    """Plant a fault in a manifest held as data: set ``d[path...]`` to ``value``, or delete that
+    key when ``value`` is ``KeyError``."""
+    *head, last = path
+    for k in head:
+        d = d[k]
+    if value is KeyError:
+        del d[last]
+    else:
+        d[last] = value

@@ -9,6 +9,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from conftest import edit_at
 from safetensors.numpy import save_file
 
 from shardc.errors import ShardFormatError
@@ -84,14 +85,6 @@ def test_manifest_round_trips_to_the_same_bytes(built):
     assert m.name == "m" and m.world_size == 2 and m.shard(m.shards[1].file) is m.shards[1]
 
 
-def _edit(d, path, value):
-    *head, last = path
-    for k in head:
-        d = d[k]
-    if value is KeyError:
-        del d[last]
-    else:
-        d[last] = value
 
 
 S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
@@ -121,7 +114,7 @@ def test_manifest_reader_names_the_bad_key(built, tmp_path, path, value, key):
     from shardc.formats.manifest import read
 
     m = json.loads(built.manifest_path.read_text())
-    _edit(m, path, value)
+    edit_at(m, path, value)
     p = tmp_path / "manifest.json"
     p.write_text(json.dumps(m))
     with pytest.raises(ManifestError) as exc:

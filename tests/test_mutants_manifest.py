@@ -8,6 +8,7 @@ import copy
 import json
 
 import pytest
+from conftest import edit_at
 
 from shardc.errors import ManifestError
 from shardc.formats.manifest import Manifest, dumps, loads, parse, read, read_manifest, typed
@@ -114,14 +115,6 @@ def test_read_and_read_manifest_take_a_path(tmp_path):
     assert e.value.one_line() == f"{p} is not JSON (hint: pass the manifest.json that shardc build wrote)"
 
 
-def _set(d: dict, path: tuple, value) -> None:
-    *head, last = path
-    for k in head:
-        d = d[k]
-    if value is KeyError:
-        del d[last]
-    else:
-        d[last] = value
 
 
 MAXB = 1 << 50
@@ -147,7 +140,7 @@ ACCEPTED = [
 @pytest.mark.parametrize(("path", "value"), ACCEPTED)
 def test_values_at_the_edges_are_accepted(path, value):
     d = base()
-    _set(d, path, value)
+    edit_at(d, path, value)
     m = _parse(d)
     if path[0] == "shards" and value is not KeyError:
         assert getattr(m.shard(path[1]), path[2]) == (tuple(value) if path[2] == "layers" else value)
@@ -236,7 +229,7 @@ REFUSED = [
 @pytest.mark.parametrize(("path", "value", "line"), REFUSED)
 def test_each_damage_is_one_line_naming_its_key(path, value, line):
     d = base()
-    _set(d, path, value)
+    edit_at(d, path, value)
     with pytest.raises(ManifestError) as e:
         _parse(d)
     assert e.value.one_line() == line
@@ -248,7 +241,7 @@ def test_each_damage_is_one_line_naming_its_key(path, value, line):
 ])
 def test_unsafe_names_are_refused(path, value, what):
     d = base()
-    _set(d, path, value)
+    edit_at(d, path, value)
     with pytest.raises(ManifestError, match=f"^unsafe {what} '{value}'$"):
         _parse(d)
 

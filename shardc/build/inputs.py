@@ -29,8 +29,8 @@ from ..errors import ManifestError, VerifyMismatch
 from ..formats.files import safe_name, sha256_file, sha256_mapped
 from ..formats.manifest import FileEntry, Manifest, ShardEntry, read
 
-# Hashing is what a reshard waits for first (a pp=1 input's first tensor needs every file), and
-# sha256 is one core per file: as many threads as cores, up to one per file of a tp8 input.
+# sha256 is one core per file, and every input byte is hashed while reshard works on it: as many
+# threads as cores, up to one per file of a tp8 input.
 HASH_WORKERS = max(1, min(8, os.cpu_count() or 1))
 
 

@@ -19,6 +19,7 @@ from ..formats.files import (
     sha256_file,
     temp_files,
     write_atomic,
+    write_temp,
 )
 from ..formats.manifest import FileEntry, Manifest, SourceRecord, parse
 from ..formats.safetensors import read_header, shard_metadata
@@ -184,12 +185,7 @@ def stage_side_files(layout: Layout, source: Source, out: Path) -> dict[Path, Pa
     staged: dict[Path, Path] = {}
     try:
         for name, data in side_files(layout).items():
-            fd, tmp = create_temp(out / name)
-            staged[out / name] = tmp
-            with open(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            staged[out / name] = write_temp(out / name, data)
         for name in tokenizer_files(source):
             fd, tmp = create_temp(out / name)
             staged[out / name] = tmp

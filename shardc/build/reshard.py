@@ -186,7 +186,7 @@ class BuildSource(Source):
                 return a
         if tiles and pack == 1:
             parts = sorted((p.spec.start, p.spec.stop, a) for p, a in distinct.values())
-            dim = parts and next(iter(distinct.values()))[0].spec.dim
+            dim = next(iter(distinct.values()))[0].spec.dim
             if dim in (0, 1) and _covers(parts, shape[dim]):
                 return Tiles(shape, parts[0][2].dtype, dim, tuple(parts))
         out = np.empty(shape, next(iter(distinct.values()))[1].dtype)

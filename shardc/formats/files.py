@@ -87,12 +87,8 @@ def temp_files(directory: str | Path) -> list[Path]:
 def write_atomic(path: str | Path, data: bytes) -> None:
     """temp file + fsync + rename: the file is either the old one or the new one, never half."""
     path = Path(path)
-    fd, tmp = create_temp(path)
+    tmp = write_temp(path, data)
     try:
-        with open(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
