@@ -8,6 +8,9 @@ On a seeded synthetic checkpoint (Llama-like shapes, --layers N):
   reshard peak RSS with 2N layers vs N layers                                      (target <= 1.10x)
   reshard from s3:// (moto on 127.0.0.1): bytes fetched vs the input build's bytes (target <= 1.05x)
 
+--cpus N pins the timed children to N cores (os.sched_setaffinity): the reshard's extra work is
+hashing its input, which runs on cores the build leaves idle, so the ratio falls as cores are added.
+
 Every timed command is a child process (`python -m shardc.cli ...`), started alike: dirty pages
 flushed, an empty destination, the inputs read into the page cache. Runs interleave, --repeat
 times each, and medians are compared (this VM's speed drifts over minutes).
@@ -42,6 +45,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 CPU: dict[str, list[float]] = {}  # kind -> CPU seconds (user + sys) of each timed child
+CPUS: set[int] | None = None  # cores the timed children may run on (--cpus); None: all
 
 
 def run(cmd: list[str], warm: list[Path], env: dict | None = None, kind: str = "") -> tuple[float, int, str]:
@@ -55,7 +59,8 @@ def run(cmd: list[str], warm: list[Path], env: dict | None = None, kind: str = "
                 pass
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env or ENV)
+        pin = (lambda: os.sched_setaffinity(0, CPUS)) if CPUS else None
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env or ENV, preexec_fn=pin)
         _, status, usage = os.wait4(proc.pid, 0)
         dt = time.perf_counter() - t0
         CPU.setdefault(kind, []).append(usage.ru_utime + usage.ru_stime)
@@ -96,14 +101,19 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="small shapes (a smoke run)")
     ap.add_argument("--target", default="4x2:bf16", help="TPxPP:dtype of the output [4x2:bf16]")
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--cpus", type=int, help="pin the timed children to this many cores [all]")
     ap.add_argument("--dir", type=Path, help="work directory [a temporary one]")
     args = ap.parse_args()
     shapes = SMALL if args.small else SHAPES
+    global CPUS
+    if args.cpus:
+        CPUS = set(sorted(os.sched_getaffinity(0))[: args.cpus])
     work = Path(args.dir or tempfile.mkdtemp(prefix="bench-reshard-"))
     work.mkdir(parents=True, exist_ok=True)
     degrees, dtype = args.target.split(":")
     tp, pp = map(int, degrees.split("x"))
-    report: dict = {"shapes": " ".join(shapes), "layers": args.layers, "target": args.target}
+    report: dict = {"shapes": " ".join(shapes), "layers": args.layers, "target": args.target,
+                    "cpus": len(CPUS or os.sched_getaffinity(0))}
     try:
         # checkpoints are written by a child: this process stays small, because a child's
         # ru_maxrss starts from its parent's RSS at fork time

@@ -8,7 +8,14 @@ traceback. Nothing here imports torch: commands import heavy modules inside thei
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# numpy's OpenBLAS starts a worker thread per core at import, and each spins for a while waiting
+# for work that never comes (shardc does no BLAS): ~0.1-0.15 s of CPU per command on 2 cores,
+# taken from the hashing and copying threads. Set before any command imports numpy; a user's own
+# setting wins.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 

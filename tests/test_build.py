@@ -251,6 +251,19 @@ def test_cli_has_no_torch_import():
     assert r.returncode == 0 and "build" in r.stdout and "Examples" in r.stdout
 
 
+def test_cli_starts_no_blas_threads():
+    """numpy imported under the CLI starts no OpenBLAS workers (they spin, taking CPU from the
+    hashing threads); a user's own OPENBLAS_NUM_THREADS is kept."""
+    code = ("import os, shardc.cli, numpy; print(os.environ['OPENBLAS_NUM_THREADS'], "
+            "len(os.listdir('/proc/self/task')))")
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.split() == ["1", "1"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**env, "OPENBLAS_NUM_THREADS": "3"})
+    assert out.stdout.split()[0] == "3"
+
+
 @pytest.mark.parametrize("plan_path", sorted((Path(__file__).parents[1] / "plans").glob("tp*.yaml")))
 def test_shipped_70b_plans_validate_offline(plan_path):
     r = CliRunner().invoke(main, ["build", str(plan_path), "--dry-run", "--json"])
