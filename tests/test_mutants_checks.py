@@ -102,7 +102,7 @@ def test_deep_against_a_build_as_the_reference(src, tmp_path):
     assert out["ok"], out["problems"]
 
 
-BASE_CHECKS = ["present", "size", "sha256", "header", "metadata", "tensor-set", "dtype-shape"]
+BASE_CHECKS = ["present", "size", "sha256", "header", "metadata", "tensor-set", "dtype-shape", "extent"]
 
 
 def test_checks_run_are_listed_and_deep_trims_vocab_padding(src, tmp_path):
@@ -176,9 +176,11 @@ def test_a_manifest_whose_plan_hash_is_not_its_plans(src, tmp_path):
         "manifest plan_sha256 does not match the hash of its own plan"]
 
 
-def test_device_load_names_data_that_does_not_fit(src, tmp_path):
-    """A shard cut 2 bytes short (its manifest entry re-hashed to match): loading it onto the
-    device finds the last tensor's data past the end of the file, and says which."""
+def test_a_shard_cut_short_is_named_with_or_without_device(src, tmp_path):
+    """A shard cut 2 bytes short (its manifest entry re-hashed to match, so size and sha256 agree):
+    its header still parses, but the last tensor's data would end past the end of the file. verify
+    names it from the header alone, without --device as with it (the safetensors library refuses
+    such a file when it opens it)."""
     from shardc.formats.manifest import read
     from shardc.spec.plan import plan_from_dict
 
@@ -189,11 +191,34 @@ def test_device_load_names_data_that_does_not_fit(src, tmp_path):
     path.write_bytes(data[:-2])
     _rehash(res.out_dir, file)
     (n,) = struct.unpack("<Q", data[:8])
-    end = len(data) - 8 - n  # the last tensor (model.norm.weight, BF16[32]) ends at the data's end
-    out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir, device="cpu")
-    assert out["problems"] == [f"{file}: tensor model.norm.weight: data_offsets [{end - 64}, {end}] do not fit "
-                               "BF16[32] in the file"]
-    assert out["ranks"][0]["ok"] is False  # the rank's own verdict, not only the build's
+    end = len(data) - 8 - n  # the data section's length before the cut
+    want = [f"{file}: safetensors data layout: the tensors' data ends at {end}, the file's data "
+            f"section holds {end - 2} bytes (the file is cut short)"]
+    for device in (None, "cpu"):
+        out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir, device=device)
+        assert out["problems"] == want
+        assert out["ranks"][0]["ok"] is False  # the rank's own verdict, not only the build's
+
+
+def test_extent_problems_follow_the_safetensors_rule():
+    """Each way a header can misplace data, against byte counts written out by hand."""
+    from shardc.formats.safetensors import extent_problem
+
+    def t(dtype, shape, b, e):
+        return {"dtype": dtype, "shape": shape, "data_offsets": [b, e]}
+
+    ok = {"a": t("BF16", [2, 3], 0, 12), "b": t("F32", [2], 12, 20), "c": t("I8", [0], 20, 20)}
+    assert extent_problem(ok, 20) is None
+    assert extent_problem({"x": t("U8", [3], 0, 5)}, 5) is None  # unknown dtype: tiling only
+    assert extent_problem(ok, 21) == "the tensors' data ends at 20, the file's data section holds 21 bytes"
+    assert extent_problem({**ok, "b": t("F32", [2], 12, 16), "c": t("I8", [4], 16, 20)}, 20) == (
+        "tensor b: data_offsets [12, 16] hold 4 bytes, its F32[2] needs 8")
+    assert extent_problem({"a": t("BF16", [2], 4, 8)}, 8) == (
+        "tensor a: data starts at 4, expected 0 (a gap)")
+    assert extent_problem({"a": t("BF16", [4], 0, 8), "b": t("BF16", [2], 4, 8)}, 8) == (
+        "tensor b: data starts at 4, expected 8 (overlapping the previous tensor)")
+    assert extent_problem({"a": t("BF16", [4], 0, 8), "b": t("BF16", [4], 0, 8)}, 8) == (
+        "tensor b: data starts at 0, expected 8 (overlapping the previous tensor)")
 
 
 def test_side_file_problems_each_named(src, tmp_path):

@@ -112,6 +112,30 @@ def parse_header(data: bytes, file: str) -> tuple[dict[str, Any], dict[str, str]
     return header, meta
 
 
+def extent_problem(tensors: dict[str, Any], data_len: int) -> str | None:
+    """What is wrong with where the header puts the tensors' bytes, else None: the rule the
+    safetensors library applies when it opens a file (each tensor holds exactly its elements'
+    bytes, the tensors tile the data section from 0 without gaps or overlaps, and the last one ends
+    at the end of the file). A header can be well-formed and still point past the end of a file
+    cut short, or two tensors at the same bytes; only this check, not the header's syntax, sees it.
+    Tensors of a dtype outside shardc's table are checked for tiling only."""
+    end = 0
+    for name, e in sorted(tensors.items(), key=lambda kv: (kv[1]["data_offsets"], kv[0])):
+        begin, stop = e["data_offsets"]
+        item = DTYPE_BYTES.get(e["dtype"])
+        if item is not None and stop - begin != math.prod(e["shape"]) * item:
+            return (f"tensor {name}: data_offsets {[begin, stop]} hold {stop - begin} bytes, its "
+                    f"{e['dtype']}{e['shape']} needs {math.prod(e['shape']) * item}")
+        if begin != end:
+            return (f"tensor {name}: data starts at {begin}, expected {end} "
+                    f"({'a gap' if begin > end else 'overlapping the previous tensor'})")
+        end = stop
+    if end != data_len:
+        return (f"the tensors' data ends at {end}, the file's data section holds {data_len} bytes"
+                f"{' (the file is cut short)' if end > data_len else ''}")
+    return None
+
+
 def header_bytes(
     tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None
 ) -> bytes:

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import ShardFormatError, VerifyMismatch
 from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, typed
-from ..formats.safetensors import read_header, shard_metadata
+from ..formats.safetensors import extent_problem, read_header, shard_metadata
 from ..spec.layout import Layout, RankLayout
 from ..spec.plan import Plan, data_sha256
 from .devices import resolve_device
@@ -157,7 +157,8 @@ def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> lis
 
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
     try:
-        header, meta, _ = read_header(path)
+        header, meta, start = read_header(path)
+        size = path.stat().st_size
     except OSError as exc:
         res.fail(f"safetensors header does not parse ({exc.strerror})")
         return
@@ -184,6 +185,9 @@ def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -
             res.fail(f"tensor {name}: expected {t.dtype}{list(t.shape)}, found "
                      f"{h.get('dtype')}{h.get('shape')}")
     res.checks.append("dtype-shape")
+    if problem := extent_problem(header, size - start):
+        res.fail(f"safetensors data layout: {problem}")
+    res.checks.append("extent")
 
 
 def _load_on_device(res: RankResult, path: Path, device: str) -> str:
