@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -63,7 +64,7 @@ CASES = {
 }
 
 
-def run_build(tmp_path: Path, plan: dict | str, src: Path | None):
+def run_build(tmp_path: Path, plan: dict | str, src: Path | None, extra: list[str] = ()):
     plan_file = tmp_path / "plan.yaml"
     if isinstance(plan, str):
         plan_file.write_text(plan)
@@ -72,7 +73,7 @@ def run_build(tmp_path: Path, plan: dict | str, src: Path | None):
         plan_file.write_text(text)
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["build", str(plan_file), "--out", str(out), "--manifests-dir",
-                                  str(tmp_path / "m"), "--quiet"])
+                                  str(tmp_path / "m"), "--quiet", *extra])
     return r, out
 
 
@@ -152,6 +153,33 @@ def test_pickle_refused_unless_allowed(make_ckpt, tmp_path):
                                   "--manifests-dir", str(tmp_path / "m"), "--allow-pickle", "--quiet"])
     assert r.exit_code == 0, r.output
     assert (out / "manifest.json").exists()
+
+
+def test_pickle_from_the_hub_refused_even_when_allowed(make_ckpt, tmp_path, monkeypatch):
+    """README: from hf:// only safetensors, JSON configs and tokenizer files are read. A cached
+    snapshot that holds only pytorch_model.bin (downloaded by another tool) is one line, exit 2,
+    with --allow-pickle too: the pickle is never loaded (it is a FIFO here, so opening it would
+    block the test)."""
+    import os
+
+    import huggingface_hub.constants as c
+
+    src = make_ckpt(**MODEL)
+    rev = "c" * 40
+    repo = tmp_path / "hub" / "models--acme--bins"
+    snap = repo / "snapshots" / rev
+    snap.mkdir(parents=True)
+    shutil.copy(src / "config.json", snap / "config.json")
+    os.mkfifo(snap / "pytorch_model.bin")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(rev)
+    monkeypatch.setattr(c, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    plan = _with("model.source", "hf://acme/bins")
+    for extra in ([], ["--allow-pickle"]):
+        r, out = run_build(tmp_path, plan, None, extra)
+        assert_one_line(r, "hf://acme/bins holds only pickled .bin weights; shardc reads only "
+                           "safetensors from the hub, even with --allow-pickle", out)
 
 
 def test_unsafe_index_name(make_ckpt, tmp_path):

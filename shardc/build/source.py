@@ -289,6 +289,11 @@ def open_source(uri: str, *, allow_pickle: bool = False) -> Source:
         bins = sorted(p.name for p in directory.glob("*.bin"))
         if not bins:
             raise SourceError(f"no *.safetensors files in {directory}", key="model.source")
+        if uri.startswith("hf://"):  # README: from the hub, only safetensors are ever read
+            raise SourceError(f"{uri} holds only pickled .bin weights; shardc reads only safetensors "
+                              "from the hub, even with --allow-pickle", key="model.source",
+                              hint="use a revision with safetensors weights, or download the repo and "
+                                   "pass its directory with --allow-pickle")
         if not allow_pickle:
             raise SourceError(
                 f"{directory} holds only pickled .bin weights, which can run code when loaded",

@@ -28,7 +28,7 @@ Examples:
               default=Path("manifests"), show_default=True,
               help="Where the copy of the manifest (the rollout record) goes.")
 @click.option("--force", is_flag=True, help="Rebuild even if the output is complete and up to date.")
-@click.option("--allow-pickle", is_flag=True, help="Accept pickled .bin checkpoints (loaded weights_only).")
+@click.option("--allow-pickle", is_flag=True, help="Accept pickled .bin checkpoints of a local directory (loaded weights_only; never from hf://).")
 @click.option("--upload", is_flag=True, help="Push the build to object storage afterwards.")
 @click.option("--to", "to_uri", help="With --upload: destination [default: the plan's manifest_uri directory].")
 @click.option("--endpoint-url", help="With --upload: S3 endpoint (or AWS_ENDPOINT_URL).")
