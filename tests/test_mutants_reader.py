@@ -153,6 +153,21 @@ def test_inconsistent_spans_are_hashed_only(tmp_path, case):
             tensors_of(raw)
 
 
+def test_odd_sized_float_span_is_refused_not_a_crash(tmp_path):
+    """A BF16 tensor whose span is an odd number of bytes (a damaged header): the finite check used to
+    raise numpy's ValueError here, so ``verify --device cpu`` printed a traceback. Now the span is
+    hashed only and tensors_of names it."""
+    path = tmp_path / "x.safetensors"
+    blob = _file(path, {"a": _entry("BF16", [2], 0, 3), "b": _entry("F32", [1], 4, 8)},
+                 BF16_NAN * 2 + b"\x00\x00\xc0\x7f")
+    raw = read_shard(path, "cpu", finite=True)
+    assert raw.sha256 == _sha(blob) and raw.header is not None
+    with pytest.raises(VerifyMismatch) as e:
+        tensors_of(raw)
+    assert e.value.message == "tensor a: data_offsets [0, 3] do not fit BF16[2] in the file"
+    assert e.value.hint == "rebuild the shard"
+
+
 def test_zero_element_tensor_between_others(tmp_path):
     path = tmp_path / "x.safetensors"
     _file(path, {"a": _entry("BF16", [1], 0, 2), "z": _entry("BF16", [0], 2, 2),
@@ -226,3 +241,40 @@ def test_sha_is_hashlib_of_a_multi_piece_file(tmp_path):
     assert re.fullmatch(r"[0-9a-f]{64}", raw.sha256)
     assert np.array_equal(tensors_of(raw)["w"].numpy(), vals)
 
+
+def test_verify_device_reports_a_damaged_span_in_one_line(tmp_path):
+    """End to end: one digit of a real shard's header changed (a BF16 tensor's end offset made odd, the
+    JSON the same length, the manifest re-hashed to match): ``verify --device cpu`` exits 1 with the
+    tensor named, where it used to die in numpy with a traceback."""
+    from click.testing import CliRunner
+
+    from shardc.build.compile import build
+    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.cli import main
+    from shardc.spec.plan import plan_from_dict
+
+    src = write_checkpoint(tmp_path / "src", llama_config(hidden_size=32, intermediate_size=64, num_layers=1,
+                                                          num_heads=4, num_kv_heads=2, vocab_size=64))
+    plan = plan_from_dict({"replica_group": {"name": "odd", "tp_degree": 1, "pp_degree": 1, "dtype": "bf16",
+                                             "gpus_per_replica": 1}, "model": {"source": str(src)}})
+    res = build(plan, tmp_path / "o")
+    file = res.manifest.shards[0].file
+    path = res.out_dir / file
+    blob = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    name, (s, e) = next((k, v["data_offsets"]) for k, v in sorted(header.items())
+                        if k != "__metadata__" and v["dtype"] == "BF16" and v["data_offsets"][1] % 10)
+    text = blob[8 : 8 + n].decode()
+    old = f'"data_offsets":[{s},{e}]'
+    assert text.count(old) == 1
+    blob[8 : 8 + n] = text.replace(old, f'"data_offsets":[{s},{e - 1}]').encode()
+    path.write_bytes(bytes(blob))
+    man = json.loads((res.out_dir / "manifest.json").read_text())
+    man["shards"][file]["sha256"] = _sha(bytes(blob))
+    (res.out_dir / "manifest.json").write_text(json.dumps(man))
+    r = CliRunner().invoke(main, ["verify", "--manifest", str(res.out_dir / "manifest.json"), "--device", "cpu"])
+    assert r.exit_code == 1, r.output
+    shape = header[name]["shape"]
+    assert f"{file}: tensor {name}: data_offsets [{s}, {e - 1}] do not fit BF16{shape} in the file" in r.stderr
+    assert "Traceback" not in r.output + r.stderr
