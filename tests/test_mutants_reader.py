@@ -278,3 +278,31 @@ def test_verify_device_reports_a_damaged_span_in_one_line(tmp_path):
     shape = header[name]["shape"]
     assert f"{file}: tensor {name}: data_offsets [{s}, {e - 1}] do not fit BF16{shape} in the file" in r.stderr
     assert "Traceback" not in r.output + r.stderr
+
+
+def test_aligned_tensors_are_views_misaligned_ones_copies(tmp_path):
+    """tensors_of views the data buffer (nothing copied) where a tensor starts on a multiple of its
+    element size, and copies only one that does not (a view would be misaligned)."""
+    path = tmp_path / "x.safetensors"
+    b = np.array([1.5, -2.25], dtype=np.float32).tobytes()
+    c = np.array([3.0], dtype=np.float32).tobytes()
+    _file(path, {"a": _entry("BF16", [1], 0, 2), "b": _entry("F32", [2], 2, 10), "c": _entry("F32", [1], 12, 16)},
+          BF16_ONE + b + b"\x00\x00" + c)
+    raw = read_shard(path, "cpu")
+    got = tensors_of(raw)
+    base = raw.data.data_ptr()
+    assert got["a"].item() == 1.0 and got["a"].data_ptr() == base
+    assert got["c"].tolist() == [3.0] and got["c"].data_ptr() == base + 12
+    assert got["b"].tolist() == [1.5, -2.25] and got["b"].data_ptr() != base + 2
+
+
+def test_float_tensor_at_an_odd_offset_is_checked(tmp_path):
+    """An F32 tensor starting at byte 1 (after one int8): its span is whole elements, so its values are
+    checked while hashing and the planted NaN is found; tensors_of copies it out intact."""
+    path = tmp_path / "x.safetensors"
+    f = np.array([2.0, np.nan], dtype=np.float32).tobytes()
+    _file(path, {"i": _entry("I8", [1], 0, 1), "f": _entry("F32", [2], 1, 9)}, b"\x07" + f)
+    raw = read_shard(path, "cpu", finite=True)
+    assert raw.nonfinite == ["f"]
+    got = tensors_of(raw)["f"]
+    assert got[0].item() == 2.0 and math.isnan(got[1].item())
