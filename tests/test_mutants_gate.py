@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +133,7 @@ def builds(tmp_path_factory):
     golden = root / "golden.txt"
     golden.write_text(" ".join(np.random.default_rng(3).choice(words, size=150)) + " zzz")
     return {"tp1pp1": _build(src, root, 1, 1), "tp2pp2": _build(src, root, 2, 2),
-            "tp2pp1": _build(src, root, 2, 1), "golden": golden,
+            "tp1pp2": _build(src, root, 1, 2), "golden": golden,
             "tokenizer": src / "tokenizer.json"}
 
 
@@ -172,7 +173,7 @@ def _tmp_gate_files() -> set[str]:
 
 
 def test_run_gate_report_and_cache(builds, tmp_path):
-    """Three gates of tp2pp1 against tp1pp1: a cache that is not one (recomputed, a note says so),
+    """Three gates of tp1pp2 against tp1pp1: a cache that is not one (recomputed, a note says so),
     the same cache again (a hit: the baseline is not scored), and no cache (the scratch logits file
     is removed). Same numbers each time; the report carries what was asked."""
     from tokenizers import Tokenizer
@@ -185,7 +186,9 @@ def test_run_gate_report_and_cache(builds, tmp_path):
     cache.write_text("junk")
     notes: list[str] = []
     before = _tmp_gate_files()
-    first = run_gate(builds["tp1pp1"], builds["tp2pp1"], baseline_cache=cache, note=notes.append, **kw)
+    t0 = time.perf_counter()
+    first = run_gate(builds["tp1pp1"], builds["tp1pp2"], baseline_cache=cache, note=notes.append, **kw)
+    elapsed = time.perf_counter() - t0
     assert first["baseline_cache"] == {"path": str(cache), "status": "stale"}
     assert len(notes) == 1 and notes[0].startswith(f"baseline cache {cache} is of another baseline (unreadable")
     assert notes[0].endswith("; recomputing it")
@@ -206,21 +209,21 @@ def test_run_gate_report_and_cache(builds, tmp_path):
     assert first["thresholds"] == {"max_ppl_delta_pct": 0.75, "max_kl": 0.5, "min_top1": 0.25}
     assert [c["name"] for c in first["checks"]] == ["ppl_delta_pct", "kl_mean", "top1_agreement"]
     assert first["positions"] == 3 * 31 and first["pass"]
-    for side, name, tp, pp in (("baseline", "mg-tp1pp1", 1, 1), ("candidate", "mg-tp2pp1", 2, 1)):
+    for side, name, tp, pp in (("baseline", "mg-tp1pp1", 1, 1), ("candidate", "mg-tp1pp2", 1, 2)):
         m = json.loads(builds[f"tp{tp}pp{pp}"].read_text())
         assert first[side] == {"plan": name, "manifest": str(builds[f"tp{tp}pp{pp}"].resolve()),
                                "plan_sha256": m["plan_sha256"], "tp": tp, "pp": pp, "dtype": "bf16"}
     s = first["seconds"]
     assert set(s) == {"wall", "compute", "load", "baseline_compute", "baseline_load"}
     assert all(isinstance(s[k], float) and s[k] > 0 for k in s)
-    assert s["wall"] > s["compute"] and s["wall"] > s["baseline_compute"]
+    assert s["compute"] < s["wall"] <= elapsed and s["baseline_compute"] < s["wall"]
 
-    hit = run_gate(builds["tp1pp1"], builds["tp2pp1"], baseline_cache=cache, note=notes.append, **kw)
+    hit = run_gate(builds["tp1pp1"], builds["tp1pp2"], baseline_cache=cache, note=notes.append, **kw)
     assert hit["baseline_cache"] == {"path": str(cache), "status": "hit"} and len(notes) == 1
     assert hit["seconds"]["baseline_compute"] is None and hit["seconds"]["baseline_load"] is None
-    plain = run_gate(builds["tp1pp1"], builds["tp2pp1"], **kw)
+    plain = run_gate(builds["tp1pp1"], builds["tp1pp2"], **kw)
     assert plain["baseline_cache"] == {"path": None, "status": "none"}
-    assert _tmp_gate_files() == before  # the scratch logits are gone
+    assert _tmp_gate_files() == before  # the scratch logits are gone (outside torchrun, whatever the plan)
     assert cache.is_file()  # a named cache is kept
     drop = ("seconds", "baseline_cache")
     assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in hit.items() if k not in drop} \
@@ -285,3 +288,80 @@ def test_make_windows_messages_and_bounds():
     assert make_windows(list(range(8)), 4, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # exactly two windows
     assert make_windows(list(range(8)), 4, 7) == [[0, 1, 2, 3]]
     assert make_windows(list(range(4)), 4, 100) == [[0, 1, 2, 3]]
+
+
+# -- run_gate's refusals, before anything is scored (no process started) ---------------------------------------
+def _pydoc_tokens(tokenizer: Path) -> int:
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer
+
+    return len(Tokenizer.from_file(str(tokenizer)).encode("\n\n".join(topics[k] for k in sorted(topics))).ids)
+
+
+def _too_short(n: int) -> str:
+    return f"the golden text has {n} tokens, fewer than one window of 2 (or --max-tokens 1 is smaller than --window)"
+
+
+def test_run_gate_defaults_to_pydoc_and_the_build_tokenizer(builds):
+    """No --golden, no --tokenizer: pydoc's topics through the baseline build's tokenizer.json (the
+    token count in the refusal says which text and which tokenizer were used)."""
+    with pytest.raises(GoldenError) as e:
+        run_gate(builds["tp1pp1"], builds["tp1pp2"], max_tokens=1, window=2)
+    assert e.value.message == _too_short(_pydoc_tokens(builds["tokenizer"]))
+
+
+def test_run_gate_uses_the_tokenizer_override(builds, tmp_path):
+    """--tokenizer: a tokenizer that also splits punctuation counts more pydoc tokens than the build's."""
+    from tokenizers import Tokenizer, pre_tokenizers
+
+    tok = Tokenizer.from_file(str(builds["tokenizer"]))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    other = tmp_path / "tokenizer.json"
+    tok.save(str(other))
+    n = _pydoc_tokens(other)
+    assert n > _pydoc_tokens(builds["tokenizer"])
+    with pytest.raises(GoldenError) as e:
+        run_gate(builds["tp1pp1"], builds["tp1pp2"], max_tokens=1, window=2, tokenizer=str(other))
+    assert e.value.message == _too_short(n)
+
+
+def test_run_gate_takes_shards_from_the_given_directories(builds, tmp_path):
+    """Manifests copied away from their shards: --baseline-dir / --candidate-dir name where the shards
+    are (tokenizer.json included); without them the build is refused."""
+    import shutil
+
+    from shardc.errors import ManifestError
+
+    copies = {}
+    for key in ("tp1pp1", "tp1pp2"):
+        d = tmp_path / key
+        d.mkdir()
+        shutil.copy(builds[key], d / "manifest.json")
+        copies[key] = d / "manifest.json"
+    with pytest.raises(GoldenError) as e:
+        run_gate(copies["tp1pp1"], copies["tp1pp2"], baseline_dir=builds["tp1pp1"].parent,
+                 candidate_dir=builds["tp1pp2"].parent, max_tokens=1, window=2)
+    assert e.value.message == _too_short(_pydoc_tokens(builds["tokenizer"]))
+    for kw in ({"baseline_dir": builds["tp1pp1"].parent}, {"candidate_dir": builds["tp1pp2"].parent}):
+        with pytest.raises(ManifestError, match="shard file"):
+            run_gate(copies["tp1pp1"], copies["tp1pp2"], max_tokens=1, window=2, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the refusal on a node without GPUs")
+def test_run_gate_device_check_names_the_larger_plan(builds, monkeypatch):
+    """--device cuda without GPUs: the refusal names the plan needing the most GPUs (whichever side it
+    is on); under torchrun, this node's share (LOCAL_WORLD_SIZE) of it."""
+    from shardc.errors import DeviceError
+
+    for env in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(env, raising=False)
+    for base, cand in (("tp1pp1", "tp2pp2"), ("tp2pp2", "tp1pp1")):
+        with pytest.raises(DeviceError) as e:
+            run_gate(builds[base], builds[cand], device="cuda", max_tokens=1, window=2)
+        assert e.value.message == "plan mg-tp2pp2 needs 4 GPUs on this node; 0 are visible"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "t")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    with pytest.raises(DeviceError) as e:
+        run_gate(builds["tp1pp1"], builds["tp2pp2"], device="cuda", max_tokens=1, window=2)
+    assert e.value.message == "plan mg-tp2pp2 needs 3 GPUs on this node; 0 are visible"
