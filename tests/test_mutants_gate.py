@@ -365,3 +365,58 @@ def test_run_gate_device_check_names_the_larger_plan(builds, monkeypatch):
     with pytest.raises(DeviceError) as e:
         run_gate(builds["tp1pp1"], builds["tp2pp2"], device="cuda", max_tokens=1, window=2)
     assert e.value.message == "plan mg-tp2pp2 needs 3 GPUs on this node; 0 are visible"
+
+
+def test_summarize_sums_float32_inputs_in_float64():
+    """Per-position NLLs handed over as float32 are summed in float64 (the module's promise): a
+    million 0.1f values sum to 100000.0015 in float64, to 100000.0078 in float32."""
+    a = np.full(10**6, 0.1, dtype=np.float32)
+    exact = math.fsum(a.astype(np.float64).tolist()) / a.size
+    r = summarize({"nll_base": a, "nll_cand": a * np.float32(2), "kl": a,
+                   "top1": np.ones(a.size, bool)}, 4, Thresholds())
+    assert r["kl_mean"] == pytest.approx(exact, rel=1e-12)
+    assert r["baseline_ppl"] == pytest.approx(math.exp(exact), rel=1e-12)
+    assert r["candidate_ppl"] == pytest.approx(math.exp(2 * exact), rel=1e-12)
+
+
+def test_different_models_message_is_exact(builds):
+    import copy
+
+    from shardc.errors import ManifestError
+    from shardc.formats.manifest import typed
+    from shardc.runtime.gate import check_compatible
+
+    d = json.loads(builds["tp1pp1"].read_text())
+    other = copy.deepcopy(d)
+    other["model"]["hidden_size"] = 7
+    with pytest.raises(ManifestError) as e:
+        check_compatible(typed(d), typed(other))
+    assert e.value.message == f"baseline and candidate are different models: hidden_size is {d['model']['hidden_size']} vs 7"
+    assert e.value.hint == "gate two plans built from the same checkpoint"
+    other = copy.deepcopy(d)
+    next(f for f in other["files"] if f["name"] == "tokenizer.json")["sha256"] = "f" * 64
+    with pytest.raises(ManifestError) as e:
+        check_compatible(typed(d), typed(other))
+    assert e.value.message == "baseline and candidate ship different tokenizer.json files"
+    assert e.value.hint == "gate two plans built from the same checkpoint"
+
+
+def test_summarize_checks_are_exact_records_and_reproducible():
+    """Every check is {name, value, limit, rule, ok} (format_report and the JSON report read them), and
+    the bootstrap interval is seeded: the same arrays give the same interval."""
+    rng = np.random.default_rng(5)
+    nb = rng.gamma(2.0, 1.5, size=(6, 20))
+    nc = nb + rng.normal(0.0, 0.05, size=nb.shape)
+    res = {"nll_base": nb, "nll_cand": nc, "kl": np.full(120, 0.25), "top1": np.arange(120) < 90}
+    r = summarize(res, 6, Thresholds(2.0, max_kl=0.3, min_top1=0.8))
+    delta = (math.exp((nc.sum() - nb.sum()) / nb.size) - 1) * 100
+    assert r["checks"] == [
+        {"name": "ppl_delta_pct", "value": pytest.approx(delta, rel=1e-9), "limit": 2.0,
+         "rule": "abs(value) <= limit", "ok": abs(delta) <= 2.0},
+        {"name": "kl_mean", "value": 0.25, "limit": 0.3, "rule": "value <= limit", "ok": True},
+        {"name": "top1_agreement", "value": 0.75, "limit": 0.8, "rule": "value >= limit", "ok": False},
+    ]
+    assert r["pass"] is False
+    again = summarize({k: v.copy() for k, v in res.items()}, 6, Thresholds())
+    assert again["ppl_delta_ci95_pct"] == r["ppl_delta_ci95_pct"]
+    assert again["ppl_delta_ci95_pct"][0] < delta < again["ppl_delta_ci95_pct"][1]
