@@ -420,3 +420,5 @@ def test_summarize_checks_are_exact_records_and_reproducible():
     again = summarize({k: v.copy() for k, v in res.items()}, 6, Thresholds())
     assert again["ppl_delta_ci95_pct"] == r["ppl_delta_ci95_pct"]
     assert again["ppl_delta_ci95_pct"][0] < delta < again["ppl_delta_ci95_pct"][1]
+    # identical plans: delta exactly 0, and a 0% limit is met (the limit is inclusive)
+    assert summarize({**res, "nll_cand": nb.copy()}, 6, Thresholds(0.0))["pass"] is True
