@@ -422,3 +422,15 @@ def test_summarize_checks_are_exact_records_and_reproducible():
     assert again["ppl_delta_ci95_pct"][0] < delta < again["ppl_delta_ci95_pct"][1]
     # identical plans: delta exactly 0, and a 0% limit is met (the limit is inclusive)
     assert summarize({**res, "nll_cand": nb.copy()}, 6, Thresholds(0.0))["pass"] is True
+
+
+def test_two_windows_are_resampled_as_blocks():
+    """Two windows, each shifted by its own constant: the block bootstrap draws (0,0), (0,1), (1,0),
+    (1,1), a quarter each, so its 2.5th / 97.5th percentiles are exactly the two windows' deltas
+    exp(0.01) - 1 and exp(0.05) - 1. Resampling positions instead would give a far narrower interval,
+    and a draw that never picks window 0 would lose the lower end."""
+    nb = np.random.default_rng(8).gamma(2.0, 1.5, size=(2, 50))
+    nc = nb + np.array([[0.01], [0.05]])
+    lo, hi = paired_bootstrap_ci(nb, nc, 2000, 0)
+    assert lo == pytest.approx((math.exp(0.01) - 1) * 100, rel=1e-9)
+    assert hi == pytest.approx((math.exp(0.05) - 1) * 100, rel=1e-9)
