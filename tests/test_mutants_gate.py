@@ -434,3 +434,41 @@ def test_two_windows_are_resampled_as_blocks():
     lo, hi = paired_bootstrap_ci(nb, nc, 2000, 0)
     assert lo == pytest.approx((math.exp(0.01) - 1) * 100, rel=1e-9)
     assert hi == pytest.approx((math.exp(0.05) - 1) * 100, rel=1e-9)
+
+
+def test_bootstrap_percentiles_match_the_definition():
+    """20 windows of different shifts: the interval is the 2.5th and 97.5th percentile (linear
+    interpolation) of exp(mean over the drawn windows' positions of nc - nb) - 1 over 2000 draws of
+    20 windows with replacement, drawn by numpy's default_rng(seed).integers(0, 20, (2000, 20))."""
+    g = torch.Generator().manual_seed(4)
+    nb = torch.rand(20, 30, generator=g, dtype=torch.float64) * 3
+    nc = nb + torch.randn(20, 1, generator=g, dtype=torch.float64) * 0.02
+    idx = torch.from_numpy(np.random.default_rng(0).integers(0, 20, size=(2000, 20)))
+    diff = (nc - nb).sum(1)[idx].sum(1) / (20 * 30)
+    d = (diff.exp() - 1) * 100
+    want = torch.quantile(d, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    got = paired_bootstrap_ci(nb.numpy(), nc.numpy(), 2000, 0)
+    assert got == pytest.approx(want, rel=1e-9)
+    assert got != pytest.approx(torch.quantile(d, torch.tensor([0.035, 0.985], dtype=torch.float64)).tolist(), rel=1e-6)
+
+
+def test_a_failed_baseline_pass_reports_its_own_error(builds, tmp_path):
+    """A baseline shard whose bytes no longer match its manifest: the baseline pass fails before it
+    writes the scratch logits file, and the gate raises that failure (a ShardcError naming the sha256
+    mismatch), not a FileNotFoundError from cleaning up a file that was never written."""
+    import shutil
+
+    from shardc.errors import ShardcError
+
+    d = tmp_path / "b"
+    shutil.copytree(builds["tp1pp1"].parent, d)
+    shard = next(d.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = _tmp_gate_files()
+    with pytest.raises(ShardcError) as e:
+        run_gate(d / "manifest.json", builds["tp1pp2"], golden=str(builds["golden"]), max_tokens=96, window=32,
+                 timeout_s=60.0)
+    assert "sha256" in str(e.value), str(e.value)
+    assert _tmp_gate_files() == before
