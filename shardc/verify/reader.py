@@ -152,6 +152,8 @@ def _segments(header: dict[str, Any] | None, length: int) -> list[tuple[int, str
         except (KeyError, TypeError, ValueError):
             return [(length, None, None)]
         dtype = info.get("dtype")
+        if dtype in _FLOAT and (e - s) % _WIDTH[dtype]:  # part of an element: hash only, tensors_of fails it
+            return [(length, None, None)]
         spans.append((s, e, name, dtype if dtype in _FLOAT else None))
     out, pos = [], 0
     for s, e, name, dtype in sorted(spans):
@@ -169,6 +171,7 @@ def _segments(header: dict[str, Any] | None, length: int) -> list[tuple[int, str
 # Inf; its only non-finite values are the NaNs S.1111.111, the same test with the mantissa bits).
 _FLOAT = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00), "F32": ("uint32", 0x7F800000),
           "F8_E4M3": ("uint8", 0x7F)}
+_WIDTH = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}  # bytes per element: a span must hold whole ones
 
 
 def _piece_bad(mv: memoryview, dtype: str, scratch: dict[str, Any]) -> bool:
