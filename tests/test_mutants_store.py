@@ -663,3 +663,34 @@ def test_pull_cannot_rename_over_a_directory(twins, tmp_path):
     assert exc.value.hint == "check free space, permissions and what is at that path"
     assert sorted(os.listdir(dest)) == sorted(["config.json", SHARD0, SHARD1])
     assert (dest / SHARD1).read_bytes() == (twins["a"].out_dir / SHARD1).read_bytes()
+
+
+def test_pull_progress_counts_the_bytes_it_fetches(twins, tmp_path, capsys):
+    from tqdm import tqdm
+
+    a = twins["a"]
+    store = _pushed(twins, tmp_path)
+    capsys.readouterr()
+    pull_build(store, tmp_path / "node", ranks=[(0, 0)], progress=True)
+    out, err = capsys.readouterr()
+    total = tqdm.format_sizeof(sum((a.out_dir / f).stat().st_size for f in ("config.json", SHARD0)),
+                               divisor=1024)
+    assert out == "" and f"pull {store}:" in err and f"/{total} [" in err
+    assert err.endswith("\r") and "\n" not in err
+
+
+def test_pull_runs_verify_on_the_pulled_ranks(twins, tmp_path):
+    """A shard whose bytes match the store's manifest but whose header names another rank: the
+    download is fine, the rank check after it is not."""
+    store = Path(_pushed(twins, tmp_path))
+    obj = store / SHARD1
+    data = obj.read_bytes()
+    assert data.count(b'"shardc.tp_rank":"1"') == 1
+    obj.write_bytes(data.replace(b'"shardc.tp_rank":"1"', b'"shardc.tp_rank":"0"'))
+    remote = json.loads((store / "manifest.json").read_text())
+    remote["shards"][SHARD1]["sha256"] = sha(obj)
+    (store / "manifest.json").write_text(json.dumps(remote))
+    with pytest.raises(VerifyMismatch) as exc:
+        pull_build(str(store), tmp_path / "node", ranks=[(1, 0)])
+    assert SHARD1 in exc.value.message and "tp_rank" in exc.value.message
+    assert exc.value.hint == "run shardc verify for the full report"
