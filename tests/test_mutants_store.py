@@ -694,3 +694,28 @@ def test_pull_runs_verify_on_the_pulled_ranks(twins, tmp_path):
         pull_build(str(store), tmp_path / "node", ranks=[(1, 0)])
     assert SHARD1 in exc.value.message and "tp_rank" in exc.value.message
     assert exc.value.hint == "run shardc verify for the full report"
+
+
+@needs_zstd
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_pushing_a_manifest_in_the_stores_form_records_only_what_it_stored(twins, tmp_path, compress):
+    """The store's manifest.json (with ``compressed`` records) copied next to the build files and
+    pushed elsewhere: the new store's manifest records only the objects this push stored."""
+    a = twins["a"]
+    first = Path(_pushed(twins, tmp_path, compress="zstd"))
+    m = copy_build(a, tmp_path / "copy")
+    remote = json.loads((first / "manifest.json").read_text())
+    remote["files"][0]["compressed"] = dict(remote["shards"][SHARD0]["compressed"])  # even there
+    m.write_text(json.dumps(remote))
+    store = tmp_path / "second"
+    push_build(m, str(store), compress=compress)
+    second = json.loads((store / "manifest.json").read_text())
+    assert "compressed" not in second["files"][0]
+    for f in (SHARD0, SHARD1):
+        if compress:
+            assert second["shards"][f]["compressed"]["sha256"] == sha(store / (f + ".zst"))
+        else:
+            assert "compressed" not in second["shards"][f] and (store / f).is_file()
+    res = pull_build(str(store), tmp_path / "node")
+    assert res["verify"]["ok"]
+    assert (tmp_path / "node" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
