@@ -479,7 +479,7 @@ def test_pull_report_of_one_rank_then_all(twins, tmp_path, compress):
     a = twins["a"]
     store = _pushed(twins, tmp_path, compress=compress)
     uri = f"{store}/manifest.json"
-    dest = tmp_path / "node"
+    dest = tmp_path / "new" / "node"  # parents are created
     stored = {f: Path(store, f + (".zst" if compress and f != "config.json" else "")).stat().st_size
               for f in FILES}
     size = {f: (a.out_dir / f).stat().st_size for f in FILES}
@@ -646,7 +646,9 @@ def test_pull_mismatches_win_and_are_counted(twins, tmp_path):
     (store / SHARD0).mkdir()  # cannot be read: a StoreError, but SHARD1's mismatch wins
     with pytest.raises(VerifyMismatch) as exc:
         pull_build(str(store), dest)
-    assert exc.value.message.startswith(f"{SHARD1}: ") and "more file" not in exc.value.message
+    size, got, want = (store / SHARD1).stat().st_size, sha(store / SHARD1), sha(a.out_dir / SHARD1)
+    assert exc.value.message == (f"{SHARD1}: downloaded data does not match the manifest: {size} bytes, "
+                                 f"sha256 {got[:16]}..., expected {size} bytes, {want[:16]}...")
     shutil.copy(a.out_dir / SHARD1, store / SHARD1)
     with pytest.raises(StoreError) as exc:
         pull_build(str(store), dest)
@@ -719,3 +721,55 @@ def test_pushing_a_manifest_in_the_stores_form_records_only_what_it_stored(twins
     res = pull_build(str(store), tmp_path / "node")
     assert res["verify"]["ok"]
     assert (tmp_path / "node" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
+
+
+def test_a_download_that_cannot_start_leaves_no_partial_file(twins, tmp_path):
+    """A side file whose name fits but whose partial file's name is too long (over 255 bytes):
+    the partial files opened before it are removed and the error is one StoreError."""
+    store = Path(_pushed(twins, tmp_path))
+    name = "z" * 240 + ".json"  # after config.json
+    (store / name).write_bytes(b"{}")
+    remote = json.loads((store / "manifest.json").read_text())
+    remote["files"].append({"name": name, "size": 2, "sha256": sha(b"{}")})
+    (store / "manifest.json").write_text(json.dumps(remote))
+    dest = tmp_path / "node"
+    with pytest.raises(StoreError) as exc:
+        pull_build(str(store), dest)
+    assert exc.value.message.endswith(": File name too long")
+    assert os.listdir(dest) == []
+
+
+def test_a_failed_pull_clears_its_progress_bar_before_the_error(twins, tmp_path, capsys):
+    """The bar is closed (its line cleared) before the error reaches the caller, who prints it."""
+    store = Path(_pushed(twins, tmp_path))
+    flip(store / SHARD0)
+    capsys.readouterr()
+    with pytest.raises(VerifyMismatch):
+        pull_build(str(store), tmp_path / "node", progress=True)
+    # the exception (and the frame holding the bar) is still alive when stderr is read
+    err = capsys.readouterr().err
+    assert f"pull {store}:" in err and err.endswith("\r") and err.split("\r")[-2].strip() == ""
+
+
+@pytest.mark.parametrize("env", ["1", ""])
+def test_fsync_downloads_from_the_environment(twins, tmp_path, monkeypatch, env):
+    """SHARDC_FSYNC_DOWNLOADS=1: every downloaded file is fsynced before its rename, then the
+    directory. Observed with a wrapper that records what the real os.fsync is called on."""
+    uri = _pushed(twins, tmp_path)
+    dest = tmp_path / "node"
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setenv("SHARDC_FSYNC_DOWNLOADS", env)
+    pull_build(uri, dest)
+    before = synced[:next(i for i, p in enumerate(synced) if ".manifest.json." in p)]  # its own
+    partials = sorted({Path(p).name.split(".partial-")[0][1:] for p in before if ".partial-" in p})
+    if env:
+        assert partials == sorted(FILES) and before[-1] == str(dest)
+    else:
+        assert before == []
