@@ -549,8 +549,9 @@ def test_pull_refuses_a_compressed_object_name_outside_the_store(twins, tmp_path
     remote = json.loads((store / "manifest.json").read_text())
     remote["shards"][SHARD1]["compressed"]["object"] = "../escape.zst"
     (store / "manifest.json").write_text(json.dumps(remote))
-    with pytest.raises(ManifestError):
+    with pytest.raises(ManifestError) as exc:
         pull_build(str(store), tmp_path / "node")
+    assert exc.value.message == "unsafe compressed object name '../escape.zst'"
     assert not (tmp_path / "node").exists()
 
 
@@ -773,3 +774,11 @@ def test_fsync_downloads_from_the_environment(twins, tmp_path, monkeypatch, env)
         assert partials == sorted(FILES) and before[-1] == str(dest)
     else:
         assert before == []
+
+
+def test_pull_names_the_manifest_it_could_not_parse(twins, tmp_path):
+    store = Path(_pushed(twins, tmp_path))
+    (store / "manifest.json").write_text("not json")
+    with pytest.raises(ManifestError) as exc:
+        pull_build(str(store), tmp_path / "node")
+    assert exc.value.message == f"{store}/manifest.json is not JSON"
