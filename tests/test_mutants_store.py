@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
-from shardc.store import pull_build, push_build
+from shardc.store import S3Settings, pull_build, push_build
 from shardc.store.pull import fetch_manifest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -782,3 +782,25 @@ def test_pull_names_the_manifest_it_could_not_parse(twins, tmp_path):
     with pytest.raises(ManifestError) as exc:
         pull_build(str(store), tmp_path / "node")
     assert exc.value.message == f"{store}/manifest.json is not JSON"
+
+
+@pytest.mark.parametrize("attempts", [None, 1, 3])
+def test_pull_makes_as_many_attempts_as_it_is_told(twins, s3, tmp_path, attempts):
+    """SHARDC_S3_MAX_ATTEMPTS=2 here; settings=... wins over it. The number is of requests in
+    all, the first one included, as the error says (botocore's own "max_attempts" key would
+    count the retries only: one request more)."""
+    server, proxy = s3
+    bkt = bucket(s3)
+    push_build(twins["a"].manifest_path, f"s3://{bkt}/p", endpoint_url=server.endpoint)
+    proxy.clear()
+    proxy.faults = Faults(p500=1.0, match=f"/{bkt}/p/manifest.json")
+    settings = None if attempts is None else S3Settings.from_env(max_attempts=attempts)
+    try:
+        with pytest.raises(StoreError) as exc:
+            pull_build(f"s3://{bkt}/p/manifest.json", tmp_path / "node", endpoint_url=proxy.endpoint,
+                       settings=settings)
+    finally:
+        proxy.faults = Faults()
+    n = attempts or 2
+    assert [r.status for r in proxy.log if r.path == f"/{bkt}/p/manifest.json"] == [500] * n
+    assert f"after {n} attempts" in exc.value.message
