@@ -804,3 +804,17 @@ def test_pull_makes_as_many_attempts_as_it_is_told(twins, s3, tmp_path, attempts
     n = attempts or 2
     assert [r.status for r in proxy.log if r.path == f"/{bkt}/p/manifest.json"] == [500] * n
     assert f"after {n} attempts" in exc.value.message
+
+
+def test_push_progress_total_is_exact_for_a_small_repair(twins, tmp_path, capsys):
+    """Only config.json (a few hundred bytes, shown to the byte) is missing: the bar's total is
+    its size, not one byte more."""
+    a = twins["a"]
+    store = tmp_path / "store"
+    push_build(a.manifest_path, str(store))
+    (store / "config.json").unlink()
+    capsys.readouterr()
+    push_build(a.manifest_path, str(store), progress=True)
+    size = (a.out_dir / "config.json").stat().st_size
+    assert size < 1000
+    assert f"/{size} [" in capsys.readouterr().err
