@@ -396,9 +396,9 @@ def test_push_destinations(twins, tmp_path):
     assert res["manifest_uri"] == f"{store}/v1.json" and res["dest"] == str(store)
     assert (store / "v1.json").read_bytes() == a.manifest_path.read_bytes()
     assert not (store / "manifest.json").exists()
-    res = push_build(a.manifest_path, f"{tmp_path}/other/")
-    assert res["dest"] == f"{tmp_path}/other" and res["manifest_uri"] == f"{tmp_path}/other/manifest.json"
-    assert (tmp_path / "other" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
+    res = push_build(a.manifest_path, f"{tmp_path}/otherX/")  # only the slash is stripped
+    assert res["dest"] == f"{tmp_path}/otherX" and res["manifest_uri"] == f"{tmp_path}/otherX/manifest.json"
+    assert (tmp_path / "otherX" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
     from shardc.formats.manifest import read
     from shardc.store.push import _destination
