@@ -15,7 +15,7 @@ from ..formats.files import sha256_file
 from ..formats.manifest import Manifest, ShardEntry, read
 from .base import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
 from .codec import CODECS, ZSTD_LEVEL, compress_file, zstd_module
-from .transfer import entries, os_errors, progress_bar
+from .transfer import entries, os_errors, progress_bar, strip_compressed
 from .uri import open_store, parse_uri, split_object_uri
 
 
@@ -55,7 +55,9 @@ def push_build(
     """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes."""
     t0 = time.perf_counter()
     manifest_path = Path(manifest_path)
-    manifest = read(manifest_path)
+    # A manifest in the store's form (copied from a store) names .zst objects of that store: this
+    # push records only what it stores itself.
+    manifest = strip_compressed(read(manifest_path))
     _check_codec(compress)
     src = _build_dir(manifest_path, manifest, build_dir)
     root, manifest_name = _destination(manifest, dest_uri)

@@ -93,7 +93,9 @@ class S3Store(Store):
         self.settings = s = settings or S3Settings.from_env()
         self.uri = f"s3://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
         config = Config(
-            retries={"mode": s.retry_mode, "max_attempts": s.max_attempts},
+            # total_max_attempts counts the first try; botocore's "max_attempts" key counts only
+            # the retries (one request more than SHARDC_S3_MAX_ATTEMPTS and the error messages say)
+            retries={"mode": s.retry_mode, "total_max_attempts": s.max_attempts},
             connect_timeout=s.connect_timeout,
             read_timeout=s.read_timeout,
             max_pool_connections=s.max_concurrency + 4,
