@@ -20,6 +20,19 @@ def demo_model_dir() -> Path:
     return ensure_demo_model(Path(os.environ.get("SHARDC_DEMO_DIR", ROOT / ".cache" / "demo")))
 
 
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3 server (moto, 127.0.0.1) and a fault proxy in front of it, one per test module:
+    (server, proxy). test_store.py has its own ``s3`` (the server alone) and ``proxy``."""
+    from s3server import FaultProxy, S3Server
+
+    server = S3Server().start()
+    proxy = FaultProxy(server.endpoint).start()
+    yield server, proxy
+    proxy.stop()
+    server.stop()
+
+
 @pytest.fixture
 def make_ckpt(tmp_path):
     """Factory: make_ckpt(name="ck", num_files=1, seed=0, **llama_config kwargs) -> checkpoint dir."""

@@ -34,7 +34,7 @@ from shardc.store import S3Settings, pull_build, push_build
 from shardc.store.pull import fetch_manifest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3server import FaultProxy, Faults, S3Server  # noqa: E402
+from s3server import Faults  # noqa: E402
 
 needs_zstd = pytest.mark.skipif(importlib.util.find_spec("zstandard") is None,
                                 reason="zstandard is not installed (pip install 'shardc[zstd]')")
@@ -70,15 +70,6 @@ def twins(tmp_path_factory):
         assert (out["a"].out_dir / f).stat().st_size == (out["b"].out_dir / f).stat().st_size
     assert sha(out["a"].out_dir / SHARD0) != sha(out["b"].out_dir / SHARD0)
     return out
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    proxy = FaultProxy(server.endpoint).start()
-    yield server, proxy
-    proxy.stop()
-    server.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -20,7 +20,6 @@ from shardc.formats.manifest import Manifest
 from shardc.store import pull_build, push_build
 
 sys.path.insert(0, str(Path(__file__).parent))
-from s3server import FaultProxy, S3Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +46,6 @@ def twins(tmp_path_factory):
 
 def _digests(d: Path, manifest: Manifest) -> dict[str, str]:
     return {s.file: hashlib.sha256((d / s.file).read_bytes()).hexdigest() for s in manifest.shards}
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    proxy = FaultProxy(server.endpoint).start()
-    yield server, proxy
-    proxy.stop()
-    server.stop()
 
 
 @pytest.fixture
