@@ -29,7 +29,7 @@ from typing import Any
 
 from ..errors import ShardFormatError, VerifyMismatch
 from ..formats.safetensors import MAX_HEADER, METADATA, parse_header
-from ..spec.dtypes import DTYPES
+from ..spec.dtypes import DTYPE_BYTES, DTYPES
 
 CHUNK = 32 << 20  # bytes per read / hash / copy step into pinned memory (CUDA)
 HOST_CHUNK = 1 << 20  # bytes per read / hash step on CPU (stays in cache between the two)
@@ -152,7 +152,7 @@ def _segments(header: dict[str, Any] | None, length: int) -> list[tuple[int, str
         except (KeyError, TypeError, ValueError):
             return [(length, None, None)]
         dtype = info.get("dtype")
-        if dtype in _FLOAT and (e - s) % _WIDTH[dtype]:  # part of an element: hash only, tensors_of fails it
+        if dtype in _FLOAT and (e - s) % DTYPE_BYTES[dtype]:  # part of an element: hash only, tensors_of fails it
             return [(length, None, None)]
         spans.append((s, e, name, dtype if dtype in _FLOAT else None))
     out, pos = [], 0
@@ -171,7 +171,6 @@ def _segments(header: dict[str, Any] | None, length: int) -> list[tuple[int, str
 # Inf; its only non-finite values are the NaNs S.1111.111, the same test with the mantissa bits).
 _FLOAT = {"BF16": ("uint16", 0x7F80), "F16": ("uint16", 0x7C00), "F32": ("uint32", 0x7F800000),
           "F8_E4M3": ("uint8", 0x7F)}
-_WIDTH = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}  # bytes per element: a span must hold whole ones
 
 
 def _piece_bad(mv: memoryview, dtype: str, scratch: dict[str, Any]) -> bool:
