@@ -1,7 +1,7 @@
 """The Llama-family forward for one rank of a TP x PP replica: pure tensor math plus a ``Comm``.
 
 Numerics follow Hugging Face's LlamaForCausalLM (RMSNorm in fp32 then weight * x in the model dtype,
-rotary tables computed in fp32 and cast, SDPA attention, SwiGLU), so a tp1pp1 replica reproduces the
+rotary tables computed in fp32 and cast, SDPA attention, a gated MLP with the config's activation: SwiGLU for Llama), so a tp1pp1 replica reproduces the
 reference. Tensor parallel is the Megatron pattern: column-parallel q/k/v/gate/up need no
 communication, row-parallel o/down produce partial sums that are all-reduced (formed in fp32 and
 rounded once, in rank order), the embedding is vocabulary-parallel (masked lookup + all-reduce) and the lm_head
@@ -10,6 +10,7 @@ produces a vocabulary slice of the logits that is gathered before any softmax.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
+from .support import activation
 
 
 class TPComm(Protocol):
@@ -155,6 +157,8 @@ class StageModel:
         # Sliding-window attention (Mistral, some Qwen2) equals full attention only inside the window.
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
         self.max_len = int(window) if window else None
+        fn, kwargs = activation(cfg)
+        self._act = functools.partial(getattr(F, fn), **kwargs)
 
     def _rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         need = start + length
@@ -219,7 +223,7 @@ class StageModel:
         a = a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
         x = x + self._row(a, lw.o, b.get("o"), f"layer {lw.index} attention all-reduce")
         h = rms_norm(x, lw.ln2, d.eps)
-        g = F.silu(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
+        g = self._act(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
         return x + self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:

@@ -87,7 +87,8 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
         directory = Path(job["replicas"][rep.index]["dir"])
         t_load = time.perf_counter()
         weights = load_stage(manifest, directory, layout, comm.tp_rank, comm.pp_stage, device)
-        model = StageModel(weights, local_dims(layout), manifest.model, comm,
+        # rope and activation as this shardc reads the config (not as an older one recorded them)
+        model = StageModel(weights, local_dims(layout), {**layout.model.summary(), "config": manifest.config}, comm,
                            compute_dtype(manifest), device)
         load_s = time.perf_counter() - t_load
         comm.mark("loaded")

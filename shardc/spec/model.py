@@ -173,6 +173,53 @@ def _flag(cfg: dict[str, Any], key: str) -> bool:
     return bool(value)
 
 
+def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Rope theta and scaling, from either spelling of config.json.
+
+    transformers 4 writes ``rope_theta`` and ``rope_scaling``; transformers 5 writes one
+    ``rope_parameters`` object holding the theta, ``rope_type`` (``default``: no scaling) and the
+    scaling's factors. Reading only the old keys ran a transformers 5 config at the default theta
+    (a silently different model), so both are read; when both are present they must agree. The
+    result is in the old form: what manifests record, so an old config's bytes are unchanged."""
+    params = cfg.get("rope_parameters")
+    old_theta = cfg.get("rope_theta")
+    old_scaling = cfg.get("rope_scaling")
+    if old_scaling is not None and not isinstance(old_scaling, dict):
+        raise ModelError(f"config.json rope_scaling must be an object or null, found {old_scaling!r}",
+                         hint=_HINT, key="rope_scaling")
+    if params is None:
+        return _float(cfg, "rope_theta", 10000.0), copy.deepcopy(old_scaling)
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise ModelError(f"config.json rope_parameters must be one object of rope settings, found "
+                         f"{_short(params)}", key="rope_parameters",
+                         hint="per-layer-type rope_parameters belong to families shardc does not build")
+    key = "rope_parameters.rope_theta"
+    theta = _float({key: params.get("rope_theta")}, key, 10000.0 if old_theta is None else old_theta)
+    kind = params.get("rope_type", params.get("type", "default"))
+    scaling = None if kind == "default" and set(params) <= {"rope_theta", "rope_type", "type"} else {
+        k: copy.deepcopy(v) for k, v in params.items() if k != "rope_theta"}
+    if old_theta is not None and _float(cfg, "rope_theta", 10000.0) != theta:
+        raise ModelError(f"config.json rope_theta={old_theta!r} disagrees with "
+                         f"rope_parameters.rope_theta={theta!r}", key="rope_parameters",
+                         hint="keep one spelling (transformers 5 writes rope_parameters only)")
+    if old_scaling is not None and _rope_kind(old_scaling) != _rope_kind(scaling or {}):
+        raise ModelError(f"config.json rope_scaling {_short(old_scaling)} disagrees with "
+                         f"rope_parameters {_short(params)}", key="rope_parameters",
+                         hint="keep one spelling (transformers 5 writes rope_parameters only)")
+    return theta, scaling
+
+
+def _rope_kind(scaling: dict[str, Any]) -> dict[str, Any]:
+    """A scaling dict with ``type`` spelled ``rope_type`` and the theta left out, for comparing."""
+    out = {("rope_type" if k == "type" else k): v for k, v in scaling.items() if k != "rope_theta"}
+    return {} if out in ({}, {"rope_type": "default"}) else out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     """Validate a Hugging Face config dict and turn it into a ModelSpec."""
     if not isinstance(cfg, dict):
@@ -191,10 +238,7 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     head_dim = _int(cfg, "head_dim") if cfg.get("head_dim") is not None else hidden // heads
     if head_dim < 1:
         raise ModelError(f"hidden_size={hidden} is smaller than num_attention_heads={heads}", key="hidden_size")
-    rope_scaling = cfg.get("rope_scaling")
-    if rope_scaling is not None and not isinstance(rope_scaling, dict):
-        raise ModelError(f"config.json rope_scaling must be an object or null, found {rope_scaling!r}",
-                         hint=_HINT, key="rope_scaling")
+    rope_theta, rope_scaling = _rope(cfg)
     if heads % kv:
         raise ModelError(
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
@@ -220,8 +264,8 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
         mlp_bias=_flag(cfg, "mlp_bias"),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
         rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, below=1.0),
-        rope_theta=_float(cfg, "rope_theta", 10000.0),
-        rope_scaling=copy.deepcopy(rope_scaling),
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
         torch_dtype=dtype,
         config=copy.deepcopy(cfg),
     )

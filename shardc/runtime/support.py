@@ -1,0 +1,70 @@
+"""What the shardc runtime's forward implements, checked before any rank starts.
+
+The runtime is one Llama-family forward (``runtime/llama.py``). A config key whose value it does
+not compute must never run as something else (a ``gelu`` model as SiLU, a yarn rope as the default
+one): every value the forward implements is listed here, and ``check_supported`` refuses the rest
+with one line naming the key and the value. Pure data and arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..errors import ModelError
+from ..spec.model import ModelSpec
+
+# config.json hidden_act -> (torch.nn.functional function, keyword arguments): transformers'
+# ACT2FN names whose function is exactly that (gelu_new and gelu_fast are the tanh approximation
+# written out; gelu is the exact erf form).
+ACTIVATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "silu": ("silu", {}),
+    "swish": ("silu", {}),
+    "gelu": ("gelu", {}),
+    "gelu_pytorch_tanh": ("gelu", {"approximate": "tanh"}),
+    "gelu_new": ("gelu", {"approximate": "tanh"}),
+    "gelu_fast": ("gelu", {"approximate": "tanh"}),
+    "relu": ("relu", {}),
+}
+# rope_type -> the fields its formula reads (transformers' modeling_rope_utils)
+ROPE_TYPES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_HINT = "the shardc runtime does not compute this model; serve the build with an engine that does"
+
+
+def activation(model: ModelSpec | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The MLP activation of a model (a ModelSpec or its config dict)."""
+    cfg = model.config if isinstance(model, ModelSpec) else model
+    name = cfg.get("hidden_act", "silu")
+    if not isinstance(name, str) or name not in ACTIVATIONS:
+        raise ModelError(f"config.json hidden_act={name!r} is not implemented by the shardc runtime",
+                         key="hidden_act", hint=f"implemented: {', '.join(ACTIVATIONS)}; {_HINT}")
+    return ACTIVATIONS[name]
+
+
+def check_supported(model: ModelSpec) -> None:
+    """Refuse, with one line naming the key and value, any setting the forward would get wrong."""
+    activation(model)
+    scaling = model.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    key = "rope_parameters" if "rope_parameters" in model.config else "rope_scaling"
+    if not isinstance(kind, str) or kind not in ROPE_TYPES:
+        raise ModelError(f"config.json {key} rope_type={kind!r} is not implemented by the shardc runtime",
+                         key=key, hint=f"implemented: {', '.join(ROPE_TYPES)}; {_HINT}")
+    for field in ROPE_TYPES[kind]:
+        value = scaling.get(field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value <= 0:
+            raise ModelError(f"config.json {key}.{field} must be a positive number for rope_type "
+                             f"{kind!r}, found {value!r}", key=f"{key}.{field}", hint=_HINT)
+    if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
+        raise ModelError(f"config.json {key}: low_freq_factor must be below high_freq_factor, found "
+                         f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}", key=key, hint=_HINT)
+    partial = model.config.get("partial_rotary_factor", 1.0)
+    if partial not in (None, 1, 1.0):
+        raise ModelError(f"config.json partial_rotary_factor={partial!r} is not implemented by the "
+                         "shardc runtime (it rotates every dimension)", key="partial_rotary_factor",
+                         hint=_HINT)
