@@ -1,8 +1,8 @@
 """The shardc command line: thin click commands that parse, call the library and format.
 
 Each command lives in ``shardc/commands/<topic>.py`` and exports ``COMMANDS``. Expected problems
-(``ShardcError``) end as one line on stderr with the error's exit code; ``--debug`` shows the
-traceback. Nothing here imports torch: commands import heavy modules inside their bodies.
+(``ShardcError``) end as one line on stderr with the error's exit code, and with ``--json`` also
+as a JSON object on stdout; ``--debug`` shows the traceback. Nothing here imports torch: commands import heavy modules inside their bodies.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import click
 
 from . import __version__
-from .commands.output import error_line
+from .commands.output import echo_json, error_line, error_object, remember_json
 from .errors import ShardcError
 
 COMMAND_MODULES = ("build", "reshard", "verify", "store", "plan", "runtime")
@@ -45,6 +45,8 @@ class ShardcGroup(click.Group):
         except ShardcError as exc:
             if ctx.meta.get("shardc.debug"):
                 raise
+            if ctx.meta.get("shardc.json"):  # a CI step parsing stdout gets the error as data too
+                echo_json(error_object(exc))
             click.echo(f"error: {error_line(exc)}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
@@ -69,6 +71,7 @@ for _name in COMMAND_MODULES:
             raise
         continue
     for _cmd in _mod.COMMANDS:
+        remember_json(_cmd)
         main.add_command(_cmd)
 
 

@@ -59,8 +59,13 @@ def test_demo_quantized_reassembles(demo_src, tmp_path, plan_name):
     assert stats and max(s["rel_rms_err"] for s in stats) < (0.02 if scheme == "int8" else 0.06)
 
 
-@pytest.mark.parametrize("plan_name", sorted(p.stem for p in (PLANS.parent / "manifests").glob("demo-*.json")))
+DEMO_MANIFESTS = PLANS.parent / "tests" / "data" / "demo-manifests"
+
+
+@pytest.mark.parametrize("plan_name", sorted(p.stem for p in DEMO_MANIFESTS.glob("demo-*.json")))
 def test_committed_demo_manifests_are_current(demo_model_dir, tmp_path, plan_name):
-    """manifests/*.json are the demo builds' records: a build today writes exactly those bytes."""
+    """tests/data/demo-manifests/*.json are the demo builds' records, kept as golden files: a
+    build today writes exactly those bytes. (manifests/, where builds put their rollout records
+    by default, is untracked: the README's examples write there.)"""
     res = build(load_plan(PLANS / f"{plan_name}.yaml"), tmp_path / "o")
-    assert res.manifest_path.read_bytes() == (PLANS.parent / "manifests" / f"{plan_name}.json").read_bytes()
+    assert res.manifest_path.read_bytes() == (DEMO_MANIFESTS / f"{plan_name}.json").read_bytes()

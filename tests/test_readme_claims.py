@@ -203,6 +203,25 @@ def test_rollout_pushes_a_good_candidate(rollout_env):
 
 
 @pytest.mark.heavy
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "shardc").is_file(), reason="needs `make setup`'s .venv")
+def test_rollout_runs_from_a_clean_shell_and_takes_the_gate_size(rollout_env):
+    """#26 item 1: no venv activated, no $SHARDC, nothing but the system PATH (the shell a CI
+    runner starts): the script finds this checkout's .venv/bin/shardc; --max-tokens reaches the gate."""
+    root, plans, _ = rollout_env
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root")}
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "rollout.sh"), "--max-tokens", "600",
+                        str(plans["good"]), str(plans["base"]), str(root / "clean-dest")],
+                       cwd=root, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    gate = json.loads((root / "reports" / "gate.json").read_text())
+    assert gate["golden"]["tokens"] <= 600 < 8192 and gate["pass"], gate
+    assert (root / "clean-dest" / "manifest.json").is_file()
+    p = subprocess.run(["bash", str(ROOT / "scripts" / "rollout.sh"), "--gate-tokens", "5", "a", "b"],
+                       cwd=root, capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 2 and p.stderr.startswith("error: unknown option --gate-tokens"), p.stderr
+
+
+@pytest.mark.heavy
 def test_rollout_stops_at_a_red_gate(rollout_env):
     root, plans, shim = rollout_env
     p = _rollout(root, shim, str(plans["bad"]), str(plans["base"]))

@@ -119,7 +119,8 @@ def build(
     """Compile ``plan`` into shard files. Validates everything before writing anything."""
     t0 = time.perf_counter()
     if source is None:  # reshard passes an input build as the source
-        source = open_source(plan.source, allow_pickle=allow_pickle)
+        source = open_source(plan.source, allow_pickle=allow_pickle,
+                             key="source" if "model.source" in plan.overrides else "model.source")
         source.uri = plan.source_uri
     model = model_from_config(source.config)
     layout = build_layout(model, plan)

@@ -260,12 +260,23 @@ def _resolve_hf(uri: str) -> tuple[Path, str]:
                 allow_patterns=["*.safetensors", "*.json", "tokenizer*"],
             )
         except Exception as exc:  # the hub raises many types; all mean "cannot fetch"
-            raise SourceError(f"cannot fetch {uri}: {exc}", hint="check the repo id, revision and HF_TOKEN") from None
+            from huggingface_hub.utils import LocalEntryNotFoundError
+
+            if isinstance(exc, LocalEntryNotFoundError):  # offline, and no snapshot cached here
+                raise SourceError(f"cannot fetch {uri}: the hub is not reachable from here and no "
+                                  "snapshot of it is in the local Hugging Face cache",
+                                  hint="download it where the hub is reachable (hf download REPO "
+                                       "--local-dir DIR) and build with --source DIR") from None
+            detail = " ".join(str(exc).split())  # the hub's messages span lines; ours is one
+            raise SourceError(f"cannot fetch {uri}: {detail[:300]}",
+                              hint="check the repo id, revision and HF_TOKEN") from None
     return Path(path), Path(path).name  # snapshot dirs are named by commit hash
 
 
-def open_source(uri: str, *, allow_pickle: bool = False) -> Source:
-    """Resolve a source URI and index its tensors (headers only; no tensor data is read)."""
+def open_source(uri: str, *, allow_pickle: bool = False, key: str = "model.source") -> Source:
+    """Resolve a source URI and index its tensors (headers only; no tensor data is read).
+    ``key``: where the URI came from, for errors (``source`` when the command line overrode the
+    plan's ``model.source``)."""
     revision = None
     if uri.startswith("hf://"):
         directory, revision = _resolve_hf(uri)
@@ -279,8 +290,10 @@ def open_source(uri: str, *, allow_pickle: bool = False) -> Source:
     else:
         directory = Path(uri.removeprefix("file://"))
     if not directory.is_dir():
-        raise SourceError(f"source directory {directory} does not exist", key="model.source",
-                          hint="run scripts/setup_demo.py for the demo model, or fix model.source")
+        hint = ("pass --source a checkpoint directory that exists" if key == "source"
+                else "run scripts/setup_demo.py for the demo model" if ".cache/demo" in str(directory)
+                else "fix model.source in the plan, or pass --source DIR")
+        raise SourceError(f"source directory {directory} does not exist", key=key, hint=hint)
     config = read_config(directory / "config.json", SourceError)
 
     files = _weight_files(directory)

@@ -41,7 +41,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
               endpoint_url, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
     from ..spec.plan import load_plan
-    from .output import echo_json, show_progress, summary_lines
+    from .output import echo_json, push_lines, show_progress, summary_lines
 
     plan = load_plan(plan_file)
     if source:
@@ -72,6 +72,8 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     click.echo(f"manifest: {result.manifest_path}")
     if manifests_dir is not None:
         click.echo(f"record:   {Path(manifests_dir) / (summary['plan'] + '.json')}")
+    if upload:
+        click.echo("\n".join(push_lines(summary["upload"])))
 
 
 def _check_same_words(plan, source: str) -> None:
@@ -88,13 +90,15 @@ def _check_same_words(plan, source: str) -> None:
 
 
 def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
+    from ..formats.safetensors import shard_file_size
     from ..spec.layout import build_layout
     from ..spec.model import model_for_source
     from .output import echo_json
 
     layout = build_layout(model_for_source(plan.source, model_ref), plan)
     ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
-              "layers": list(r.layers), "tensors": len(r.tensors), "bytes": r.nbytes} for r in layout.ranks]
+              "layers": list(r.layers), "tensors": len(r.tensors), "bytes": r.nbytes,
+              "file_bytes": shard_file_size(layout, r)} for r in layout.ranks]
     if as_json:
         echo_json({"plan": plan.name, "plan_sha256": plan.sha256, "effective_plan_sha256": plan.effective_sha256,
                    "overrides": plan.overrides, "valid": True, "ranks": ranks})
@@ -103,7 +107,7 @@ def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
                f"{layout.model.architecture} {layout.model.num_layers} layers)")
     for r in ranks:
         click.echo(f"  {r['file']}  rank {r['rank']:>3}  layers {r['layers'][0]}:{r['layers'][1]}  "
-                   f"{r['tensors']:4d} tensors  {human_size(r['bytes']):>12}")
+                   f"{r['tensors']:4d} tensors  {human_size(r['file_bytes']):>12} file")
 
 
 @click.command("inspect", epilog="""\b

@@ -21,6 +21,7 @@ FLAGS = {
     "tp_rank": "--tp-rank",
     "pp_stage": "--pp-stage",
     "block_size": "--block-size",
+    "source": "--source",
 }
 
 
@@ -29,11 +30,32 @@ class UsageError(ShardcError):
 
 
 def error_line(exc: ShardcError) -> str:
-    """The one line the CLI prints for an expected error, in the command line's words."""
+    """The one line the CLI prints for an expected error, in the command line's words (a message
+    quoting another library's multi-line text is folded onto the line)."""
     if exc.key in FLAGS:
         text = f"{FLAGS[exc.key]}: {exc.message}"
-        return f"{text} (hint: {exc.hint})" if exc.hint else text
-    return exc.one_line()
+        text = f"{text} (hint: {exc.hint})" if exc.hint else text
+    else:
+        text = exc.one_line()
+    return " ".join(text.splitlines())
+
+
+def error_object(exc: ShardcError) -> dict[str, Any]:
+    """An expected error as data, for ``--json``: what the one line says, field by field."""
+    key = FLAGS.get(exc.key, exc.key) if exc.key is not None else None
+    return {"error": exc.message, "key": key, "hint": exc.hint, "exit": exc.exit_code}
+
+
+def remember_json(cmd: click.Command) -> None:
+    """Make a command's ``--json`` flag known to the error handler (``cli.py``), which runs in the
+    group's context: the flag's value is kept in the contexts' shared ``meta``."""
+    for param in cmd.params:
+        if param.name == "as_json":
+            def keep(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
+                ctx.meta["shardc.json"] = bool(value)
+                return value
+
+            param.callback = keep
 
 
 def chosen_ranks(rank: list[int] | tuple[int, ...] | int | None, tp_rank: int | None,
@@ -76,3 +98,12 @@ def summary_lines(summary: dict[str, Any], state: str, out_dir: Any) -> list[str
     if summary.get("finished_switch"):
         lines.append("  first finished switching in the files of an interrupted rebuild (build/switch.py)")
     return lines
+
+
+def push_lines(res: dict[str, Any]) -> list[str]:
+    """What ``push`` (and ``build --upload``) did, as text."""
+    from ..formats.files import human_size
+
+    return [f"pushed {res['uploaded']} file(s), {human_size(res['bytes_uploaded'])} "
+            f"({res['present']} already present) in {res['seconds']:.1f}s",
+            f"manifest: {res['manifest_uri']} ({res['manifest']})"]

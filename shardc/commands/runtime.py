@@ -68,7 +68,10 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
             "tokens_per_s": n / res["seconds"] if res["seconds"] else None,
         })
         return
-    for lab, t, x in zip(labels, res["tokens"], texts, strict=True):
+    several = len(labels) > 1
+    for i, (lab, t, x) in enumerate(zip(labels, res["tokens"], texts, strict=True)):
+        if several:  # a continuation may span lines: say where each output starts
+            click.echo(f"{'' if i == 0 else chr(10)}--- output {i + 1} of {len(labels)} ---")
         click.echo(f"{lab}{x}" if x is not None else f"[{lab}] -> {','.join(map(str, t))}")
     click.echo(f"({ref.name}: {n} tokens in {res['seconds']:.2f}s after {res['load_seconds']:.2f}s load)",
                err=True)

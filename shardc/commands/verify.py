@@ -82,9 +82,14 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, 
         echo_json(report)
     else:
         for r in report["ranks"]:
-            mark = "ok  " if r["ok"] else "FAIL"
-            click.echo(f"{mark} {r['file']} (rank {r['rank']}: tp {r['tp_rank']}, pp {r['pp_stage']})  "
-                       f"{' '.join(r['checks'])}")
+            where = f"{r['file']} (rank {r['rank']}: tp {r['tp_rank']}, pp {r['pp_stage']})"
+            if r["ok"]:
+                click.echo(f"ok   {where}  {' '.join(r['checks'])}")
+            else:  # the check that failed and why, on the line (the passed ones would mislead)
+                reasons = [p.removeprefix(f"{r['file']}: ") for p in r["problems"]] or ["failed"]
+                click.echo(f"FAIL {where}  {reasons[0]}")
+                for more in reasons[1:]:
+                    click.echo(f"     also: {more}")
             for w in r["warnings"]:
                 click.echo(f"     warning: {w}")
         for p in report["problems"]:

@@ -136,6 +136,13 @@ def extent_problem(tensors: dict[str, Any], data_len: int) -> str | None:
     return None
 
 
+def shard_file_size(layout: Layout, rl: RankLayout) -> int:
+    """The exact size of a rank's shard file as build writes it: header and tensor bytes (what
+    ``build --dry-run`` reports, so it matches ``ls -l`` afterwards)."""
+    head = header_bytes([(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl))
+    return len(head) + rl.nbytes
+
+
 def header_bytes(
     tensors: Sequence[tuple[str, str, Sequence[int]]], metadata: dict[str, str] | None
 ) -> bytes:
