@@ -191,8 +191,8 @@ def _memory(s: Search, c: Candidate) -> None:
         source = ("`kv_memory`" if w.kv_memory is not None else
                   f"the {w.cap / g:.2f} GiB cap" if w.cap <= m.kv_available else "what memory leaves")
         c.reasons.append(
-            f"KV demand {m.kv_demand / g:.2f} GiB per GPU ({demand_words(w, model.max_position_embeddings)}) "
-            f"> the {m.kv_budget / g:.2f} GiB KV pool ({source}; {tokens:,} tokens)")
+            f"KV demand {m.kv_demand / g:.2f} GiB per GPU ({demand_words(w, model.max_position_embeddings)}: "
+            f"{need:,} tokens) > the {m.kv_budget / g:.2f} GiB KV pool ({source}; it holds {tokens:,})")
     worst = max(stages, key=lambda m: m.used_fraction)
     if worst.used_fraction > s.speed.max_memory_fraction and not c.reasons:
         c.reasons.append(f"GPU at {worst.used_fraction:.1%} of its memory "

@@ -8,10 +8,10 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 from __future__ import annotations
 
 from .candidate import Candidate, attn_flops, kv_bpt
+from .formulas import demand_tokens, demand_words
 from .gpus import GB, GIB
 from .mla import MlaModel, experts_touched
 from .policy import OBJECTIVE_WORDS
-from .formulas import demand_tokens, demand_words
 from .search import Search, default_dtypes
 
 BAR_WIDTH = 24
@@ -348,20 +348,29 @@ def _explain_fit(s: Search) -> list[str]:
     """Rules 1-4 with the numbers substituted, per dtype walked: the demand, the sharded and
     replicated parts, the minimum, each step, and why each smaller unit was rejected."""
     o: list[str] = []
+    measured = s.workload.kv_memory is not None
     for t in s.trails:
-        kv_where = ("replicated: an MLA latent is whole on every GPU" if t.kv_replicated else
-                    "sharded by KV head")
-        o.append(f"  {t.dtype}: KV demand = {t.demand}: {t.demand_tokens:,} tokens = "
-                 f"{gib(t.kv_demand or t.kv_replicated)} over all KV heads ({kv_where})")
+        if measured:
+            o.append(f"  {t.dtype}: KV demand = {t.demand}: {t.demand_tokens:,} tokens, inside the measured "
+                     f"`kv_memory` pool of {gib(t.kv_replicated)} on every GPU (replicated)")
+        else:
+            kv_where = ("replicated: an MLA latent is whole on every GPU" if t.kv_replicated else
+                        "sharded by KV head")
+            o.append(f"  {t.dtype}: KV demand = {t.demand}: {t.demand_tokens:,} tokens = "
+                     f"{gib(t.kv_demand or t.kv_replicated)} over all KV heads ({kv_where})")
         parts = f"weights {gib(t.weights)}" + (f" + LoRA {gib(t.lora)}" if t.lora else "") + (
             f" + draft {gib(t.draft)}" if t.draft else "") + (f" + KV demand {gib(t.kv_demand)}" if t.kv_demand else "")
         o.append(f"    sharded = {parts} = {gib(t.sharded)}")
         o.append(f"    replicated per GPU = overheads {gib(t.replicated)} (activations, NCCL, CUDA context and "
                  f"graphs)" + (f" + KV demand {gib(t.kv_replicated)}" if t.kv_replicated else ""))
-        o.append(f"    room per card = min({t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's budget, "
-                 f"{t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f})"
-                 + (f" - {t.kv_replicated / GIB:.2f}" if t.kv_replicated else "") + f" = {gib(t.room)} "
-                 f"({gib(t.one_card_room)} on one card, no NCCL)")
+        if measured:
+            o.append(f"    room per card = {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f} - "
+                     f"{t.kv_replicated / GIB:.2f} = {gib(t.room)} ({gib(t.one_card_room)} on one card, no NCCL)")
+        else:
+            o.append(f"    room per card = min({t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's "
+                     f"budget, {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f})"
+                     + (f" - {t.kv_replicated / GIB:.2f}" if t.kv_replicated else "") + f" = {gib(t.room)} "
+                     f"({gib(t.one_card_room)} on one card, no NCCL)")
         if t.minimum is None:
             o.append("    the replicated part alone fills a card")
         else:

@@ -134,12 +134,14 @@ class Search:
         need = demand_tokens(w, self.model.max_position_embeddings)
         kv = need * kv_bpt(self.model, self.model.num_layers, 1, w.kv_bytes)
         kv_sharded, kv_rep = (0, kv) if isinstance(self.model, MlaModel) else (kv, 0)
+        if w.kv_memory is not None:  # the measured pool is a fixed block on every GPU; the demand is in it
+            kv_sharded, kv_rep = 0, int(w.kv_memory)
         usable, limit = gpu.memory * w.gpu_memory_utilization, gpu.memory * sp.max_memory_fraction
 
         def room(world: int) -> float:
             total = sum(ov.per_gpu(world).values())
-            if w.kv_memory is not None:  # the measured pool is a fixed per-GPU block
-                return limit - total - w.kv_memory
+            if w.kv_memory is not None:  # the engine measured it: only the memory limit applies
+                return limit - total - kv_rep
             return min(usable - ov.in_budget(world), limit - total) - kv_rep
 
         sharded = weights + lora + 2 * self.draft_params + kv_sharded
