@@ -102,6 +102,11 @@ def test_pcie_eight_cards_at_32k_is_tp4_pp2():
     assert rec.kv.demand_bytes == 32_768 * 2 * 40 * 2 * 128 * 2  # 40 layers x 2 KV heads per rank
     # in use (17,639,424,000 + 1,476,395,008 + 20,025,930,547) / 42,297,786,368 = 92.5% <= 95%
     assert f"{rec.memory.used_fraction:.1%}" == "92.5%"
+    # --explain's "rejected" lines: every smaller unit worked out, with its reason or the rule that passed it
+    rejected = dict(trail.rejected)
+    assert rejected["tp=4 pp=1 bf16"] == four.reasons[0] and rejected["tp=1 pp=1 bf16"].startswith("does not fit")
+    assert rejected["tp=2 pp=3 bf16"] == "fits, but stages go with the largest valid TP first (TP first, then PP)"
+    assert all(a.split()[0] != "tp=4" or "pp=1" in a for a in rejected) and len(rejected) == 11
 
 
 def test_default_context_stays_tp4():

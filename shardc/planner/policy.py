@@ -128,9 +128,18 @@ def _fit(s: Search) -> Candidate | None:
 
 
 def _rejected(trail: FitTrail, cands: Any, cards: int | None = None) -> None:
-    """Every worked-out unit with fewer cards than ``cards`` (None: all), and the reason it is out."""
-    out = [c for c in cands if c.reasons and c.memory is not None and (cards is None or c.tp * c.pp < cards)]
-    trail.rejected = [(c.label, c.reasons[0]) for c in sorted(out, key=lambda c: (c.tp * c.pp, c.pp))]
+    """Every worked-out unit with fewer cards than ``cards`` (None: all), and why it is not the pick:
+    its first reason, or, for one that fits, the rule that passed over it (rules 2 and 4)."""
+    out = [c for c in cands if c.memory is not None and (cards is None or c.tp * c.pp < cards)]
+    trail.rejected = [(c.label, _why_not(trail, c)) for c in sorted(out, key=lambda c: (c.tp * c.pp, c.pp))]
+
+
+def _why_not(trail: FitTrail, c: Candidate) -> str:
+    if c.reasons:
+        return c.reasons[0]
+    if c.pp == 1:
+        return f"fits, but below the minimum of {trail.minimum} cards the fit rules start from"
+    return "fits, but stages go with the largest valid TP first (TP first, then PP)"
 
 
 def _fastest(cands: list[Candidate]) -> Candidate | None:
