@@ -213,9 +213,11 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, 
              out_file: Path | None) -> None:
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick.
 
-    The default objective (fit) recommends the smallest unit that holds the model within 95% of
-    every GPU: TP first, up to the fabric's limit (the NVLink domain; 4 on PCIe), pipeline stages
-    only when no TP is enough. Beside it: the fastest single-node TP unit with more GPUs.
+    The default objective (fit) recommends the smallest unit that holds the model and the KV
+    demand (one --max-model-len request, or --concurrency of them) within 95% of every GPU: TP
+    first, up to the fabric's limit (the NVLink domain; 4 on PCIe), pipeline stages only when no TP
+    is enough. The KV cap is a ceiling on the pool, not a reservation. Beside the pick: the fastest
+    single-node TP unit with more GPUs.
     """
     try:
         _plan(**locals())

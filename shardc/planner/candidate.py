@@ -3,8 +3,9 @@
 The arithmetic of formulas.py applied to one replica shape, stage by stage: the fullest GPU sets
 the memory verdict, the stage with the fewest KV blocks the KV capacity, the slowest stage the
 decode step. A unit fits when every stage's KV pool (what vLLM would allocate, at most the cap)
-holds the demand and no GPU goes above the memory limit; the cap alone never rules a unit out. Weights come from the Layout (Llama family) or from mla.py's matrices (advisory MLA
-models); LoRA adapters and a draft model are sharded like the weights.
+holds the demand and no GPU goes above the memory limit; the cap alone never rules a unit out.
+Weights come from the Layout (Llama family) or from mla.py's matrices (advisory MLA models); LoRA
+adapters and a draft model are sharded like the weights.
 """
 
 from __future__ import annotations
