@@ -47,8 +47,9 @@ class Overheads:
     and the CUDA graphs are captured after the KV cache is allocated, so neither comes out of the
     budget: both live in the ``1 - gpu_memory_utilization`` headroom, and only the 95% rule sees
     them. (vLLM sources: ``vllm/v1/worker/gpu_worker.py`` ``init_device`` (init_snapshot,
-    requested_memory) and ``determine_available_memory``; ``vllm/utils`` ``memory_profiling``
-    (non_kv_cache_memory = non_torch_increase + torch_peak_increase + weights_memory);
+    requested_memory) and ``determine_available_memory``; ``vllm/utils/mem_utils.py`` (older:
+    ``vllm/utils/__init__.py``) ``memory_profiling`` (non_kv_cache_memory = non_torch_increase +
+    torch_peak_increase + weights_memory);
     ``compile_or_warm_up_model`` captures the graphs after ``initialize_from_config``.)
 
     The defaults are calibrated on the measured deployment (Llama-3.3-70B bf16, TP=2 on
@@ -167,8 +168,9 @@ def request_kv_bytes(bytes_per_token: int, length: int, block: int) -> int:
 def demand_tokens(w: Workload, max_position: int) -> int:
     """KV tokens the deployment must hold at once (on every GPU that holds a layer's KV).
 
-    At least one request of the max model length (vLLM refuses to start otherwise; default the
-    model's max_position_embeddings, as vLLM's), and ``concurrency`` requests of ``avg_context``
+    At least one request of the max model length (vLLM refuses to start otherwise:
+    ``check_enough_kv_cache_memory`` in ``vllm/v1/core/kv_cache_utils.py``; default the model's
+    max_position_embeddings, as vLLM's), and ``concurrency`` requests of ``avg_context``
     tokens when given, else of the max model length; each request is paged in whole blocks.
     """
     length = w.max_model_len or max_position
