@@ -203,7 +203,10 @@ def test_cost_objective_is_cheapest_meeting_target_and_cap():
     eligible = [c for c in s.candidates if c.fits and not c.skipped and c.meets_target]
     assert all(rec.cost.dollars_per_mtok <= c.cost.dollars_per_mtok for c in eligible)
     reasons = {c.label: c.reasons[0] for c in s.candidates if c.reasons}
-    assert "below the 20.00 GiB cap" in reasons["tp=2 pp=1 bf16"]
+    # tp=2: one 131,072-token request needs 131,072 x 163,840 B = 20 GiB per GPU; the pool is what memory
+    # leaves: 76,488,966,144 - 70,555,025,408 - 402,653,184 = 5,531,287,552 B = 5.15 GiB
+    assert reasons["tp=2 pp=1 bf16"].startswith(
+        "KV demand 20.00 GiB per GPU (one 131,072-token request: 131,072 tokens) > the 5.15 GiB KV pool (what memory leaves")
     assert reasons["tp=1 pp=1 bf16"].startswith("does not fit")
     assert "not divisible by tp=3" in reasons["tp=3 pp=* *"]
     assert all(c.skipped.startswith("TP first") for c in s.candidates if c.pp and c.pp > 1)
@@ -232,15 +235,20 @@ def test_ties_go_to_the_smaller_tp_group():
 
 
 def test_more_than_95_percent_of_memory_is_infeasible():
-    ok = _only(L70, 2, 1, "bf16", Workload(kv_memory=5.63 * GIB, target_tpot_ms=1000))
-    assert ok.fits and 0.92 < ok.memory.used_fraction < 0.95
-    full = _only(L70, 2, 1, "bf16", Workload(kv_memory=10 * GIB))
-    assert not full.fits and "(> 95%)" in full.reasons[0]
+    w = Workload(kv_memory=5.63 * GIB, max_model_len=32_768, target_tpot_ms=1000)
+    ok = _only(L70, 2, 1, "bf16", w)
+    # weights 70,555,025,408 + every overhead 1,476,395,008 + the measured 5.63 GiB = 91.9%
+    assert ok.fits and ok.memory.used_fraction == pytest.approx((70_555_025_408 + 1_476_395_008 + 5.63 * GIB) / 84_987_740_160)
+    full = _only(L70, 2, 1, "bf16", dataclasses.replace(w, kv_memory=10 * GIB))
+    # 70,555,025,408 + 1,476,395,008 + 10,737,418,240 = 82,768,838,656 B = 97.4% of 84,987,740,160
+    assert not full.fits and full.reasons == ["GPU at 97.4% of its memory (> 95%): no headroom"]
 
 
 def test_max_model_len_is_a_requirement():
     c = _only(L70, 2, 1, "int8", Workload(max_model_len=131_072, kv_cache_cap=4 * GIB))
-    assert "< the max model length 131,072" in c.reasons[0]
+    # 131,072 tokens x 163,840 B = 20 GiB per GPU > the pool, which the 4 GiB cap limits (memory leaves more)
+    assert c.reasons == ["KV demand 20.00 GiB per GPU (one 131,072-token request: 131,072 tokens) > "
+                         "the 4.00 GiB KV pool (the 4.00 GiB cap; it holds 26,208)"]  # 16 x floor(4 GiB / (16 x 163,840 B)) = 26,208
 
 
 def test_gpu_presets_and_overrides():
@@ -272,10 +280,11 @@ def test_cli_table_explain_and_json():
     assert "recommended (fit): tp=4 pp=1" in r.stdout and "[#" in r.stdout and "not feasible:" in r.stdout
     assert "fastest alternative: tp=8 pp=1 bf16" in r.stdout
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--tp", "2", "--dtype", "bf16",
-             "--kv-memory", "5.63GiB", "--target-tpot-ms", "100", "--explain")
+             "--kv-memory", "5.63GiB", "--max-model-len", "32768", "--target-tpot-ms", "100", "--explain")
     assert r.exit_code == 0, r.output
-    for text in ("= 163,840 B", "= 21,474,836,480 B = 20.00 GiB", "= 2,306 -> 36,896 tokens",
-                 "= 65.71 GiB", "activations 1.00", "hbm_efficiency 0.8"):
+    for text in ("= 163,840 B", "= 5,368,709,120 B = 5.00 GiB", "= 2,306 -> 36,896 tokens",
+                 "= 65.71 GiB", "activations 0.25", "hbm_efficiency 0.8",
+                 "KV demand = one 32,768-token request: 32,768 tokens x 163,840 B = 5.00 GiB per GPU -> fits"):
         assert text in r.stdout, text
     r = _run("--model", "llama-3.3-70b", "--gpu", "h100-sxm", "--json")
     data = json.loads(r.stdout)
@@ -293,7 +302,8 @@ def test_cli_named_parameters_and_sizes():
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--param", "nccl=0", "--param",
              "activations=2GiB", "--param", "hbm_efficiency=0.7", "--explain")
     assert r.exit_code == 0, r.output
-    assert "activations 2.00 + cuda_context 0.50 + nccl 0.00" in r.stdout
+    assert "overheads in vLLM's budget = activations 2.00 + nccl 0.00 = 2.00 GiB" in r.stdout
+    assert "in the headroom = cuda_context 0.50 + cuda_graphs 0.50 = 1.00 GiB" in r.stdout
     assert "x 0.7) =" in r.stdout and "hbm_efficiency 0.7" in r.stdout
 
 
@@ -364,12 +374,18 @@ def test_plan_does_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-# --- the fit rules (#18), each case's arithmetic worked by hand here ---------------------------
+# --- the fit rules (#18, #27), each case's arithmetic worked by hand here ---------------------
 # Llama-3.3-70B: per layer q 8192x8192 = 67,108,864; k, v 1024x8192 = 8,388,608 each; o 67,108,864;
 # gate, up, down 28672x8192 = 234,881,024 each; 2 norms 8,192 -> 855,654,400 params, 16,384 of them
 # norms (replicated). 161 norm vectors in all: 161 x 8,192 x 2 B = 2,637,824 B.
 L70_BF16 = 70_553_706_496 * 2  # 141,107,412,992 B = 131.42 GiB
-OVER = GIB + GIB // 2 + GIB // 4 + GIB // 2  # activations + cuda_context + nccl + cuda_graphs = 2.25 GiB
+# overheads: activations 256 MiB + nccl 128 MiB inside vLLM's budget; cuda_context + cuda_graphs 512 MiB each outside
+IN_BUDGET = 268_435_456 + 134_217_728  # 402,653,184 B
+OVER = IN_BUDGET + 2 * 536_870_912  # 1,476,395,008 B = 1.375 GiB
+A100_MEM = 84_987_740_160  # A100-80GB as CUDA reports it (79.15 GiB)
+USABLE = A100_MEM * 0.9  # 76,488,966,144 B
+# KV of one token over all 8 KV heads: 2 x 80 layers x 8 x 128 x 2 B = 327,680 B
+L70_KV_TOKEN = 2 * 80 * 8 * 128 * 2
 
 
 def _l70_tp_bytes(tp: int) -> int:
@@ -378,22 +394,32 @@ def _l70_tp_bytes(tp: int) -> int:
 
 
 def test_fit_a100_sxm_bf16_70b_is_tp4_with_tp8_beside_it():
-    gpu = A100.gpu  # 84,987,740,160 B as CUDA reports it
-    usable = gpu.memory * 0.9  # 76,488,966,144 B
-    replicated = OVER + 20 * GIB  # 23,890,755,584 B: overheads + the per-GPU KV reservation
-    assert L70_BF16 / (usable - replicated) == pytest.approx(2.683, abs=1e-3)  # -> at least 3 GPUs
+    # demand: one 131,072-token request (max_position_embeddings) = 131,072 x 327,680 B = 40 GiB, sharded by head
+    demand = 131_072 * L70_KV_TOKEN
+    assert demand == 40 * GIB
+    # room per card: min(76,488,966,144 - 402,653,184, 0.95 x 84,987,740,160 - 1,476,395,008) = 76,086,312,960
+    room = min(USABLE - IN_BUDGET, 0.95 * A100_MEM - OVER)
+    assert room == 76_086_312_960
+    assert (L70_BF16 + demand) / room == pytest.approx(2.419, abs=1e-3)  # -> at least 3 GPUs
     s = search(L70, A100, dtypes=["bf16"], model_name="llama-3.3-70b")
     (trail,) = s.trails
-    assert (trail.weights, trail.replicated, trail.minimum) == (L70_BF16, replicated, 3)
+    assert (trail.weights, trail.kv_demand, trail.sharded) == (L70_BF16, demand, L70_BF16 + demand)
+    assert (trail.replicated, trail.room, trail.minimum) == (OVER, room, 3)
     assert trail.valid_tps == [1, 2, 4, 8]  # divide 64 heads and 8 KV heads; 3 does not
     rec = s.recommended  # the smallest valid TP >= 3
     assert (rec.tp, rec.pp, rec.dtype) == (4, 1, "bf16") and s.objective == "fit"
     assert rec.memory.weights == _l70_tp_bytes(4) == 35_278_831_616
-    assert rec.memory.used == 35_278_831_616 + OVER + 20 * GIB  # 59,169,587,200 B = 69.6%
-    assert f"{rec.memory.used_fraction:.1%}" == "69.6%"
-    # tp=2 would leave 76,488,966,144 - 70,555,025,408 - 2,415,919,104 = 3,518,021,632 B for KV < 20 GiB
+    # tp=4: memory leaves 76,488,966,144 - 35,278,831,616 - 402,653,184 = 40,807,481,344 B, so the 20 GiB
+    # cap sets the pool; the request needs 131,072 x 81,920 B = 10 GiB of it per GPU
+    assert rec.memory.kv_available == pytest.approx(40_807_481_344) and rec.kv.budget == 20 * GIB
+    assert rec.kv.demand_bytes == 10 * GIB
+    assert rec.memory.used == 35_278_831_616 + OVER + 20 * GIB  # 58,230,063,104 B = 68.5%
+    assert f"{rec.memory.used_fraction:.1%}" == "68.5%"
+    # tp=2: the pool is 76,488,966,144 - 70,555,025,408 - 402,653,184 = 5,531,287,552 B < the 20 GiB demand
     two = next(c for c in s.candidates if c.label == "tp=2 pp=1 bf16")
-    assert two.memory.kv_available == pytest.approx(3_518_021_632) and not two.fits
+    assert two.memory.kv_available == pytest.approx(5_531_287_552) and not two.fits
+    assert trail.rejected == [("tp=1 pp=1 bf16", next(c for c in s.candidates if c.tp == 1).reasons[0]),
+                              ("tp=2 pp=1 bf16", two.reasons[0])]
     alt = s.alternative  # the only single-node TP unit with more than 4 cards
     assert alt.label == "tp=8 pp=1 bf16" and alt.speed.tpot1_s < rec.speed.tpot1_s
     assert not s.warnings  # tp=4 meets the default 25 ms target
@@ -402,22 +428,26 @@ def test_fit_a100_sxm_bf16_70b_is_tp4_with_tp8_beside_it():
 def test_fit_pcie_tp_limit_gives_tp4_pp2_where_sxm_gives_tp8():
     pcie = Cluster(get_gpu("a100-40gb-pcie"))  # 42,297,786,368 B
     w = Workload(kv_cache_cap=8 * GIB)
-    # room per card = 42,297,786,368 x 0.9 - (2.25 + 8) GiB = 27,062,154,035 B; 141.1 GB / 27.06 GB = 5.21 -> 6
+    # room per card = min(42,297,786,368 x 0.9 - 402,653,184, x 0.95 - 1,476,395,008) = 37,665,354,547.2 B;
+    # (141.1 GB weights + 42.9 GB demand) / 37.67 GB = 4.89 -> 5 cards
+    assert (L70_BF16 + 40 * GIB) / (42_297_786_368 * 0.9 - IN_BUDGET) == pytest.approx(4.887, abs=1e-3)
     s = search(L70, pcie, w, dtypes=["bf16"], model_name="llama-3.3-70b")
     (trail,) = s.trails
-    assert trail.minimum == 6 and trail.tp_limit == 4 and trail.valid_tps == [1, 2, 4]
-    rec = s.recommended  # no valid TP >= 6 inside PCIe's limit of 4: tp=4, pp = ceil(6 / 4) = 2
+    assert trail.minimum == 5 and trail.tp_limit == 4 and trail.valid_tps == [1, 2, 4]
+    rec = s.recommended  # no valid TP >= 5 inside PCIe's limit of 4: tp=4, pp = ceil(5 / 4) = 2
     assert rec.label == "tp=4 pp=2 bf16"
     # stage 1 is the fuller: 40 layers x (855,654,400 - 16,384) / 4 + 16,384 params x 2 B = 17,114,071,040
     # + final norm 16,384 + lm_head 32,064 x 8,192 x 2 B = 525,336,576 -> 17,639,424,000 B
     assert rec.memory.stage == 1 and rec.memory.weights == 17_639_424_000
-    assert f"{rec.memory.used_fraction:.1%}" == "67.7%"  # (17,639,424,000 + 2.25 + 8 GiB) / 42,297,786,368
+    # pool: the 8 GiB cap (memory leaves 20.0 GB); (17,639,424,000 + 1,476,395,008 + 8 GiB) / 42,297,786,368
+    assert f"{rec.memory.used_fraction:.1%}" == "65.5%"
+    assert rec.kv.demand_bytes == 131_072 * 2 * 40 * 2 * 128 * 2 == 5 * GIB  # 40 layers, 2 KV heads per rank
     assert rec.speed.bubble == pytest.approx(1 / (rec.speed.microbatches + 1))  # (p-1)/(m+p-1), p = 2
     tp8 = next(c for c in s.candidates if c.tp == 8)
     assert "over the pcie4 TP limit: tp=8 > 4" in tp8.reasons[0]
     assert not s.cluster.calibrated and "reduced calibration" in summary(s)[0]
     sxm = search(L70, Cluster(get_gpu("a100-40gb")), w, dtypes=["bf16"])
-    assert sxm.recommended.label == "tp=8 pp=1 bf16" and sxm.cluster.calibrated  # valid TP >= 6 in NVLink
+    assert sxm.recommended.label == "tp=8 pp=1 bf16" and sxm.cluster.calibrated  # valid TP >= 5 in NVLink
     # the command: 80 GB PCIe cards hold 70B bf16 on 4 (as SXM does), and tp=8 is refused
     p80 = search(L70, Cluster(get_gpu("a100-80gb-pcie")), dtypes=["bf16"])
     assert p80.recommended.label == "tp=4 pp=1 bf16" and p80.alternative is None
@@ -432,34 +462,38 @@ def test_fit_one_card_when_everything_fits():
     h200 = Cluster(get_gpu("h200"))
     s = search(l8, h200, dtypes=["bf16"])
     (trail,) = s.trails
-    # one card: 16,060,522,496 <= 139.80 GiB x 0.9 - (1 + 0.5 + 0.5 GiB, no NCCL, + 20 GiB KV)
-    assert trail.one_card_replicated == 22 * GIB and trail.minimum == 1
-    assert 16_060_522_496 <= h200.gpu.memory * 0.9 - 22 * GIB
+    # demand: one 131,072-token request x (2 x 32 layers x 8 KV heads x 128 x 2 B = 131,072 B) = 16 GiB;
+    # one card (no NCCL): min(memory x 0.9 - 256 MiB, memory x 0.95 - 1,342,177,280 B)
+    mem = h200.gpu.memory
+    assert trail.kv_demand == 131_072 * 131_072 == 16 * GIB
+    assert trail.one_card_room == min(mem * 0.9 - 268_435_456, mem * 0.95 - 1_342_177_280)
+    assert trail.minimum == 1 and 16_060_522_496 + 16 * GIB <= trail.one_card_room
     rec = s.recommended
     assert rec.label == "tp=1 pp=1 bf16" and rec.memory.weights == 16_060_522_496
-    assert rec.memory.overheads["nccl"] == 0
+    assert rec.memory.overheads["nccl"] == 0 and rec.memory.in_budget == 268_435_456
     assert s.alternative is not None and s.alternative.tp > 1 and s.alternative.pp == 1
 
 
 def test_lora_and_draft_are_sharded_memory():
     l8 = load_model("llama-3.1-8b")
     # LoRA per layer: 7h + 2q + 2kv + 3i = 57,344 + 16,384 + 2,048 + 86,016 = 161,792 (in + out of the 7
-    # projections); 48 adapters x rank 64 x 161,792 x 2 B = 994,050,048 B per layer, x 80 = 79,524,003,840 B
-    assert lora_bytes_per_layer(8192, 8192, 1024, 28672, 48, 64) == 994_050_048
-    w = Workload(lora_adapters=48, lora_rank=64)
+    # projections); 64 adapters x rank 64 x 161,792 x 2 B = 1,325,400,064 B per layer, x 80 = 106,032,005,120 B
+    assert lora_bytes_per_layer(8192, 8192, 1024, 28672, 64, 64) == 1_325_400_064
+    w = Workload(lora_adapters=64, lora_rank=64)
     s = search(L70, A100, w, dtypes=["bf16"], draft=l8)
     (trail,) = s.trails
-    assert (trail.lora, trail.draft) == (79_524_003_840, 16_060_522_496)
-    # minimum = ceil((141,107,412,992 + 79,524,003,840 + 16,060,522,496) / 52,598,210,560) = ceil(4.5) = 5
+    assert (trail.lora, trail.draft) == (106_032_005_120, 16_060_522_496)
+    # minimum = ceil((141,107,412,992 + 106,032,005,120 + 16,060,522,496 + 40 GiB demand) / 76,086,312,960)
+    # = ceil(4.02) = 5
     assert trail.minimum == 5
     rec = s.recommended  # the smallest valid TP >= 5 is 8 (without LoRA and draft: 4)
     assert rec.label == "tp=8 pp=1 bf16"
-    assert rec.memory.extra == 79_524_003_840 // 8 + 16_060_522_496 // 8 == 11_948_065_792
-    assert rec.memory.kv_available == pytest.approx(
-        A100.gpu.memory * 0.9 - _l70_tp_bytes(8) - 11_948_065_792 - OVER)
+    assert rec.memory.extra == 106_032_005_120 // 8 + 16_060_522_496 // 8 == 15_261_565_952
+    assert rec.memory.kv_available == pytest.approx(USABLE - _l70_tp_bytes(8) - 15_261_565_952 - IN_BUDGET)
     four = next(c for c in s.candidates if c.label == "tp=4 pp=1 bf16")
-    # 76,488,966,144 - 35,278,831,616 - (19,881,000,960 + 4,015,130,624) - 2,415,919,104 = 14.9 GB < 20 GiB
-    assert four.memory.kv_available == pytest.approx(14_898_083_840) and not four.fits
+    # 76,488,966,144 - 35,278,831,616 - (26,508,001,280 + 4,015,130,624) - 402,653,184 = 10,284,349,440 B
+    # of pool < the 10 GiB (10,737,418,240 B) one 131,072-token request needs at tp=4
+    assert four.memory.kv_available == pytest.approx(10_284_349_440) and not four.fits
     assert search(L70, A100, dtypes=["bf16"]).recommended.tp == 4
 
 
@@ -529,7 +563,8 @@ def test_objectives_pick_differently_and_json_says_which():
     assert data["objective"] == "fit" and cands[data["recommended"]]["tp"] == 4
     assert cands[data["alternative"]]["tp"] == 8 and data["fit"][0]["minimum"] == 3
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16", "--explain")
-    assert "Choice (objective fit" in r.stdout and "minimum = ceil(131.42 / (71.24 - 22.25)) = 3 GPUs" in r.stdout
+    # (131.42 GiB weights + 40.00 GiB demand) / 70.86 GiB room = 2.42 -> 3
+    assert "Choice (objective fit" in r.stdout and "minimum = ceil(171.42 / 70.86) = 3 GPUs" in r.stdout
     assert "fastest alternative (single-node TP unit" in r.stdout
 
 

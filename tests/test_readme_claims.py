@@ -97,26 +97,29 @@ def test_planner_max_model_length_follows_the_kv_cap():
     assert c["kv"]["bytes_per_token"] == BYTES_PER_TOKEN == 163_840
     assert c["kv"]["budget"] == GIB  # the cap, below what memory leaves
     assert c["kv"]["max_model_len"] == 16 * (GIB // (16 * BYTES_PER_TOKEN)) == 6544
+    # 6,545 tokens are paged as 6,560 = 410 blocks of 16; the 1 GiB pool holds 409
     c = _plan_json("--kv-cache-cap", "1GiB", "--max-model-len", "6545")["candidates"][0]
-    assert c["status"] != "ok" and any("< the max model length 6,545" in x for x in c["reasons"])
+    assert c["status"] == "infeasible" and c["kv_demand_bytes"] == 6560 * BYTES_PER_TOKEN
+    assert c["reasons"] == ["KV demand 1.00 GiB per GPU (one 6,545-token request: 6,560 tokens) > "
+                            "the 1.00 GiB KV pool (the 1.00 GiB cap; it holds 6,544)"]
     c = _plan_json("--kv-cache-cap", "1GiB", "--max-model-len", "6544")["candidates"][0]
-    assert not any("max model length" in x for x in c["reasons"])
+    assert c["status"] == "ok" and c["kv_demand_bytes"] == 6544 * BYTES_PER_TOKEN
 
 
 def test_planner_hardware_overrides_from_the_cli():
-    base = _plan_json("--kv-cache-cap", "1GiB")
+    base = _plan_json("--kv-cache-cap", "1GiB", "--max-model-len", "4096")
     b = base["candidates"][0]
     assert base["hardware"]["gpu"]["hbm_bandwidth"] == 2039e9
-    hbm = _plan_json("--kv-cache-cap", "1GiB", "--hbm-bandwidth", "1000")
+    hbm = _plan_json("--kv-cache-cap", "1GiB", "--max-model-len", "4096", "--hbm-bandwidth", "1000")
     h = hbm["candidates"][0]
     assert hbm["hardware"]["gpu"]["hbm_bandwidth"] == 1000e9
     assert h["speed"]["batch"] == b["speed"]["batch"]
     assert h["speed"]["memory_s"] == pytest.approx(b["speed"]["memory_s"] * 2.039, rel=1e-9)
-    mem = _plan_json("--kv-cache-cap", "1GiB", "--gpu-memory", "100GiB")
+    mem = _plan_json("--kv-cache-cap", "1GiB", "--max-model-len", "4096", "--gpu-memory", "100GiB")
     m = mem["candidates"][0]
     assert mem["hardware"]["gpu"]["memory"] == m["memory"]["total"] == 100 * GIB
     assert m["memory"]["kv_available"] == pytest.approx(b["memory"]["kv_available"] + 0.9 * (100 * GIB - b["memory"]["total"]))
-    nv = _plan_json("--kv-cache-cap", "1GiB", "--nvlink-bandwidth", "100")
+    nv = _plan_json("--kv-cache-cap", "1GiB", "--max-model-len", "4096", "--nvlink-bandwidth", "100")
     assert nv["hardware"]["gpu"]["link"]["bandwidth"] == 100e9
     assert nv["candidates"][0]["speed"]["allreduce_s"] > b["speed"]["allreduce_s"]
 

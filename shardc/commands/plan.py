@@ -29,6 +29,7 @@ FLAGS = {
     "lora_adapters": "--lora-adapters", "lora_rank": "--lora-rank", "draft_model": "--draft-model",
     "gpu_memory": "--gpu-memory", "hbm_bandwidth": "--hbm-bandwidth", "interconnect": "--interconnect",
     "fabric": "--fabric", "microbatches": "--param microbatches", "tp": "--tp", "pp": "--pp",
+    "concurrency": "--concurrency", "allow_long_context": "--param allow_long_context=1",
 }
 _FIELD = re.compile(r"`([a-z_]+)`")
 
@@ -105,13 +106,18 @@ KV_DTYPE = _Flag("auto|fp16|bf16|fp8", "KV dtype (auto, fp16, bf16, fp8)", _choi
 
 
 def _param(text: str) -> tuple[str, float]:
-    """NAME=VALUE for one named assumption: an overhead (a size, may be 0) or a speed parameter."""
+    """NAME=VALUE for one named assumption: an overhead (a size, may be 0), a speed parameter, or
+    allow_long_context=1 (a max model length beyond the model's, vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)."""
     from ..planner.formulas import Overheads, SpeedParams
 
     name, sep, value = text.partition("=")
-    names = [*Overheads.__dataclass_fields__, *SpeedParams.__dataclass_fields__]
+    names = [*Overheads.__dataclass_fields__, *SpeedParams.__dataclass_fields__, "allow_long_context"]
     if not sep or name not in names:
         raise ValueError(f"must be NAME=VALUE with NAME one of {', '.join(names)}")
+    if name == "allow_long_context":
+        if value not in ("0", "1"):
+            raise ValueError("allow_long_context must be 0 or 1")
+        return name, int(value)
     if name in Overheads.__dataclass_fields__:
         return name, int(parse_size(value, allow_zero=True))
     number = float(value)
@@ -125,12 +131,14 @@ PARAM = _Flag("NAME=VALUE", None, _param)
 
 @click.command("plan", epilog="""\b
 Examples:
-  shardc plan --model llama-3.3-70b --gpu a100-80gb --dtype bf16     # smallest unit that fits: tp=4
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --dtype bf16     # 131,072-token requests: tp=4
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --dtype bf16 --max-model-len 32768   # tp=2
   shardc plan --model llama-3.3-70b --gpu a100-80gb --objective cost # cheapest $/Mtok at the target
-  shardc plan --model llama-3.3-70b --gpu a100-40gb-pcie --dtype bf16 --kv-cache-cap 8GiB  # tp4 x pp2
+  shardc plan --model llama-3.3-70b --gpu a100-40gb-pcie --dtype bf16 --max-model-len 32768  # tp4 x pp2
+  shardc plan --model llama-3.1-8b --gpu l40s --max-model-len 8192 --concurrency 32 --avg-context 4096
   shardc plan --model llama-3.3-70b --gpu h100-sxm --dtype bf16 --target-tpot-ms 30 --out plans/l70.yaml
   shardc plan --model /data/Llama-3.3-70B-Instruct --gpu a100-80gb --nodes 2 --json
-  shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --kv-memory 5.63GiB \\
+  shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --max-model-len 32768 --kv-memory 5.63GiB \\
       --target-tpot-ms 50 --explain      # reproduce vLLM's numbers for a measured KV budget
   shardc plan --model llama-3.3-70b --gpu a100-80gb --lora-adapters 8 --lora-rank 64 --draft-model llama-3.1-8b
   shardc plan --model deepseek-v3 --gpu h200 --explain              # MLA: advisory, no --out
@@ -151,11 +159,16 @@ Examples:
               help="Weight dtype; auto searches the checkpoint's 16-bit dtype, int8 and fp8.")
 @click.option("--kv-dtype", type=KV_DTYPE, default="auto", show_default=True, metavar="auto|fp16|bf16|fp8",
               help="KV-cache dtype; auto = 16-bit.")
-@click.option("--max-model-len", type=POS_INT, help="Require that one request this long fits in the KV cache.")
-@click.option("--avg-context", type=POS_INT, default=2048, show_default=True,
-              help="Average tokens per sequence, for concurrency and KV reads.")
-@click.option("--kv-cache-cap", type=SIZE, help="KV cache per GPU the plan reserves [default: 20GiB, "
-              "or --kv-memory]; a GPU that cannot hold it is infeasible.")
+@click.option("--max-model-len", type=POS_INT, help="Longest request; one of them must fit in the KV cache "
+              "(vLLM's check). [default: the model's max_position_embeddings, as vLLM's]")
+@click.option("--concurrency", type=POS_INT, default=1, show_default=True,
+              help="Requests the KV cache must hold at once: of --avg-context tokens when given, else of "
+              "--max-model-len.")
+@click.option("--avg-context", type=POS_INT,
+              help="Average tokens per request: sizes the --concurrency demand, the batch and the KV reads. "
+              "[default: 2048 for speed; the demand uses --max-model-len]")
+@click.option("--kv-cache-cap", type=SIZE, help="Ceiling on the KV pool a GPU allocates [default: 20GiB, "
+              "or --kv-memory]; a ceiling, not a reservation: the demand must fit under it.")
 @click.option("--kv-memory", type=SIZE, help="KV budget per GPU as a serving engine measured it "
               "(replaces the memory arithmetic, to reproduce an engine's numbers).")
 @click.option("--gpu-memory-utilization", type=POS_FLOAT, default=0.9, show_default=True,
@@ -183,13 +196,14 @@ Examples:
 @click.option("--param", "params", type=PARAM, multiple=True, metavar="NAME=VALUE",
               help="Override a named assumption: activations, cuda_context, nccl, cuda_graphs (sizes); "
               "hbm_efficiency, compute_efficiency, link_efficiency, microbatches, max_num_seqs, "
-              "max_memory_fraction.")
+              "max_memory_fraction; allow_long_context=1 allows --max-model-len beyond the model's.")
 @click.option("--explain", is_flag=True, help="Print the arithmetic line by line with the numbers substituted.")
 @click.option("--json", "as_json", is_flag=True, help="Every figure of every candidate as JSON.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the recommended plan here (a plan file for `shardc build`).")
 def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nodes: int, dtype: str,
-             kv_dtype: str, max_model_len: int | None, avg_context: int, kv_cache_cap: float | None,
+             kv_dtype: str, max_model_len: int | None, concurrency: int, avg_context: int | None,
+             kv_cache_cap: float | None,
              kv_memory: float | None, gpu_memory_utilization: float, block_size: int,
              price_per_gpu_hour: float, target_tpot_ms: float | None, demand_tokens_per_s: float | None,
              lora_adapters: int | None, lora_rank: int | None, draft_model: str | None,
@@ -199,9 +213,11 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, 
              out_file: Path | None) -> None:
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick.
 
-    The default objective (fit) recommends the smallest unit that holds the model within 95% of
-    every GPU: TP first, up to the fabric's limit (the NVLink domain; 4 on PCIe), pipeline stages
-    only when no TP is enough. Beside it: the fastest single-node TP unit with more GPUs.
+    The default objective (fit) recommends the smallest unit that holds the model and the KV
+    demand (one --max-model-len request, or --concurrency of them) within 95% of every GPU: TP
+    first, up to the fabric's limit (the NVLink domain; 4 on PCIe), pipeline stages only when no TP
+    is enough. The KV cap is a ceiling on the pool, not a reservation. Beside the pick: the fastest
+    single-node TP unit with more GPUs.
     """
     try:
         _plan(**locals())
@@ -210,7 +226,8 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, 
 
 
 def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nodes: int, dtype: str,
-          kv_dtype: str, max_model_len: int | None, avg_context: int, kv_cache_cap: float | None,
+          kv_dtype: str, max_model_len: int | None, concurrency: int, avg_context: int | None,
+             kv_cache_cap: float | None,
           kv_memory: float | None, gpu_memory_utilization: float, block_size: int, price_per_gpu_hour: float,
           target_tpot_ms: float | None, demand_tokens_per_s: float | None, lora_adapters: int | None,
           lora_rank: int | None, draft_model: str | None, tps: tuple[int, ...], pps: tuple[int, ...],
@@ -238,14 +255,15 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nod
         link_bandwidth=nvlink_bandwidth * GB if nvlink_bandwidth else None, fabric=fabric,
     )
     cluster = Cluster(gpu, gpus_per_node, nodes, get_interconnect(interconnect))
+    named = dict(params)
     workload = Workload(
-        avg_context=avg_context, max_model_len=max_model_len,
+        avg_context=avg_context, max_model_len=max_model_len, concurrency=concurrency,
+        allow_long_context=bool(named.pop("allow_long_context", 0)),
         kv_cache_cap=int(kv_cache_cap) if kv_cache_cap else None, kv_memory=kv_memory,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, kv_dtype=kv_dtype,
         target_tpot_ms=target_tpot_ms, price_per_gpu_hour=price_per_gpu_hour,
         demand_tokens_per_s=demand_tokens_per_s, lora_adapters=lora_adapters or 0, lora_rank=lora_rank or 0,
     )
-    named = dict(params)
     over = Overheads(**{k: v for k, v in named.items() if k in Overheads.__dataclass_fields__})
     speed = SpeedParams(**{k: v for k, v in named.items() if k in SpeedParams.__dataclass_fields__})
     result = search(model, cluster, workload, dtypes=None if dtype == "auto" else [dtype], tps=tps or None,

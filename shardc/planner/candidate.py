@@ -2,8 +2,10 @@
 
 The arithmetic of formulas.py applied to one replica shape, stage by stage: the fullest GPU sets
 the memory verdict, the stage with the fewest KV blocks the KV capacity, the slowest stage the
-decode step. Weights come from the Layout (Llama family) or from mla.py's matrices (advisory MLA
-models); LoRA adapters and a draft model are sharded like the weights.
+decode step. A unit fits when every stage's KV pool (what vLLM would allocate, at most the cap)
+holds the demand and no GPU goes above the memory limit; the cap alone never rules a unit out.
+Weights come from the Layout (Llama family) or from mla.py's matrices (advisory MLA models); LoRA
+adapters and a draft model are sharded like the weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from .formulas import (
     RankWeights,
     Speed,
     Workload,
+    demand_tokens,
+    demand_words,
     dollars_per_mtok,
     gpipe_bubble,
     kv_blocks,
@@ -34,7 +38,6 @@ from .formulas import (
     rank_weights,
     request_kv_bytes,
     ring_allreduce_s,
-    round_to_blocks,
     sequences_at,
 )
 from .gpus import GIB
@@ -82,6 +85,7 @@ class Candidate:
             "tp": self.tp, "pp": self.pp, "dtype": self.dtype, "status": self.status,
             "reasons": self.reasons, "skipped": self.skipped,
             "gpus": self.tp * self.pp if self.pp else None,
+            "kv_demand_bytes": self.kv.demand_bytes if self.kv is not None else None,
         }
         for name in ("memory", "kv", "speed", "cost"):
             part = getattr(self, name)
@@ -151,48 +155,49 @@ def even_stages(n: int, pp: int) -> list[tuple[int, int]]:
 def _memory(s: Search, c: Candidate) -> None:
     """Per-GPU memory of every stage, the KV figures of the replica, and the memory rules."""
     model, w, gpu = s.model, s.workload, s.cluster.gpu
-    over = s.overheads.per_gpu(c.tp * c.pp)
-    draft = -(-2 * s.draft_params // (c.tp * c.pp))
+    world = c.tp * c.pp
+    over, inside = s.overheads.per_gpu(world), s.overheads.in_budget(world)
+    draft = -(-2 * s.draft_params // world)
+    need = demand_tokens(w, model.max_position_embeddings)
     stages = []
     for st in range(c.pp):
         rw = max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.nbytes)
         layers = rw.layers[1] - rw.layers[0]
         bpt = kv_bpt(model, layers, c.tp, w.kv_bytes)
         extra = -(-lora_bytes(model, w, layers) // c.tp) + draft
-        avail = gpu.memory * w.gpu_memory_utilization - rw.nbytes - extra - sum(over.values())
+        avail = gpu.memory * w.gpu_memory_utilization - rw.nbytes - extra - inside
         budget = w.kv_memory if w.kv_memory is not None else min(w.cap, avail)
         stages.append(GpuMemory(st, gpu.memory, w.gpu_memory_utilization, rw.nbytes, over, bpt, avail, budget,
-                                extra))
+                                extra, inside, bpt * need))
     fullest = min(stages, key=lambda m: (m.kv_available, -m.kv_bytes_per_token))
-    blocks = min(kv_blocks(m.kv_budget, m.kv_bytes_per_token, w.block_size) for m in stages)
-    limiting = min(stages, key=lambda m: kv_blocks(m.kv_budget, m.kv_bytes_per_token, w.block_size))
+    limiting = min(stages, key=lambda m: (kv_blocks(m.kv_budget, m.kv_bytes_per_token, w.block_size),
+                                          -m.kv_bytes_per_token))
+    blocks = kv_blocks(limiting.kv_budget, limiting.kv_bytes_per_token, w.block_size)
     bpt = max(m.kv_bytes_per_token for m in stages)
     req = w.max_model_len or model.max_position_embeddings
     tokens = blocks * w.block_size
     c.memory = fullest
-    c.kv = KvFigures(bpt, limiting.kv_budget, blocks, tokens, min(tokens, model.max_position_embeddings),
-                     sequences_at(blocks, w.avg_context, w.block_size), req,
-                     request_kv_bytes(bpt, req, w.block_size))
+    c.kv = KvFigures(bpt, limiting.kv_budget, blocks, tokens, min(tokens, max(req, model.max_position_embeddings)),
+                     sequences_at(blocks, w.context, w.block_size), req,
+                     request_kv_bytes(bpt, req, w.block_size), need, bpt * need)
     g = GIB
     if w.kv_memory is None and fullest.kv_available <= 0:
         c.reasons.append(
             f"does not fit: weights {fullest.weights / g:.2f} GiB + "
             + (f"LoRA/draft {fullest.extra / g:.2f} GiB + " if fullest.extra else "")
-            + f"overheads {fullest.overhead / g:.2f} GiB "
+            + f"activations and NCCL {inside / g:.2f} GiB "
             f"> {fullest.usable / g:.2f} GiB usable ({gpu.memory / g:.2f} GiB x {w.gpu_memory_utilization:g})")
-    elif w.kv_memory is None and fullest.kv_available < w.cap:
-        c.reasons.append(f"KV budget {fullest.kv_available / g:.2f} GiB per GPU is below the "
-                         f"{w.cap / g:.2f} GiB cap")
+    elif tokens < need:
+        m = limiting
+        source = ("`kv_memory`" if w.kv_memory is not None else
+                  f"the {w.cap / g:.2f} GiB cap" if w.cap <= m.kv_available else "what memory leaves")
+        c.reasons.append(
+            f"KV demand {m.kv_demand / g:.2f} GiB per GPU ({demand_words(w, model.max_position_embeddings)}: "
+            f"{need:,} tokens) > the {m.kv_budget / g:.2f} GiB KV pool ({source}; it holds {tokens:,})")
     worst = max(stages, key=lambda m: m.used_fraction)
     if worst.used_fraction > s.speed.max_memory_fraction and not c.reasons:
         c.reasons.append(f"GPU at {worst.used_fraction:.1%} of its memory "
                          f"(> {s.speed.max_memory_fraction:.0%}): no headroom")
-    if not c.reasons and w.max_model_len and tokens < round_to_blocks(w.max_model_len, w.block_size):
-        c.reasons.append(
-            f"KV holds {tokens:,} tokens < the max model length {w.max_model_len:,} (one request needs "
-            f"{c.kv.request_bytes / g:.2f} GiB per GPU)")
-    if not c.reasons and c.kv.sequences < 1:
-        c.reasons.append(f"KV holds no sequence of {w.avg_context:,} tokens")
 
 
 def _speed(s: Search, c: Candidate) -> None:
@@ -213,8 +218,8 @@ def _speed(s: Search, c: Candidate) -> None:
             if rw.expert_bytes:  # MoE: a step reads the routed experts its tokens picked
                 share = experts_touched(b, model.num_experts_per_tok, model.n_routed_experts)
                 read -= rw.expert_bytes * (1 - share)
-            mem = (read + b * w.avg_context * bpt) / hbm
-            comp = b * (2 * rw.linear_params + layers * heads * attn * w.avg_context) / flops
+            mem = (read + b * w.context * bpt) / hbm
+            comp = b * (2 * rw.linear_params + layers * heads * attn * w.context) / flops
             ar = 2 * layers * ring_allreduce_s(tp, b * model.hidden_size * ACT_BYTES,
                                                link.bandwidth * sp.link_efficiency, link.latency)
             ho = 0.0

@@ -6,6 +6,9 @@ writes, so the planner can never disagree with the shards about replicated norms
 replication, vocab padding or quantization scales. KV math follows vLLM exactly (paged blocks of
 ``block_size`` tokens; a budget holds ``block * floor(budget / (block * bytes_per_token))``
 tokens), because vLLM refuses deployments with this arithmetic and ours must agree with it.
+The KV budget a unit would allocate follows vLLM's accounting (see ``Overheads``); the KV the
+deployment *needs* is the demand (``demand_tokens``: the requests asked for), which shards by KV
+head like the weights. The plan's cap is a ceiling on the pool, never a reservation.
 Everything else (overheads, efficiencies) is a named parameter printed by ``--explain``.
 candidate.py applies these to one replica shape, search.py lists the shapes, policy.py picks one.
 """
@@ -26,7 +29,8 @@ from .gpus import GIB, Cluster
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
-DEFAULT_KV_CAP = 20 * GIB
+DEFAULT_KV_CAP = 20 * GIB  # the serving design's ceiling on the KV pool per GPU shard
+DEFAULT_AVG_CONTEXT = 2048  # tokens per sequence for the speed model when --avg-context is not given
 DEFAULT_TPOT_MS = 25.0  # sizes the batch when no target is given; a requirement only when given
 LORA_BYTES = 2  # adapters are served 16-bit
 DTYPE_ORDER = ("bf16", "fp16", "int8", "fp8")  # last tie-break: keep precision when cost is equal
@@ -34,22 +38,40 @@ DTYPE_ORDER = ("bf16", "fp16", "int8", "fp8")  # last tie-break: keep precision 
 
 @dataclass(frozen=True)
 class Overheads:
-    """Per-GPU memory besides weights and KV cache, reserved before the KV budget is computed.
+    """Per-GPU memory besides weights and KV cache, split the way vLLM accounts for it.
 
-    vLLM measures these in a profiling run; a planner has to assume them. Defaults are typical for
-    a 70B-class model with vLLM's default batching and are printed by ``--explain``.
+    vLLM sizes the KV cache as ``total x gpu_memory_utilization - non_kv_cache_memory``, where the
+    non-KV memory is the loaded weights + the torch peak increase of a profiling forward pass (the
+    activations) + the non-torch memory that appeared since the worker's first memory snapshot
+    (NCCL communicators, custom all-reduce buffers). The CUDA context exists before that snapshot,
+    and the CUDA graphs are captured after the KV cache is allocated, so neither comes out of the
+    budget: both live in the ``1 - gpu_memory_utilization`` headroom, and only the 95% rule sees
+    them. (vLLM sources: ``vllm/v1/worker/gpu_worker.py`` ``init_device`` (init_snapshot,
+    requested_memory) and ``determine_available_memory``; ``vllm/utils/mem_utils.py`` (older:
+    ``vllm/utils/__init__.py``) ``memory_profiling`` (non_kv_cache_memory = non_torch_increase +
+    torch_peak_increase + weights_memory);
+    ``compile_or_warm_up_model`` captures the graphs after ``initialize_from_config``.)
+
+    The defaults are calibrated on the measured deployment (Llama-3.3-70B bf16, TP=2 on
+    A100-80GB: 65.74 GiB of weights and 5.63 GiB of KV per GPU leave nothing measurable for the
+    profiled part); newer vLLM on H100 profiles ~5 GiB of activations, which ``--param`` sets.
     """
 
-    activations: int = GIB  # peak activations of the profiled prefill batch, sampler logits
-    cuda_context: int = GIB // 2  # CUDA context + cuBLAS workspaces (memory torch does not see)
-    nccl: int = GIB // 4  # NCCL communicator buffers; zero for a single-GPU replica
-    cuda_graphs: int = GIB // 2  # captured decode CUDA graphs
+    activations: int = GIB // 4  # torch peak increase of vLLM's profiling run (in the budget)
+    cuda_context: int = GIB // 2  # CUDA context + cuBLAS workspaces (in the headroom)
+    nccl: int = GIB // 8  # non-torch increase: NCCL buffers (in the budget); zero on one GPU
+    cuda_graphs: int = GIB // 2  # captured decode CUDA graphs (in the headroom)
 
     def per_gpu(self, world: int) -> dict[str, int]:
         out = dataclasses.asdict(self)
         if world == 1:
             out["nccl"] = 0
         return out
+
+    def in_budget(self, world: int) -> int:
+        """What vLLM subtracts from ``total x utilization`` besides the weights: activations + NCCL."""
+        over = self.per_gpu(world)
+        return over["activations"] + over["nccl"]
 
 
 @dataclass(frozen=True)
@@ -68,9 +90,11 @@ class SpeedParams:
 class Workload:
     """What the deployment must serve, and what it costs."""
 
-    avg_context: int = 2048
-    max_model_len: int | None = None  # a requirement when set: one request this long must fit
-    kv_cache_cap: int | None = None  # per GPU; None: --kv-memory when set, else 20 GiB
+    avg_context: int | None = None  # None: DEFAULT_AVG_CONTEXT for speed; the demand uses the request length
+    max_model_len: int | None = None  # None: max_position_embeddings, as vLLM defaults it
+    concurrency: int = 1  # requests the KV cache must hold at once
+    allow_long_context: bool = False  # max_model_len beyond max_position_embeddings (vLLM's opt-in)
+    kv_cache_cap: int | None = None  # ceiling on the KV pool per GPU; None: --kv-memory when set, else 20 GiB
     kv_memory: float | None = None  # per GPU KV budget as an engine measured it (overrides the math)
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -85,6 +109,11 @@ class Workload:
     def target_ms(self) -> float:
         """The TPOT the batch is sized for: the user's target, else the default."""
         return DEFAULT_TPOT_MS if self.target_tpot_ms is None else self.target_tpot_ms
+
+    @property
+    def context(self) -> int:
+        """Tokens per sequence for the speed model: --avg-context, else the default."""
+        return DEFAULT_AVG_CONTEXT if self.avg_context is None else self.avg_context
 
     @property
     def target_set(self) -> bool:
@@ -136,6 +165,30 @@ def request_kv_bytes(bytes_per_token: int, length: int, block: int) -> int:
     return bytes_per_token * round_to_blocks(length, block)
 
 
+def demand_tokens(w: Workload, max_position: int) -> int:
+    """KV tokens the deployment must hold at once (on every GPU that holds a layer's KV).
+
+    At least one request of the max model length (vLLM refuses to start otherwise:
+    ``check_enough_kv_cache_memory`` in ``vllm/v1/core/kv_cache_utils.py``; default the model's
+    max_position_embeddings, as vLLM's), and ``concurrency`` requests of ``avg_context``
+    tokens when given, else of the max model length; each request is paged in whole blocks.
+    """
+    length = w.max_model_len or max_position
+    each = w.avg_context if w.avg_context is not None else length
+    return max(round_to_blocks(length, w.block_size), w.concurrency * round_to_blocks(each, w.block_size))
+
+
+def demand_words(w: Workload, max_position: int) -> str:
+    """The demand in words: which requests it is, as --explain and the reasons say it."""
+    length = w.max_model_len or max_position
+    each = w.avg_context if w.avg_context is not None else length
+    n, block = w.concurrency, w.block_size
+    if n * round_to_blocks(each, block) > round_to_blocks(length, block):
+        return f"{n} requests of {each:,} tokens"
+    one = f"one {length:,}-token request"
+    return one if n == 1 else f"{one}, which covers {n} x {each:,} tokens"
+
+
 def kv_blocks(budget: float, bytes_per_token: int, block: int) -> int:
     """Whole KV blocks a budget holds: floor(budget / (block x bytes per token))."""
     return max(0, math.floor(budget / (block * bytes_per_token))) if bytes_per_token else 0
@@ -181,11 +234,17 @@ def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedPa
                   "vLLM's default is 0.9")
     if w.kv_dtype not in ("auto", *KV_DTYPE_BYTES):
         raise bad("kv_dtype", f"unknown KV dtype {w.kv_dtype!r}", "use auto, fp16, bf16 or fp8")
-    if w.max_model_len is not None and w.max_model_len > max_pos:
+    if w.max_model_len is not None and w.max_model_len < 1:
+        raise bad("max_model_len", f"must be a positive number of tokens, found {w.max_model_len}",
+                  f"use 1 to {max_pos}")
+    if w.max_model_len is not None and w.max_model_len > max_pos and not w.allow_long_context:
         raise bad("max_model_len", f"{w.max_model_len:,} exceeds the model's max_position_embeddings "
-                  f"{max_pos:,}", f"use `max_model_len` <= {max_pos}")
-    if w.avg_context > (w.max_model_len or max_pos):
-        raise bad("avg_context", f"{w.avg_context:,} is longer than the longest request "
+                  f"{max_pos:,}", f"use `max_model_len` <= {max_pos}, or `allow_long_context` to go beyond it")
+    if w.concurrency < 1:
+        raise bad("concurrency", f"must be a positive number of requests, found {w.concurrency}",
+                  "use 1 or more")
+    if w.context > (w.max_model_len or max_pos):
+        raise bad("avg_context", f"{w.context:,} is longer than the longest request "
                   f"({w.max_model_len or max_pos:,} tokens)", "lower `avg_context`")
     if w.kv_memory is not None and w.kv_memory >= cluster.gpu.memory:
         raise bad("kv_memory", f"{w.kv_memory / GIB:.2f} GiB is more than the GPU's "
@@ -193,7 +252,7 @@ def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedPa
     if w.cap >= cluster.gpu.memory:
         raise bad("kv_cache_cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
                   f"{cluster.gpu.memory / GIB:.2f} GiB", "the cap is per GPU")
-    for name, value in (("block_size", w.block_size), ("avg_context", w.avg_context),
+    for name, value in (("block_size", w.block_size), ("avg_context", w.context),
                         ("target_tpot_ms", w.target_ms), ("price_per_gpu_hour", w.price_per_gpu_hour),
                         ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes)):
         if not value > 0:
@@ -300,9 +359,11 @@ class GpuMemory:
     weights: int
     overheads: dict[str, int]
     kv_bytes_per_token: int
-    kv_available: float  # total x utilization - weights - extra - overheads (may be negative)
-    kv_budget: float  # min(cap, available), or --kv-memory
+    kv_available: float  # total x utilization - weights - extra - in-budget overheads (may be negative)
+    kv_budget: float  # the pool this GPU would allocate: min(cap, available), or --kv-memory
     extra: int = 0  # LoRA adapters and the draft model on this GPU (sharded like the weights)
+    in_budget: int = 0  # the overheads vLLM subtracts from total x utilization (activations, NCCL)
+    kv_demand: int = 0  # KV bytes the demanded requests need on this GPU
 
     @property
     def usable(self) -> float:
@@ -331,6 +392,8 @@ class KvFigures:
     sequences: int  # at the average context
     request_len: int  # --max-model-len, else max_position_embeddings
     request_bytes: int  # KV one request of request_len needs per GPU
+    demand_tokens: int = 0  # demand_tokens(): what the pool must hold at once
+    demand_bytes: int = 0  # those tokens' KV on one GPU (of the stage with the most KV per token)
 
 
 @dataclass(frozen=True)

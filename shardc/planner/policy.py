@@ -3,11 +3,15 @@
 ``fit`` (the default) follows the calculator rules users were promised, per weight dtype in
 precision order (the checkpoint's 16-bit dtype first; int8/fp8 only when it fits nowhere):
 
-1. Memory splits into what shards across GPUs (weights, LoRA adapters, a draft model) and what every
-   GPU repeats (overheads, the NCCL workspace, and this planner's per-GPU KV reservation: the cap, or
-   the engine-measured ``kv_memory``, which the KV heads already divide). One card first.
-2. Minimum cards = ceil(sharded / (card's usable memory - replicated part)); usable is the card's
-   memory x min(gpu_memory_utilization, 95%).
+1. Memory splits into what shards across GPUs (weights, LoRA adapters, a draft model and, for GQA
+   and MHA models, the KV demand, by attention head) and what every GPU repeats (activations,
+   framework overhead, the NCCL workspace; an MLA latent cache, whole on every GPU). The KV demand
+   is what was asked: one request of the max model length, or ``concurrency`` requests. The KV cap
+   (20 GiB per GPU shard) is a ceiling on the pool a unit allocates, never a reservation. One card
+   first.
+2. Minimum cards = ceil(sharded / room per card); the room is memory x gpu_memory_utilization less
+   the overheads vLLM counts in it (activations, NCCL), and at most 95% of the memory less every
+   overhead.
 3. TP = the smallest valid TP (divides the heads) >= that minimum, up to the fabric's limit; each
    step is judged with the full per-GPU arithmetic, and the next valid TP is tried if a card lands
    above the limits.
@@ -48,18 +52,26 @@ class FitTrail:
     weights: int  # the whole model at this dtype (tp=1, pp=1)
     lora: int
     draft: int
-    per_card: float  # memory x min(utilization, max fraction)
-    replicated: int  # overheads (with NCCL) + the KV reservation
-    one_card_replicated: int  # the same on a single card (no NCCL)
+    kv_demand: int  # the whole KV demand (every KV head), sharded; 0 for MLA
+    kv_replicated: int  # MLA: the latent demand every GPU holds whole; 0 otherwise
+    demand_tokens: int
+    demand: str  # the demand in words
+    usable: float  # memory x gpu_memory_utilization: vLLM's budget
+    limit: float  # memory x max_memory_fraction
+    in_budget: int  # overheads vLLM counts in its budget (activations, NCCL)
+    replicated: int  # every overhead on a GPU of a multi-GPU unit
+    room: float  # what a card of a multi-GPU unit has for the sharded part
+    one_card_room: float  # the same on a single card (no NCCL)
     minimum: int | None  # cards; None: the replicated part alone fills a card
     tp_limit: int
     valid_tps: list[int]
     steps: list[tuple[str, str]] = field(default_factory=list)  # (label, verdict)
     chosen: str | None = None
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # smaller units and why they are out
 
     @property
     def sharded(self) -> int:
-        return self.weights + self.lora + self.draft
+        return self.weights + self.lora + self.draft + self.kv_demand
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "sharded": self.sharded}
@@ -88,6 +100,7 @@ def _fit(s: Search) -> Candidate | None:
         mine = {(c.tp, c.pp): c for c in s.candidates if c.dtype == d and c.pp is not None}
         trail = s.fit_trail(d)
         s.trails.append(trail)
+        _rejected(trail, mine.values())
         if trail.minimum is None:
             trail.steps.append(("*", "the replicated part alone fills a card: no unit fits"))
             continue
@@ -97,6 +110,7 @@ def _fit(s: Search) -> Candidate | None:
             trail.steps.append((c.label, _verdict(c, need, w.target_ms)))
             if c.fits and not c.skipped and (c.meets_target or not need):
                 trail.chosen = c.label
+                _rejected(trail, mine.values(), tp)
                 return c
         staged = [tp for tp, pp in mine if pp > 1]
         if not staged:
@@ -108,8 +122,24 @@ def _fit(s: Search) -> Candidate | None:
             trail.steps.append((c.label, _verdict(c, need, w.target_ms)))
             if c.fits and not c.skipped and (c.meets_target or not need):
                 trail.chosen = c.label
+                _rejected(trail, mine.values(), tp * pp)
                 return c
     return None
+
+
+def _rejected(trail: FitTrail, cands: Any, cards: int | None = None) -> None:
+    """Every worked-out unit with fewer cards than ``cards`` (None: all), and why it is not the pick:
+    its first reason, or, for one that fits, the rule that passed over it (rules 2 and 4)."""
+    out = [c for c in cands if c.memory is not None and (cards is None or c.tp * c.pp < cards)]
+    trail.rejected = [(c.label, _why_not(trail, c)) for c in sorted(out, key=lambda c: (c.tp * c.pp, c.pp))]
+
+
+def _why_not(trail: FitTrail, c: Candidate) -> str:
+    if c.reasons:
+        return c.reasons[0]
+    if c.pp == 1:
+        return f"fits, but below the minimum of {trail.minimum} cards the fit rules start from"
+    return "fits, but stages go with the largest valid TP first (TP first, then PP)"
 
 
 def _fastest(cands: list[Candidate]) -> Candidate | None:

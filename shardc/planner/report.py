@@ -8,6 +8,7 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 from __future__ import annotations
 
 from .candidate import Candidate, attn_flops, kv_bpt
+from .formulas import demand_tokens, demand_words
 from .gpus import GB, GIB
 from .mla import MlaModel, experts_touched
 from .policy import OBJECTIVE_WORDS
@@ -56,7 +57,9 @@ def header(s: Search) -> list[str]:
         f"{g.link.name} {g.link.bandwidth / GB:,.0f} GB/s"
         + (f", {cl.inter_node.name} between nodes" if cl.nodes > 1 else ""),
         f"fabric  {cl.fabric()}",
-        f"serve   avg context {w.avg_context:,}, KV cap {gib(w.cap)}/GPU, {budget}, block {w.block_size}, "
+        f"serve   KV demand {demand_words(w, m.max_position_embeddings)} "
+        f"({demand_tokens(w, m.max_position_embeddings):,} tokens), KV cap {gib(w.cap)}/GPU (a ceiling on the "
+        f"pool), avg context {w.context:,}, {budget}, block {w.block_size}, "
         f"KV {kv}, TPOT <= {w.target_ms:g} ms{'' if w.target_set else ' (default: sizes the batch only)'}, "
         f"${w.price_per_gpu_hour:.2f}/GPU-hour" + "".join(f", {e}" for e in extras),
         f"choose  objective {s.objective}: {OBJECTIVE_WORDS[s.objective]}",
@@ -72,20 +75,21 @@ def table(s: Search) -> list[str]:
     rows.sort(key=lambda c: (c is not s.recommended, c is not s.alternative, not c.meets_target,
                              c.cost.dollars_per_mtok if c.cost else 0, c.tp, c.pp or 0))
     out = header(s) + [""]
-    out.append(f"  {'candidate':<17}{'GPUs':>5}{'weights':>10}{'KV B/tok':>10}{'max len':>9}{'seqs':>6}"
+    out.append(f"  {'candidate':<17}{'GPUs':>5}{'weights':>10}{'KV need/pool GiB':>18}{'KV B/tok':>10}{'max len':>9}{'seqs':>6}"
                f"{'batch':>6}{'TPOT':>9}{'tok/s':>8}{'$/Mtok':>8}  memory per GPU")
     for c in rows:
         assert c.memory and c.kv and c.speed and c.cost
         mark = "*" if c is s.recommended else "+" if c is s.alternative else "!" if not c.meets_target else " "
         out.append(
             f"{mark} {c.label:<17}{c.tp * (c.pp or 1):>5}{c.memory.weights / GIB:>6.2f} GiB"
-            f"{c.kv.bytes_per_token:>10,}{c.kv.max_model_len:>9,}{c.kv.sequences:>6,}{c.speed.batch:>6,}"
+            f"{c.kv.demand_bytes / GIB:>11.2f}/{c.kv.budget / GIB:<6.2f}{c.kv.bytes_per_token:>9,}{c.kv.max_model_len:>9,}{c.kv.sequences:>6,}{c.speed.batch:>6,}"
             f"{c.speed.tpot_s * 1e3:>7.1f}ms{c.speed.tokens_per_s:>8,.0f}{c.cost.dollars_per_mtok:>8.2f}  "
             f"{memory_bar(c)}"
         )
     if not rows:
         out.append("  (no candidate fits)")
-    out += ["  " + BAR_LEGEND,
+    out += ["  KV need/pool: the demand's KV per GPU / the pool the unit allocates (vLLM's budget, at most "
+            "the cap)", "  " + BAR_LEGEND,
             "  * recommended   + fastest alternative   ! misses the TPOT target (shown at batch 1)"]
     bad = [c for c in s.candidates if c.reasons]
     if bad:
@@ -198,19 +202,28 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
     m, g, w, sp, mem, kv = s.model, s.cluster.gpu, s.workload, s.speed, c.memory, c.kv
     assert mem is not None and kv is not None
     o: list[str] = []
-    over = " + ".join(f"{k} {v / GIB:.2f}" for k, v in mem.overheads.items())
-    o += ["", "Memory per GPU:",
+    inside = {k: v for k, v in mem.overheads.items() if k in ("activations", "nccl")}
+    head = {k: v for k, v in mem.overheads.items() if k not in inside}
+    words = demand_words(w, m.max_position_embeddings)
+    o += ["", "Memory per GPU (vLLM's accounting: KV = total x utilization - weights - profiled activations "
+          "- NCCL; the CUDA context and graphs sit in the headroom):",
           f"  usable = {gib(g.memory)} (as CUDA reports it) x {w.gpu_memory_utilization:g} = {gib(mem.usable)}",
-          f"  overheads = {over} = {gib(mem.overhead)}",
+          "  overheads in vLLM's budget = " + " + ".join(f"{k} {v / GIB:.2f}" for k, v in inside.items())
+          + f" = {gib(mem.in_budget)}; in the headroom = "
+          + " + ".join(f"{k} {v / GIB:.2f}" for k, v in head.items()) + f" = {gib(sum(head.values()))}",
           f"  KV available = {mem.usable / GIB:.2f} - {mem.weights / GIB:.2f}"
           + (f" - {mem.extra / GIB:.2f} (LoRA/draft)" if mem.extra else "")
-          + f" - {mem.overhead / GIB:.2f} = {gib(mem.kv_available)}"]
+          + f" - {mem.in_budget / GIB:.2f} = {gib(mem.kv_available)}"]
     if mem.extra:
         o.insert(-2, _extra_line(s, c))
     if w.kv_memory is not None:
-        o.append(f"  KV budget = `kv_memory` {gib(w.kv_memory)} (as the serving engine measured it)")
+        o.append(f"  KV pool = `kv_memory` {gib(w.kv_memory)} (as the serving engine measured it)")
     else:
-        o.append(f"  KV budget = min(cap {gib(w.cap)}, {gib(mem.kv_available)}) = {gib(mem.kv_budget)}")
+        o.append(f"  KV pool = min(cap {gib(w.cap)}, available {gib(mem.kv_available)}) = {gib(mem.kv_budget)} "
+                 "(what the unit allocates; the cap is a ceiling, not a reservation)")
+    o.append(f"  KV demand = {words}: {kv.demand_tokens:,} tokens x {mem.kv_bytes_per_token:,} B = "
+             f"{gib(mem.kv_demand)} per GPU -> " + ("fits the pool" if kv.tokens >= kv.demand_tokens else
+                                                  "more than the pool holds"))
     o.append(f"  in use = {mem.weights / GIB:.2f} + " + (f"{mem.extra / GIB:.2f} + " if mem.extra else "")
              + f"{mem.overhead / GIB:.2f} + {max(mem.kv_budget, 0) / GIB:.2f} = "
              f"{gib(mem.used)} = {mem.used_fraction:.1%} of {gib(g.memory)} (limit {sp.max_memory_fraction:.0%})")
@@ -218,8 +231,8 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
           f"  blocks = floor({gib(kv.budget)} / ({w.block_size} x {kv.bytes_per_token:,} B)) = {kv.blocks:,}"
           f" -> {kv.tokens:,} tokens",
           f"  max model length = {w.block_size} x {kv.blocks:,} = {kv.tokens:,}, capped at "
-          f"max_position_embeddings {m.max_position_embeddings:,} -> {kv.max_model_len:,}",
-          f"  sequences at {w.avg_context:,} tokens = floor({kv.blocks:,} / ceil({w.avg_context:,} / "
+          f"{max(kv.request_len, m.max_position_embeddings):,} -> {kv.max_model_len:,}",
+          f"  sequences at {w.context:,} tokens = floor({kv.blocks:,} / ceil({w.context:,} / "
           f"{w.block_size})) = {kv.sequences:,}"]
     return o
 
@@ -256,11 +269,11 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     attn = (f"{attn_flops(m)} x {layers} layers x {m.num_heads // tp} heads" if isinstance(m, MlaModel) else
             f"4 x {layers} layers x {m.num_heads // tp} heads x {m.head_dim}")
     link = g.link
-    o = ["", f"Decode step (roofline), batch {v.batch} at {w.avg_context:,} tokens of context"
+    o = ["", f"Decode step (roofline), batch {v.batch} at {w.context:,} tokens of context"
          + (f", {v.microbatches} micro-batches of {b:g}" if pp > 1 else "") + f"; slowest stage {v.stage}:",
-         f"  HBM: (weights read {gib(read)}{routed} + KV {b:g} x {w.avg_context:,} x {bpt:,} B) / "
+         f"  HBM: (weights read {gib(read)}{routed} + KV {b:g} x {w.context:,} x {bpt:,} B) / "
          f"({g.hbm_bandwidth / GB:,.0f} GB/s x {sp.hbm_efficiency:g}) = {v.memory_s * 1e3:.2f} ms",
-         f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.avg_context:,}) FLOP / ({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) "
+         f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.context:,}) FLOP / ({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) "
          f"= {v.compute_s * 1e3:.2f} ms",
          f"  roofline = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) = "
          f"{max(v.memory_s, v.compute_s) * 1e3:.2f} ms",
@@ -332,22 +345,41 @@ def _explain_choice(s: Search, c: Candidate) -> list[str]:
 
 
 def _explain_fit(s: Search) -> list[str]:
-    """Rules 1-4 with the numbers substituted, per dtype walked."""
+    """Rules 1-4 with the numbers substituted, per dtype walked: the demand, the sharded and
+    replicated parts, the minimum, each step, and why each smaller unit was rejected."""
     o: list[str] = []
+    measured = s.workload.kv_memory is not None
     for t in s.trails:
-        parts = f"weights {gib(t.weights)}" + (f" + LoRA {gib(t.lora)}" if t.lora else "") + (
-            f" + draft {gib(t.draft)}" if t.draft else "") + (f" = {gib(t.sharded)}" if t.lora or t.draft else "")
-        o.append(f"  {t.dtype}: sharded = {parts}; replicated per GPU = overheads + KV "
-                 f"reservation = {gib(t.replicated)} ({gib(t.one_card_replicated)} on one card, no NCCL)")
-        if t.minimum is None:
-            o.append(f"    the replicated part alone exceeds {gib(t.per_card)} usable per card")
+        if measured:
+            o.append(f"  {t.dtype}: KV demand = {t.demand}: {t.demand_tokens:,} tokens, inside the measured "
+                     f"`kv_memory` pool of {gib(t.kv_replicated)} on every GPU (replicated)")
         else:
-            o.append(f"    one card: {gib(t.sharded)} <= {t.per_card / GIB:.2f} - {t.one_card_replicated / GIB:.2f}? "
+            kv_where = ("replicated: an MLA latent is whole on every GPU" if t.kv_replicated else
+                        "sharded by KV head")
+            o.append(f"  {t.dtype}: KV demand = {t.demand}: {t.demand_tokens:,} tokens = "
+                     f"{gib(t.kv_demand or t.kv_replicated)} over all KV heads ({kv_where})")
+        parts = f"weights {gib(t.weights)}" + (f" + LoRA {gib(t.lora)}" if t.lora else "") + (
+            f" + draft {gib(t.draft)}" if t.draft else "") + (f" + KV demand {gib(t.kv_demand)}" if t.kv_demand else "")
+        o.append(f"    sharded = {parts} = {gib(t.sharded)}")
+        o.append(f"    replicated per GPU = overheads {gib(t.replicated)} (activations, NCCL, CUDA context and "
+                 f"graphs)" + (f" + KV demand {gib(t.kv_replicated)}" if t.kv_replicated else ""))
+        if measured:
+            o.append(f"    room per card = {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f} - "
+                     f"{t.kv_replicated / GIB:.2f} = {gib(t.room)} ({gib(t.one_card_room)} on one card, no NCCL)")
+        else:
+            o.append(f"    room per card = min({t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's "
+                     f"budget, {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f})"
+                     + (f" - {t.kv_replicated / GIB:.2f}" if t.kv_replicated else "") + f" = {gib(t.room)} "
+                     f"({gib(t.one_card_room)} on one card, no NCCL)")
+        if t.minimum is None:
+            o.append("    the replicated part alone fills a card")
+        else:
+            o.append(f"    one card: {gib(t.sharded)} <= {gib(t.one_card_room)}? "
                      + ("yes -> minimum 1" if t.minimum == 1 else
-                        f"no -> minimum = ceil({t.sharded / GIB:.2f} / ({t.per_card / GIB:.2f} - "
-                        f"{t.replicated / GIB:.2f})) = {t.minimum} GPUs"))
+                        f"no -> minimum = ceil({t.sharded / GIB:.2f} / {t.room / GIB:.2f}) = {t.minimum} GPUs"))
             o.append(f"    valid TP (divides the heads, <= the fabric limit {t.tp_limit}): "
                      f"{', '.join(map(str, t.valid_tps)) or 'none'}")
         o += [f"    {label}: {verdict}" for label, verdict in t.steps]
+        o += [f"    rejected {label}: {why}" for label, why in t.rejected if label not in dict(t.steps)]
         o.append(f"    -> {t.chosen}" if t.chosen else "    -> no unit of this dtype")
     return o

@@ -3,7 +3,8 @@
 Rules, in order: tp stays inside one node and within the fabric's TP limit (the NVLink domain; 4 on
 PCIe) and satisfies the head rules of the Layout; pp stays within the layer count; tp x pp fits the
 GPUs available. A candidate fits when every GPU holds its weights (plus LoRA adapters and a draft
-model), the overheads and the KV cap, with no GPU above 95% of its memory. Tensor parallelism comes
+model) and the overheads, its KV pool (what vLLM would allocate, at most the cap) holds the KV
+demand (the requests asked for), and no GPU is above 95% of its memory. Tensor parallelism comes
 first: a dtype's pipeline candidates are only worked out when none of its pp = 1 candidates fits.
 policy.py picks among the candidates for the objective. Infeasible candidates keep their reasons,
 so the table can say why.
@@ -21,12 +22,14 @@ from ..errors import LayoutError, PlanError
 from ..spec.layout import check_degrees
 from ..spec.model import ModelSpec
 from ..spec.plan import DTYPES, plan_from_dict
-from .candidate import Candidate, evaluate, lora_bytes
+from .candidate import Candidate, evaluate, kv_bpt, lora_bytes
 from .formulas import (
     Overheads,
     SpeedParams,
     Workload,
     check_inputs,
+    demand_tokens,
+    demand_words,
     min_cards,
     plan_dict,
     plan_name,
@@ -95,7 +98,7 @@ class Search:
         raise PlanError(
             f"{self.model_name} fits no candidate on {where}; {detail}",
             key="model",
-            hint="add GPUs (`nodes`), lower `kv_cache_cap` or `max_model_len`, "
+            hint="add GPUs (`nodes`), lower `max_model_len` or `concurrency`, "
             + ("" if {"int8", "fp8"} & set(self.dtypes) else "try `dtype` int8 or fp8, ")
             + "or pick a larger `gpu`",
         )
@@ -115,23 +118,39 @@ class Search:
         return data
 
     def fit_trail(self, dtype: str) -> FitTrail:
-        """Rules 1 and 2 for one dtype: sharded and replicated memory, and the minimum card count."""
-        w, sp, gpu = self.workload, self.speed, self.cluster.gpu
+        """Rules 1 and 2 for one dtype: sharded and replicated memory, and the minimum card count.
+
+        Sharded: weights, LoRA, the draft model and (GQA/MHA) the KV demand, whole, which TP splits
+        by KV head; an MLA latent is whole on every GPU, so its demand is replicated. Replicated: the
+        overheads. A card's room is what vLLM's budget (memory x utilization) leaves after the
+        in-budget overheads, and at most what the 95% limit leaves after all of them.
+        """
+        w, sp, gpu, ov = self.workload, self.speed, self.cluster.gpu, self.overheads
         if isinstance(self.model, MlaModel):
             weights = mla_rank_weights(self.model, 1, 1, dtype, [(0, self.model.num_layers)])[0].nbytes
         else:
             weights = rank_weights(self.model, plan_from_dict(plan_dict("probe", "src", 1, 1, dtype)))[0].nbytes
         lora = lora_bytes(self.model, w, self.model.num_layers)
-        if w.kv_memory is not None:
-            per_card, kv = gpu.memory * sp.max_memory_fraction, w.kv_memory
-        else:
-            per_card, kv = gpu.memory * min(w.gpu_memory_utilization, sp.max_memory_fraction), w.cap
-        one = int(sum(self.overheads.per_gpu(1).values()) + kv)
-        many = int(sum(self.overheads.per_gpu(2).values()) + kv)
-        sharded = weights + lora + 2 * self.draft_params
-        minimum = 1 if sharded <= per_card - one else min_cards(sharded, per_card, many)
+        need = demand_tokens(w, self.model.max_position_embeddings)
+        kv = need * kv_bpt(self.model, self.model.num_layers, 1, w.kv_bytes)
+        kv_sharded, kv_rep = (0, kv) if isinstance(self.model, MlaModel) else (kv, 0)
+        if w.kv_memory is not None:  # the measured pool is a fixed block on every GPU; the demand is in it
+            kv_sharded, kv_rep = 0, int(w.kv_memory)
+        usable, limit = gpu.memory * w.gpu_memory_utilization, gpu.memory * sp.max_memory_fraction
+
+        def room(world: int) -> float:
+            total = sum(ov.per_gpu(world).values())
+            if w.kv_memory is not None:  # the engine measured it: only the memory limit applies
+                return limit - total - kv_rep
+            return min(usable - ov.in_budget(world), limit - total) - kv_rep
+
+        sharded = weights + lora + 2 * self.draft_params + kv_sharded
+        one, many = room(1), room(2)
+        minimum = 1 if sharded <= one else min_cards(sharded, many, 0)
         valid = sorted({c.tp for c in self.candidates if c.dtype == dtype and c.pp == 1})
-        return FitTrail(dtype, weights, lora, 2 * self.draft_params, per_card, many, one, minimum,
+        return FitTrail(dtype, weights, lora, 2 * self.draft_params, kv_sharded, kv_rep, need,
+                        demand_words(w, self.model.max_position_embeddings), usable, limit,
+                        ov.in_budget(2), sum(ov.per_gpu(2).values()), many, one, minimum,
                         self.cluster.tp_limit, valid)
 
     def to_json(self) -> dict[str, Any]:
@@ -147,7 +166,8 @@ class Search:
                            "description": cl.fabric()},
             },
             "workload": {**dataclasses.asdict(self.workload), "cap": self.workload.cap,
-                         "target_ms": self.workload.target_ms, "draft_params": self.draft_params},
+                         "target_ms": self.workload.target_ms,
+                         "context": self.workload.context, "draft_params": self.draft_params},
             "parameters": {"overheads": dataclasses.asdict(self.overheads),
                            "speed": dataclasses.asdict(self.speed)},
             "dtypes": list(self.dtypes),
