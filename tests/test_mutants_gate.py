@@ -280,11 +280,14 @@ def test_golden_jsonl_errors_name_the_line(tmp_path):
 
 
 def test_make_windows_messages_and_bounds():
-    with pytest.raises(GoldenError) as e:
+    with pytest.raises(GoldenError) as e:  # the limit is the user's number, not the text (#26 item 4)
         make_windows(list(range(10)), 4, 3)
-    assert e.value.message == ("the golden text has 10 tokens, fewer than one window of 4 "
-                               "(or --max-tokens 3 is smaller than --window)")
-    assert e.value.hint == "use a longer text, a smaller --window or a larger --max-tokens"
+    assert e.value.message == "--max-tokens 3 is smaller than one --window of 4 tokens (the golden text has 10)"
+    assert e.value.hint == "pass --max-tokens 4 or more, or a smaller --window"
+    with pytest.raises(GoldenError) as e:
+        make_windows(list(range(3)), 4, 100)
+    assert e.value.message == "the golden text has 3 tokens, fewer than one window of 4"
+    assert e.value.hint == "use a longer text or a smaller --window"
     assert make_windows(list(range(8)), 4, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # exactly two windows
     assert make_windows(list(range(8)), 4, 7) == [[0, 1, 2, 3]]
     assert make_windows(list(range(4)), 4, 100) == [[0, 1, 2, 3]]
@@ -300,7 +303,7 @@ def _pydoc_tokens(tokenizer: Path) -> int:
 
 
 def _too_short(n: int) -> str:
-    return f"the golden text has {n} tokens, fewer than one window of 2 (or --max-tokens 1 is smaller than --window)"
+    return f"--max-tokens 1 is smaller than one --window of 2 tokens (the golden text has {n})"
 
 
 def test_run_gate_defaults_to_pydoc_and_the_build_tokenizer(builds):

@@ -177,3 +177,15 @@ def test_run_with_several_prompts_marks_where_each_output_starts(small):
     assert lines[2:4] == ["", "--- output 2 of 2 ---"] and lines[4].startswith("[4,5] -> ")
     r = shardc("run", "--manifest", root / "b", "--prompt-ids", "1,2,3", "--max-new-tokens", "2")
     assert r.stdout.splitlines()[0].startswith("[1,2,3] -> ")  # one prompt: no marker
+
+
+@pytest.mark.heavy
+def test_gate_max_tokens_below_one_window_names_the_users_number(demo_model_dir, tmp_path):
+    """#26 item 4: the limit is the user's --max-tokens, not the golden text (113,108 tokens)."""
+    plan = _plan(tmp_path, "demo1", demo_model_dir)
+    assert shardc("build", plan, "--out", tmp_path / "b", "--manifests-dir", tmp_path / "m", "-q").returncode == 0
+    r = shardc("gate", "--baseline", tmp_path / "b", "--candidate", tmp_path / "b", "--max-tokens", "64")
+    assert r.returncode == 2
+    line = one_line(r)
+    assert re.fullmatch(r"error: --max-tokens 64 is smaller than one --window of 512 tokens \(the golden text "
+                        r"has \d+\) \(hint: pass --max-tokens 512 or more, or a smaller --window\)", line), line

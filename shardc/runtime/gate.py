@@ -84,13 +84,17 @@ def make_windows(ids: list[int], window: int, max_tokens: int) -> list[list[int]
     """
     if window < 2:
         raise GoldenError(f"--window must be at least 2, got {window}")
-    usable = min(len(ids), max_tokens)
-    n = usable // window
+    if max_tokens < window:  # the user's limit, not the text, is what is short
+        raise GoldenError(
+            f"--max-tokens {max_tokens} is smaller than one --window of {window} tokens "
+            f"(the golden text has {len(ids)})",
+            hint=f"pass --max-tokens {window} or more, or a smaller --window",
+        )
+    n = min(len(ids), max_tokens) // window
     if n == 0:
         raise GoldenError(
-            f"the golden text has {len(ids)} tokens, fewer than one window of {window} "
-            f"(or --max-tokens {max_tokens} is smaller than --window)",
-            hint="use a longer text, a smaller --window or a larger --max-tokens",
+            f"the golden text has {len(ids)} tokens, fewer than one window of {window}",
+            hint="use a longer text or a smaller --window",
         )
     return [ids[i * window : (i + 1) * window] for i in range(n)]
 
