@@ -119,12 +119,25 @@ def summary(s: Search) -> list[str]:
                    f"batch 1 (recommended: {c.speed.tpot1_s * 1e3:.1f} ms), {a.speed.tokens_per_s:,.0f} tok/s at "
                    f"batch {a.speed.batch}, ${a.cost.dollars_per_mtok:.2f}/Mtok")
     else:
-        out.append("fastest alternative: none (no single-node TP unit with more GPUs fits)")
+        out.append(no_alternative(s))
     out += [f"warning: {x}" for x in s.warnings]
     if c.cost.replicas_for_demand is not None:
         out.append(f"demand {s.workload.demand_tokens_per_s:,.0f} tok/s: {c.cost.replicas_for_demand} replicas "
                    f"= {c.cost.gpus_for_demand} GPUs ({c.cost.replicas_in_cluster} fit in this cluster)")
     return out
+
+
+def no_alternative(s: Search) -> str:
+    """Why no alternative is named: none with more GPUs fits, or none of them is faster than the pick."""
+    c = s.recommended
+    assert c is not None and c.speed is not None
+    cards = c.tp * (c.pp or 1)
+    more = [x for x in s.candidates if x.fits and not x.skipped and x.pp == 1 and x.dtype == c.dtype
+            and x.tp > cards]
+    if not more:
+        return "fastest alternative: none (no single-node TP unit with more GPUs fits)"
+    return (f"fastest alternative: none: no single-node TP unit with more GPUs is faster than the pick "
+            f"({c.speed.tpot1_s * 1e3:.1f} ms TPOT at batch 1)")
 
 
 def explain(s: Search, c: Candidate) -> list[str]:
@@ -367,10 +380,10 @@ def _explain_fit(s: Search) -> list[str]:
             o.append(f"    room per card = {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f} - "
                      f"{t.kv_replicated / GIB:.2f} = {gib(t.room)} ({gib(t.one_card_room)} on one card, no NCCL)")
         else:
-            o.append(f"    room per card = min({t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's "
-                     f"budget, {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f})"
+            o.append(f"    room per card = {t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's budget"
                      + (f" - {t.kv_replicated / GIB:.2f}" if t.kv_replicated else "") + f" = {gib(t.room)} "
-                     f"({gib(t.one_card_room)} on one card, no NCCL)")
+                     f"({gib(t.one_card_room)} on one card, no NCCL); CUDA context and graphs "
+                     f"{t.outside / GIB:.2f} GiB in the {t.headroom / GIB:.2f} GiB headroom")
         if t.minimum is None:
             o.append("    the replicated part alone fills a card")
         else:
