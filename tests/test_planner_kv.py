@@ -46,8 +46,8 @@ def test_measured_deployment_recommends_tp2_at_32k():
     (trail,) = s.trails
     # demand: one 32,768-token request over all KV heads = 32,768 x 327,680 B = 10 GiB, sharded by head
     assert trail.demand_tokens == 32_768 and trail.kv_demand == 32_768 * TOKEN_ALL_HEADS == 10 * GIB
-    # room per card: min(84,987,740,160 x 0.9 - 402,653,184, x 0.95 - 1,476,395,008) = 76,086,312,960 B
-    room = min(A100_MEM * 0.9 - IN_BUDGET, A100_MEM * 0.95 - ALL_OVER)
+    # room per card: vLLM's budget less what it counts in it, 84,987,740,160 x 0.9 - 402,653,184 = 76,086,312,960 B
+    room = A100_MEM * 0.9 - IN_BUDGET
     assert trail.room == room == 76_086_312_960
     # (141,107,412,992 + 10,737,418,240) / 76,086,312,960 = 1.996 -> 2 cards
     assert trail.sharded == L70_BF16 + 10 * GIB and trail.minimum == 2
@@ -58,7 +58,7 @@ def test_measured_deployment_recommends_tp2_at_32k():
     assert rec.kv.budget == pytest.approx(pool) and round(pool) == 5_531_287_552
     # demand per GPU: 32,768 tokens x (2 x 80 x 4 heads x 128 x 2 B = 163,840 B) = 5 GiB <= the pool
     assert rec.kv.demand_bytes == 32_768 * 163_840 == 5 * GIB
-    # in use: weights + every overhead + the pool = 77,562,707,968 B = 91.3% of the card (<= 95%)
+    # in use: weights + every overhead + the pool = 77,562,707,968 B = 91.3% of the card
     assert rec.memory.used == pytest.approx(TP2_WEIGHTS + ALL_OVER + pool)
     assert f"{rec.memory.used_fraction:.1%}" == "91.3%"
     # tokens: 16 x floor(5,531,287,552 / (16 x 163,840)) = 16 x 2,110 = 33,760
@@ -86,7 +86,7 @@ def test_pcie_eight_cards_at_32k_is_tp4_pp2():
     """The rules' own TP4 x PP2 example: eight A100-40GB PCIe cards at 32k, with no cap flag."""
     s = search(L70, Cluster(get_gpu("a100-40gb-pcie")), Workload(max_model_len=32_768), dtypes=["bf16"])
     (trail,) = s.trails
-    # room = min(42,297,786,368 x 0.9 - 402,653,184, x 0.95 - 1,476,395,008) = 37,665,354,547.2 B;
+    # room = 42,297,786,368 x 0.9 - 402,653,184 = 37,665,354,547.2 B;
     # (141,107,412,992 + 10 GiB) / 37,665,354,547.2 = 4.03 -> 5 cards; PCIe allows TP up to 4 -> pp = 2
     assert trail.room == pytest.approx(PCIE_MEM * 0.9 - IN_BUDGET) and trail.minimum == 5
     rec = s.recommended
@@ -100,7 +100,7 @@ def test_pcie_eight_cards_at_32k_is_tp4_pp2():
     # 38,068,007,731.2 - 17,639,424,000 - 402,653,184 = 20,025,930,547 B < the 20 GiB cap
     assert rec.kv.budget == pytest.approx(PCIE_MEM * 0.9 - 17_639_424_000 - IN_BUDGET)
     assert rec.kv.demand_bytes == 32_768 * 2 * 40 * 2 * 128 * 2  # 40 layers x 2 KV heads per rank
-    # in use (17,639,424,000 + 1,476,395,008 + 20,025,930,547) / 42,297,786,368 = 92.5% <= 95%
+    # in use (17,639,424,000 + 1,476,395,008 + 20,025,930,547) / 42,297,786,368 = 92.5%
     assert f"{rec.memory.used_fraction:.1%}" == "92.5%"
     # --explain's "rejected" lines: every smaller unit worked out, with its reason or the rule that passed it
     rejected = dict(trail.rejected)
@@ -209,3 +209,30 @@ def test_long_context_with_the_opt_in():
     with pytest.raises(PlanError) as exc:
         search(L70, A100, Workload(max_model_len=0))
     assert exc.value.key == "max_model_len"
+
+
+def test_context_and_graphs_must_fit_the_headroom_not_a_share_of_the_card():
+    """vLLM starts when what lives outside its budget fits memory x (1 - utilization)."""
+    from shardc.planner.formulas import Overheads
+
+    big = Overheads(cuda_graphs=4 * GIB)  # context 0.5 + graphs 4 = 4.5 GiB = 4,831,838,208 B outside the budget
+    w = Workload(max_model_len=32_768, gpu_memory_utilization=0.95)
+    # 0.95 leaves 84,987,740,160 x 0.05 = 4,249,387,008 B < 4,831,838,208 B: no unit starts, whatever its size
+    s = search(L70, A100, w, dtypes=["bf16"], overheads=big, tps=[2, 4, 8], pps=[1])
+    assert not s.fitting() and {c.reasons[0] for c in s.candidates} == {
+        "vLLM would not start: CUDA context and graphs 4.50 GiB > the 3.96 GiB it leaves outside its budget "
+        "(79.15 GiB x (1 - 0.95))"}
+    assert s.trails[0].steps == [("*", "the CUDA context and graphs (4.50 GiB) do not fit the 3.96 GiB headroom: "
+                                       "vLLM would not start")]
+    with pytest.raises(PlanError) as exc:
+        s.require_recommendation()
+    # the most that leaves 4.5 GiB: 1 - 4,831,838,208 / 84,987,740,160 = 0.9431 -> 0.94
+    assert exc.value.key == "gpu_memory_utilization" and exc.value.hint.startswith("use `gpu_memory_utilization` "
+                                                                                   "0.94 or less")
+    # 0.94 leaves 5,099,264,409.6 B >= 4.5 GiB: tp=2 starts, its card at (70,555,025,408 + 402,653,184 + 4.5 GiB
+    # + the pool 84,987,740,160 x 0.94 - 70,555,025,408 - 402,653,184) / 84,987,740,160 = 0.94 + 4.5 GiB / card
+    s = search(L70, A100, Workload(max_model_len=32_768, gpu_memory_utilization=0.94), dtypes=["bf16"],
+               overheads=big, tps=[2], pps=[1])
+    (two,) = s.candidates
+    assert two.fits and two.memory.used_fraction == pytest.approx(0.94 + 4_831_838_208 / A100_MEM)
+    assert two.memory.used_fraction > 0.99  # far above 95%, and what vLLM at 0.94 runs

@@ -32,6 +32,7 @@ FLAGS = {
     "concurrency": "--concurrency", "allow_long_context": "--param allow_long_context=1",
 }
 _FIELD = re.compile(r"`([a-z_]+)`")
+DEFAULT_GPUS_PER_NODE = 8  # one node of eight, as the presets' servers come
 
 
 def flags(text: str) -> str:
@@ -149,8 +150,10 @@ Examples:
               "deepseek-v3, deepseek-v2-lite), a config.json, or a checkpoint directory.")
 @click.option("--gpu", "gpu_name", required=True, metavar="PRESET",
               help="a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100-sxm, h200, l40s.")
-@click.option("--gpus-per-node", type=POS_INT, default=8, show_default=True,
-              help="GPUs per node: the NVLink domain that TP stays inside.")
+@click.option("--gpus-per-node", type=POS_INT, help="GPUs per node: the NVLink domain that TP stays inside. "
+              "[default: 8]")
+@click.option("--gpus", type=POS_INT, help="The GPUs of your node: the same as --gpus-per-node (with --nodes M, "
+              "M nodes of that many); both given must agree.")
 @click.option("--objective", type=OBJECTIVE, default="fit", show_default=True, metavar="fit|cost|latency",
               help="fit: smallest unit that fits (TP first, then stages); cost: cheapest $/Mtok meeting the "
               "TPOT target; latency: lowest TPOT at batch 1.")
@@ -172,7 +175,8 @@ Examples:
 @click.option("--kv-memory", type=SIZE, help="KV budget per GPU as a serving engine measured it "
               "(replaces the memory arithmetic, to reproduce an engine's numbers).")
 @click.option("--gpu-memory-utilization", type=POS_FLOAT, default=0.9, show_default=True,
-              help="Share of GPU memory the engine may use (vLLM's flag).")
+              help="Share of GPU memory vLLM's budget takes (weights, activations, NCCL, KV; vLLM's flag); "
+              "the CUDA context and graphs must fit in the rest.")
 @click.option("--block-size", type=POS_INT, default=16, show_default=True, help="Paged-KV block size in tokens.")
 @click.option("--price-per-gpu-hour", type=POS_FLOAT, default=2.80, show_default=True, help="US$ per GPU-hour.")
 @click.option("--target-tpot-ms", type=POS_FLOAT,
@@ -201,7 +205,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Every figure of every candidate as JSON.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the recommended plan here (a plan file for `shardc build`).")
-def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nodes: int, dtype: str,
+def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
              kv_dtype: str, max_model_len: int | None, concurrency: int, avg_context: int | None,
              kv_cache_cap: float | None,
              kv_memory: float | None, gpu_memory_utilization: float, block_size: int,
@@ -214,10 +218,11 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, 
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick.
 
     The default objective (fit) recommends the smallest unit that holds the model and the KV
-    demand (one --max-model-len request, or --concurrency of them) within 95% of every GPU: TP
+    demand (one --max-model-len request, or --concurrency of them) inside vLLM's budget (memory x
+    --gpu-memory-utilization), with the CUDA context and graphs in the headroom beyond it: TP
     first, up to the fabric's limit (the NVLink domain; 4 on PCIe), pipeline stages only when no TP
     is enough. The KV cap is a ceiling on the pool, not a reservation. Beside the pick: the fastest
-    single-node TP unit with more GPUs.
+    single-node TP unit with more GPUs, when one is faster.
     """
     try:
         _plan(**locals())
@@ -225,7 +230,7 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, 
         raise _as_flags(exc) from None
 
 
-def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nodes: int, dtype: str,
+def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
           kv_dtype: str, max_model_len: int | None, concurrency: int, avg_context: int | None,
              kv_cache_cap: float | None,
           kv_memory: float | None, gpu_memory_utilization: float, block_size: int, price_per_gpu_hour: float,
@@ -240,7 +245,6 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nod
     from ..planner.report import explain as explain_lines
     from ..planner.report import header, summary, table
     from ..planner.search import search
-    from .output import echo_json
 
     model, name, source = resolve_model(model_ref)
     draft = None
@@ -254,7 +258,7 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nod
         hbm_bandwidth=hbm_bandwidth * GB if hbm_bandwidth else None,
         link_bandwidth=nvlink_bandwidth * GB if nvlink_bandwidth else None, fabric=fabric,
     )
-    cluster = Cluster(gpu, gpus_per_node, nodes, get_interconnect(interconnect))
+    cluster = Cluster(gpu, node_gpus(gpus, gpus_per_node), nodes, get_interconnect(interconnect))
     named = dict(params)
     workload = Workload(
         avg_context=avg_context, max_model_len=max_model_len, concurrency=concurrency,
@@ -270,9 +274,7 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nod
                     pps=pps or None, overheads=over, speed=speed, model_name=name, source=source,
                     objective=objective, draft=draft)
     if as_json:
-        echo_json(result.to_json())
-        for warning in result.warnings:
-            click.echo(f"warning: {flags(warning)}", err=True)
+        _echo_json(result)
     elif explain:
         evaluated = [c for c in result.candidates if c.memory is not None]
         target = result.recommended or (evaluated[0] if len(evaluated) == 1 else None)
@@ -288,6 +290,32 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int, objective: str, nod
         write_plan(result.plan_for(rec, _source_for(source, model_ref, out_file)), out_file, result, rec)
         if not as_json:
             click.echo(f"wrote {out_file} (build it with: shardc build {out_file})")
+
+
+def _echo_json(result: Any) -> None:
+    """--json: one document on stdout, the figures even when nothing fits (then with the error in it:
+    the group's handler, which would print a second document, is told it has been said)."""
+    from .output import echo_json, error_object
+
+    data = result.to_json()
+    try:
+        result.require_recommendation()
+    except ShardcError as exc:
+        data["error"] = error_object(_as_flags(exc))
+        echo_json(data)
+        click.get_current_context().meta["shardc.json"] = False
+        raise
+    echo_json(data)
+    for warning in result.warnings:
+        click.echo(f"warning: {flags(warning)}", err=True)
+
+
+def node_gpus(gpus: int | None, gpus_per_node: int | None) -> int:
+    """--gpus is --gpus-per-node under the name users reach for; given both, they must agree."""
+    if gpus is not None and gpus_per_node is not None and gpus != gpus_per_node:
+        raise PlanError(f"--gpus {gpus} and --gpus-per-node {gpus_per_node} disagree", key="--gpus",
+                        hint="--gpus is the GPUs of one node, the same as --gpus-per-node: give one of them")
+    return gpus or gpus_per_node or DEFAULT_GPUS_PER_NODE
 
 
 def _source_for(source: str, model_ref: str, out_file: Path) -> str:

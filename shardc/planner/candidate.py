@@ -3,7 +3,9 @@
 The arithmetic of formulas.py applied to one replica shape, stage by stage: the fullest GPU sets
 the memory verdict, the stage with the fewest KV blocks the KV capacity, the slowest stage the
 decode step. A unit fits when every stage's KV pool (what vLLM would allocate, at most the cap)
-holds the demand and no GPU goes above the memory limit; the cap alone never rules a unit out.
+holds the demand and the CUDA context and graphs fit in the headroom vLLM leaves outside its
+budget (with a measured `kv_memory` pool: no GPU above the memory limit); the cap alone never rules
+a unit out.
 Weights come from the Layout (Llama family) or from mla.py's matrices (advisory MLA models); LoRA
 adapters and a draft model are sharded like the weights.
 """
@@ -181,7 +183,12 @@ def _memory(s: Search, c: Candidate) -> None:
                      sequences_at(blocks, w.context, w.block_size), req,
                      request_kv_bytes(bpt, req, w.block_size), need, bpt * need)
     g = GIB
-    if w.kv_memory is None and fullest.kv_available <= 0:
+    outside, headroom = s.overheads.outside(world), gpu.memory * (1 - w.gpu_memory_utilization)
+    if w.kv_memory is None and outside > headroom:  # vLLM's start check, and room for the graph capture
+        c.reasons.append(
+            f"vLLM would not start: CUDA context and graphs {outside / g:.2f} GiB > the {headroom / g:.2f} GiB "
+            f"it leaves outside its budget ({gpu.memory / g:.2f} GiB x (1 - {w.gpu_memory_utilization:g}))")
+    elif w.kv_memory is None and fullest.kv_available <= 0:
         c.reasons.append(
             f"does not fit: weights {fullest.weights / g:.2f} GiB + "
             + (f"LoRA/draft {fullest.extra / g:.2f} GiB + " if fullest.extra else "")
@@ -194,8 +201,10 @@ def _memory(s: Search, c: Candidate) -> None:
         c.reasons.append(
             f"KV demand {m.kv_demand / g:.2f} GiB per GPU ({demand_words(w, model.max_position_embeddings)}: "
             f"{need:,} tokens) > the {m.kv_budget / g:.2f} GiB KV pool ({source}; it holds {tokens:,})")
+    # The budget (total x utilization) bounds the pool, and the headroom check above the rest; a
+    # measured pool (`kv_memory`) bypasses the budget, so the planner's own limit bounds the card.
     worst = max(stages, key=lambda m: m.used_fraction)
-    if worst.used_fraction > s.speed.max_memory_fraction and not c.reasons:
+    if w.kv_memory is not None and worst.used_fraction > s.speed.max_memory_fraction and not c.reasons:
         c.reasons.append(f"GPU at {worst.used_fraction:.1%} of its memory "
                          f"(> {s.speed.max_memory_fraction:.0%}): no headroom")
 

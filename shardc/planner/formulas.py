@@ -43,14 +43,22 @@ class Overheads:
     vLLM sizes the KV cache as ``total x gpu_memory_utilization - non_kv_cache_memory``, where the
     non-KV memory is the loaded weights + the torch peak increase of a profiling forward pass (the
     activations) + the non-torch memory that appeared since the worker's first memory snapshot
-    (NCCL communicators, custom all-reduce buffers). The CUDA context exists before that snapshot,
-    and the CUDA graphs are captured after the KV cache is allocated, so neither comes out of the
-    budget: both live in the ``1 - gpu_memory_utilization`` headroom, and only the 95% rule sees
-    them. (vLLM sources: ``vllm/v1/worker/gpu_worker.py`` ``init_device`` (init_snapshot,
-    requested_memory) and ``determine_available_memory``; ``vllm/utils/mem_utils.py`` (older:
+    (NCCL buffers allocated by the first collectives, custom all-reduce buffers). The CUDA context
+    exists before that snapshot (recent versions also create the NCCL communicators before it), and
+    the CUDA graphs are captured after the KV cache is allocated (``memory_profiling`` "does not
+    consider CUDAGraph memory"), so neither comes out of the budget: both must fit in the headroom
+    ``total x (1 - gpu_memory_utilization)``. vLLM refuses to start when the memory free at its
+    snapshot is below ``total x utilization``, and a graph capture that finds no room is an OOM,
+    so that headroom rule, not a fixed share of the card, is what says a unit starts. (vLLM
+    sources: ``vllm/v1/worker/gpu_worker.py`` ``init_device`` (init_snapshot after the distributed
+    init, requested_memory, the "Free memory on device ... is less than desired GPU memory
+    utilization" check), ``determine_available_memory`` and ``compile_or_warm_up_model``
+    (``capture_model`` after ``initialize_from_config``); ``vllm/utils/mem_utils.py`` (older:
     ``vllm/utils/__init__.py``) ``memory_profiling`` (non_kv_cache_memory = non_torch_increase +
-    torch_peak_increase + weights_memory);
-    ``compile_or_warm_up_model`` captures the graphs after ``initialize_from_config``.)
+    torch_peak_increase + weights_memory, the increase counted from the snapshot). Older V1
+    releases counted all non-torch memory, the context included, in the budget; newer ones with
+    ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS=1`` count a graph estimate in it: either way the
+    pool is smaller by that part, which ``--param activations=...`` reproduces.)
 
     The defaults are calibrated on the measured deployment (Llama-3.3-70B bf16, TP=2 on
     A100-80GB: 65.74 GiB of weights and 5.63 GiB of KV per GPU leave nothing measurable for the
@@ -73,6 +81,10 @@ class Overheads:
         over = self.per_gpu(world)
         return over["activations"] + over["nccl"]
 
+    def outside(self, world: int) -> int:
+        """What lives in vLLM's headroom, outside ``total x utilization``: the CUDA context and graphs."""
+        return sum(self.per_gpu(world).values()) - self.in_budget(world)
+
 
 @dataclass(frozen=True)
 class SpeedParams:
@@ -83,7 +95,9 @@ class SpeedParams:
     link_efficiency: float = 0.75  # share of link bandwidth NCCL reaches (bus bandwidth)
     microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage
     max_num_seqs: int = 256  # scheduler cap on the decode batch (vLLM's default)
-    max_memory_fraction: float = 0.95  # a GPU filled beyond this is infeasible: no headroom
+    # with `kv_memory` (vLLM's kv_cache_memory_bytes, which bypasses the utilization budget), a GPU
+    # filled beyond this is infeasible; with the utilization budget, the headroom rule applies instead
+    max_memory_fraction: float = 0.95
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,10 @@ precision order (the checkpoint's 16-bit dtype first; int8/fp8 only when it fits
    (20 GiB per GPU shard) is a ceiling on the pool a unit allocates, never a reservation. One card
    first.
 2. Minimum cards = ceil(sharded / room per card); the room is memory x gpu_memory_utilization less
-   the overheads vLLM counts in it (activations, NCCL), and at most 95% of the memory less every
-   overhead.
+   the overheads vLLM counts in it (activations, NCCL). The CUDA context and graphs must fit in the
+   headroom, memory x (1 - utilization), or vLLM does not start (no unit fits). With a measured
+   pool (``kv_memory``, which bypasses the budget as vLLM's kv_cache_memory_bytes does) the room is
+   95% of the memory less every overhead.
 3. TP = the smallest valid TP (divides the heads) >= that minimum, up to the fabric's limit; each
    step is judged with the full per-GPU arithmetic, and the next valid TP is tried if a card lands
    above the limits.
@@ -21,7 +23,9 @@ precision order (the checkpoint's 16-bit dtype first; int8/fp8 only when it fits
 With a user-given TPOT target the step must also meet it; without one, the default target only
 sizes the batch, and a pick that misses it comes with a warning instead of an error (#17). ``cost``
 is the cheapest $/Mtok meeting the target; ``latency`` the lowest TPOT at batch 1. Beside any pick:
-the fastest alternative, the lowest-TPOT single-node TP unit of the same dtype with more cards.
+the fastest alternative, the lowest-TPOT single-node TP unit of the same dtype with more cards, named
+only when it is faster at batch 1 than the pick (more GPUs can be slower: all-reduce latency on a
+small model).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .formulas import DEFAULT_TPOT_MS, DTYPE_ORDER
+from .gpus import GIB
 
 if TYPE_CHECKING:
     from .search import Candidate, Search
@@ -65,6 +70,8 @@ class FitTrail:
     minimum: int | None  # cards; None: the replicated part alone fills a card
     tp_limit: int
     valid_tps: list[int]
+    outside: int = 0  # the CUDA context and graphs: in vLLM's headroom, outside its budget
+    headroom: float = 0.0  # memory x (1 - utilization): where they must fit for vLLM to start
     steps: list[tuple[str, str]] = field(default_factory=list)  # (label, verdict)
     chosen: str | None = None
     rejected: list[tuple[str, str]] = field(default_factory=list)  # smaller units and why they are out
@@ -101,6 +108,10 @@ def _fit(s: Search) -> Candidate | None:
         trail = s.fit_trail(d)
         s.trails.append(trail)
         _rejected(trail, mine.values())
+        if w.kv_memory is None and trail.outside > trail.headroom:
+            trail.steps.append(("*", f"the CUDA context and graphs ({trail.outside / GIB:.2f} GiB) do not fit the "
+                                f"{trail.headroom / GIB:.2f} GiB headroom: vLLM would not start"))
+            continue
         if trail.minimum is None:
             trail.steps.append(("*", "the replicated part alone fills a card: no unit fits"))
             continue
@@ -172,5 +183,6 @@ def recommend(s: Search) -> None:
             f"{rec.label} misses the default {DEFAULT_TPOT_MS:g} ms TPOT target ({rec.speed.tpot1_s * 1e3:.1f} ms "
             f"at batch 1, costed at batch 1); recommended anyway as {OBJECTIVE_WORDS[s.objective]}, since no "
             "`target_tpot_ms` was given")
-    cards = rec.tp * (rec.pp or 1)
-    s.alternative = _fastest([c for c in fitting if c.pp == 1 and c.dtype == rec.dtype and c.tp > cards])
+    cards, tpot1 = rec.tp * (rec.pp or 1), rec.speed.tpot1_s
+    s.alternative = _fastest([c for c in fitting if c.pp == 1 and c.dtype == rec.dtype and c.tp > cards
+                              and c.speed.tpot1_s < tpot1])  # more GPUs are only worth naming when faster

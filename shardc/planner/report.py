@@ -15,18 +15,21 @@ from .policy import OBJECTIVE_WORDS
 from .search import Search, default_dtypes
 
 BAR_WIDTH = 24
-BAR_LEGEND = "bar: # weights  = KV cache  + overheads  . free  (whole GPU as CUDA reports it; | at 95%)"
+BAR_LEGEND = ("bar: # weights  = KV cache  + overheads  . free  (whole GPU as CUDA reports it; | where vLLM's "
+              "budget ends, memory x utilization)")
 
 
 def gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GiB"
 
 
-def memory_bar(c: Candidate, width: int = BAR_WIDTH, limit: float = 0.95) -> str:
-    """[weights|KV|overheads|free] of the fullest GPU, one character per 1/width of its memory."""
+def memory_bar(c: Candidate, width: int = BAR_WIDTH, limit: float | None = None) -> str:
+    """[weights|KV|overheads|free] of the fullest GPU, one character per 1/width of its memory; the
+    mark at ``limit`` (default: the utilization, where vLLM's budget ends and its headroom begins)."""
     m = c.memory
     if m is None:
         return ""
+    limit = m.utilization if limit is None else limit
     cells = []
     for char, part in (("#", m.weights), ("=", max(m.kv_budget, 0.0)), ("+", m.overhead)):
         cells.append(char * round(width * part / m.total))
@@ -119,12 +122,25 @@ def summary(s: Search) -> list[str]:
                    f"batch 1 (recommended: {c.speed.tpot1_s * 1e3:.1f} ms), {a.speed.tokens_per_s:,.0f} tok/s at "
                    f"batch {a.speed.batch}, ${a.cost.dollars_per_mtok:.2f}/Mtok")
     else:
-        out.append("fastest alternative: none (no single-node TP unit with more GPUs fits)")
+        out.append(no_alternative(s))
     out += [f"warning: {x}" for x in s.warnings]
     if c.cost.replicas_for_demand is not None:
         out.append(f"demand {s.workload.demand_tokens_per_s:,.0f} tok/s: {c.cost.replicas_for_demand} replicas "
                    f"= {c.cost.gpus_for_demand} GPUs ({c.cost.replicas_in_cluster} fit in this cluster)")
     return out
+
+
+def no_alternative(s: Search) -> str:
+    """Why no alternative is named: none with more GPUs fits, or none of them is faster than the pick."""
+    c = s.recommended
+    assert c is not None and c.speed is not None
+    cards = c.tp * (c.pp or 1)
+    more = [x for x in s.candidates if x.fits and not x.skipped and x.pp == 1 and x.dtype == c.dtype
+            and x.tp > cards]
+    if not more:
+        return "fastest alternative: none (no single-node TP unit with more GPUs fits)"
+    return (f"fastest alternative: none: no single-node TP unit with more GPUs is faster than the pick "
+            f"({c.speed.tpot1_s * 1e3:.1f} ms TPOT at batch 1)")
 
 
 def explain(s: Search, c: Candidate) -> list[str]:
@@ -226,7 +242,10 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
                                                   "more than the pool holds"))
     o.append(f"  in use = {mem.weights / GIB:.2f} + " + (f"{mem.extra / GIB:.2f} + " if mem.extra else "")
              + f"{mem.overhead / GIB:.2f} + {max(mem.kv_budget, 0) / GIB:.2f} = "
-             f"{gib(mem.used)} = {mem.used_fraction:.1%} of {gib(g.memory)} (limit {sp.max_memory_fraction:.0%})")
+             f"{gib(mem.used)} = {mem.used_fraction:.1%} of {gib(g.memory)} "
+             + (f"(limit {sp.max_memory_fraction:.0%}: a measured pool bypasses vLLM's budget)" if w.kv_memory is not None
+                else f"(CUDA context and graphs {s.overheads.outside(c.tp * c.pp) / GIB:.2f} GiB in the "
+                f"{g.memory * (1 - w.gpu_memory_utilization) / GIB:.2f} GiB headroom: vLLM starts when they fit)"))
     o += ["", "KV capacity (vLLM's block rounding):",
           f"  blocks = floor({gib(kv.budget)} / ({w.block_size} x {kv.bytes_per_token:,} B)) = {kv.blocks:,}"
           f" -> {kv.tokens:,} tokens",
@@ -340,7 +359,7 @@ def _explain_choice(s: Search, c: Candidate) -> list[str]:
           + " (nccl only with > 1 GPU)",
           f"  hbm_efficiency {sp.hbm_efficiency:g}, compute_efficiency {sp.compute_efficiency:g}, "
           f"link_efficiency {sp.link_efficiency:g}, microbatches {sp.microbatches or 'one per stage'}, "
-          f"max_num_seqs {sp.max_num_seqs}, max memory per GPU {sp.max_memory_fraction:.0%}"]
+          f"max_num_seqs {sp.max_num_seqs}, max memory per GPU {sp.max_memory_fraction:.0%} (with `kv_memory`)"]
     return o
 
 
@@ -367,10 +386,10 @@ def _explain_fit(s: Search) -> list[str]:
             o.append(f"    room per card = {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f} - "
                      f"{t.kv_replicated / GIB:.2f} = {gib(t.room)} ({gib(t.one_card_room)} on one card, no NCCL)")
         else:
-            o.append(f"    room per card = min({t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's "
-                     f"budget, {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f})"
+            o.append(f"    room per card = {t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's budget"
                      + (f" - {t.kv_replicated / GIB:.2f}" if t.kv_replicated else "") + f" = {gib(t.room)} "
-                     f"({gib(t.one_card_room)} on one card, no NCCL)")
+                     f"({gib(t.one_card_room)} on one card, no NCCL); CUDA context and graphs "
+                     f"{t.outside / GIB:.2f} GiB in the {t.headroom / GIB:.2f} GiB headroom")
         if t.minimum is None:
             o.append("    the replicated part alone fills a card")
         else:

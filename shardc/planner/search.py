@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LayoutError, PlanError
-from ..spec.layout import check_degrees
+from ..spec.layout import MAX_TP_HINT, check_degrees, valid_tp_degrees
 from ..spec.model import ModelSpec
 from ..spec.plan import DTYPES, plan_from_dict
 from .candidate import Candidate, evaluate, kv_bpt, lora_bytes
@@ -95,13 +95,33 @@ class Search:
         else:
             near = self.candidates[0] if self.candidates else None
             detail = near.reasons[0] if near else "no tp/pp combination fits the GPU count"
+        message = f"{self.model_name} fits no candidate on {where}; {detail}"
+        valid = self.valid_tps(self.cluster.tp_limit)
+        if self.candidates and not tried and not {c.tp for c in self.candidates} & set(self.valid_tps()):
+            # every TP asked for breaks the head rules: more or larger GPUs would not help, another TP does
+            raise PlanError(message, key="tp", hint=f"give `tp` {' or '.join(map(str, valid))}: the TP degrees "
+                            f"{self.model_name} splits into, up to {self.cluster.tp_limit}")
+        outside = self.overheads.outside(2)
+        if tried and self.workload.kv_memory is None and outside > self.cluster.gpu.memory * (
+                1 - self.workload.gpu_memory_utilization):  # every unit: no "closest" to name
+            most = math.floor((1 - outside / self.cluster.gpu.memory) * 100) / 100
+            raise PlanError(f"{self.model_name} fits no candidate on {where}; {near.reasons[0]}",
+                            key="gpu_memory_utilization",
+                            hint=f"use `gpu_memory_utilization` {most:g} or less: vLLM needs "
+                            f"{outside / GIB:.2f} GiB outside its budget for the CUDA context and graphs")
         raise PlanError(
-            f"{self.model_name} fits no candidate on {where}; {detail}",
+            message,
             key="model",
             hint="add GPUs (`nodes`), lower `max_model_len` or `concurrency`, "
             + ("" if {"int8", "fp8"} & set(self.dtypes) else "try `dtype` int8 or fp8, ")
             + "or pick a larger `gpu`",
         )
+
+    def valid_tps(self, limit: int | None = None) -> list[int]:
+        """TP degrees the model's heads and widths allow (the Layout's rule; mla.py's for MLA), up to ``limit``."""
+        if isinstance(self.model, MlaModel):
+            return [t for t in range(1, (limit or MAX_TP_HINT) + 1) if not mla_tp_problems(self.model, t)]
+        return valid_tp_degrees(self.model, limit or MAX_TP_HINT)
 
     def plan_for(self, cand: Candidate, source: str | None = None) -> dict[str, Any]:
         """The plan file for a fitting candidate; plan_from_dict validates it before it is returned."""
@@ -123,7 +143,8 @@ class Search:
         Sharded: weights, LoRA, the draft model and (GQA/MHA) the KV demand, whole, which TP splits
         by KV head; an MLA latent is whole on every GPU, so its demand is replicated. Replicated: the
         overheads. A card's room is what vLLM's budget (memory x utilization) leaves after the
-        in-budget overheads, and at most what the 95% limit leaves after all of them.
+        in-budget overheads; the CUDA context and graphs must fit in the headroom outside it. With a
+        measured pool (`kv_memory`) the room is what the 95% limit leaves after every overhead.
         """
         w, sp, gpu, ov = self.workload, self.speed, self.cluster.gpu, self.overheads
         if isinstance(self.model, MlaModel):
@@ -139,10 +160,9 @@ class Search:
         usable, limit = gpu.memory * w.gpu_memory_utilization, gpu.memory * sp.max_memory_fraction
 
         def room(world: int) -> float:
-            total = sum(ov.per_gpu(world).values())
             if w.kv_memory is not None:  # the engine measured it: only the memory limit applies
-                return limit - total - kv_rep
-            return min(usable - ov.in_budget(world), limit - total) - kv_rep
+                return limit - sum(ov.per_gpu(world).values()) - kv_rep
+            return usable - ov.in_budget(world) - kv_rep  # the context and graphs sit in the headroom
 
         sharded = weights + lora + 2 * self.draft_params + kv_sharded
         one, many = room(1), room(2)
@@ -151,7 +171,7 @@ class Search:
         return FitTrail(dtype, weights, lora, 2 * self.draft_params, kv_sharded, kv_rep, need,
                         demand_words(w, self.model.max_position_embeddings), usable, limit,
                         ov.in_budget(2), sum(ov.per_gpu(2).values()), many, one, minimum,
-                        self.cluster.tp_limit, valid)
+                        self.cluster.tp_limit, valid, ov.outside(2), gpu.memory - usable)
 
     def to_json(self) -> dict[str, Any]:
         rec, alt = self.recommended, self.alternative
