@@ -76,8 +76,12 @@ def chosen_ranks(rank: list[int] | tuple[int, ...] | int | None, tp_rank: int | 
 
 
 def echo_json(obj: Any) -> None:
-    """Machine-readable output for CI: one JSON document on stdout."""
+    """Machine-readable output for CI: one JSON document on stdout. Once it is out, an error that
+    follows is the stderr line only (the handler would print a second document)."""
     click.echo(json.dumps(obj, indent=1, sort_keys=True))
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.meta["shardc.json"] = False
 
 
 def show_progress(quiet: bool) -> bool:

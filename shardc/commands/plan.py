@@ -293,8 +293,8 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
 
 
 def _echo_json(result: Any) -> None:
-    """--json: one document on stdout, the figures even when nothing fits (then with the error in it:
-    the group's handler, which would print a second document, is told it has been said)."""
+    """--json: one document on stdout, the figures even when nothing fits (then with the error in it;
+    once a document is out, the group's handler prints no second one: ``echo_json``)."""
     from .output import echo_json, error_object
 
     data = result.to_json()
@@ -303,7 +303,6 @@ def _echo_json(result: Any) -> None:
     except ShardcError as exc:
         data["error"] = error_object(_as_flags(exc))
         echo_json(data)
-        click.get_current_context().meta["shardc.json"] = False
         raise
     echo_json(data)
     for warning in result.warnings:
