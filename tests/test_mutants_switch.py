@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -351,3 +352,65 @@ def test_killed_after_the_manifest_rename(tmp_path, monkeypatch):
     assert _child(run) == -signal.SIGKILL
     assert listing(out) == {**NEW, JOURNAL: (out / JOURNAL).read_bytes()}
     assert finish_switch(out) is True and listing(out) == NEW
+
+
+def test_short_keeps_80_characters_and_cuts_81(tmp_path):
+    out = tmp_path / "o"
+    staged_build(out)
+    for n, shown in [(78, repr("x" * 78)), (79, repr("x" * 79)[:77] + "...")]:  # reprs of 80 and 81
+        journal(out, [["x" * n, "y"], GOOD[1]], [])
+        refused(out, f"has {shown}, which is not a temp name of y in its directory")
+
+
+def test_oversized_journal_line(tmp_path):
+    out = tmp_path / "o"
+    staged_build(out)
+    (out / JOURNAL).write_bytes(b" " * ((4 << 20) + 1))
+    with pytest.raises(ManifestError) as e:
+        finish_switch(out)
+    assert e.value.message == f"switch journal {out / JOURNAL} is 4194305 bytes, more than the limit of 4194304"
+
+
+def test_the_fault_before_the_journal(tmp_path, monkeypatch):
+    """SHARDC_FAULT=switch:-1 kills write_journal's process before the journal exists (a forked
+    child, really SIGKILLed); any other point lets it write the journal."""
+    monkeypatch.delenv("SHARDC_FAULT", raising=False)
+    staged_build(tmp_path / "here")
+    write(tmp_path / "here")  # unset: written (and mutmut sees this test reach write_journal)
+    assert (tmp_path / "here" / JOURNAL).exists()
+    for spec, killed in [("switch:-1", True), ("switch:1", False), ("switch:0", False)]:
+        out = tmp_path / spec.replace(":", "_")
+        staged_build(out)
+
+        def run(spec: str = spec, out: Path = out) -> None:
+            os.environ["SHARDC_FAULT"] = spec
+            write(out)
+
+        assert _child(run) == (-signal.SIGKILL if killed else 7)
+        assert (out / JOURNAL).exists() is not killed
+
+
+@pytest.fixture
+def read_only_fs(tmp_path):
+    """A real tmpfs, remounted read-only by the test (needs root, as test_build_output's does)."""
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_disk_failure_during_the_switch_is_an_output_error(read_only_fs):
+    """The switch's first step fails for real (EROFS): one OutputError, exit 1, the journal and
+    every file as they were, for the rerun."""
+    out = read_only_fs / "o"
+    staged_build(out)
+    journal(out, [GOOD[0], GOOD[1]], ["b.safetensors"])
+    before = listing(out)
+    subprocess.run(["mount", "-o", "remount,ro", str(read_only_fs)], check=True)
+    with pytest.raises(OutputError) as e:
+        finish_switch(out)
+    assert e.value.message == f"cannot finish the interrupted switch in {out}: Read-only file system"
+    assert e.value.hint == "fix the disk, then rerun the build: the switch is finished first"
+    assert e.value.exit_code == 1 and listing(out) == before
