@@ -316,6 +316,7 @@ def test_malformed_journal_is_one_line_and_touches_nothing(plans, switching, tmp
     assert tree(tmp_path) == before  # no rename, no removal, no temp cleanup, nothing outside
 
 
+@pytest.mark.heavy  # three builds (~5 s here); test_mutants_switch.py covers the refusal in-process
 def test_rebuild_refuses_a_directory_in_the_way_before_its_switch(plans, tmp_path):
     """A directory squats on a name the switch would rename to (a shard only B has) or remove (a
     shard only A has): the rebuild is refused before its journal, one line, exit 1, and the old
