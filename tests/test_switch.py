@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,14 +166,46 @@ def test_reshard_into_a_directory_with_an_interrupted_switch_finishes_it_first(p
     assert shardc("verify", "--manifest", str(out)).returncode == 0
 
 
-def _snapshot(out: Path) -> dict[str, tuple]:
-    return {p.name: (p.is_symlink(), os.readlink(p) if p.is_symlink() else p.read_bytes())
-            for p in sorted(out.iterdir())}
+@pytest.fixture(scope="module")
+def switching(plans, tmp_path_factory) -> tuple[Path, bytes]:
+    """One rebuild A -> B killed after its first rename (the rest of B at temp names, the journal,
+    no manifest), and A's manifest: each journal case edits a copy of this directory."""
+    out = tmp_path_factory.mktemp("switching") / "out"
+    built(plans["A"], out)
+    a_manifest = (out / "manifest.json").read_bytes()
+    r = build(plans["B"], out, "-q", fault="switch:1")
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    return out, a_manifest
+
+
+def copy_of(switching: tuple[Path, bytes], tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(switching[0], out, symlinks=True)
+    return out
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every entry under ``root``, by relative path: its kind and its bytes (regular files), its
+    target (links); a directory's entries are listed under it. A FIFO is never opened."""
+    out: dict[str, tuple] = {}
+    for p in sorted(root.rglob("*")):
+        st = p.lstat()
+        if p.is_symlink():
+            out[str(p.relative_to(root))] = ("link", os.readlink(p))
+        elif p.is_file():
+            out[str(p.relative_to(root))] = ("file", p.read_bytes(), st.st_ino)
+        else:
+            out[str(p.relative_to(root))] = ("dir" if p.is_dir() else "other", st.st_mode)
+    return out
+
+
+A_ONLY = "model-tp00-pp01.safetensors"  # listed in the journal's remove (B has no pp stage 1)
 
 
 def _edit(journal: dict, out: Path, case: str, victim: Path) -> bytes | None:
     """The journal as the case spoils it (bytes), or None when the case spoils the directory."""
-    renames = journal["renames"]
+    renames, remove = journal["renames"], journal["remove"]
+    outside = victim.parent
     if case == "not-json":
         return b'{"format": "shardc-switch", "renames": ['
     if case == "slash":
@@ -185,6 +218,43 @@ def _edit(journal: dict, out: Path, case: str, victim: Path) -> bytes | None:
         journal["remove"] = [str(victim)]
     elif case == "foreign-temp":
         renames[0][0] = ".passwd.0123456789abcdef.tmp"
+    elif case in ("absolute-temp", "parent-temp"):
+        # #25 item 1: a temp-looking file outside the directory, named by an absolute or ../ path
+        # whose last component is the right temp name: it used to be moved into the build.
+        name = f".{renames[1][1]}.0123456789abcdef.tmp"
+        (outside / name).write_bytes(b"from outside")
+        renames[1][0] = str(outside / name) if case == "absolute-temp" else f"../{name}"
+    elif case == "other-final-temp":  # the temp name of another file of the build
+        renames[1][0] = renames[2][0]
+    elif case == "trailing-newline":
+        remove.append(A_ONLY + "\n")
+    elif case == "nul":
+        remove.append("config.json\x00x")
+    elif case == "too-long":
+        remove.append("a" * 300)
+    elif case == "version-true":
+        journal["version"] = True
+    elif case == "remove-twice":
+        remove.append(A_ONLY)
+    elif case == "renamed-and-removed":
+        remove.append(renames[0][1])
+    elif case in ("remove-dir", "remove-link", "remove-fifo"):
+        # #25 item 1: a removed name that is not a regular file. The old manifest is back (a kill
+        # right after the journal was written): it used to be deleted before the removal failed,
+        # and every rerun failed the same way.
+        (out / A_ONLY).unlink()
+        if case == "remove-dir":
+            (out / A_ONLY).mkdir()
+            (out / A_ONLY / "kept").write_text("kept")
+        elif case == "remove-link":
+            (out / A_ONLY).symlink_to(victim)
+        else:
+            os.mkfifo(out / A_ONLY)
+        return None
+    elif case == "final-dir":  # a pending rename's final name is a directory
+        (out / renames[1][1]).unlink(missing_ok=True)
+        (out / renames[1][1]).mkdir()
+        return None
     elif case == "symlink-temp":  # the manifest's temp name now links to a file outside
         tmp = out / renames[-1][0]
         tmp.unlink()
@@ -199,29 +269,74 @@ def _edit(journal: dict, out: Path, case: str, victim: Path) -> bytes | None:
     return json.dumps(journal).encode()
 
 
+PLAIN = "which is not a plain file name of its directory"
+NOT_TEMP = "which is not a temp name of"
+
+
 @pytest.mark.parametrize("case,needle", [
     ("not-json", "is not JSON"),
-    ("slash", "which is not a plain file name of its directory"),
-    ("dotdot", "which is not a plain file name of its directory"),
-    ("parent-path", "which is not a plain file name of its directory"),
-    ("absolute", "which is not a plain file name of its directory"),
-    ("foreign-temp", "which is not a temp name of"),
+    ("slash", PLAIN),
+    ("dotdot", PLAIN),
+    ("parent-path", PLAIN),
+    ("absolute", PLAIN),
+    ("foreign-temp", NOT_TEMP),
+    ("absolute-temp", NOT_TEMP),
+    ("parent-temp", NOT_TEMP),
+    ("other-final-temp", NOT_TEMP),
+    ("trailing-newline", PLAIN),
+    ("nul", PLAIN),
+    ("too-long", "longer than 255 bytes"),
+    ("version-true", "is not a shardc-switch version 1 journal"),
+    ("remove-twice", f"removes {A_ONLY} twice"),
+    ("renamed-and-removed", "both renames to and removes model-tp0"),
+    ("remove-dir", f"removes {A_ONLY}, which is not a regular file"),
+    ("remove-link", f"removes {A_ONLY}, which is not a regular file"),
+    ("remove-fifo", f"removes {A_ONLY}, which is not a regular file"),
+    ("final-dir", "which is not a regular file"),
     ("symlink-temp", "which is not a regular file"),
     ("symlink-journal", "is not a regular file (a link?)"),
 ])
-def test_malformed_journal_is_one_line_and_touches_nothing(plans, reference, tmp_path, case, needle):
-    out = interrupted(plans, tmp_path, 1)
+def test_malformed_journal_is_one_line_and_touches_nothing(plans, switching, tmp_path, case, needle):
+    """Each hostile journal or directory: the rerun build is one line, exit 2, and nothing under
+    tmp_path changed (the build directory, the journal, the files outside it), byte for byte."""
+    out = copy_of(switching, tmp_path)
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
-    data = _edit(json.loads((out / JOURNAL).read_text()), out, case, victim)
+    journal = json.loads((out / JOURNAL).read_text())
+    assert A_ONLY in journal["remove"] and not (out / "manifest.json").exists()
+    data = _edit(journal, out, case, victim)
     if data is not None:
         (out / JOURNAL).write_bytes(data)
-    before = _snapshot(out)
+    if case.startswith("remove-"):
+        (out / "manifest.json").write_bytes(switching[1])
+    before = tree(tmp_path)
     r = build(plans["B"], out, "-q")
     one_line(r, needle)
     assert "switch journal" in r.stderr and "delete it and rebuild" in r.stderr
-    assert _snapshot(out) == before  # no rename, no removal, no temp cleanup
-    assert victim.read_text() == "precious"
+    assert tree(tmp_path) == before  # no rename, no removal, no temp cleanup, nothing outside
+
+
+@pytest.mark.heavy  # three builds (~5 s here); test_mutants_switch.py covers the refusal in-process
+def test_rebuild_refuses_a_directory_in_the_way_before_its_switch(plans, tmp_path):
+    """A directory squats on a name the switch would rename to (a shard only B has) or remove (a
+    shard only A has): the rebuild is refused before its journal, one line, exit 1, and the old
+    build is as it was (the switch used to start, remove the old manifest and stop there)."""
+    out = tmp_path / "out"
+    built(plans["A"], out)
+    for squatted in ("model-tp01-pp00.safetensors", A_ONLY):
+        kept = None
+        if (out / squatted).exists():
+            kept = (out / squatted).read_bytes()
+            (out / squatted).unlink()
+        (out / squatted).mkdir()
+        before = tree(tmp_path)
+        r = build(plans["B"], out, "-q")
+        one_line(r, f"its switch {'removes' if kept else 'names'} {squatted}, which is not a regular file", code=1)
+        assert "the build already there is untouched" in r.stderr
+        assert tree(tmp_path) == before  # no journal, no temp file
+        (out / squatted).rmdir()
+        if kept is not None:
+            (out / squatted).write_bytes(kept)
 
 
 def test_rebuild_whose_manifest_cannot_be_written_keeps_the_old_build(tmp_path):
@@ -313,3 +428,46 @@ def test_journal_reader_fuzz(tmp_path):
 
     check()
     assert True in outcomes and False in outcomes  # both ends were reached
+
+
+def temps(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+
+
+def test_killed_force_rebuild_leaves_temps_the_up_to_date_rerun_removes(plans, tmp_path):
+    """#25 item 10c: ``build --force`` over a complete build, SIGKILLed once every new file is
+    staged at its temp name (SHARDC_FAULT=switch:-1, before the journal). The old build is
+    complete, so the plain rerun is up to date; it used to keep the staged shards (0.47 GB on the
+    demo) for good. Now it removes them and leaves the build byte for byte as before."""
+    out = tmp_path / "out"
+    built(plans["A"], out)
+    before = files(out)
+    r = build(plans["A"], out, "-q", "--force", fault="switch:-1")
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    left = temps(out)
+    shards = [n for n in left if n.startswith(".model-tp00-pp0") and ".safetensors." in n]
+    assert len(shards) == 2 and any(n.startswith(".manifest.json.") for n in left), left
+    assert not (out / JOURNAL).exists()
+    res = built(plans["A"], out)
+    assert res["up_to_date"] and res["built"] == [] and not res["finished_switch"]
+    assert temps(out) == [] and files(out) == before
+
+
+def test_a_running_builds_temps_are_never_removed(plans, tmp_path):
+    """The cleanup runs under the build lock: while another process holds it (here this test,
+    with flock on the lock file), a build into the directory is refused at once, exit 2, and a
+    temp file there (the other build's shard being written) is not touched."""
+    import fcntl
+
+    out = tmp_path / "out"
+    built(plans["A"], out)
+    writing = out / ".model-tp00-pp00.safetensors.0123456789abcdef.tmp"
+    writing.write_bytes(b"being written")
+    fd = os.open(out / ".shardc-build.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        one_line(build(plans["A"], out, "-q"), "another shardc build is writing to")
+        assert writing.read_bytes() == b"being written"
+    finally:
+        os.close(fd)
+    assert built(plans["A"], out)["up_to_date"] and not writing.exists()  # lock free: a leftover

@@ -167,6 +167,9 @@ def _run(run: BuildRun) -> BuildResult:
     # the cache when size and mtime are unchanged); they are awaited only where needed.
     run.source.start_hashing()
     if not run.force and (m := _current_manifest(run)) is not None:
+        # Nothing to build, but a killed run (a --force rebuild over this complete build) may have
+        # left its staged shards at temp names: they go now, not at the next build that writes.
+        _remove_leftovers(run.out)
         run.result.manifest, run.result.up_to_date = m, True
         run.result.skipped = [s.file for s in m.shards]
         return _finish(run)
@@ -195,8 +198,7 @@ def _current_manifest(run: BuildRun) -> Manifest | None:
 def _prepare_output(run: BuildRun) -> None:
     # Before anything is touched: a refused build loses nothing.
     check_space(run.out, run.layout, replacing=run.replacing)
-    for stale in temp_files(run.out):  # left by a killed run (the lock says none is running)
-        stale.unlink()
+    _remove_leftovers(run.out)
     run.key = {"plan_sha256": run.plan.sha256, "source": run.source.fingerprint(), "shardc_version": __version__,
                "layout_revision": LAYOUT_REVISION}
     if run.progress:
@@ -204,6 +206,15 @@ def _prepare_output(run: BuildRun) -> None:
 
         run.bar = tqdm(total=sum(rl.nbytes for rl in run.layout.ranks), unit="B", unit_scale=True,
                        unit_divisor=1024, desc=f"build {run.plan.name}")
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Temp files a killed run left in ``out``; the caller holds the build lock, so no running
+    build's temp file is among them. Only our own kind of file goes: a directory or other
+    non-file that merely has a temp-looking name is left alone."""
+    for stale in temp_files(out):
+        if not stale.is_dir() or stale.is_symlink():
+            stale.unlink(missing_ok=True)
 
 
 def _stages_to_write(run: BuildRun) -> list[list[RankLayout]]:

@@ -131,7 +131,7 @@ def check_space(out: Path, layout: Layout, replacing: bool = False) -> None:
     for rl in layout.ranks:
         p = out / rl.file
         need += rl.nbytes - (p.stat().st_size if p.is_file() and not replacing else 0)
-    free = shutil.disk_usage(out).free + sum(p.stat().st_size for p in temp_files(out))
+    free = shutil.disk_usage(out).free + sum(p.lstat().st_size for p in temp_files(out) if not p.is_dir())
     if need > free:
         kept = "; the build already there stays until the new one is complete" if replacing else ""
         raise OutputError(

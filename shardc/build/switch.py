@@ -12,20 +12,24 @@ has no atomic switch, so a reader in that window sees no manifest.json (the read
 ``formats/manifest.py`` ``interrupted_switch``).
 
 The journal is input like any other file in the directory: read bounded, never through a link,
-and every name in it must be a plain name of this directory (a temp name of ``formats/files.py``'s
-scheme for its own final name). Anything else is one error, and nothing is touched.
+and every name in it must be a plain name of this directory, at most ``NAME_MAX`` bytes: each final
+and removed name a ``safe_name``, each temp name exactly ``formats/files.py``'s temp name of its own
+final name (the whole string, not its last component), no name twice. Every named file that exists
+must be a regular file (a directory or link at a removed or final name is refused, so a switch
+never stops half done on one). Anything else is one error, and nothing is touched.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, OutputError, ShardcError
-from ..formats.files import final_name, fsync_dir, is_temp, safe_name, write_atomic
+from ..formats.files import fsync_dir, safe_name, write_atomic
 from ..formats.manifest import SWITCH_JOURNAL
 from ..spec.plan import canonical_json
 from ..spec.readfile import read_regular_file
@@ -33,6 +37,7 @@ from ..spec.readfile import read_regular_file
 MANIFEST = "manifest.json"
 FORMAT = "shardc-switch"
 JOURNAL_LIMIT = 4 << 20  # a few hundred bytes per file; a 4096-rank build stays far below
+NAME_MAX = 255  # bytes in one directory entry's name (Linux): a longer name is none of ours
 _FIX = "delete it and rebuild (shardc build PLAN --out DIR --force)"
 
 
@@ -40,8 +45,14 @@ def write_journal(out: Path, staged: dict[Path, Path], manifest: Path,
                   remove: list[str]) -> tuple[list[list[str]], list[str]]:
     """Write the journal of a switch, durably: ``staged`` maps final paths to their durable temp
     files, ``manifest`` is the new manifest's durable temp file, ``remove`` names files of the old
-    build with no counterpart in the new one. From here the switch always finishes."""
+    build with no counterpart in the new one. From here the switch always finishes, so a name it
+    could not finish on (a directory at a final or removed name) is refused first: an OutputError,
+    and the caller removes its staged files, leaving the old build as it was."""
+    _fault(-1)
     renames = [[tmp.name, final.name] for final, tmp in staged.items()] + [[manifest.name, MANIFEST]]
+    if problem := _unswitchable(out, renames, remove):
+        raise OutputError(f"cannot switch the new build into {out}: its switch {problem}",
+                          hint="remove or rename it, then rerun; the build already there is untouched")
     journal = {"format": FORMAT, "version": 1, "renames": renames, "remove": sorted(remove)}
     write_atomic(out / SWITCH_JOURNAL, canonical_json(journal))  # fsyncs the file and the directory
     return renames, journal["remove"]
@@ -62,17 +73,8 @@ def finish_switch(out: Path) -> bool:
         raise _bad(path, "is not a regular file (a link?)")
     renames, remove = _parse(path, read_regular_file(path, limit=JOURNAL_LIMIT, what="switch journal",
                                                       error=ManifestError, follow_links=False))
-    for tmp, final in renames:  # every file of the new build is somewhere, as a plain file
-        for name in (tmp, final):
-            try:
-                st = os.lstat(out / name)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                raise _bad(path, f"names {name}, which is not a regular file")
-            break
-        else:
-            raise _bad(path, f"cannot be finished: neither {tmp} nor {final} exists")
+    if problem := _unswitchable(out, renames, remove):
+        raise _bad(path, problem)
     try:
         apply_switch(out, renames, remove)
     except OSError as exc:
@@ -109,14 +111,42 @@ def apply_switch(out: Path, renames: list[list[str]], remove: list[str]) -> None
     fsync_dir(out)
 
 
+def _unswitchable(out: Path, renames: list[list[str]], remove: list[str]) -> str | None:
+    """Why the switch could not run to its end in ``out``, or None: every file of the new build is
+    somewhere (at its temp or final name), and every named file that exists is a regular file, so
+    no rename or removal fails on a directory after the old manifest is gone."""
+    for tmp, final in renames:
+        modes = {name: _mode(out, name) for name in (tmp, final)}
+        for name, mode in modes.items():
+            if mode is not None and not stat.S_ISREG(mode):
+                return f"names {name}, which is not a regular file"
+        if set(modes.values()) == {None}:
+            return f"cannot be finished: neither {tmp} nor {final} exists"
+    for name in remove:
+        mode = _mode(out, name)
+        if mode is not None and not stat.S_ISREG(mode):
+            return f"removes {name}, which is not a regular file"
+    return None
+
+
+def _mode(out: Path, name: str) -> int | None:
+    """``st_mode`` of ``out/name`` itself (a link is not followed), None when there is none."""
+    try:
+        return os.lstat(out / name).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise OutputError(f"cannot read {out / name}: {exc.strerror}", hint="fix the directory, then rerun") from None
+
+
 def _parse(path: Path, data: bytes) -> tuple[list[list[str]], list[str]]:
     """The journal's renames and removals, every name checked; ManifestError names what is wrong."""
     try:
         j: Any = json.loads(data)
     except (ValueError, RecursionError):
         raise _bad(path, "is not JSON") from None
-    if not isinstance(j, dict) or j.get("format") != FORMAT or j.get("version") != 1 \
-            or set(j) != {"format", "version", "renames", "remove"}:
+    if not isinstance(j, dict) or j.get("format") != FORMAT or type(j.get("version")) is not int \
+            or j["version"] != 1 or set(j) != {"format", "version", "renames", "remove"}:
         raise _bad(path, f"is not a {FORMAT} version 1 journal")
     renames, remove = j["renames"], j["remove"]
     if not isinstance(renames, list) or not renames or not isinstance(remove, list):
@@ -127,22 +157,36 @@ def _parse(path: Path, data: bytes) -> tuple[list[list[str]], list[str]]:
             raise _bad(path, f"has a rename that is not [temp name, final name]: {_short(pair)}")
         tmp, final = pair
         _name(path, final)
-        if not is_temp(tmp) or final_name(tmp) != final:
-            raise _bad(path, f"has {_short(tmp)}, which is not a temp name of {final}")
+        if not _is_temp_of(tmp, final):
+            raise _bad(path, f"has {_short(tmp)}, which is not a temp name of {final} in its directory")
         finals.append(final)
     if finals[-1] != MANIFEST or finals.count(MANIFEST) != 1 or len(set(finals)) != len(finals):
         raise _bad(path, "must rename each file once, manifest.json last")
-    for name in remove:
+    for i, name in enumerate(remove):
         if _name(path, name) in finals:
             raise _bad(path, f"both renames to and removes {name}")
+        if name in remove[:i]:
+            raise _bad(path, f"removes {name} twice")
     return renames, remove
 
 
 def _name(path: Path, name: Any) -> str:
+    """A final or removed name: a plain file name of the journal's own directory."""
     try:
-        return safe_name(name)
+        safe_name(name)
     except ShardcError:
         raise _bad(path, f"names {_short(name)}, which is not a plain file name of its directory") from None
+    if len(os.fsencode(name)) > NAME_MAX:
+        raise _bad(path, f"names {_short(name)}, longer than {NAME_MAX} bytes")
+    return name
+
+
+def _is_temp_of(tmp: str, final: str) -> bool:
+    """Whether ``tmp`` is exactly ``create_temp``'s name for ``final`` (``.<final>.<16 hex>.tmp``):
+    the whole string is matched, so no directory, ``..`` or absolute path can hide in front of a
+    temp-looking last component. ``final`` is already a safe name."""
+    return re.fullmatch(rf"\.{re.escape(final)}\.[0-9a-f]{{16}}\.tmp", tmp) is not None \
+        and len(os.fsencode(tmp)) <= NAME_MAX
 
 
 def _short(value: Any) -> str:
@@ -158,7 +202,8 @@ def _bad(path: Path, what: str) -> ManifestError:
 def _fault(renamed: int) -> None:
     """Fault injection for the switch tests: SHARDC_FAULT='switch:N' kills this process (SIGKILL)
     once N files are renamed (0: the journal is written and the old manifest removed, nothing
-    renamed yet). Read only here, at these points."""
+    renamed yet; -1: every new file is staged at its temp name, no journal written yet). Read only
+    here, at these points."""
     spec = os.environ.get("SHARDC_FAULT")
     if not spec or not spec.startswith("switch:"):
         return

@@ -140,7 +140,8 @@ def fsync_dir(path: str | Path) -> None:
 
 def safe_name(name: str, what: str = "file name") -> str:
     """A name read from a file (manifest, index) may never escape its directory."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or name in (".", ".."):
+    # fullmatch: "$" alone would let a trailing newline through
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise ManifestError(
             f"unsafe {what} {name!r}", hint="names must be plain file names without directories"
         )
