@@ -203,7 +203,7 @@ def _load_on_device(res: RankResult, path: Path, device: str) -> str:
     per tensor, no fp32 copies). Returns the sha256 of the bytes read."""
     from .reader import read_shard, tensors_of
 
-    raw = read_shard(path, device, finite=True)
+    raw = read_shard(path, device, finite=True, keep=False)  # checked, not returned: nothing kept on CPU
     if raw.header is None:
         return raw.sha256
     try:

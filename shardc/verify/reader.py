@@ -57,18 +57,19 @@ class RawShard:
 
 
 def read_shard(source: Path | BinaryIO, device: str, *, finite: bool = False,
-               on_header: HeaderCheck | None = None) -> RawShard:
+               on_header: HeaderCheck | None = None, keep: bool = True) -> RawShard:
     """Read a shard once: hash every byte and land the data section on ``device``; with ``finite``,
     also find the float tensors holding NaN or Inf (on CPU while hashing, on CUDA after the copy).
 
     ``source`` is a path or a file the caller opened (``load_shard``: one descriptor for every
     check and the read, so nothing is reopened by name). ``on_header(header, error, data_length)``
     runs once the header is parsed and before any data is read; it may raise to stop there. The
-    data always lands in memory of its own (never a mapping of the file): the tensors are the
-    bytes that were hashed, whatever later happens to the file."""
+    data lands in memory of its own (never a mapping of the file): the tensors are the bytes that
+    were hashed, whatever later happens to the file. ``keep=False`` (CPU only): nothing is kept,
+    ``data`` is a ``meta`` tensor (for a check that returns no tensor)."""
     if not hasattr(source, "readinto"):
         with open(source, "rb", buffering=0) as f:  # type: ignore[arg-type]
-            return read_shard(f, device, finite=finite, on_header=on_header)
+            return read_shard(f, device, finite=finite, on_header=on_header, keep=keep)
     import torch
 
     f = source
@@ -99,7 +100,7 @@ def read_shard(source: Path | BinaryIO, device: str, *, finite: bool = False,
         with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
             data = _read_to_cuda(f, length, dev, h, hasher)
     else:
-        data, bad = _read_to_host(f, length, h, header, finite)
+        data, bad = _read_to_host(f, length, h, header, finite, keep)
     raw = RawShard(h.hexdigest(), header, data, error)
     if finite and dev.type == "cuda" and header is not None:
         try:
@@ -112,34 +113,42 @@ def read_shard(source: Path | BinaryIO, device: str, *, finite: bool = False,
 
 
 def _read_to_host(f: Any, length: int, h: Any, header: dict[str, Any] | None,
-                  finite: bool) -> tuple[Any, list[str]]:
-    """Read the data section into one buffer of its own, piece by piece; a thread hashes each piece
-    (hashlib releases the GIL) while this one reads the next and, with ``finite``, min/max-checks
-    it while it is in cache. The tensors are views of that buffer: the hashed bytes themselves, so
-    a file replaced, truncated or rewritten after the hash changes nothing they hold (a mapping of
-    the file would show an in-place write and fault on a truncation). Returns the buffer and the
-    names of the tensors holding NaN or Inf."""
+                  finite: bool, keep: bool) -> tuple[Any, list[str]]:
+    """Read the data section piece by piece; a thread hashes each piece (hashlib releases the GIL)
+    while this one reads the next and, with ``finite``, checks it while it is in cache. Returns the
+    data and the names of the tensors holding NaN or Inf.
+
+    ``keep``: the pieces land in one buffer of the reader's own and the tensors are views of it,
+    the hashed bytes themselves, so a file replaced, truncated or rewritten after the hash changes
+    nothing they hold (a mapping of the file would show an in-place write and fault on a
+    truncation). Otherwise (``verify --device cpu``, which returns no tensor) a small ring of
+    buffers is reused and the data is a ``meta`` tensor of the right length: the tensors' offsets,
+    dtypes and shapes are still checked, at no memory cost."""
     import torch
 
-    data = torch.empty(length, dtype=torch.uint8)
-    buf = memoryview(data.numpy()) if length else memoryview(bytearray())
+    data = torch.empty(length, dtype=torch.uint8, device="cpu" if keep else "meta")
+    whole = memoryview(data.numpy()) if keep and length else None
+    ring = [memoryview(bytearray(HOST_CHUNK)) for _ in range(HOST_RING + 1)]
     bad: list[str] = []
     scratch: dict[str, Any] = {}
     pending: deque[Future[Any]] = deque()
-    pos = 0
+    pos = i = 0
     with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
         for seg_end, name, dtype in _segments(header if finite else None, length):
             while pos < seg_end:
-                mv = buf[pos : min(pos + HOST_CHUNK, seg_end)]
+                end = min(pos + HOST_CHUNK, seg_end)
+                # a ring slot is refilled only once its piece was hashed: at most HOST_RING are pending
+                mv = whole[pos:end] if whole is not None else ring[i % len(ring)][: end - pos]
                 k = _read_full(f, mv)
                 if not k:
                     break
                 pending.append(hasher.submit(h.update, mv[:k]))
-                if len(pending) > HOST_RING:  # bounded: each piece is hashed while still in cache
+                if len(pending) > HOST_RING:
                     pending.popleft().result()
                 if dtype is not None and (not bad or bad[-1] != name) and _piece_bad(mv[:k], dtype, scratch):
                     bad.append(name)
                 pos += k
+                i += 1
         while pending:
             pending.popleft().result()
     if pos != length or f.read(1):  # cut short, or longer than it was: rewritten while read
