@@ -215,6 +215,7 @@ def test_hostile_arguments_are_one_line_errors(built, tmp_path):
         ((d, 0, 0), {"device": 5}, DeviceError, "device: is 5 (int), expected a string"),
         ((d, 0, 0), {"device": "tpu"}, DeviceError, "device: --device 'tpu' is not cpu, cuda or cuda:N"),
         ((d, 0, 0), {"directory": 5}, ManifestError, "directory: is 5 (int), expected a path"),
+        ((d, 0, 0), {"directory": "a\0b"}, ManifestError, "directory: is 'a\\x00b' (str), expected a path"),
         ((123, 0, 0), {}, ManifestError, "manifest: is int, expected a Manifest, a manifest dict or a path"),
         ((None, 0, 0), {}, ManifestError, "manifest: is NoneType, expected a Manifest, a manifest dict or a path"),
         (([man], 0, 0), {}, ManifestError, "manifest: is list, expected a Manifest, a manifest dict or a path"),

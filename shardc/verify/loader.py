@@ -63,7 +63,8 @@ def _check_arguments(tp_rank: Any, pp_stage: Any, device: Any, directory: Any) -
     if not isinstance(device, str):
         raise DeviceError(f"is {device!r} ({type(device).__name__}), expected a string", key="device",
                           hint='device="cuda", "cuda:N" or "cpu"')
-    if directory is not None and not isinstance(directory, (str, os.PathLike)):
+    if directory is not None and (not isinstance(directory, (str, os.PathLike))
+                                  or not isinstance(os.fspath(directory), str) or "\0" in os.fspath(directory)):
         raise ManifestError(f"is {directory!r} ({type(directory).__name__}), expected a path", key="directory",
                             hint="pass the directory holding the shard files")
 
