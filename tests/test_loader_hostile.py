@@ -253,3 +253,26 @@ def test_run_cli_says_one_line_for_a_shard_rewritten_in_place(build_dir):
     line = (f"error: rank 0 (tp 0, pp 0): {S0}: sha256 {now[:16]}..., expected {want[:16]}... (corrupted bytes) "
             "(hint: run shardc verify for the full report)")
     assert (p.returncode, p.stderr.strip().splitlines()[-1:]) == (1, [line]), p.stdout + p.stderr
+
+
+def test_manifest_records_checked_before_the_file(build_dir):
+    """The manifest's own record of a tensor edited (the shard intact): load_shard refuses it with
+    the manifest-against-Layout line, exit-1 kind, before the file is opened."""
+    m = json.loads((build_dir / "manifest.json").read_text())
+    name = "model.layers.0.mlp.up_proj.weight"
+    m["shards"][S0]["tensors"][name]["shape"] = [24, 64]
+    (build_dir / "manifest.json").write_text(json.dumps(m))
+    (build_dir / S0).unlink()  # not reached: the manifest is refused first
+    with pytest.raises(VerifyMismatch) as e:
+        shardc.load_shard(build_dir, 0, 0, device="cpu")
+    assert e.value.message.startswith(f"manifest entry {S0} tensor {name}: expected ")
+    assert e.value.message.endswith("'shape': [24, 64], 'source': 'model.layers.0.mlp.up_proj.weight', "
+                                    "'split': 'column', 'start': 0, 'stop': 48}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="checks the no-GPU answer")
+def test_default_device_needs_one_gpu_named_by_plan(built):
+    """device defaults to cuda: on a node without GPUs, the plan's name and one GPU are named."""
+    with pytest.raises(DeviceError) as e:
+        shardc.load_shard(built, 0, 0)
+    assert e.value.message == "plan hl needs 1 GPU on this node; 0 are visible"
