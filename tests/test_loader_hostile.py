@@ -200,44 +200,57 @@ def test_header_checked_on_the_bytes_read(build_dir):
 
 # -- hostile arguments ----------------------------------------------------------------------------------------
 def test_hostile_arguments_are_one_line_errors(built, tmp_path):
-    """Wrong types, ranks out of range, a manifest of the wrong kind: a ShardcError each, one line,
-    the key and value named; never a TypeError or AttributeError from inside."""
+    """Wrong types, ranks out of range, a manifest of the wrong kind: a ShardcError each, the exact
+    one line (key, value, hint) written out here; never a TypeError or AttributeError from inside."""
     d = str(built)
     man = json.loads((built / "manifest.json").read_text())
+    ints = " (hint: load_shard(manifest, tp_rank, pp_stage) takes the ranks as ints)"
+    ranks = " (hint: tp ranks 0..1, pp stages 0..0)"
+    kinds = " (hint: pass the manifest.json that shardc build wrote, or its directory)"
+    where = " (hint: pass the directory holding the shard files)"
+    text = " (hint: pass the path of manifest.json, or the parsed dict (json.loads) with directory=)"
+    build = " (hint: pass the manifest.json that shardc build wrote)"
     cases = [
-        ((d, "0", 0), {}, LayoutError, "tp_rank: is '0' (str), expected an int"),
-        ((d, 0, 0.0), {}, LayoutError, "pp_stage: is 0.0 (float), expected an int"),
-        ((d, True, 0), {}, LayoutError, "tp_rank: is True (bool), expected an int"),
-        ((d, None, 0), {}, LayoutError, "tp_rank: is None (NoneType), expected an int"),
-        ((d, 2, 0), {}, LayoutError, "tp_rank: rank tp=2 pp=0 is outside tp_degree=2 pp_degree=1"),
-        ((d, 0, -1), {}, LayoutError, "tp_rank: rank tp=0 pp=-1 is outside tp_degree=2 pp_degree=1"),
-        ((d, 10**30, 0), {}, LayoutError, f"tp_rank: rank tp={10**30} pp=0 is outside tp_degree=2 pp_degree=1"),
-        ((d, 0, 0), {"device": 5}, DeviceError, "device: is 5 (int), expected a string"),
+        ((d, "0", 0), {}, LayoutError, "tp_rank: is '0' (str), expected an int" + ints),
+        ((d, 0, 0.0), {}, LayoutError, "pp_stage: is 0.0 (float), expected an int" + ints),
+        ((d, True, 0), {}, LayoutError, "tp_rank: is True (bool), expected an int" + ints),
+        ((d, None, 0), {}, LayoutError, "tp_rank: is None (NoneType), expected an int" + ints),
+        ((d, 2, 0), {}, LayoutError, "tp_rank: rank tp=2 pp=0 is outside tp_degree=2 pp_degree=1" + ranks),
+        ((d, 0, -1), {}, LayoutError, "tp_rank: rank tp=0 pp=-1 is outside tp_degree=2 pp_degree=1" + ranks),
+        ((d, 10**30, 0), {}, LayoutError, f"tp_rank: rank tp={10**30} pp=0 is outside tp_degree=2 pp_degree=1" + ranks),
+        ((d, 0, 0), {"device": 5}, DeviceError,
+         'device: is 5 (int), expected a string (hint: device="cuda", "cuda:N" or "cpu")'),
         ((d, 0, 0), {"device": "tpu"}, DeviceError, "device: --device 'tpu' is not cpu, cuda or cuda:N"),
-        ((d, 0, 0), {"directory": 5}, ManifestError, "directory: is 5 (int), expected a path"),
-        ((d, 0, 0), {"directory": "a\0b"}, ManifestError, "directory: is 'a\\x00b' (str), expected a path"),
-        ((123, 0, 0), {}, ManifestError, "manifest: is int, expected a Manifest, a manifest dict or a path"),
-        ((None, 0, 0), {}, ManifestError, "manifest: is NoneType, expected a Manifest, a manifest dict or a path"),
-        (([man], 0, 0), {}, ManifestError, "manifest: is list, expected a Manifest, a manifest dict or a path"),
-        ((b"x", 0, 0), {}, ManifestError, "manifest: is bytes, expected a Manifest, a manifest dict or a path"),
-        (({"format": "x"}, 0, 0), {"directory": d}, ManifestError, "manifest is not a shardc manifest"),
+        ((d, 0, 0), {"directory": 5}, ManifestError, "directory: is 5 (int), expected a path" + where),
+        ((d, 0, 0), {"directory": "a\0b"}, ManifestError, "directory: is 'a\\x00b' (str), expected a path" + where),
+        ((man, 0, 0), {}, ManifestError, "directory: load_shard of a manifest dict needs directory=" + where),
+        ((123, 0, 0), {}, ManifestError, "manifest: is int, expected a Manifest, a manifest dict or a path" + kinds),
+        ((None, 0, 0), {}, ManifestError, "manifest: is NoneType, expected a Manifest, a manifest dict or a path" + kinds),
+        (([man], 0, 0), {}, ManifestError, "manifest: is list, expected a Manifest, a manifest dict or a path" + kinds),
+        ((b"x", 0, 0), {}, ManifestError, "manifest: is bytes, expected a Manifest, a manifest dict or a path" + kinds),
+        (({"format": "x"}, 0, 0), {"directory": d}, ManifestError, "manifest is not a shardc manifest" + build),
         (({**man, "format_version": 9}, 0, 0), {"directory": d}, ManifestError,
-         "manifest has format_version 9; this shardc reads 1 and 2"),
-        ((str(built / S0), 0, 0), {}, ManifestError, f"{built / S0} is not JSON"),
-        ((json.dumps(man), 0, 0), {}, ManifestError, "manifest: is '{\"files\": [{\"name\": \"config.json\", \"sha2'..., not a path"),
-        ((json.dumps(man, indent=1), 0, 0), {}, ManifestError, "manifest: is '{\\n \"files\""),
-        (("a\0b", 0, 0), {}, ManifestError, "manifest: is 'a\\x00b'..., not a path"),
-        (("x" * 5000, 0, 0), {}, ManifestError, "cannot read manifest " + "x" * 5000 + ": File name too long"),
+         "manifest has format_version 9; this shardc reads 1 and 2 (hint: use the shardc version that wrote it)"),
+        ((str(built / S0), 0, 0), {}, ManifestError, f"{built / S0} is not JSON" + build),
+        ((json.dumps(man), 0, 0), {}, ManifestError,
+         "manifest: is '{\"files\": [{\"name\": \"config.json\", \"sha2'..., not a path" + text),
+        ((json.dumps(man, indent=1), 0, 0), {}, ManifestError,
+         "manifest: is '{\\n \"files\": [\\n  {\\n   \"name\": \"config.jso'..., not a path" + text),
+        ((" {}", 0, 0), {}, ManifestError, "manifest: is ' {}'..., not a path" + text),
+        (("a\0b", 0, 0), {}, ManifestError, "manifest: is 'a\\x00b'..., not a path" + text),
+        (("x" * 5000, 0, 0), {}, ManifestError,
+         "cannot read manifest " + "x" * 5000 + ": File name too long (hint: check the path)"),
         ((str(tmp_path / "nowhere.json"), 0, 0), {}, ManifestError,
-         f"cannot read manifest {tmp_path / 'nowhere.json'}: No such file or directory"),
+         f"cannot read manifest {tmp_path / 'nowhere.json'}: No such file or directory (hint: check the path)"),
+        ((f"file://{built}", 0, 0), {"directory": "/nonexistent"}, VerifyMismatch,
+         f"{S0}: missing (expected at /nonexistent/{S0}) (hint: shardc pull it, or pass directory=)"),
     ]
-    for args, kwargs, kind, start in cases:
+    for args, kwargs, kind, want in cases:
         with pytest.raises(ShardcError) as e:
             shardc.load_shard(*args, **{"device": "cpu", **kwargs})
-        line = e.value.one_line()
-        assert type(e.value) is kind and line.startswith(start), (args, kwargs, line)
-        assert "\n" not in line, line
+        assert (type(e.value), e.value.one_line()) == (kind, want), (args, kwargs)
     assert sorted(shardc.load_shard(Path(d), 1, 0, device="cpu"))  # and the real call still works
+    assert sorted(shardc.load_shard(f"file://{built / 'manifest.json'}", 1, 0, device="cpu"))
 
 
 def test_run_cli_says_one_line_for_a_shard_rewritten_in_place(build_dir):
@@ -261,11 +274,13 @@ def test_manifest_records_checked_before_the_file(build_dir):
     m = json.loads((build_dir / "manifest.json").read_text())
     name = "model.layers.0.mlp.up_proj.weight"
     m["shards"][S0]["tensors"][name]["shape"] = [24, 64]
+    m["shards"][S0]["tensors"][name.replace("layers.0", "layers.1")]["shape"] = [24, 64]  # the second problem
     (build_dir / "manifest.json").write_text(json.dumps(m))
     (build_dir / S0).unlink()  # not reached: the manifest is refused first
     with pytest.raises(VerifyMismatch) as e:
         shardc.load_shard(build_dir, 0, 0, device="cpu")
-    assert e.value.message.startswith(f"manifest entry {S0} tensor {name}: expected ")
+    assert e.value.message.startswith(f"manifest entry {S0} tensor {name}: expected ")  # the first problem
+    assert e.value.hint == "run shardc verify for the full report"
     assert e.value.message.endswith("'shape': [24, 64], 'source': 'model.layers.0.mlp.up_proj.weight', "
                                     "'split': 'column', 'start': 0, 'stop': 48}")
 
