@@ -237,6 +237,7 @@ def test_hostile_arguments_are_one_line_errors(built, tmp_path):
         ((json.dumps(man, indent=1), 0, 0), {}, ManifestError,
          "manifest: is '{\\n \"files\": [\\n  {\\n   \"name\": \"config.jso'..., not a path" + text),
         ((" {}", 0, 0), {}, ManifestError, "manifest: is ' {}'..., not a path" + text),
+        (("a\nb", 0, 0), {}, ManifestError, "manifest: is 'a\\nb'..., not a path" + text),
         (("a\0b", 0, 0), {}, ManifestError, "manifest: is 'a\\x00b'..., not a path" + text),
         (("x" * 5000, 0, 0), {}, ManifestError,
          "cannot read manifest " + "x" * 5000 + ": File name too long (hint: check the path)"),
