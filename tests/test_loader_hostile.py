@@ -118,6 +118,7 @@ def test_rewritten_in_place_ahead_of_the_read_is_a_mismatch(build_dir, monkeypat
     now = hashlib.sha256(f0.read_bytes()).hexdigest()
     assert now != want
     assert e.value.message == f"{S0}: sha256 {now[:16]}..., expected {want[:16]}... (corrupted bytes)"
+    assert e.value.hint == "run shardc verify for the full report"
 
 
 def test_rewritten_in_place_behind_the_read_is_not_returned(build_dir, monkeypatch):
@@ -177,8 +178,13 @@ def test_shard_name_that_is_not_a_regular_file(build_dir):
     os.mkfifo(f0)
     with pytest.raises(VerifyMismatch) as e:
         shardc.load_shard(build_dir, 0, 0, device="cpu")
-    assert e.value.message == f"{S0}: not a regular file (at {f0})"
+    assert (e.value.message, e.value.hint) == (f"{S0}: not a regular file (at {f0})", "re-pull the shard")
     f0.unlink()
+    f0.mkdir()
+    with pytest.raises(VerifyMismatch) as e:
+        shardc.load_shard(build_dir, 0, 0, device="cpu")
+    assert (e.value.message, e.value.hint) == (f"{S0}: cannot be read (Is a directory)", "re-pull the shard")
+    f0.rmdir()
     with pytest.raises(VerifyMismatch) as e:
         shardc.load_shard(build_dir, 0, 0, device="cpu")
     assert e.value.message == f"{S0}: missing (expected at {f0})"
@@ -196,6 +202,7 @@ def test_header_checked_on_the_bytes_read(build_dir):
         shardc.load_shard(build_dir, 0, 0, device="cpu")
     assert e.value.message == (f"{S0}: metadata shardc.tp_rank is '1', expected '0' "
                                "(a shard of another plan or rank?)")
+    assert e.value.hint == "run shardc verify for the full report"
 
 
 # -- hostile arguments ----------------------------------------------------------------------------------------
@@ -292,3 +299,20 @@ def test_default_device_needs_one_gpu_named_by_plan(built):
     with pytest.raises(DeviceError) as e:
         shardc.load_shard(built, 0, 0)
     assert e.value.message == "plan hl needs 1 GPU on this node; 0 are visible"
+
+
+def test_size_and_unparsable_header_lines(build_dir):
+    """A shard cut short (the manifest's size stands) and one whose header length was overwritten
+    (same size, so only the header check sees it): the exact lines."""
+    f0 = build_dir / S0
+    data = f0.read_bytes()
+    f0.write_bytes(data[:-10])
+    with pytest.raises(VerifyMismatch) as e:
+        shardc.load_shard(build_dir, 0, 0, device="cpu")
+    assert e.value.one_line() == (f"{S0}: size {len(data) - 10} bytes, expected {len(data)} (truncated or "
+                                  "replaced?) (hint: re-pull the shard)")
+    f0.write_bytes((10**9).to_bytes(8, "little") + data[8:])
+    with pytest.raises(VerifyMismatch) as e:
+        shardc.load_shard(build_dir, 0, 0, device="cpu")
+    assert e.value.one_line() == (f"{S0}: safetensors header does not parse (file shorter than its header "
+                                  "length says) (hint: run shardc verify for the full report)")
