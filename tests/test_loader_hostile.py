@@ -316,3 +316,12 @@ def test_size_and_unparsable_header_lines(build_dir):
         shardc.load_shard(build_dir, 0, 0, device="cpu")
     assert e.value.one_line() == (f"{S0}: safetensors header does not parse (file shorter than its header "
                                   "length says) (hint: run shardc verify for the full report)")
+
+
+def test_load_emits_no_warning(built):
+    """A serving runtime's log gets nothing from a clean load: no Python warning is raised."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert sorted(shardc.load_shard(built, 0, 0, device="cpu"))
