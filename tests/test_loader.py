@@ -249,3 +249,31 @@ def test_read_shard_checks_pieces_while_hashing(tmp_path):
     assert sorted(raw.nonfinite) == sorted(k for k in t if not k.endswith("ok") and k != "a_i8")
     got = tensors_of(raw)
     assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in t.items())
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_read_shard_many_pieces_hash_and_keep(tmp_path, monkeypatch, keep):
+    """Pieces of 4 KiB over a 200 KiB file of random bytes: the sha256 is hashlib's whatever the
+    pieces' order through the ring of buffers (keep=False reuses them) and the NaN planted in the
+    last piece is found; with keep the data is the file's data section byte for byte, without it
+    a meta tensor of that length whose tensors still have their shapes."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    from shardc.verify import reader
+
+    monkeypatch.setattr(reader, "HOST_CHUNK", 4096)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(50_000, generator=g)
+    x[-1] = float("nan")
+    path = tmp_path / "x.safetensors"
+    save_file({"w": x, "b": torch.randint(-128, 127, (999,), dtype=torch.int8, generator=g)}, path)
+    blob = path.read_bytes()
+    raw = reader.read_shard(path, "cpu", finite=True, keep=keep)
+    assert raw.sha256 == hashlib.sha256(blob).hexdigest() and raw.nonfinite == ["w"]
+    start = 8 + int.from_bytes(blob[:8], "little")
+    assert raw.data.numel() == len(blob) - start and raw.data.device.type == ("cpu" if keep else "meta")
+    if keep:
+        assert bytes(raw.data.numpy()) == blob[start:]
+    assert reader.tensors_of(raw)["w"].shape == (50_000,)

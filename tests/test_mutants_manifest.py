@@ -329,8 +329,8 @@ def test_new_manifest_records_the_layout_it_was_built_from(quant, torch_dtype, b
         plan_data["quantization"] = quant
     plan = plan_from_dict(plan_data)
     layout = build_layout(model_from_config(cfg), plan)
-    shards = [ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, (0, 1), 1, H["0"], {})
-              for rl in reversed(layout.ranks)]
+    shards = [ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, (0, 1), 1, H["0"],
+                         {t.name: t.record() for t in rl.tensors}) for rl in reversed(layout.ranks)]
     files = [FileEntry("z.json", 1, H["1"]), FileEntry("config.json", 2, H["2"])]
     source = SourceRecord("/src", "rev", [])
     m = new_manifest(layout, source, shards, files)

@@ -63,6 +63,9 @@ _REBUILD = "the manifest is damaged; rebuild, or pass the manifest.json that sha
 # before a Layout (one record per layer and rank) is sized from it.
 MAX_DEGREE = 4096
 MAX_BYTES = 1 << 50
+# Levels of objects and arrays: a real manifest has under ten (a tensor record's stats, an HF
+# config's rope_scaling); a few thousand would end in RecursionError in whatever recursed first.
+MAX_NESTING = 64
 CONFIG_BOUNDS = {
     "num_hidden_layers": 10_000, "hidden_size": 1 << 20, "intermediate_size": 1 << 22,
     "num_attention_heads": 1 << 14, "num_key_value_heads": 1 << 14, "head_dim": 1 << 14,
@@ -362,9 +365,16 @@ class Manifest:
 
     @classmethod
     def from_dict(cls, m: Any, origin: str = "manifest") -> Manifest:
-        """Validate a parsed manifest and type it (ManifestError names the failing key)."""
+        """Validate a manifest held as data and type it (ManifestError names the failing key). The
+        data is copied through JSON first: a caller's dict may hold anything."""
+        return cls._from_json(_as_json(m, origin), origin)
+
+    @classmethod
+    def _from_json(cls, m: Any, origin: str) -> Manifest:
+        """Validate a parsed manifest (a tree of JSON values) and type it."""
         if not isinstance(m, dict) or m.get("format") != FORMAT:
             raise ManifestError(f"{origin} is not a shardc manifest", hint="pass the manifest.json that shardc build wrote")
+        _check_depth(m, origin)
         version = m.get("format_version")
         if version not in READS or isinstance(version, bool):
             raise ManifestError(
@@ -387,12 +397,67 @@ class Manifest:
             shards = [ShardEntry.read(s) for s in r.items("shards")]
         else:
             shards = sorted((ShardEntry.read(s, file) for file, s in r.entries("shards")), key=lambda s: s.rank)
+        _check_extent(r, rg, config, shards)
         overrides, effective = _read_overrides(r)
         return cls(plan=plan, plan_sha256=r.sha256("plan_sha256"), model=model.data, layout=layout,
                    source=SourceRecord.read(r.sub("source")),
                    files=[FileEntry.read(f) for f in r.items("files")], shards=shards,
                    shardc_version=r.get("shardc_version", str), overrides=overrides,
                    effective_plan_sha256=effective)
+
+
+def _check_depth(m: dict[str, Any], origin: str) -> None:
+    """At most MAX_NESTING levels of objects and arrays, walked level by level without recursion
+    (the data is a tree: it came from JSON), so a manifest nested thousands deep is one
+    ManifestError rather than a RecursionError wherever it is first walked (``==``, ``json.dumps``)."""
+    level: list[tuple[Any, str]] = [(m, "")]
+    for _ in range(MAX_NESTING):
+        deeper: list[tuple[Any, str]] = []
+        for value, where in level:
+            pairs = value.items() if isinstance(value, dict) else enumerate(value)
+            deeper += [(v, f"{where}.{k}" if isinstance(value, dict) else f"{where}[{k}]")
+                       for k, v in pairs if isinstance(v, (dict, list))]
+        if not deeper:
+            return
+        level = deeper
+    raise _plain_error(origin, level[0][1], f"is nested deeper than {MAX_NESTING} levels")
+
+
+def _as_json(m: Any, origin: str) -> Any:
+    """A caller's manifest data as JSON would give it (a copy): a value that is not JSON, a cycle,
+    a key that cannot be a string or nesting beyond the encoder's limit is one ManifestError."""
+    try:
+        return json.loads(json.dumps(m))
+    except RecursionError:
+        raise _plain_error(origin, "", f"is nested deeper than {MAX_NESTING} levels") from None
+    except (TypeError, ValueError) as exc:
+        raise _plain_error(origin, "", f"is not plain JSON data ({exc})") from None
+
+
+def _plain_error(origin: str, where: str, msg: str) -> ManifestError:
+    where = where.lstrip(".") or "manifest"
+    return ManifestError(f"{origin}: {msg}", key=where if len(where) <= 60 else where[:60] + "...", hint=_REBUILD)
+
+
+def _check_extent(r: _Reader, rg: _Reader, config: _Reader, shards: list[ShardEntry]) -> None:
+    """Before a Layout is built from the plan (a record per tensor per rank: tp x layers x about
+    ten; a 2 KB file declaring tp=128 and 2000 layers would cost half a minute and 1.5 GB), the
+    manifest must describe it: exactly tp x pp shard entries, and at least one tensor record per
+    layer per TP rank (every layer puts its norms on every rank). The Layout's size is then bounded
+    by the manifest's own records, a small factor each; the exact comparison (verify's
+    ``check_manifest_against_layout``) follows once the Layout is built. Degrees that are not
+    integers in range are left to the plan's own check."""
+    tp, pp = rg.data.get("tp_degree"), rg.data.get("pp_degree")
+    if not all(type(x) is int and 1 <= x <= MAX_DEGREE for x in (tp, pp)):
+        return
+    if len(shards) != tp * pp:
+        raise r.error(f"lists {len(shards)} shard(s); its plan (tp_degree={tp}, pp_degree={pp}) has "
+                      f"{tp * pp}", "shards")
+    layers = config.data.get("num_hidden_layers")
+    records = sum(len(s.tensors) for s in shards)
+    if type(layers) is int and records < tp * layers:
+        raise r.error(f"lists {records} tensor record(s) in all; {layers} layers on {tp} TP rank(s) "
+                      f"need at least {tp * layers}", "shards")
 
 
 def _read_overrides(r: _Reader) -> tuple[dict[str, str], str | None]:
@@ -443,7 +508,9 @@ def parse(data: bytes | str, origin: str = "manifest") -> Manifest:
         m = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ManifestError(f"{origin} is not JSON", hint="pass the manifest.json that shardc build wrote") from None
-    return Manifest.from_dict(m, origin)
+    except RecursionError:  # the decoder's own limit (about 1000 levels): deeper than MAX_NESTING
+        raise _plain_error(origin, "", f"is nested deeper than {MAX_NESTING} levels") from None
+    return Manifest._from_json(m, origin)
 
 
 # Written by a rebuild while it switches its files into place (build/switch.py); a directory

@@ -165,6 +165,14 @@ def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -
     except ShardFormatError as exc:
         res.fail(f"safetensors header does not parse ({exc.message})")
         return
+    check_parsed_header(res, header, meta, size - start, rl, layout)
+
+
+def check_parsed_header(res: RankResult, header: dict[str, Any], meta: dict[str, str], data_length: int,
+                        rl: RankLayout, layout: Layout) -> None:
+    """The header's checks on a header already parsed (``load_shard`` parses it from the bytes it
+    hashes): metadata, tensor set, dtypes and shapes against the Layout, the data layout against
+    the ``data_length`` bytes after it."""
     res.checks.append("header")
     want_meta = shard_metadata(layout, rl)
     for key in ("shardc.plan_sha256", "shardc.tp_degree", "shardc.pp_degree", "shardc.tp_rank",
@@ -185,7 +193,7 @@ def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -
             res.fail(f"tensor {name}: expected {t.dtype}{list(t.shape)}, found "
                      f"{h.get('dtype')}{h.get('shape')}")
     res.checks.append("dtype-shape")
-    if problem := extent_problem(header, size - start):
+    if problem := extent_problem(header, data_length):
         res.fail(f"safetensors data layout: {problem}")
     res.checks.append("extent")
 
@@ -195,7 +203,7 @@ def _load_on_device(res: RankResult, path: Path, device: str) -> str:
     per tensor, no fp32 copies). Returns the sha256 of the bytes read."""
     from .reader import read_shard, tensors_of
 
-    raw = read_shard(path, device, finite=True)
+    raw = read_shard(path, device, finite=True, keep=False)  # checked, not returned: nothing kept on CPU
     if raw.header is None:
         return raw.sha256
     try:

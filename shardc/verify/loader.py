@@ -1,14 +1,28 @@
 """The Checkpoint Loader (docs/architecture.md §2): ``load_shard``, one rank's shard, checked, as
-tensors on a device. The one-pass read (hash while reading, pinned copies on CUDA) is reader.py's."""
+tensors on a device. The one-pass read (hash while reading, pinned copies on CUDA) is reader.py's.
+
+What was checked is what is returned: the shard is opened once, and its size (fstat), its header
+check and the read that hashes it all go through that one descriptor into memory of the loader's
+own (never a mapping, never a second open by name). A file replaced (``os.replace``), truncated or
+rewritten after the read changes nothing returned; one rewritten in place while it is read either
+changes bytes not yet read, which are then hashed (a sha256 mismatch), or bytes already read, which
+are not what is returned; one that shrinks or grows while read is a mismatch of its own.
+"""
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import ManifestError, VerifyMismatch
+from ..errors import DeviceError, LayoutError, ManifestError, VerifyMismatch
 from ..formats.manifest import Manifest
-from .reader import read_shard, tensors_of
+from ..formats.safetensors import METADATA
+from ..spec.layout import Layout, RankLayout
+from .reader import RawShard, read_shard, tensors_of
+
+_FULL = "run shardc verify for the full report"
 
 
 def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, pp_stage: int, *,
@@ -19,21 +33,15 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     the manifest's directory; a dict needs ``directory``). ``device``: "cuda" is this process's GPU
     (cuda:LOCAL_RANK), "cuda:N" GPU N, or "cpu". Raises VerifyMismatch when the bytes, the header
     or the manifest disagree with the plan's Layout, ManifestError / LayoutError / DeviceError for
-    bad input.
+    bad input (arguments of the wrong type included: this is a library call, so they get the CLI's
+    one-line errors rather than a TypeError from deep inside).
     """
-    from ..formats.manifest import read, typed
-    from .checks import RankResult, _check_header, check_manifest_against_layout
+    from ..formats.manifest import typed
+    from .checks import check_manifest_against_layout
     from .devices import check_gpus, resolve_device
 
-    if isinstance(manifest, (dict, Manifest)):
-        if directory is None:
-            raise ManifestError("load_shard of a manifest dict needs directory=", key="directory",
-                                hint="pass the directory holding the shard files")
-    else:
-        path = Path(str(manifest).removeprefix("file://"))
-        path = path / "manifest.json" if path.is_dir() else path
-        manifest = read(path)
-        directory = path.parent if directory is None else directory
+    _check_arguments(tp_rank, pp_stage, device, directory)
+    manifest, directory = _manifest_and_directory(manifest, directory)
     manifest = typed(manifest)
     layout = manifest.to_layout()
     check_gpus(layout.plan.name, device, 1)
@@ -42,24 +50,85 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     rl = layout.rank(tp_rank, pp_stage)
     problems = check_manifest_against_layout(manifest, layout)
     if problems:
-        raise VerifyMismatch(problems[0], hint="run shardc verify for the full report")
+        raise VerifyMismatch(problems[0], hint=_FULL)
+    return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev))
+
+
+def _check_arguments(tp_rank: Any, pp_stage: Any, device: Any, directory: Any) -> None:
+    """Ranks are ints (not bools, floats or strings), ``device`` a string, ``directory`` a path."""
+    for key, value in (("tp_rank", tp_rank), ("pp_stage", pp_stage)):
+        if type(value) is not int:
+            raise LayoutError(f"is {value!r} ({type(value).__name__}), expected an int", key=key,
+                              hint="load_shard(manifest, tp_rank, pp_stage) takes the ranks as ints")
+    if not isinstance(device, str):
+        raise DeviceError(f"is {device!r} ({type(device).__name__}), expected a string", key="device",
+                          hint='device="cuda", "cuda:N" or "cpu"')
+    if directory is not None and (not isinstance(directory, (str, os.PathLike))
+                                  or not isinstance(os.fspath(directory), str) or "\0" in os.fspath(directory)):
+        raise ManifestError(f"is {directory!r} ({type(directory).__name__}), expected a path", key="directory",
+                            hint="pass the directory holding the shard files")
+
+
+def _manifest_and_directory(manifest: Any, directory: str | Path | None) -> tuple[Manifest | dict[str, Any], Any]:
+    """The manifest (as given, or read from its path) and the directory its shards are in."""
+    from ..formats.manifest import read
+
+    if isinstance(manifest, (dict, Manifest)):
+        if directory is None:
+            raise ManifestError("load_shard of a manifest dict needs directory=", key="directory",
+                                hint="pass the directory holding the shard files")
+        return manifest, directory
+    if not isinstance(manifest, (str, os.PathLike)):
+        raise ManifestError(f"is {type(manifest).__name__}, expected a Manifest, a manifest dict or a path",
+                            key="manifest", hint="pass the manifest.json that shardc build wrote, or its directory")
+    text = os.fspath(manifest)
+    if not isinstance(text, str) or "\0" in text or "\n" in text or text.lstrip().startswith("{"):
+        raise ManifestError(f"is {str(text)[:40]!r}..., not a path", key="manifest",
+                            hint="pass the path of manifest.json, or the parsed dict (json.loads) with directory=")
+    path = Path(text.removeprefix("file://"))
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # a name too long for the file system: read() says it cannot be read
+        is_dir = False
+    path = path / "manifest.json" if is_dir else path
+    return read(path), path.parent if directory is None else directory
+
+
+def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layout, dev: str) -> RawShard:
+    """Open the shard once; size, header and sha256 are checked on that descriptor's bytes, the
+    header before the data is read (a wrong file fails before gigabytes are read)."""
+    from .checks import RankResult, check_parsed_header
+
     entry = manifest.shard(rl.file)
     assert entry is not None  # check_manifest_against_layout names a missing entry
-    file = Path(directory) / rl.file
+    file = directory / rl.file
+    try:
+        # O_NONBLOCK: a FIFO at the shard's name is refused below instead of blocking the open
+        f = open(file, "rb", buffering=0, opener=lambda p, fl: os.open(p, fl | os.O_NONBLOCK))  # noqa: SIM115
+    except FileNotFoundError:
+        raise VerifyMismatch(f"{rl.file}: missing (expected at {file})", hint="shardc pull it, or pass directory=") from None
+    except OSError as exc:
+        raise VerifyMismatch(f"{rl.file}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
     res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-    if not file.is_file():
-        raise VerifyMismatch(f"{rl.file}: missing (expected at {file})", hint="shardc pull it, or pass directory=")
-    size = file.stat().st_size
-    if size != entry.size:
-        raise VerifyMismatch(f"{rl.file}: size {size} bytes, expected {entry.size} (truncated or replaced?)",
-                             hint="re-pull the shard")
-    _check_header(res, file, rl, layout)  # cheap (header only): fail before reading gigabytes
-    if res.ok:
-        raw = read_shard(file, dev)
-        if raw.sha256 != entry.sha256:
-            res.fail(f"sha256 {raw.sha256[:16]}..., expected {entry.sha256[:16]}... (corrupted bytes)")
-        elif raw.header is None:
-            res.fail(raw.header_error or "header does not parse")
-    if not res.ok:
-        raise VerifyMismatch(res.problems[0], hint="run shardc verify for the full report")
-    return tensors_of(raw)
+
+    def check_header(header: dict[str, Any] | None, error: str | None, data_length: int) -> None:
+        if header is None:
+            res.fail(f"safetensors header does not parse ({error})")
+        else:
+            tensors = {k: v for k, v in header.items() if k != METADATA}
+            check_parsed_header(res, tensors, header[METADATA], data_length, rl, layout)
+        if not res.ok:
+            raise VerifyMismatch(res.problems[0], hint=_FULL)
+
+    with f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise VerifyMismatch(f"{rl.file}: not a regular file (at {file})", hint="re-pull the shard")
+        if st.st_size != entry.size:
+            raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
+                                 hint="re-pull the shard")
+        raw = read_shard(f, dev, on_header=check_header)
+    if raw.sha256 != entry.sha256:
+        raise VerifyMismatch(f"{rl.file}: sha256 {raw.sha256[:16]}..., expected {entry.sha256[:16]}... "
+                             "(corrupted bytes)", hint=_FULL)
+    return raw

@@ -5,14 +5,16 @@ the whole file has been checked: the manifest against the Layout recomputed from
 size and sha256 against the manifest, and the safetensors header (metadata, tensor set, every dtype
 and shape) against the Layout. Problems raise ShardcError subclasses; nothing exits.
 
-Each byte is read once. On CPU the file is read through a ring of small buffers that a thread hashes
-(hashlib releases the GIL) while the next piece is read and, for ``verify --device``, checked for
-NaN/Inf; then it is mapped copy-on-write, so the tensors share the page cache and nothing is copied. On CUDA it is read in
-large chunks into a ring of pinned host buffers; a hashing thread (hashlib releases the GIL) hashes
-each chunk while the next one is read, and every chunk is copied to the GPU asynchronously on a side
-stream from its pinned buffer, so reading, hashing and the copy overlap. The tensors are views of
-one buffer (or mapping) holding the file's data section. The design's reference loader (hash in 1 MiB
-chunks, then ``safe_open``) reads every byte twice; scripts/bench_loader.py compares the two.
+Each byte is read once, from one open file (``load_shard`` opens it once for the size, the header
+check and the read; nothing is reopened by name), into memory of the loader's own: the tensors are
+exactly the bytes that were hashed. On CPU the data section is read piece by piece into one buffer;
+a thread hashes each piece (hashlib releases the GIL) while the next is read and, for ``verify
+--device``, checked for NaN/Inf. On CUDA it is read in large chunks into a ring of pinned host
+buffers; a hashing thread hashes each chunk while the next one is read, and every chunk is copied to
+the GPU asynchronously on a side stream from its pinned buffer, so reading, hashing and the copy
+overlap. The tensors are views of one buffer holding the file's data section. The design's
+reference loader (hash in 1 MiB chunks, then ``safe_open``) reads every byte twice;
+scripts/bench_loader.py compares the two.
 
 Finite checks (``verify --device``) take each float tensor's min and max on the device (one pass, no
 fp32 copy; NaN and Inf propagate into them); on CUDA there is one host sync in all.
@@ -21,11 +23,14 @@ fp32 copy; NaN and Inf propagate into them); on CUDA there is one host sync in a
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import ShardFormatError, VerifyMismatch
 from ..formats.safetensors import MAX_HEADER, METADATA, parse_header
@@ -36,6 +41,8 @@ HOST_CHUNK = 1 << 20  # bytes per read / hash step on CPU (stays in cache betwee
 HOST_RING = 3  # CPU: pieces being hashed (one thread) while the next are read and checked
 PINNED_BUFFERS = 3  # ring of pinned staging buffers on CUDA: read, hash and copy in flight at once
 FINITE_CHUNK = 1 << 22  # elements per finite-check step (bounds the temporaries)
+# (header with its "__metadata__", or None; why it does not parse, or None; data section bytes)
+HeaderCheck = Callable[[dict[str, Any] | None, str | None, int], None]
 
 @dataclass
 class RawShard:
@@ -49,38 +56,51 @@ class RawShard:
     nonfinite: list[str] = field(default_factory=list)  # with finite=True: tensors with NaN / Inf
 
 
-def read_shard(path: Path, device: str, *, finite: bool = False) -> RawShard:
-    """Read ``path`` once: hash every byte and land the data section on ``device``; with ``finite``,
-    also find the float tensors holding NaN or Inf (on CPU while hashing, on CUDA after the copy)."""
+def read_shard(source: Path | BinaryIO, device: str, *, finite: bool = False,
+               on_header: HeaderCheck | None = None, keep: bool = True) -> RawShard:
+    """Read a shard once: hash every byte and land the data section on ``device``; with ``finite``,
+    also find the float tensors holding NaN or Inf (on CPU while hashing, on CUDA after the copy).
+
+    ``source`` is a path or a file the caller opened (``load_shard``: one descriptor for every
+    check and the read, so nothing is reopened by name). ``on_header(header, error, data_length)``
+    runs once the header is parsed and before any data is read; it may raise to stop there. The
+    data lands in memory of its own (never a mapping of the file): the tensors are the bytes that
+    were hashed, whatever later happens to the file. ``keep=False`` (CPU only): nothing is kept,
+    ``data`` is a ``meta`` tensor (for a check that returns no tensor)."""
+    if not hasattr(source, "readinto"):
+        with open(source, "rb", buffering=0) as f:  # type: ignore[arg-type]
+            return read_shard(f, device, finite=finite, on_header=on_header, keep=keep)
     import torch
 
-    size = path.stat().st_size
+    f = source
+    size = os.fstat(f.fileno()).st_size
     h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        prefix = f.read(8)
-        h.update(prefix)
-        header, error, n = None, None, 0
-        if len(prefix) == 8:
-            (n,) = struct.unpack("<Q", prefix)
-        if len(prefix) != 8 or n > min(MAX_HEADER, size - 8):
-            error, n = "file shorter than its header length says", 0
-            f.seek(8 if len(prefix) == 8 else len(prefix))
-        else:
-            raw = f.read(n)
-            h.update(raw)
-            try:
-                tensors, meta = parse_header(raw, path.name)
-                header = {**tensors, METADATA: meta}
-            except ShardFormatError as exc:
-                error = exc.message
-        length = max(0, size - f.tell())
-        dev = torch.device(device)
-        bad: list[str] = []
-        if dev.type == "cuda":
-            with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
-                data = _read_to_cuda(f, length, dev, h, hasher)
-        else:
-            data, bad = _read_to_host(f, path, length, h, header, finite)
+    prefix = f.read(8)
+    h.update(prefix)
+    header, error, n = None, None, 0
+    if len(prefix) == 8:
+        (n,) = struct.unpack("<Q", prefix)
+    if len(prefix) != 8 or n > min(MAX_HEADER, size - 8):
+        error, n = "file shorter than its header length says", 0
+        f.seek(8 if len(prefix) == 8 else len(prefix))
+    else:
+        raw = f.read(n)
+        h.update(raw)
+        try:
+            tensors, meta = parse_header(raw, Path(f.name).name)
+            header = {**tensors, METADATA: meta}
+        except ShardFormatError as exc:
+            error = exc.message
+    length = max(0, size - f.tell())
+    if on_header is not None:
+        on_header(header, error, length)
+    dev = torch.device(device)
+    bad: list[str] = []
+    if dev.type == "cuda":
+        with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
+            data = _read_to_cuda(f, length, dev, h, hasher)
+    else:
+        data, bad = _read_to_host(f, length, h, header, finite, keep)
     raw = RawShard(h.hexdigest(), header, data, error)
     if finite and dev.type == "cuda" and header is not None:
         try:
@@ -92,50 +112,48 @@ def read_shard(path: Path, device: str, *, finite: bool = False) -> RawShard:
     return raw
 
 
-def _read_to_host(f: Any, path: Path, length: int, h: Any, header: dict[str, Any] | None,
-                  finite: bool) -> tuple[Any, list[str]]:
-    """Hash the rest of the file through a ring of small reused buffers (hashed on a thread while
-    the next is read), then map the file copy-on-write: the tensors share the page cache's pages, so the
-    bytes are read once and copied never. (A file rewritten in place after the hash would show
-    through the mapping, as it would through ``safe_open``'s.) With ``finite``, each float tensor's
-    pieces are min/max-checked while they are in cache: returns the names holding NaN or Inf."""
+def _read_to_host(f: Any, length: int, h: Any, header: dict[str, Any] | None,
+                  finite: bool, keep: bool) -> tuple[Any, list[str]]:
+    """Read the data section piece by piece; a thread hashes each piece (hashlib releases the GIL)
+    while this one reads the next and, with ``finite``, checks it while it is in cache. Returns the
+    data and the names of the tensors holding NaN or Inf.
+
+    ``keep``: the pieces land in one buffer of the reader's own and the tensors are views of it,
+    the hashed bytes themselves, so a file replaced, truncated or rewritten after the hash changes
+    nothing they hold (a mapping of the file would show an in-place write and fault on a
+    truncation). Otherwise (``verify --device cpu``, which returns no tensor) a small ring of
+    buffers is reused and the data is a ``meta`` tensor of the right length: the tensors' offsets,
+    dtypes and shapes are still checked, at no memory cost."""
     import torch
 
-    start = f.tell()
+    data = torch.empty(length, dtype=torch.uint8, device="cpu" if keep else "meta")
+    whole = memoryview(data.numpy()) if keep and length else None
+    ring = [memoryview(bytearray(HOST_CHUNK)) for _ in range(HOST_RING + 1)]
     bad: list[str] = []
     scratch: dict[str, Any] = {}
-    pos = 0
-    # A thread hashes each piece (hashlib releases the GIL) while this one reads the next and, with
-    # ``finite``, checks it: where a core is free, the read and the check cost no wall time.
-    ring = [memoryview(bytearray(HOST_CHUNK)) for _ in range(HOST_RING)]
-    hashed: list[Future[Any] | None] = [None] * len(ring)
-    i = 0
+    pending: deque[Future[Any]] = deque()
+    pos = i = 0
     with ThreadPoolExecutor(1, thread_name_prefix="shardc-hash") as hasher:
-        # the trailing segment also takes bytes past the last one (a file longer than its header says)
-        for seg_end, name, dtype in [*_segments(header if finite else None, length), (None, None, None)]:
-            while seg_end is None or pos < seg_end:
-                j = i % len(ring)
-                if hashed[j] is not None:
-                    hashed[j].result()
-                    hashed[j] = None
-                mv = ring[j]
-                k = _read_full(f, mv if seg_end is None else mv[: min(HOST_CHUNK, seg_end - pos)])
+        for seg_end, name, dtype in _segments(header if finite else None, length):
+            while pos < seg_end:
+                end = min(pos + HOST_CHUNK, seg_end)
+                # a ring slot is refilled only once its piece was hashed: at most HOST_RING are pending
+                mv = whole[pos:end] if whole is not None else ring[i % len(ring)][: end - pos]
+                k = _read_full(f, mv)
                 if not k:
                     break
-                hashed[j] = hasher.submit(h.update, mv[:k])
+                pending.append(hasher.submit(h.update, mv[:k]))
+                if len(pending) > HOST_RING:
+                    pending.popleft().result()
                 if dtype is not None and (not bad or bad[-1] != name) and _piece_bad(mv[:k], dtype, scratch):
                     bad.append(name)
                 pos += k
                 i += 1
-        for fut in hashed:
-            if fut is not None:
-                fut.result()
-    if pos != length:
-        raise VerifyMismatch(f"{path}: file changed size while it was read", hint="is something rewriting it?")
-    if not length:
-        return torch.empty(0, dtype=torch.uint8), bad
-    storage = torch.UntypedStorage.from_file(str(path), False, start + length)
-    return torch.empty(0, dtype=torch.uint8).set_(storage, start, (length,)), bad
+        while pending:
+            pending.popleft().result()
+    if pos != length or f.read(1):  # cut short, or longer than it was: rewritten while read
+        raise VerifyMismatch(f"{f.name}: file changed size while it was read", hint="is something rewriting it?")
+    return data, bad
 
 
 def _segments(header: dict[str, Any] | None, length: int) -> list[tuple[int, str | None, str | None]]:
@@ -236,8 +254,8 @@ def _read_to_cuda(f: Any, length: int, dev: Any, h: Any, hasher: ThreadPoolExecu
         if fut is not None:
             fut.result()
     stream.synchronize()
-    if pos != length:
-        raise VerifyMismatch(f"{f.name}: file shrank while it was read", hint="is something rewriting it?")
+    if pos != length or f.read(1):  # cut short, or longer than it was: rewritten while read
+        raise VerifyMismatch(f"{f.name}: file changed size while it was read", hint="is something rewriting it?")
     return data
 
 
