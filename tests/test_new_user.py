@@ -189,3 +189,26 @@ def test_gate_max_tokens_below_one_window_names_the_users_number(demo_model_dir,
     line = one_line(r)
     assert re.fullmatch(r"error: --max-tokens 64 is smaller than one --window of 512 tokens \(the golden text "
                         r"has \d+\) \(hint: pass --max-tokens 512 or more, or a smaller --window\)", line), line
+
+
+def test_verify_deep_names_the_damaged_tensor(small, tmp_path):
+    """#26 item 6: a flipped byte under a sound header; --deep says which tensor holds it (found
+    here from the file's own header, parsed by hand)."""
+    import shutil
+    import struct
+
+    root, src, _ = small
+    bad = tmp_path / "bad"
+    shutil.copytree(root / "b", bad)
+    shard = bad / "model-tp00-pp01.safetensors"
+    data = bytearray(shard.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    pos = 8 + n + 100  # the 100th data byte
+    name = next(k for k, v in header.items() if k != "__metadata__"
+                and v["data_offsets"][0] <= pos - 8 - n < v["data_offsets"][1])
+    data[pos] ^= 0x40
+    shard.write_bytes(bytes(data))
+    r = shardc("verify", "--manifest", bad / "manifest.json", "--deep", src)
+    assert r.returncode == 1
+    assert f"     also: tensor {name} differs from source {name} (deep check)" in r.stdout.splitlines(), r.stdout

@@ -290,8 +290,12 @@ def verify_rank(
         res.fail(f"sha256 {digest[:16]}..., expected {entry.sha256[:16]}... (corrupted bytes)")
     else:
         res.checks.append("sha256")
+    before = len(res.problems)
     _check_header(res, path, rl, layout)
     if not res.ok:
+        # corrupted bytes under a sound header: --deep still says which tensors they are in
+        if deep and len(res.problems) == before:
+            _deep(res, path, rl, layout, deep)
         return res
     if loaded is not None:
         res.problems += loaded.problems
