@@ -46,6 +46,12 @@ def plan_data(ckpt: Path, tp: int, pp: int, name: str = "t") -> dict:
                               "gpus_per_replica": tp * pp}, "model": {"source": str(ckpt)}}
 
 
+@pytest.fixture(autouse=True)
+def _tmpdir(monkeypatch, tmp_path):
+    """The shardc subprocesses' temporary directory (a local input's spool) is the test's own."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     """One checkpoint (with a tokenizer file), its tp2 x pp2 build A (the input every test copies)
@@ -277,7 +283,6 @@ def test_a_shard_verify_rejects_is_refused_with_verify_s_line(work, tmp_path, ed
     verify rejects it; reshard (and export, which reads through the same BuildSource) refuse it
     with verify's own words, exit 1, no traceback, and leave no directory or lock behind."""
     from shardc.build.export import export
-
     from shardc.formats.manifest import read
     from shardc.verify.checks import verify_build
 

@@ -125,9 +125,11 @@ class RemoteBuildInput(BuildInput):
 
 
 def open_input(ref: str, *, endpoint_url: str | None = None, spool_parent: str | Path | None = None) -> BuildInput:
-    """A local manifest/build directory, or a manifest URI in a store."""
+    """A local manifest/build directory, or a manifest URI in a store. ``spool_parent`` is where a
+    store's files are downloaded to (next to the output: they can be as large as the input); a
+    local input copies only its small side files, into the system's temporary directory."""
     if "://" in ref and not ref.startswith("file://"):
         return RemoteBuildInput(ref, endpoint_url=endpoint_url, spool_parent=spool_parent)
     from ..build.inputs import open_local_input
 
-    return open_local_input(ref, spool_parent=spool_parent)
+    return open_local_input(ref)
