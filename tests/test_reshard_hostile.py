@@ -125,6 +125,53 @@ def by_offset(header: dict) -> list[str]:
 
 # --- item 2: two reshards into the same new directory ------------------------------------------
 
+def take_over(out: Path) -> int:
+    """Be the winner of ``out``: create it, hold its build lock (flock, as a running build does),
+    write a temp file and a resume record. Returns the lock's fd."""
+    out.mkdir()
+    lock = os.open(out / ".shardc-build.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    (out / ".model-tp00-pp00.safetensors.0123456789abcdef.tmp").write_bytes(b"half a shard")
+    (out / ".model-tp00-pp00.safetensors.done.json").write_bytes(b'{"key": 1}')
+    return lock
+
+
+def test_a_reshard_that_loses_the_lock_removes_nothing(work, tmp_path):
+    """In-process and fast: a real local input whose side files are read (after the reshard found
+    no output directory) while another run takes the directory over."""
+    from shardc.build.inputs import LocalBuildInput
+    from shardc.errors import ShardcError
+
+    out = tmp_path / "r"
+    locks = []
+
+    class WinnerArrives(LocalBuildInput):
+        def side_directory(self) -> Path:
+            locks.append(take_over(out))
+            return super().side_directory()
+
+    inp = WinnerArrives(work["a"] / "manifest.json")
+    try:
+        with pytest.raises(ShardcError) as exc:
+            reshard(inp, plan_from_dict(plan_data(work["ckpt"], 1, 2)), out)
+        assert exc.value.one_line() == f"another shardc build is writing to {out} (hint: {LOCK_HINT})"
+        assert exc.value.exit_code == 2
+        assert snapshot(out) == {".shardc-build.lock": b"", ".model-tp00-pp00.safetensors.0123456789abcdef.tmp":
+                                 b"half a shard", ".model-tp00-pp00.safetensors.done.json": b'{"key": 1}'}
+        assert os.fstat(locks[0]).st_ino == os.stat(out / ".shardc-build.lock").st_ino
+    finally:
+        for fd in locks:
+            os.close(fd)
+    # the winner gone (its lock released), a failed run into a new directory removes all it made
+    shutil.rmtree(out)
+    bad = copy_input(work, tmp_path)
+    victim = bad / "model-tp01-pp01.safetensors"
+    victim.write_bytes(b"\0" * victim.stat().st_size)
+    with pytest.raises(VerifyMismatch):
+        reshard(open_local_input(bad), plan_from_dict(plan_data(work["ckpt"], 1, 2)), out)
+    assert not out.exists()
+
+
 @pytest.mark.heavy
 def test_the_loser_of_the_lock_touches_nothing_of_the_winner(work, tmp_path, s3, aws):
     """The loser found no output directory when it started, and is held (a stalled S3 download of
@@ -141,11 +188,7 @@ def test_the_loser_of_the_lock_touches_nothing_of_the_winner(work, tmp_path, s3,
     try:
         assert proxy.wait_for(lambda log: any("tokenizer.json" in r.path for r in log), 60), winner_error(loser)
         assert not out.exists()
-        out.mkdir()
-        lock = os.open(out / ".shardc-build.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        (out / ".model-tp00-pp00.safetensors.0123456789abcdef.tmp").write_bytes(b"half a shard")
-        (out / ".model-tp00-pp00.safetensors.done.json").write_bytes(b'{"key": 1}')
+        lock = take_over(out)
         before = snapshot(out)
         proxy.faults = faults()
         _, stderr = loser.communicate(timeout=120)
