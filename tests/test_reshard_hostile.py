@@ -485,3 +485,58 @@ def wait(predicate, proc: subprocess.Popen, timeout: float = 60) -> bool:
 
 def winner_error(proc: subprocess.Popen) -> str:
     return proc.stderr.read() if proc.poll() is not None else "the process did not get there in time"
+
+
+# --- mutation-testing kills (docs/mutation-testing.md, build/reshard.py) ------------------------
+
+def test_int8_weight_shape_values_are_checked(work, tmp_path):
+    """int8's X.weight_shape holds the [out, in] of the rank's slice; a tp1 input whose value was
+    edited (manifest re-hashed: the header is unchanged) would unpack the packed values at another
+    width: refused, naming the tensor, its values and the Layout's."""
+    import numpy as np
+
+    a = build(plan_from_dict({**plan_data(work["ckpt"], 1, 1), "replica_group": {
+        **plan_data(work["ckpt"], 1, 1)["replica_group"], "dtype": "int8"}}), tmp_path / "a8")
+    victim = a.out_dir / "model-tp00-pp00.safetensors"
+    header, data = read_raw(victim)
+    name = "model.layers.1.mlp.down_proj.weight_shape"
+    b, e = header[name]["data_offsets"]
+    assert header[name]["dtype"] == "I64"
+    want = np.frombuffer(data[b:e], "<i8").tolist()
+    assert want == [GQA["hidden_size"], GQA["intermediate_size"]]  # [out, in] of down_proj
+    got = [want[0], want[1] + 4]
+    write_raw(victim, header, data[:b] + np.array(got, "<i8").tobytes() + data[e:])
+    rehash(a.out_dir, victim.name)
+    plan = plan_from_dict({**plan_data(work["ckpt"], 1, 2), "replica_group": {
+        **plan_data(work["ckpt"], 1, 2)["replica_group"], "dtype": "int8"}})
+    with pytest.raises(VerifyMismatch) as exc:
+        reshard(open_local_input(a.out_dir), plan, tmp_path / "r")
+    assert exc.value.message == f"tensor {name} of {victim.name} is {got}, the input layout says {want}"
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("form", ["directory", "file-uri", "checkpoint", "dequantized"])
+def test_verify_deep_takes_every_form_of_reference(work, tmp_path, form):
+    """``verify --deep REF``: a build directory, a file:// manifest URI, the checkpoint itself, or
+    (for a --dequantize reshard) the quantized build it came from; another build's weights fail."""
+    from shardc.formats.manifest import read
+    from shardc.verify.checks import verify_build
+
+    ckpt = work["ckpt"]
+    if form == "dequantized":
+        int8 = plan_from_dict({**plan_data(ckpt, 2, 1), "replica_group": {**plan_data(ckpt, 2, 1)["replica_group"],
+                                                                        "dtype": "int8"}})
+        src = build(int8, tmp_path / "a8").out_dir
+        out = reshard(open_local_input(src), plan_from_dict(plan_data(ckpt, 1, 2)), tmp_path / "r",
+                      dequantize=True).out_dir
+    else:
+        src, out = work["a"], reshard(open_local_input(work["a"]), plan_from_dict(plan_data(ckpt, 1, 2)),
+                                      tmp_path / "r").out_dir
+    ref = {"directory": str(src), "file-uri": f"file://{src / 'manifest.json'}", "checkpoint": str(ckpt),
+           "dequantized": str(src)}[form]
+    report = verify_build(read(out / "manifest.json"), out, deep=ref)
+    assert report["ok"], report["problems"]
+    assert all("deep" in r["checks"] for r in report["ranks"])
+    other = write_checkpoint(tmp_path / "other", llama_config(**GQA), seed=3)
+    report = verify_build(read(out / "manifest.json"), out, deep=str(other))
+    assert not report["ok"] and "deep check" in report["problems"][0]
