@@ -512,10 +512,11 @@ def test_int8_weight_shape_values_are_checked(work, tmp_path):
     with pytest.raises(VerifyMismatch) as exc:
         reshard(open_local_input(a.out_dir), plan, tmp_path / "r")
     assert exc.value.message == f"tensor {name} of {victim.name} is {got}, the input layout says {want}"
+    assert exc.value.hint == "the input build was not written by shardc build"
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("form", ["directory", "file-uri", "checkpoint", "dequantized"])
+@pytest.mark.parametrize("form", ["directory", "file-uri", "file-uri-directory", "checkpoint", "dequantized"])
 def test_verify_deep_takes_every_form_of_reference(work, tmp_path, form):
     """``verify --deep REF``: a build directory, a file:// manifest URI, the checkpoint itself, or
     (for a --dequantize reshard) the quantized build it came from; another build's weights fail."""
@@ -532,11 +533,23 @@ def test_verify_deep_takes_every_form_of_reference(work, tmp_path, form):
     else:
         src, out = work["a"], reshard(open_local_input(work["a"]), plan_from_dict(plan_data(ckpt, 1, 2)),
                                       tmp_path / "r").out_dir
-    ref = {"directory": str(src), "file-uri": f"file://{src / 'manifest.json'}", "checkpoint": str(ckpt),
-           "dequantized": str(src)}[form]
+    ref = {"directory": str(src), "file-uri": f"file://{src / 'manifest.json'}", "file-uri-directory": f"file://{src}",
+           "checkpoint": str(ckpt), "dequantized": str(src)}[form]
     report = verify_build(read(out / "manifest.json"), out, deep=ref)
     assert report["ok"], report["problems"]
     assert all("deep" in r["checks"] for r in report["ranks"])
     other = write_checkpoint(tmp_path / "other", llama_config(**GQA), seed=3)
     report = verify_build(read(out / "manifest.json"), out, deep=str(other))
     assert not report["ok"] and "deep check" in report["problems"][0]
+
+
+def test_ranks_that_hold_only_vocabulary_padding(tmp_path):
+    """Vocabulary 9 at tp 8 is padded to 16 rows: ranks 5-7 hold two padding rows of the embedding
+    and lm_head each, no real row. Resharded to tp 1, the output is byte for byte the tp 1 build of
+    the checkpoint."""
+    ckpt = write_checkpoint(tmp_path / "ck", llama_config(**dict(GQA, num_layers=2, vocab_size=9)), seed=0)
+    a = build(plan_from_dict(plan_data(ckpt, 8, 1)), tmp_path / "a")
+    got = reshard(open_local_input(a.out_dir), plan_from_dict(plan_data(ckpt, 1, 1)), tmp_path / "r")
+    want = build(plan_from_dict(plan_data(ckpt, 1, 1)), tmp_path / "b")
+    for s in want.manifest.shards:
+        assert hashlib.sha256((got.out_dir / s.file).read_bytes()).hexdigest() == s.sha256

@@ -14,10 +14,9 @@ packed pieces are put back together in packed columns and unpacked, so ``quantiz
 compiler plain int8 values, which it packs again exactly as it packs a fresh quantization.
 
 Checks on the way: every input file's sha256 before its first byte is used (BuildInput), every
-input shard's header by verify's own checks (``inputs.shard_problems``: metadata, tensors, data
-layout) before it is mapped, each piece's dtype and shape against the file header, replicas (KV
-heads at tp > kv_heads, replicated norms, a tied lm_head copy) byte-identical, and the dtype rules
-(``check_dtypes``) up front.
+input shard's header by verify's own checks (``inputs.shard_problems``: metadata, tensors, dtypes,
+shapes, data layout) before it is mapped, replicas (KV heads at tp > kv_heads, replicated norms, a
+tied lm_head copy) byte-identical, and the dtype rules (``check_dtypes``) up front.
 """
 
 from __future__ import annotations
@@ -217,13 +216,8 @@ class BuildSource(Source):
     def _read(self, p: Piece) -> np.ndarray:
         """A rank tensor as a read-only view of its mapped bytes, vocabulary padding stripped."""
         spec = p.spec
-        offsets = self._header(p.file)
-        if spec.name not in offsets:
-            raise VerifyMismatch(f"input file {p.file} lacks tensor {spec.name}")
-        offset, dtype, shape, nbytes = offsets[spec.name]
-        if dtype != spec.dtype or tuple(shape) != spec.shape or nbytes != spec.nbytes:
-            raise VerifyMismatch(f"tensor {spec.name} in {p.file} is {dtype}{shape} ({nbytes} bytes), "
-                                 f"the input layout says {spec.dtype}{list(spec.shape)}")
+        # _header refused a file whose tensors, dtypes, shapes or byte spans are not the Layout's
+        offset, dtype, _, _ = self._header(p.file)[spec.name]
         rows = spec.shape[0] - spec.pad_rows if spec.shape else 1
         count = math.prod(spec.shape[1:]) * rows if spec.shape else 1
         if count == 0:
