@@ -28,6 +28,8 @@ def test_demo_reshard_export_and_transformers_logits(demo_model_dir, tmp_path):
     want = build(plan, tmp_path / "b")
     for s in want.manifest.shards:
         assert hashlib.sha256((got.out_dir / s.file).read_bytes()).hexdigest() == s.sha256
+    # the same side files (config, index, the tokenizer the input lists), from the input's copies
+    assert got.manifest.files == want.manifest.files
 
     out = tmp_path / "hf"
     info = export(open_local_input(a.manifest_path), out, max_shard_size=100 * 10**6)

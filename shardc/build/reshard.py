@@ -13,16 +13,18 @@ in packed columns; ``X.weight_shape``, whose contents the Layout fixes; ``X.weig
 packed pieces are put back together in packed columns and unpacked, so ``quantized`` hands the
 compiler plain int8 values, which it packs again exactly as it packs a fresh quantization.
 
-Checks on the way: every input file's sha256 before its first byte is used (BuildInput), each
-piece's dtype and shape against the file header, replicas (KV heads at tp > kv_heads, replicated
-norms, a tied lm_head copy) byte-identical, and the dtype rules (``check_dtypes``) up front.
+Checks on the way: every input file's sha256 before its first byte is used (BuildInput), every
+input shard's header by verify's own checks (``inputs.shard_problems``: metadata, tensors, dtypes,
+shapes, data layout) before it is mapped, replicas (KV heads at tp > kv_heads, replicated norms, a
+tied lm_head copy) byte-identical, and the dtype rules (``check_dtypes``) up front.
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
-import shutil
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,7 @@ from ..spec.layout import Layout, TensorSpec, source_tensors
 from ..spec.model import ModelSpec, model_for_source, model_from_config
 from ..spec.plan import Plan
 from .arrays import as_bytes, np_dtype
-from .inputs import BuildInput
+from .inputs import BuildInput, shard_problems
 from .quantize import unpack_int8
 from .source import Source, TensorInfo
 from .tiles import Tiles
@@ -99,6 +101,7 @@ class BuildSource(Source):
             dtype = self.pieces[(name, "weight")][0].spec.dtype
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
         self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
+        self._rank_of = {rl.file: rl for rl in self.in_layout.ranks}
         self._lock = threading.Lock()
 
     def schedule(self, out_layout: Layout) -> None:
@@ -213,13 +216,8 @@ class BuildSource(Source):
     def _read(self, p: Piece) -> np.ndarray:
         """A rank tensor as a read-only view of its mapped bytes, vocabulary padding stripped."""
         spec = p.spec
-        offsets = self._header(p.file)
-        if spec.name not in offsets:
-            raise VerifyMismatch(f"input file {p.file} lacks tensor {spec.name}")
-        offset, dtype, shape, nbytes = offsets[spec.name]
-        if dtype != spec.dtype or tuple(shape) != spec.shape or nbytes != spec.nbytes:
-            raise VerifyMismatch(f"tensor {spec.name} in {p.file} is {dtype}{shape} ({nbytes} bytes), "
-                                 f"the input layout says {spec.dtype}{list(spec.shape)}")
+        # _header refused a file whose tensors, dtypes, shapes or byte spans are not the Layout's
+        offset, dtype, _, _ = self._header(p.file)[spec.name]
         rows = spec.shape[0] - spec.pad_rows if spec.shape else 1
         count = math.prod(spec.shape[1:]) * rows if spec.shape else 1
         if count == 0:
@@ -228,16 +226,24 @@ class BuildSource(Source):
         # count in the RSS, so a mapping of the whole file would hold every page read so far.
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         length = offset - start + count * DTYPE_BYTES[dtype]
-        with open(self.input.directory / p.file, "rb") as f:
-            mm = mmap.mmap(f.fileno(), length, prot=mmap.PROT_READ, offset=start)
+        fd = os.open(self.input.directory / p.file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            mm = mmap.mmap(fd, length, prot=mmap.PROT_READ, offset=start)
+        finally:
+            os.close(fd)
         a = np.frombuffer(mm, dtype=np_dtype(dtype), count=count, offset=offset - start)
         return a.reshape((rows, *spec.shape[1:]) if spec.shape else ())
 
     def _header(self, file: str) -> dict[str, tuple[int, str, list[int], int]]:
-        """name -> (absolute data offset, dtype, shape, byte length), from the one header parser."""
+        """name -> (absolute data offset, dtype, shape, byte length), from the one header parser,
+        once the file passed verify's header checks (so no offset points outside its tensor)."""
         with self._lock:
             if file not in self._offsets:
-                tensors, _, start = read_header(self.input.directory / file)
+                path = self.input.directory / file
+                if problems := shard_problems(path, self.in_layout, self._rank_of[file]):
+                    raise VerifyMismatch(f"input file {path}: {problems[0]}",
+                                         hint="the input build is damaged; run shardc verify on it")
+                tensors, _, start = read_header(path)
                 self._offsets[file] = {k: (start + e["data_offsets"][0], e["dtype"], e["shape"],
                                            e["data_offsets"][1] - e["data_offsets"][0])
                                        for k, e in tensors.items()}
@@ -348,23 +354,47 @@ def reshard(
                             key="--out", hint="reshard into another directory")
         existed = out.exists()
         source = BuildSource(inp, layout, dequantize=dequantize, speculative=True)
-        inp.prepare(inp.side_files())  # config and tokenizer files are checked too (small: first)
+        # config and tokenizer files: only those the input lists, copied as they were hashed (small:
+        # first); the build copies the tokenizer files from there
+        source.directory = inp.side_directory()
         source.schedule(layout)
         try:
             return build(plan, out, force=force, progress=progress, manifests_dir=manifests_dir,
                          source=source)
         except ShardcError as exc:
             # build removed this run's shards (bad input); a disk failure keeps them to resume
-            if not existed and out.is_dir() and not isinstance(exc, OutputError):
-                for p in [out / LOCK, *temp_files(out), *out.glob(".*.done.json")]:
-                    p.unlink(missing_ok=True)
-                if not any(out.iterdir()):
-                    shutil.rmtree(out, ignore_errors=True)
             if not isinstance(exc, OutputError):
+                if not existed:
+                    _remove_new_output(out, LOCK)
                 _raise_corruption(inp)
             raise
     finally:
         inp.close()
+
+
+def _remove_new_output(out: Path, lock_name: str) -> None:
+    """After a failed run into a directory that did not exist: remove what a run leaves there
+    (temp files, resume records) and the directory once nothing else is in it; only while holding
+    the build lock. A run that lost the lock to another (or whose directory another run took over
+    since) touches nothing: every file there is the other run's."""
+    try:
+        fd = os.open(out / lock_name, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file: this run never got as far as the directory
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # another run holds it
+        for p in [*temp_files(out), *out.glob(".*.done.json")]:
+            p.unlink(missing_ok=True)
+        if [p.name for p in out.iterdir()] == [lock_name]:
+            (out / lock_name).unlink()
+            out.rmdir()
+    except OSError:
+        pass  # best effort: what stays is a directory without a manifest, which no reader uses
+    finally:
+        os.close(fd)
 
 
 def _raise_corruption(inp: BuildInput) -> None:

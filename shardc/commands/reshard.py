@@ -8,10 +8,14 @@ import click
 
 
 @click.command("reshard", epilog="""\b
-Reads only the input build (never its source); every input file is checked against the input
-manifest's sha256 before use. Exit codes: 0 done, 1 a corrupted input (names the file) or replicas
-that differ (names the tensor), 2 bad input (another model's plan, a lossy dtype change without
---dequantize, a malformed manifest); nothing is left in the output on failure.
+Reads only the input build (never its source) and only the files its manifest lists: every one
+is checked against the input manifest's sha256, and every shard's header as verify checks it,
+before use; links are never followed. An s3:// input is downloaded to .shardc-input-* beside the
+output directory; a rerun removes those of a killed run. Exit codes: 0 done, 1 a corrupted input (names
+the file), a shard verify rejects, replicas that differ (names the tensor) or an s3:// manifest
+replaced while it was read, 2 bad input (another model's plan, a lossy dtype change without
+--dequantize, a malformed manifest) or another build writing to the output; nothing is left in
+the output on failure.
 Examples:
   shardc reshard --manifest build/demo-tp3pp2-bf16/manifest.json --plan plans/demo-tp1pp1-bf16.yaml
   shardc reshard --manifest s3://models/llama3-70b/fp16/manifest.json --plan plans/tp4pp2-fp16.yaml --json

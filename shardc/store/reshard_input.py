@@ -5,19 +5,23 @@ the shards of one input pipeline stage at a time from ``pull_build`` (parallel r
 file hashed on the way and renamed into place only when it matches the manifest). A file's
 sha256 covers all of its bytes, so a file is fetched whole before any tensor of it is used; each
 input byte is fetched once. A background thread fetches stages in the order the output needs
-them, so downloading overlaps writing; the copies live in a temporary directory next to the
-output and are removed at the end.
+them, so downloading overlaps writing; the copies live in a locked temporary directory next to the
+output (``build.inputs.Spool``), removed at the end, or by the next run if this one is killed.
+
+The manifest is read once, and that is the build the output records and is made of: each pull
+reads the manifest again, and a pull that found another one (a push to the same prefix while the
+reshard ran) is refused, so no file verified against another manifest is ever used.
 """
 
 from __future__ import annotations
 
-import shutil
-import tempfile
+import hashlib
 import threading
 from pathlib import Path
 
-from ..build.inputs import BuildInput
-from ..errors import ShardcError, StoreError
+from ..build.inputs import BuildInput, Spool
+from ..errors import OutputError, ShardcError, StoreError, VerifyMismatch
+from .base import MANIFEST_NAME
 from .pull import fetch_manifest, pull_build
 
 
@@ -29,12 +33,12 @@ class RemoteBuildInput(BuildInput):
         self.uri = manifest_uri
         self.endpoint_url = endpoint_url
         self.manifest = fetch_manifest(manifest_uri, endpoint_url=endpoint_url)
-        if spool_parent is not None:
-            Path(spool_parent).mkdir(parents=True, exist_ok=True)
+        self._manifest_bytes = self.manifest.dumps()  # what each pull must find again
         try:
-            self.directory = Path(tempfile.mkdtemp(prefix=".shardc-input-", dir=spool_parent))
-        except OSError as exc:
-            raise StoreError(f"cannot create a temporary directory for the input: {exc.strerror}") from None
+            self._spool = Spool(spool_parent)  # first removes the spools of killed runs
+        except OutputError as exc:
+            raise StoreError(exc.message, hint=exc.hint) from None
+        self.directory = self._spool.path
         self.bytes_fetched = 0  # bytes of files downloaded (what the benchmark compares)
         self._rank = {s.file: s.rank for s in self.manifest.shards}
         self._stage = {s.file: s.pp_stage for s in self.manifest.shards}
@@ -95,7 +99,21 @@ class RemoteBuildInput(BuildInput):
             report = pull_build(self.uri, self.directory, global_ranks=[self._rank[f] for f in files],
                                 endpoint_url=self.endpoint_url)
             # each pull reads the manifest again: counted too
-            self.bytes_fetched += report["bytes_downloaded"] + len(self.manifest.dumps())
+            self.bytes_fetched += report["bytes_downloaded"] + len(self._manifest_bytes)
+            self._check_same_manifest()
+
+    def _check_same_manifest(self) -> None:
+        """The pull verified its files against the manifest it read (and wrote next to them): it
+        must be the one this input read first, or the files are of another build."""
+        try:
+            pulled = (self.directory / MANIFEST_NAME).read_bytes()
+        except OSError as exc:
+            raise StoreError(f"cannot read the pulled manifest in {self.directory}: {exc.strerror}") from None
+        if pulled != self._manifest_bytes:
+            raise VerifyMismatch(
+                f"the input manifest {self.uri} changed while it was read (sha256 "
+                f"{hashlib.sha256(pulled).hexdigest()[:16]}..., first read as {self.manifest_sha256[:16]}...)",
+                hint="another push replaced the build; rerun once it has finished")
 
     def close(self) -> None:
         with self._cond:
@@ -103,11 +121,13 @@ class RemoteBuildInput(BuildInput):
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._spool.close()
 
 
 def open_input(ref: str, *, endpoint_url: str | None = None, spool_parent: str | Path | None = None) -> BuildInput:
-    """A local manifest/build directory, or a manifest URI in a store."""
+    """A local manifest/build directory, or a manifest URI in a store. ``spool_parent`` is where a
+    store's files are downloaded to (next to the output: they can be as large as the input); a
+    local input copies only its small side files, into the system's temporary directory."""
     if "://" in ref and not ref.startswith("file://"):
         return RemoteBuildInput(ref, endpoint_url=endpoint_url, spool_parent=spool_parent)
     from ..build.inputs import open_local_input

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ShardFormatError, VerifyMismatch
+from ..errors import VerifyMismatch
 from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, typed
-from ..formats.safetensors import extent_problem, read_header, shard_metadata
 from ..spec.layout import Layout, RankLayout
 from ..spec.plan import Plan, data_sha256
 from .devices import resolve_device
@@ -156,46 +155,22 @@ def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> lis
 
 
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
-    try:
-        header, meta, start = read_header(path)
-        size = path.stat().st_size
-    except OSError as exc:
-        res.fail(f"safetensors header does not parse ({exc.strerror})")
-        return
-    except ShardFormatError as exc:
-        res.fail(f"safetensors header does not parse ({exc.message})")
-        return
-    check_parsed_header(res, header, meta, size - start, rl, layout)
+    """The header checks, shared with every command that reads a build (``shard_problems``)."""
+    from ..build.inputs import shard_problems
+
+    for problem in shard_problems(path, layout, rl, res.checks):
+        res.fail(problem)
 
 
 def check_parsed_header(res: RankResult, header: dict[str, Any], meta: dict[str, str], data_length: int,
                         rl: RankLayout, layout: Layout) -> None:
-    """The header's checks on a header already parsed (``load_shard`` parses it from the bytes it
+    """The same checks on a header already parsed (``load_shard`` parses it from the bytes it
     hashes): metadata, tensor set, dtypes and shapes against the Layout, the data layout against
     the ``data_length`` bytes after it."""
-    res.checks.append("header")
-    want_meta = shard_metadata(layout, rl)
-    for key in ("shardc.plan_sha256", "shardc.tp_degree", "shardc.pp_degree", "shardc.tp_rank",
-                "shardc.pp_stage", "shardc.rank"):
-        if meta.get(key) != want_meta[key]:
-            res.fail(f"metadata {key} is {meta.get(key)!r}, expected {want_meta[key]!r} "
-                     f"(a shard of another plan or rank?)")
-    res.checks.append("metadata")
-    want = {t.name: t for t in rl.tensors}
-    for name in sorted(set(want) - set(header)):
-        res.fail(f"missing tensor {name}")
-    for name in sorted(set(header) - set(want)):
-        res.fail(f"unexpected tensor {name}")
-    res.checks.append("tensor-set")
-    for name in sorted(set(want) & set(header)):
-        t, h = want[name], header[name]
-        if h.get("dtype") != t.dtype or list(h.get("shape", [])) != list(t.shape):
-            res.fail(f"tensor {name}: expected {t.dtype}{list(t.shape)}, found "
-                     f"{h.get('dtype')}{h.get('shape')}")
-    res.checks.append("dtype-shape")
-    if problem := extent_problem(header, data_length):
-        res.fail(f"safetensors data layout: {problem}")
-    res.checks.append("extent")
+    from ..build.inputs import header_problems
+
+    for problem in header_problems(header, meta, data_length, layout, rl, res.checks):
+        res.fail(problem)
 
 
 def _load_on_device(res: RankResult, path: Path, device: str) -> str:
