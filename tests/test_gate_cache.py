@@ -170,6 +170,20 @@ def test_what_is_not_a_regular_file_is_refused(tmp_path):
     assert check_cache(tmp_path / "link", KEY) == ("new", "")
 
 
+def test_disk_failures_are_one_error(tmp_path):
+    """Writing the cache where no file can be made is OutputError (exit 1), nothing left; a copy
+    that cannot be made is GateCacheError naming the copy."""
+    from shardc.errors import OutputError
+
+    src = scratch(tmp_path / "s", KEY)
+    with pytest.raises(OutputError, match=f"cannot write baseline cache {tmp_path}/no/c: No such file") as exc:
+        seal_cache(src, tmp_path / "no" / "c", KEY)
+    assert exc.value.exit_code == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    path = sealed(tmp_path)
+    with pytest.raises(GateCacheError, match=f"cannot read baseline cache {path} \\({tmp_path}/no/"):
+        check_cache(path, KEY, copy_to=tmp_path / "no" / "copy")
+
+
 # -- where a cache may live (real builds) ------------------------------------------------------------------
 def _build(src: Path, out: Path, pp: int) -> Path:
     from shardc.build.compile import build

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ManifestError, ShardcError
+from ..errors import ManifestError, OutputError, ShardcError
 from ..formats.files import create_temp, fsync_dir
 from ..formats.manifest import Manifest
 from ..formats.safetensors import MAX_HEADER, extent_problem, header_bytes, parse_header
@@ -334,8 +334,9 @@ def check_cache(path: Path, key: dict[str, Any], copy_to: Path | None = None) ->
                 raise GateCacheError(f"baseline cache {path} is not a regular file", hint="name a file")
             return _check_open(f, path, key, copy_to)
     except OSError as exc:
-        raise GateCacheError(f"cannot read baseline cache {path}: {exc.strerror or exc}",
-                             hint="check its permissions, or name another file") from None
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise GateCacheError(f"cannot read baseline cache {path}{where}: {exc.strerror or exc}",
+                             hint="check its permissions and free space in the temp directory") from None
 
 
 def _check_open(f: Any, path: Path, key: dict[str, Any], copy_to: Path | None) -> tuple[str, str]:
@@ -422,7 +423,16 @@ def _copy_target(copy_to: Path | None) -> tuple[Any, Path | None]:
 def seal_cache(scratch: Path, path: Path, key: dict[str, Any]) -> None:
     """Write the baseline pass's logits file (``scratch``) to ``path`` with the key and its digest
     in the header (atomic: an exclusive temp file, fsynced, renamed). One pass over the bytes: the
-    header is written with a placeholder digest of the same length and rewritten at the end."""
+    header is written with a placeholder digest of the same length and rewritten at the end. A
+    disk that fails is OutputError (exit 1); the old cache, if any, stays as it was."""
+    try:
+        _seal(scratch, path, key)
+    except OSError as exc:
+        raise OutputError(f"cannot write baseline cache {path}: {exc.strerror or exc}",
+                          hint="check free space and permissions, or name another file") from None
+
+
+def _seal(scratch: Path, path: Path, key: dict[str, Any]) -> None:
     with open(scratch, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         tensors, _, start = _header(f, scratch.name, size)
