@@ -106,11 +106,15 @@ def test_pull_refuses_a_manifest_naming_a_file_no_build_writes(builds, tmp_path)
     store = _hostile_store(builds, tmp_path, _plant_file)
     dest = tmp_path / "dest"
     r = shardc("pull", "--manifest", str(store / "manifest.json"), "--all", "--dest", str(dest))
-    line = one_line(r)
-    assert "lists authorized_keys, which is not a file a build writes" in line, line
+    want = (f"{store}/manifest.json lists authorized_keys, which is not a file a build writes (hint: "
+            "a build's side files are config.json, model.safetensors.index.json, tokenizer.json, "
+            "tokenizer_config.json, special_tokens_map.json, tokenizer.model, generation_config.json, "
+            "chat_template.jinja; pull only manifests shardc wrote)")
+    assert one_line(r) == f"error: {want}"
     assert not dest.exists()  # nothing written, not even the directory
-    with pytest.raises(ManifestError, match="authorized_keys"):
+    with pytest.raises(ManifestError) as exc:
         pull_build(str(store / "manifest.json"), dest, global_ranks=[0])
+    assert exc.value.one_line() == want and exc.value.exit_code == 2
     assert not dest.exists()
 
 
@@ -119,9 +123,13 @@ def test_pull_refuses_a_shard_under_a_name_its_plan_does_not_give(builds, tmp_pa
     dest = tmp_path / "dest"
     line = one_line(shardc("pull", "--manifest", str(store / "manifest.json"), "--rank", "0",
                            "--dest", str(dest)))
-    assert (f"lists evil.safetensors for tp_rank=0 pp_stage=0, whose shard its plan names {A_SHARD}"
-            in line), line
+    want = (f"{store}/manifest.json lists evil.safetensors for tp_rank=0 pp_stage=0, whose shard its "
+            f"plan names {A_SHARD} (hint: pull only manifests shardc wrote)")
+    assert line == f"error: {want}"
     assert not dest.exists()
+    with pytest.raises(ManifestError) as exc:
+        pull_build(str(store / "manifest.json"), dest)
+    assert exc.value.one_line() == want and not dest.exists()
 
 
 def test_pull_of_an_honest_build_writes_exactly_its_files(builds, tmp_path):
@@ -166,11 +174,16 @@ def test_push_of_another_plan_is_refused_locally_then_replaced(builds, tmp_path)
     (store / "notes.txt").write_text("not shardc's")  # something else under the prefix
     before = tree(store)
     line = one_line(shardc("push", "--manifest", str(builds["b"] / "manifest.json"), "--to", str(store)))
-    a_sha = json.loads((builds["a"] / "manifest.json").read_text())["plan_sha256"]
-    b_sha = json.loads((builds["b"] / "manifest.json").read_text())["plan_sha256"]
-    assert f"holds plan h-a (sha256 {a_sha[:12]}" in line and f"not plan h-b (sha256 {b_sha[:12]}" in line, line
-    assert "--replace" in line
+    a, b = (json.loads((builds[k] / "manifest.json").read_text()) for k in "ab")
+    want = (f"{store}/manifest.json holds plan h-a (sha256 {a['plan_sha256'][:12]}, source "
+            f"{a['source']['uri']}), not plan h-b (sha256 {b['plan_sha256'][:12]}, source "
+            f"{b['source']['uri']}) (hint: pass --replace to replace it (the old build's objects are "
+            "removed), or push to another prefix)")
+    assert line == f"error: {want}"
     assert tree(store) == before  # nothing uploaded, nothing deleted, the old manifest in place
+    with pytest.raises(StoreError) as exc:
+        push_build(builds["b"] / "manifest.json", str(store))
+    assert exc.value.one_line() == want and exc.value.exit_code == 2 and tree(store) == before
 
     r = shardc("push", "--manifest", str(builds["b"] / "manifest.json"), "--to", str(store), "--json")
     assert r.returncode == 2 and tree(store) == before
@@ -210,8 +223,14 @@ def test_push_over_an_unreadable_manifest_needs_replace(builds, tmp_path):
     (store / "manifest.json").write_text("{ not json")
     (store / A_SHARD).write_bytes(b"old")
     line = one_line(shardc("push", "--manifest", str(builds["a"] / "manifest.json"), "--to", str(store)))
-    assert "is not a manifest shardc can read" in line and "--replace" in line, line
-    assert (store / "manifest.json").read_text() == "{ not json"
+    where = f"{store}/manifest.json"
+    want = (f"{where} is not a manifest shardc can read ({where} is not JSON); refusing to replace it "
+            "with plan h-a (hint: pass --replace to overwrite it (no other object is removed))")
+    assert line == f"error: {want}"
+    with pytest.raises(StoreError) as exc:
+        push_build(builds["a"] / "manifest.json", str(store))
+    assert exc.value.one_line() == want
+    assert (store / "manifest.json").read_text() == "{ not json" and (store / A_SHARD).read_bytes() == b"old"
     res = push_build(builds["a"] / "manifest.json", str(store), replace=True)
     assert res["removed"] == [] and tree(store) == tree(builds["a"])
 
