@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import json
 import struct
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,27 +29,25 @@ FUZZ = settings(max_examples=100, deadline=2000, suppress_health_check=[HealthCh
 KEY = {"cpu_threads": 1, "baseline_manifest_sha256": "a" * 64, "golden_sha256": "b" * 64,
        "window": 6, "max_tokens": 12, "windows_sha256": "c" * 64}
 LOGITS = torch.arange(2 * 5 * 7, dtype=torch.float32).reshape(2, 5, 7).div(8).to(torch.bfloat16)
-_DIR = tempfile.TemporaryDirectory(prefix="shardc-fuzz-gate-")
-WORK = Path(_DIR.name)
 
 
 @functools.cache
-def genuine() -> tuple[bytes, dict, bytes]:
+def genuine(work: Path) -> tuple[bytes, dict, bytes]:
     """A sealed cache of LOGITS under KEY: (file bytes, parsed header, data section). Made on first
     use, not at import (mutmut imports test modules with its mutants switched on)."""
     from safetensors.torch import save_file
 
-    save_file({"logits": LOGITS}, str(WORK / "scratch"), metadata={CACHE_META: json.dumps(KEY, sort_keys=True)})
-    seal_cache(WORK / "scratch", WORK / "genuine", KEY)
-    raw = (WORK / "genuine").read_bytes()
+    save_file({"logits": LOGITS}, str(work / "scratch"), metadata={CACHE_META: json.dumps(KEY, sort_keys=True)})
+    seal_cache(work / "scratch", work / "genuine", KEY)
+    raw = (work / "genuine").read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
     return raw, json.loads(raw[8:8 + n]), raw[8 + n:]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cleanup():
-    yield
-    _DIR.cleanup()
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    """Module-scoped (hypothesis runs many examples per test call); pytest removes it."""
+    return tmp_path_factory.mktemp("fuzz-gate-cache")
 
 
 def _file(header: dict | bytes, data: bytes) -> bytes:
@@ -58,9 +55,9 @@ def _file(header: dict | bytes, data: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data
 
 
-def assert_safe(data: bytes) -> str:
+def assert_safe(work: Path, data: bytes) -> str:
     """The property, for the bytes ``data`` at the cache path."""
-    path, copy = WORK / "cache.safetensors", WORK / "copy.safetensors"
+    path, copy = work / "cache.safetensors", work / "copy.safetensors"
     path.write_bytes(data)
     copy.unlink(missing_ok=True)
     try:
@@ -80,14 +77,14 @@ def assert_safe(data: bytes) -> str:
     return status
 
 
-def test_the_genuine_cache_hits():
-    assert assert_safe(genuine()[0]) == "hit"
+def test_the_genuine_cache_hits(work):
+    assert assert_safe(work, genuine(work)[0]) == "hit"
 
 
 @FUZZ
 @given(st.binary(max_size=600))
-def test_any_bytes(data):
-    assert_safe(data)
+def test_any_bytes(work, data):
+    assert_safe(work, data)
 
 
 json_values = st.recursive(
@@ -100,20 +97,20 @@ json_values = st.recursive(
 @FUZZ
 @given(json_values | st.dictionaries(st.sampled_from(["logits", "__metadata__", "x"]), json_values, max_size=3),
        st.sampled_from(["", "data", "short", "long"]))
-def test_any_json_header(header, which):
-    data = genuine()[2]
+def test_any_json_header(work, header, which):
+    data = genuine(work)[2]
     data = {"": b"", "data": data, "short": data[:-1], "long": data + b"\0"}[which]
-    assert_safe(_file(json.dumps(header).encode(), data))
+    assert_safe(work, _file(json.dumps(header).encode(), data))
 
 
 @FUZZ
 @given(st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 255)), min_size=1, max_size=4),
        st.integers(0, 10**6), st.binary(max_size=16))
-def test_genuine_cache_with_bytes_changed(flips, cut, tail):
-    data = bytearray(genuine()[0])
+def test_genuine_cache_with_bytes_changed(work, flips, cut, tail):
+    data = bytearray(genuine(work)[0])
     for pos, value in flips:
         data[pos % len(data)] = value
-    assert_safe(bytes(data[:cut % (len(data) + 1)]) + tail)
+    assert_safe(work, bytes(data[:cut % (len(data) + 1)]) + tail)
 
 
 FIELDS = st.sampled_from([("logits", "shape"), ("logits", "dtype"), ("logits", "data_offsets"),
@@ -126,13 +123,13 @@ VALUES = (json_values | st.sampled_from([[5, 2, 7], [2, 5, 7], [1, 10, 7], [0, 1
 
 @FUZZ
 @given(st.lists(st.tuples(FIELDS, VALUES), min_size=1, max_size=3))
-def test_genuine_cache_with_header_fields_replaced(edits):
-    _, header, data = genuine()
+def test_genuine_cache_with_header_fields_replaced(work, edits):
+    _, header, data = genuine(work)
     header = json.loads(json.dumps(header))
     for (entry, field), value in edits:
         if value == "GENUINE_DIGEST":  # the digest the genuine cache carries
-            value = genuine()[1]["__metadata__"]["shardc.baseline_cache_hmac"]
+            value = genuine(work)[1]["__metadata__"]["shardc.baseline_cache_hmac"]
         header.setdefault(entry, {})
         if isinstance(header[entry], dict):
             header[entry][field] = value
-    assert_safe(_file(header, data))
+    assert_safe(work, _file(header, data))
