@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -137,11 +138,37 @@ def test_edited_caches_do_not_match_their_digest(tmp_path, edit):
      ("stale", "it carries no digest (an older shardc's cache)")),
     (lambda h, d: ({**h, "extra": {"dtype": "U8", "shape": [0], "data_offsets": [140, 140]}}, d),
      ("mismatch", "damaged: it holds the tensors ['extra', 'logits'], not logits alone")),
+    (lambda h, d: ({**h, **{c: {"dtype": "U8", "shape": [0], "data_offsets": [140, 140]} for c in "abc"}}, d),
+     ("mismatch", "damaged: it holds the tensors ['a', 'b', 'c'], not logits alone")),
+    (lambda h, d: (h, b""), ("mismatch", "damaged: the tensors' data ends at 140, the file's data section "
+                             "holds 0 bytes (the file is cut short)")),
 ])
 def test_damaged_caches_name_what_is_wrong(tmp_path, edit, want):
     path = sealed(tmp_path)
     rewrite(path, *edit(*split(path)))
     assert check_cache(path, KEY) == want
+
+
+@pytest.mark.parametrize("digits", range(1, 10))
+def test_seals_of_every_header_length_hit(tmp_path, digits):
+    """Keys of nine lengths (max_tokens of 1..9 digits) give headers of every length mod 8: the
+    sealed file's header is written twice (a placeholder digest first) and must come out whole."""
+    key = {**KEY, "max_tokens": 10 ** (digits - 1)}
+    path = sealed(tmp_path, key)
+    assert check_cache(path, key) == ("hit", "") and torch.equal(read_logits(path), LOGITS)
+
+
+def test_short_and_exact_headers(tmp_path):
+    """The length prefix's bounds: a file shorter than 8 bytes, a length one past the file, and a
+    header that fills the file exactly (no data: then it is judged as a cache, not as unreadable)."""
+    path = tmp_path / "c"
+    path.write_bytes(b"\x01\x00")
+    assert check_cache(path, KEY) == ("stale", "unreadable: shorter than a safetensors header")
+    body = b'{"__metadata__":{"x":"y"}}'
+    path.write_bytes(struct.pack("<Q", len(body) + 1) + body)
+    assert check_cache(path, KEY) == ("stale", f"unreadable: header length {len(body) + 1} does not fit the file")
+    path.write_bytes(struct.pack("<Q", len(body)) + body)
+    assert check_cache(path, KEY) == ("stale", "not a shardc baseline cache")
 
 
 def test_the_secret_keys_the_digest(tmp_path, monkeypatch):
@@ -161,10 +188,12 @@ def test_the_secret_keys_the_digest(tmp_path, monkeypatch):
 def test_what_is_not_a_regular_file_is_refused(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    with pytest.raises(GateCacheError, match=f"baseline cache {fifo} is not a regular file"):
+    with pytest.raises(GateCacheError) as exc:
         check_cache(fifo, KEY)
-    with pytest.raises(GateCacheError, match="is a directory"):
+    assert exc.value.one_line() == f"baseline cache {fifo} is not a regular file (hint: name a file)"
+    with pytest.raises(GateCacheError) as exc:
         check_cache_location(tmp_path, [], [])
+    assert exc.value.one_line() == f"baseline cache {tmp_path} is a directory (hint: name a file)"
     assert check_cache(tmp_path / "dangling", KEY) == ("new", "")
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     assert check_cache(tmp_path / "link", KEY) == ("new", "")
@@ -176,12 +205,17 @@ def test_disk_failures_are_one_error(tmp_path):
     from shardc.errors import OutputError
 
     src = scratch(tmp_path / "s", KEY)
-    with pytest.raises(OutputError, match=f"cannot write baseline cache {tmp_path}/no/c: No such file") as exc:
+    with pytest.raises(OutputError) as exc:
         seal_cache(src, tmp_path / "no" / "c", KEY)
+    assert exc.value.one_line() == (f"cannot write baseline cache {tmp_path}/no/c: No such file or directory "
+                                    "(hint: check free space and permissions, or name another file)")
     assert exc.value.exit_code == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["s"]
     path = sealed(tmp_path)
-    with pytest.raises(GateCacheError, match=f"cannot read baseline cache {path} \\({tmp_path}/no/"):
+    with pytest.raises(GateCacheError) as exc:
         check_cache(path, KEY, copy_to=tmp_path / "no" / "copy")
+    assert re.fullmatch(f"cannot read baseline cache {path} \\({tmp_path}/no/\\.copy\\.[0-9a-f]{{16}}\\.tmp\\): "
+                        "No such file or directory", exc.value.message), exc.value.message
+    assert exc.value.hint == "check its permissions and free space in the temp directory"
 
 
 # -- where a cache may live (real builds) ------------------------------------------------------------------
@@ -248,7 +282,8 @@ def test_cache_paths_in_builds_are_refused(builds, tmp_path):
             check_cache_location(path, refs, [golden])
         line = exc.value.one_line()
         assert line.startswith(f"baseline cache {path} ") and needle in line, line
-        assert "outside build directories" in (exc.value.hint or "")
+        assert exc.value.hint == ("keep baseline caches outside build directories, e.g. --baseline-cache "
+                                  "caches/<baseline>.safetensors")
     check_cache_location(tmp_path / "fine.safetensors", refs, [golden])  # no error
     assert {p: p.read_bytes() for p in base_dir.iterdir() if p.is_file()} == before
 

@@ -264,3 +264,30 @@ def test_push_to_s3_refuses_another_plan_then_replaces_only_its_objects(builds, 
     want = {f"model/{n}": h for n, h in tree(builds["b"]).items()}
     want |= {"model/README.txt": before["model/README.txt"], "model-other/x": before["model-other/x"]}
     assert listing() == want
+
+
+def test_replace_removes_exactly_the_old_objects_plain_and_compressed(builds, tmp_path):
+    """In-process: a plain old build loses its shard; a compressed one its .zst object; a hostile
+    old manifest naming an object outside the prefix (a compressed record's "../victim") removes
+    nothing outside, and the other old objects still go."""
+    plain = tmp_path / "plain"
+    push_build(builds["a"] / "manifest.json", str(plain))
+    assert push_build(builds["b"] / "manifest.json", str(plain), replace=True)["removed"] == [A_SHARD]
+    assert tree(plain) == tree(builds["b"])
+
+    hostile = tmp_path / "hostile" / "store"
+    push_build(builds["a"] / "manifest.json", str(hostile))
+    victim = tmp_path / "hostile" / "victim"
+    victim.write_text("outside the prefix")
+    m = json.loads((hostile / "manifest.json").read_text())
+    m["files"][0]["compressed"] = {"codec": "zstd", "size": 1, "sha256": "0" * 64, "object": "../victim"}
+    (hostile / "manifest.json").write_text(json.dumps(m))
+    assert push_build(builds["b"] / "manifest.json", str(hostile), replace=True)["removed"] == [A_SHARD]
+    assert victim.read_text() == "outside the prefix" and tree(hostile) == tree(builds["b"])
+
+    pytest.importorskip("zstandard")
+    packed = tmp_path / "packed"
+    push_build(builds["a"] / "manifest.json", str(packed), compress="zstd")
+    assert (packed / f"{A_SHARD}.zst").is_file()
+    res = push_build(builds["b"] / "manifest.json", str(packed), replace=True)
+    assert res["removed"] == [f"{A_SHARD}.zst"] and tree(packed) == tree(builds["b"])

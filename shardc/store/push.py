@@ -141,12 +141,10 @@ def _objects(m: Manifest) -> set[str]:
     manifest cannot make a replacing push delete anything outside the prefix."""
     names = set()
     for name, e in entries(m):
-        names.add(name)
         obj = e.compressed.get("object") if isinstance(e.compressed, dict) else None
-        if isinstance(obj, str):
-            names.add(obj)
+        names.add(obj if isinstance(obj, str) else name)  # a compressed entry is stored as its object
     out = set()
-    for n in names:
+    for n in sorted(names):
         try:
             out.add(safe_name(n, "object name"))
         except ShardcError:
