@@ -133,7 +133,8 @@ def _expected_report(store: Path, src: Path, sizes: dict[str, int], objects: dic
             "compress": compress, "objects": rows,
             "uploaded": len(FILES) if action == "uploaded" else 0,
             "present": len(FILES) if action == "present" else 0,
-            "bytes_uploaded": total if action == "uploaded" else 0, "bytes_total": total}
+            "bytes_uploaded": total if action == "uploaded" else 0, "bytes_total": total,
+            "removed": []}  # nothing replaced (#25 item 12: test_store_hostile.py)
 
 
 def _seconds(res: dict) -> dict:
@@ -192,7 +193,8 @@ def test_compressed_push_over_a_same_size_build_replaces_every_shard(twins, tmp_
     """.zst objects of the same content size but other content must be replaced."""
     store = tmp_path / "store"
     push_build(twins["a"].manifest_path, str(store), compress="zstd")
-    res = push_build(twins["b"].manifest_path, str(store), compress="zstd")
+    # b is built from another source: replacing a's build must be asked for (#25 item 12)
+    res = push_build(twins["b"].manifest_path, str(store), compress="zstd", replace=True)
     assert [o["action"] for o in res["objects"]] == ["present", "uploaded", "uploaded"]
     for f in (SHARD0, SHARD1):
         assert unzstd(store / (f + ".zst")) == (twins["b"].out_dir / f).read_bytes()
@@ -204,7 +206,7 @@ def test_a_changed_manifest_alone_is_rewritten(twins, tmp_path):
     store = tmp_path / "store"
     push_build(a.manifest_path, str(store))
     (store / "manifest.json").write_bytes(b"{}")
-    res = push_build(a.manifest_path, str(store))
+    res = push_build(a.manifest_path, str(store), replace=True)  # unreadable: asked for (#25 item 12)
     assert res["manifest"] == "uploaded" and res["uploaded"] == 0 and res["present"] == 3
     assert (store / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
@@ -715,7 +717,7 @@ def test_pushing_a_manifest_in_the_stores_form_records_only_what_it_stored(twins
     assert (tmp_path / "node" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
 
-def test_a_download_that_cannot_start_leaves_no_partial_file(twins, tmp_path):
+def test_a_download_that_cannot_start_leaves_no_partial_file(twins, tmp_path, monkeypatch):
     """A side file whose name fits but whose partial file's name is too long (over 255 bytes):
     the partial files opened before it are removed and the error is one StoreError."""
     store = Path(_pushed(twins, tmp_path))
@@ -723,6 +725,9 @@ def test_a_download_that_cannot_start_leaves_no_partial_file(twins, tmp_path):
     (store / name).write_bytes(b"{}")
     remote = json.loads((store / "manifest.json").read_text())
     remote["files"].append({"name": name, "size": 2, "sha256": sha(b"{}")})
+    # pull writes only a build's side files (#25 item 9): let this one name through
+    from shardc.build import outputs
+    monkeypatch.setattr(outputs, "SIDE_FILES", (*outputs.SIDE_FILES, name))
     (store / "manifest.json").write_text(json.dumps(remote))
     dest = tmp_path / "node"
     with pytest.raises(StoreError) as exc:

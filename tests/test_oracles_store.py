@@ -73,7 +73,7 @@ def _dest(kind: str, tmp_path: Path, s3, name: str) -> tuple[str, dict]:
 def test_push_over_a_same_size_build_replaces_every_shard(twins, tmp_path, s3, aws_env, kind):
     uri, kw = _dest(kind, tmp_path, s3, f"same-size-{kind}")
     push_build(twins["a"].manifest_path, uri, **kw)
-    res = push_build(twins["b"].manifest_path, uri, **kw)
+    res = push_build(twins["b"].manifest_path, uri, replace=True, **kw)  # another source (#25 item 12)
     shard_actions = {o["file"]: o["action"] for o in res["objects"] if o["file"].endswith(".safetensors")}
     assert set(shard_actions.values()) == {"uploaded"}, shard_actions
     pull_build(f"{uri}/manifest.json", tmp_path / "pulled", **kw)
@@ -95,7 +95,7 @@ def test_failed_repush_leaves_no_stale_manifest(twins, tmp_path, s3, aws_env, ki
     data[-3] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(ShardcError):
-        push_build(rotten / "manifest.json", uri, **kw)
+        push_build(rotten / "manifest.json", uri, replace=True, **kw)
     with pytest.raises(ShardcError):  # nothing to pull: no manifest names the changed objects
         pull_build(f"{uri}/manifest.json", tmp_path / "pulled", **kw)
 
@@ -106,7 +106,7 @@ def test_old_manifest_is_deleted_before_the_first_object_write(twins, s3, aws_en
     uri = "s3://oracle-order/x"
     push_build(twins["a"].manifest_path, uri, endpoint_url=proxy.endpoint)
     proxy.clear()
-    push_build(twins["b"].manifest_path, uri, endpoint_url=proxy.endpoint)
+    push_build(twins["b"].manifest_path, uri, endpoint_url=proxy.endpoint, replace=True)
     log = proxy.log
     key = "/oracle-order/x/manifest.json"
     deletes = [r for r in log if r.method == "DELETE" and r.path.split("?")[0] == key]

@@ -150,6 +150,8 @@ def remove_files(paths: list[Path]) -> None:
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "generation_config.json", "chat_template.jinja")
+# Every file a build writes besides its shards (and manifest.json): pull writes nothing else.
+SIDE_FILES = ("config.json", INDEX, *TOKENIZER_FILES)
 
 
 def tokenizer_files(source: Source) -> list[str]:

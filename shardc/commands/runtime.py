@@ -107,7 +107,9 @@ Examples:
               help="cpu (gloo) or cuda (nccl): baseline, then candidate, on the same GPUs.")
 @click.option("--baseline-cache", type=click.Path(dir_okay=False, path_type=Path),
               help="Keep the baseline's logits here; a later gate of the same baseline, golden text and "
-                   "windows reads them instead of rescoring (another baseline's cache is recomputed).")
+                   "windows reads them instead of rescoring. The file carries a digest keyed by the "
+                   "baseline manifest (and SHARDC_GATE_CACHE_SECRET if set): another baseline's, an "
+                   "edited or a damaged cache is recomputed. Refused inside a build directory.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")

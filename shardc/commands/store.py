@@ -20,6 +20,8 @@ Examples:
 \b
 Objects already in the store with the right sha256 are skipped, so a rerun resumes an interrupted
 push. The manifest is uploaded last: a reader that finds it can fetch every file it names.
+A destination that holds another plan's build (or one built from another source) is refused
+unless --replace is given.
 """)
 @click.option("--manifest", "manifest_path", required=True, type=click.Path(dir_okay=False, path_type=Path),
               help="The build's manifest.json (or its copy in manifests/).")
@@ -31,23 +33,29 @@ push. The manifest is uploaded last: a reader that finds it can fetch every file
 @click.option("--compress", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
               help="Store shards as .zst objects: ~20% smaller, but zstd runs at ~0.3-0.7 GB/s "
               "per core, so it pays only on links slower than that.")
+@click.option("--replace", is_flag=True,
+              help="Replace another plan's build at the destination: once the new manifest is in "
+              "place, the objects the old manifest named and the new one does not are removed.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, endpoint_url: str | None,
-             compress: str, quiet: bool, as_json: bool) -> None:
+             compress: str, replace: bool, quiet: bool, as_json: bool) -> None:
     """Upload a build to object storage, manifest last."""
     from ..store import push_build
     from .output import echo_json, show_progress
 
     res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
                      compress=None if compress == "none" else compress,
-                     progress=show_progress(quiet) and not as_json, build_dir=build_dir)
+                     progress=show_progress(quiet) and not as_json, build_dir=build_dir,
+                     replace=replace)
     if as_json:
         echo_json(res)
     elif not quiet:
         click.echo(f"pushed {res['uploaded']} file(s), {human_size(res['bytes_uploaded'])} "
                    f"({res['present']} already present) in {res['seconds']:.1f}s")
         click.echo(f"manifest: {res['manifest_uri']} ({res['manifest']})")
+        if res["removed"]:
+            click.echo(f"removed {len(res['removed'])} object(s) of the replaced build")
 
 
 @click.command("pull", epilog="""\b

@@ -15,16 +15,22 @@ agreement. The gate passes when every configured threshold holds (default: |ppl 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import math
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ManifestError, ShardcError
+from ..errors import ManifestError, OutputError, ShardcError
+from ..formats.files import create_temp, fsync_dir
 from ..formats.manifest import Manifest
+from ..formats.safetensors import MAX_HEADER, extent_problem, header_bytes, parse_header
+from ..spec.dtypes import DTYPE_BYTES
 
 DEFAULT_MAX_PPL_DELTA_PCT = 0.5
 DEFAULT_WINDOW = 512
@@ -201,21 +207,30 @@ def run_gate(
     threads = GATE_CPU_THREADS if device == "cpu" else None
     key = cache_key(base, text, window, max_tokens, windows, threads)
     t0 = time.perf_counter()
-    path = Path(baseline_cache) if baseline_cache is not None else scratch_path(in_torchrun())
+    cache = Path(baseline_cache) if baseline_cache is not None else None
+    if cache is not None:
+        check_cache_location(cache, [base, cand], [Path(p) for p in (golden, tokenizer) if p and p != "pydoc"])
+    # The candidate always reads a private scratch copy: on a hit, the bytes whose digest was
+    # checked (so the cache file cannot change between the check and the read).
+    scratch = scratch_path(in_torchrun())
+    torchrun = in_torchrun()
     status = "none"
     base_res = None
+    res = None
     try:
-        if baseline_cache is not None:
-            status, why = check_cache(path, key)
-            if status == "stale" and note is not None:
-                note(f"baseline cache {path} is of another baseline ({why}); recomputing it")
+        if cache is not None:
+            status, why = check_cache(cache, key, copy_to=scratch if not torchrun or res_holder(cand) else None)
+            if status in NOTES and note is not None:
+                note(f"baseline cache {cache} {NOTES[status]} ({why}); recomputing it")
         if status != "hit":
-            base_res = save_baseline(base, windows, path, key, timeout_s=timeout_s, device=device,
+            base_res = save_baseline(base, windows, scratch, key, timeout_s=timeout_s, device=device,
                                      threads=threads)
-        res = score_against(cand, windows, path, timeout_s=timeout_s, device=device, threads=threads)
+            if cache is not None and (not torchrun or res_holder(base)):  # the rank that wrote it
+                seal_cache(scratch, cache, key)
+        res = score_against(cand, windows, scratch, timeout_s=timeout_s, device=device, threads=threads)
     finally:
-        if baseline_cache is None and (not in_torchrun() or res_holder(cand)):
-            path.unlink(missing_ok=True)
+        if not torchrun or res_holder(cand):
+            scratch.unlink(missing_ok=True)
     wall = time.perf_counter() - t0
     if res is None:  # torchrun: another rank holds the result
         return {}
@@ -230,7 +245,7 @@ def run_gate(
                    "tokens": scored},
         "thresholds": {"max_ppl_delta_pct": thresholds.max_ppl_delta_pct, "max_kl": thresholds.max_kl,
                        "min_top1": thresholds.min_top1},
-        "baseline_cache": {"path": str(path) if baseline_cache is not None else None, "status": status},
+        "baseline_cache": {"path": str(cache) if cache is not None else None, "status": status},
         "seconds": {"wall": wall, "compute": res.get("seconds"), "load": res.get("load_seconds"),
                     "baseline_compute": base_s, "baseline_load": (base_res or {}).get("load_seconds")},
     })
@@ -252,23 +267,199 @@ def cache_key(base: Any, text: str, window: int, max_tokens: int, windows: list[
     }
 
 
-def check_cache(path: Path, key: dict[str, Any]) -> tuple[str, str]:
-    """("hit", ""), ("new", "") when there is no cache yet, or ("stale", what differs)."""
-    if not path.exists():
+CACHE_META = "shardc.baseline_cache"  # the key, as JSON (informative: the digest decides)
+CACHE_DIGEST = "shardc.baseline_cache_hmac"
+SECRET_ENV = "SHARDC_GATE_CACHE_SECRET"
+_BLOCK = 8 << 20
+NOTES = {"stale": "is of another baseline", "mismatch": "does not match its digest"}
+
+
+class GateCacheError(ShardcError):
+    """``--baseline-cache`` names what the gate must not read or overwrite: a build's file or a
+    file in a build directory, the golden text, a directory or another non-regular file."""
+
+
+def cache_digest(key: dict[str, Any], tensors: dict[str, Any]) -> Any:
+    """The keyed digest a cache carries, before its logits bytes are fed to it: HMAC-SHA256 keyed
+    with this run's baseline manifest sha256 (plus ``SHARDC_GATE_CACHE_SECRET`` when set) over this
+    run's key and the file's tensor table, then (``update``) the data bytes.
+
+    What it stops: a cache of another baseline or golden text whose recorded key was edited to
+    match (the digest is of this run's key, not the recorded one), edited or damaged logits, a
+    tensor table changed to reinterpret the bytes, and a digest copied from another cache. What it
+    cannot stop without the secret: someone who can write the cache file and read the baseline
+    manifest can compute the digest of any logits they like, since the manifest is no secret; set
+    ``SHARDC_GATE_CACHE_SECRET`` (for example a CI secret) and keep it from them, and a forged
+    cache needs the secret. Either way a cache is only as trusted as the place it is kept, and a
+    genuine cache of this very baseline, replayed, gives the same figures as a fresh pass."""
+    material = bytes.fromhex(key["baseline_manifest_sha256"]) + os.environ.get(SECRET_ENV, "").encode()
+    h = hmac.new(material, digestmod="sha256")
+    h.update(json.dumps({"key": key, "tensors": tensors}, sort_keys=True, separators=(",", ":")).encode())
+    h.update(b"\0")
+    return h
+
+
+def check_cache_location(path: Path, refs: list[Any], protected: list[Path]) -> None:
+    """Refuse a cache path the gate would overwrite harmfully: one of the baseline's or the
+    candidate's files, a file in a build directory (any directory holding a manifest.json), the
+    golden text or tokenizer, a directory. Links are resolved: the rename lands at ``path`` (its
+    own directory counts) and the bytes are read from its target (that directory counts too)."""
+    target = Path(os.path.abspath(path))
+    real = target.resolve()
+    files = {p.resolve(): f"the golden text or tokenizer {p}" for p in protected}
+    for ref in refs:
+        files[ref.manifest_path.resolve()] = f"{ref.name}'s manifest"
+        for name in [f.name for f in ref.manifest.files] + [s.file for s in ref.manifest.shards]:
+            files[(ref.directory / name).resolve()] = f"{ref.name}'s {name}"
+    hint = "keep baseline caches outside build directories, e.g. --baseline-cache caches/<baseline>.safetensors"
+    for p in (target, real):
+        if p in files:
+            raise GateCacheError(f"baseline cache {path} is {files[p]}; the gate would overwrite it", hint=hint)
+    builds = {d for ref in refs for d in (ref.directory, ref.manifest_path.parent)}
+    for d in (target.parent, real.parent):
+        if d.resolve() in builds or (d / "manifest.json").exists():
+            raise GateCacheError(f"baseline cache {path} is in the build directory {d}", hint=hint)
+    if real.is_dir():
+        raise GateCacheError(f"baseline cache {path} is a directory", hint="name a file")
+
+
+def check_cache(path: Path, key: dict[str, Any], copy_to: Path | None = None) -> tuple[str, str]:
+    """("new", "") when there is no cache yet, ("hit", "") when it is this run's and its digest
+    matches its bytes, ("stale", why) when it is another run's, unreadable or carries no digest,
+    ("mismatch", why) when its digest does not match. ``copy_to``: on a hit, the checked bytes are
+    there too (written as they are hashed), so later readers need not trust ``path`` again.
+    Anything at ``path`` gives one of these or a GateCacheError (not a regular file, unreadable)."""
+    if not path.exists():  # a dangling link too: the new cache replaces the link
         return "new", ""
     try:
-        from safetensors import safe_open
+        # O_NONBLOCK: a FIFO at the path must not block the open (reads of a regular file ignore it)
+        with open(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise GateCacheError(f"baseline cache {path} is not a regular file", hint="name a file")
+            return _check_open(f, path, key, copy_to)
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(path) else ""
+        raise GateCacheError(f"cannot read baseline cache {path}{where}: {exc.strerror or exc}",
+                             hint="check its permissions and free space in the temp directory") from None
 
-        with safe_open(str(path), framework="pt") as f:
-            found = json.loads((f.metadata() or {}).get("shardc.baseline_cache", "null"))
-    except Exception as exc:  # unreadable or not a cache: recompute rather than trust it
-        return "stale", f"unreadable: {exc.__class__.__name__}"
+
+def _check_open(f: Any, path: Path, key: dict[str, Any], copy_to: Path | None) -> tuple[str, str]:
+    size = os.fstat(f.fileno()).st_size
+    try:
+        tensors, meta, start = _header(f, path.name, size)
+    except ShardcError as exc:
+        return "stale", f"unreadable: {exc.message}"
+    try:
+        found = json.loads(meta.get(CACHE_META, "null"))
+    except (ValueError, RecursionError):
+        found = None
     if not isinstance(found, dict):
         return "stale", "not a shardc baseline cache"
     for k, v in key.items():
         if found.get(k) != v:
             return "stale", f"{k} {str(found.get(k))[:12]} != {str(v)[:12]}"
-    return "hit", ""
+    digest = meta.get(CACHE_DIGEST)
+    if not isinstance(digest, str):
+        return "stale", "it carries no digest (an older shardc's cache)"
+    if problem := _layout_problem(tensors, size - start):
+        return "mismatch", f"damaged: {problem}"
+    h = cache_digest(key, tensors)
+    out, tmp = _copy_target(copy_to)
+    try:
+        if out is not None:  # a header shardc wrote: what the candidate's reader parses is what was hashed
+            out.write(_sealed_header(tensors, key, meta.get(CACHE_DIGEST, "")))
+        f.seek(start)
+        while chunk := f.read(_BLOCK):
+            h.update(chunk)
+            if out is not None:
+                out.write(chunk)
+        if not hmac.compare_digest(h.hexdigest(), digest):
+            return "mismatch", "edited or damaged since it was written"
+        if out is not None:
+            out.close()
+            os.replace(tmp, copy_to)
+            tmp = None
+        return "hit", ""
+    finally:
+        if out is not None:
+            out.close()
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def _layout_problem(tensors: dict[str, Any], data_len: int) -> str | None:
+    """What keeps a header from being a cache's: one 3-D ``logits`` tensor of a known dtype that
+    fills the data section exactly."""
+    if set(tensors) != {"logits"}:
+        return f"it holds the tensors {sorted(tensors)[:3]}, not logits alone"
+    e = tensors["logits"]
+    if e["dtype"] not in DTYPE_BYTES or len(e["shape"]) != 3:
+        return f"logits are {e['dtype']}{e['shape']}, not a 3-D array of a known dtype"
+    return extent_problem(tensors, data_len)
+
+
+def _sealed_header(tensors: dict[str, Any], key: dict[str, Any], digest: str) -> bytes:
+    """The header of a sealed cache (the tensors laid out in offset order, as a cache has them)."""
+    order = sorted(tensors.items(), key=lambda kv: kv[1]["data_offsets"])
+    layout = [(name, e["dtype"], e["shape"]) for name, e in order]
+    return header_bytes(layout, {CACHE_META: json.dumps(key, sort_keys=True), CACHE_DIGEST: digest})
+
+
+def _header(f: Any, name: str, size: int) -> tuple[dict[str, Any], dict[str, str], int]:
+    """(tensors, metadata, data start) of an open safetensors file, bounded and checked."""
+    raw = f.read(8)
+    if len(raw) != 8:
+        raise ShardcError("shorter than a safetensors header")
+    n = int.from_bytes(raw, "little")
+    if n > min(MAX_HEADER, size - 8):
+        raise ShardcError(f"header length {n} does not fit the file")
+    tensors, meta = parse_header(f.read(n), name)
+    return tensors, meta, 8 + n
+
+
+def _copy_target(copy_to: Path | None) -> tuple[Any, Path | None]:
+    if copy_to is None:
+        return None, None
+    fd, tmp = create_temp(copy_to)
+    return open(fd, "wb"), tmp
+
+
+def seal_cache(scratch: Path, path: Path, key: dict[str, Any]) -> None:
+    """Write the baseline pass's logits file (``scratch``) to ``path`` with the key and its digest
+    in the header (atomic: an exclusive temp file, fsynced, renamed). One pass over the bytes: the
+    header is written with a placeholder digest of the same length and rewritten at the end. A
+    disk that fails is OutputError (exit 1); the old cache, if any, stays as it was."""
+    try:
+        _seal(scratch, path, key)
+    except OSError as exc:
+        raise OutputError(f"cannot write baseline cache {path}: {exc.strerror or exc}",
+                          hint="check free space and permissions, or name another file") from None
+
+
+def _seal(scratch: Path, path: Path, key: dict[str, Any]) -> None:
+    with open(scratch, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        tensors, _, start = _header(f, scratch.name, size)
+        if problem := _layout_problem(tensors, size - start):
+            raise ShardcError(f"the baseline pass wrote {scratch} wrongly: {problem}")
+        h = cache_digest(key, tensors)
+        fd, tmp = create_temp(path)
+        try:
+            with open(fd, "wb") as out:
+                out.write(_sealed_header(tensors, key, "0" * 64))
+                f.seek(start)
+                while chunk := f.read(_BLOCK):
+                    h.update(chunk)
+                    out.write(chunk)
+                out.seek(0)
+                out.write(_sealed_header(tensors, key, h.hexdigest()))
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    fsync_dir(path.parent)
 
 
 def res_holder(ref: Any) -> bool:

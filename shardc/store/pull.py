@@ -78,6 +78,7 @@ def pull_build(
     t0 = time.perf_counter()
     fsync = fsync_downloads_from_env() if fsync_downloads is None else fsync_downloads
     store, remote = _fetch(manifest_uri, endpoint_url, settings or S3Settings.from_env())
+    check_names(remote, store.object_uri(split_object_uri(manifest_uri)[1]))
     shards = _select(remote, ranks, global_ranks)
     wanted = _wanted(remote, shards)
     if any(w.compressed for w in wanted):
@@ -124,6 +125,29 @@ def _fetch(manifest_uri: str, endpoint_url: str | None, settings: S3Settings) ->
         raise StoreError(f"no manifest at {store.object_uri(name)}",
                          hint="check the URI; a build is visible only once shardc push has finished")
     return store, parse(data, store.object_uri(name))
+
+
+def check_names(manifest: Manifest, where: str) -> None:
+    """Refuse a manifest that names a file a build never writes, before anything is written: pull
+    writes only what the manifest lists, so a manifest listing ``authorized_keys`` (or a shard under
+    a name its plan does not give its rank) would otherwise plant that file in ``dest`` and pass
+    verify. Allowed: the build's side files (``build.outputs.SIDE_FILES``) and, per rank, the shard
+    name the manifest's own plan's ``shard_prefix`` gives it."""
+    from ..build.outputs import SIDE_FILES
+    from ..spec.plan import plan_from_dict
+
+    for f in manifest.files:
+        if f.name not in SIDE_FILES:
+            raise ManifestError(f"{where} lists {f.name}, which is not a file a build writes",
+                                hint=f"a build's side files are {', '.join(SIDE_FILES)}; "
+                                     f"pull only manifests shardc wrote")
+    plan = plan_from_dict(manifest.plan)
+    for s in manifest.shards:
+        want = plan.shard_name(s.tp_rank, s.pp_stage)
+        if s.file != want:
+            raise ManifestError(f"{where} lists {s.file} for tp_rank={s.tp_rank} pp_stage={s.pp_stage}, "
+                                f"whose shard its plan names {want}",
+                                hint="pull only manifests shardc wrote")
 
 
 def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,

@@ -10,9 +10,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreError, VerifyMismatch
-from ..formats.files import sha256_file
-from ..formats.manifest import Manifest, ShardEntry, read
+from ..errors import ShardcError, StoreError, VerifyMismatch
+from ..formats.files import safe_name, sha256_file
+from ..formats.manifest import Manifest, ShardEntry, parse, read
 from .base import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
 from .codec import CODECS, ZSTD_LEVEL, compress_file, zstd_module
 from .transfer import entries, os_errors, progress_bar, strip_compressed
@@ -51,8 +51,13 @@ def push_build(
     progress: bool = False,
     build_dir: Path | None = None,
     settings: S3Settings | None = None,
+    replace: bool = False,
 ) -> dict[str, Any]:
-    """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes."""
+    """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes.
+
+    A destination holding another plan's build (or the same plan built from another source) is
+    refused before anything changes, unless ``replace``: then, once the new manifest is in place,
+    the objects the old manifest named and the new one does not are removed (nothing else)."""
     t0 = time.perf_counter()
     manifest_path = Path(manifest_path)
     # A manifest in the store's form (copied from a store) names .zst objects of that store: this
@@ -65,6 +70,7 @@ def push_build(
     uploads = _plan_uploads(manifest, src, compress)
 
     old = store.get_bytes(manifest_name, MAX_MANIFEST_BYTES)  # also the first contact: bucket, creds
+    stale = _replaced_objects(store.object_uri(manifest_name), old, manifest, replace)
     todo = _find_missing(store, uploads)
     if todo and old is not None:
         store.delete(manifest_name)  # un-commit: its objects are about to change
@@ -75,6 +81,9 @@ def push_build(
     if data != old or todo:
         store.put_bytes(manifest_name, data, {"sha256": hashlib.sha256(data).hexdigest()})
         state = "uploaded"
+    removed = sorted(stale - {u.object for u in uploads} - {manifest_name})
+    for name in removed:  # after the new manifest: a reader never sees one whose objects are gone
+        store.delete(name)
     return {
         "dest": store.uri,
         "manifest_uri": store.object_uri(manifest_name),
@@ -86,11 +95,62 @@ def push_build(
         "present": sum(u.action == "present" for u in uploads),
         "bytes_uploaded": sum(_stored(u).size for u in todo),
         "bytes_total": sum(_stored(u).size for u in uploads),
+        "removed": removed,
         "seconds": round(time.perf_counter() - t0, 3),
     }
 
 
 # --- steps --------------------------------------------------------------------------------------
+
+def same_build(old: Manifest, new: Manifest) -> bool:
+    """Whether ``new`` is a rebuild of what ``old`` describes: the same effective plan (plan plus
+    command-line overrides) read from the same source (uri, revision, every file's sha256)."""
+    return (old.effective_sha256 == new.effective_sha256
+            and old.source.to_dict() == new.source.to_dict())
+
+
+def _replaced_objects(where: str, old: bytes | None, new: Manifest, replace: bool) -> set[str]:
+    """The objects of the build at the destination, when ``new`` replaces it (``replace``); empty
+    for a re-push of the same build. Another build there without ``replace`` is refused: its
+    manifest is what nodes pull at cold start, so swapping it must be asked for."""
+    if old is None:
+        return set()
+    try:
+        prev = parse(old, where)
+    except ShardcError as exc:
+        if not replace:
+            raise StoreError(f"{where} is not a manifest shardc can read ({exc.message}); refusing to "
+                             f"replace it with plan {new.name}",
+                             hint="pass --replace to overwrite it (no other object is removed)") from None
+        return set()
+    if same_build(prev, new):
+        return set()
+    if not replace:
+        raise StoreError(f"{where} holds {_describe(prev)}, not {_describe(new)}",
+                         hint="pass --replace to replace it (the old build's objects are removed), "
+                              "or push to another prefix")
+    return _objects(prev)
+
+
+def _describe(m: Manifest) -> str:
+    return f"plan {m.name} (sha256 {m.effective_sha256[:12]}, source {m.source.uri})"
+
+
+def _objects(m: Manifest) -> set[str]:
+    """The store objects a manifest (in the store's form) names: plain names only, so a hostile
+    manifest cannot make a replacing push delete anything outside the prefix."""
+    names = set()
+    for name, e in entries(m):
+        obj = e.compressed.get("object") if isinstance(e.compressed, dict) else None
+        names.add(obj if isinstance(obj, str) else name)  # a compressed entry is stored as its object
+    out = set()
+    for n in sorted(names):
+        try:
+            out.add(safe_name(n, "object name"))
+        except ShardcError:
+            continue
+    return out
+
 
 def _check_codec(compress: str | None) -> None:
     """Before anything is touched: a known codec whose library is installed."""
