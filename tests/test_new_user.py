@@ -212,3 +212,22 @@ def test_verify_deep_names_the_damaged_tensor(small, tmp_path):
     r = shardc("verify", "--manifest", bad / "manifest.json", "--deep", src)
     assert r.returncode == 1
     assert f"     also: tensor {name} differs from source {name} (deep check)" in r.stdout.splitlines(), r.stdout
+
+
+def test_build_upload_over_another_plan_needs_replace(small, tmp_path):
+    """push refuses to replace another plan's build (#25 item 12); build --upload takes --replace too."""
+    root, src, plan = small
+    dest = tmp_path / "store"
+    assert shardc("build", plan, "--out", root / "b", "--manifests-dir", tmp_path / "m", "--upload",
+                  "--to", f"file://{dest}", "-q").returncode == 0
+    other = _plan(tmp_path, "other", src)  # tp=1: another plan
+    r = shardc("build", other, "--out", tmp_path / "o", "--manifests-dir", tmp_path / "m", "--upload",
+               "--to", f"file://{dest}")
+    assert r.returncode == 2 and "--replace" in one_line(r)
+    assert json.loads((dest / "manifest.json").read_text())["plan"]["replica_group"]["name"] == "small"
+    r = shardc("build", other, "--out", tmp_path / "o", "--manifests-dir", tmp_path / "m", "--upload",
+               "--to", f"file://{dest}", "--replace")
+    assert r.returncode == 0, r.stderr
+    # the old tp2pp2 shards the tp1 build does not name (model-tp00-pp00 is overwritten, not removed)
+    assert r.stdout.splitlines()[-1] == "removed 3 object(s) of the replaced build", r.stdout
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "manifest.json", "model-tp00-pp00.safetensors"]

@@ -32,13 +32,15 @@ Examples:
 @click.option("--upload", is_flag=True, help="Push the build to object storage afterwards.")
 @click.option("--to", "to_uri", help="With --upload: destination [default: the plan's manifest_uri directory].")
 @click.option("--endpoint-url", help="With --upload: S3 endpoint (or AWS_ENDPOINT_URL).")
+@click.option("--replace", is_flag=True, help="With --upload: replace another plan's build at the "
+              "destination (as push --replace).")
 @click.option("--dry-run", is_flag=True, help="Validate the plan against the model and print the "
               "per-rank layout; reads no weights (hub sources use the built-in presets).")
 @click.option("--model", "model_ref", help="With --dry-run: model preset or config.json to check against.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, upload, to_uri,
-              endpoint_url, dry_run, model_ref, quiet, as_json) -> None:
+              endpoint_url, replace, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
     from ..spec.plan import load_plan
     from .output import echo_json, push_lines, show_progress, summary_lines
@@ -59,7 +61,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
         from ..store import push_build
 
         summary["upload"] = push_build(result.manifest_path, to_uri, endpoint_url=endpoint_url,
-                                       progress=show_progress(quiet) and not as_json)
+                                       progress=show_progress(quiet) and not as_json, replace=replace)
     if as_json:
         echo_json(summary)
         return

@@ -108,6 +108,9 @@ def push_lines(res: dict[str, Any]) -> list[str]:
     """What ``push`` (and ``build --upload``) did, as text."""
     from ..formats.files import human_size
 
-    return [f"pushed {res['uploaded']} file(s), {human_size(res['bytes_uploaded'])} "
-            f"({res['present']} already present) in {res['seconds']:.1f}s",
-            f"manifest: {res['manifest_uri']} ({res['manifest']})"]
+    lines = [f"pushed {res['uploaded']} file(s), {human_size(res['bytes_uploaded'])} "
+             f"({res['present']} already present) in {res['seconds']:.1f}s",
+             f"manifest: {res['manifest_uri']} ({res['manifest']})"]
+    if res.get("removed"):
+        lines.append(f"removed {len(res['removed'])} object(s) of the replaced build")
+    return lines

@@ -42,7 +42,7 @@ def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, en
              compress: str, replace: bool, quiet: bool, as_json: bool) -> None:
     """Upload a build to object storage, manifest last."""
     from ..store import push_build
-    from .output import echo_json, show_progress
+    from .output import echo_json, push_lines, show_progress
 
     res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
                      compress=None if compress == "none" else compress,
@@ -51,11 +51,7 @@ def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, en
     if as_json:
         echo_json(res)
     elif not quiet:
-        click.echo(f"pushed {res['uploaded']} file(s), {human_size(res['bytes_uploaded'])} "
-                   f"({res['present']} already present) in {res['seconds']:.1f}s")
-        click.echo(f"manifest: {res['manifest_uri']} ({res['manifest']})")
-        if res["removed"]:
-            click.echo(f"removed {len(res['removed'])} object(s) of the replaced build")
+        click.echo("\n".join(push_lines(res)))
 
 
 @click.command("pull", epilog="""\b
