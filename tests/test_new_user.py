@@ -230,4 +230,5 @@ def test_build_upload_over_another_plan_needs_replace(small, tmp_path):
     assert r.returncode == 0, r.stderr
     # the old tp2pp2 shards the tp1 build does not name (model-tp00-pp00 is overwritten, not removed)
     assert r.stdout.splitlines()[-1] == "removed 3 object(s) of the replaced build", r.stdout
-    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "manifest.json", "model-tp00-pp00.safetensors"]
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "manifest.json", "model-tp00-pp00.safetensors",
+                                                      "model.safetensors.index.json"]
