@@ -1,0 +1,375 @@
+"""#25 items 5, 7, 10b and 11: `shardc export` never destroys what it replaces.
+
+Real builds of a tiny seeded checkpoint, real `shardc export` subprocesses, really killed (SIGKILL
+from the fault hook ``SHARDC_FAULT=export:stage:N`` / ``export:switch:N`` in ``build/export.py``)
+or stopped while they hold the lock, a real 1 MiB tmpfs for ENOSPC. Oracles: the bytes of the
+export that was there before (read by the test), an uninterrupted export into another directory,
+and the checkpoint's own tensors read by the safetensors library.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardc.build.compile import LOCK, build
+from shardc.build.export import export
+from shardc.build.inputs import open_local_input
+from shardc.errors import VerifyMismatch
+from shardc.spec.plan import plan_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
+INDEX = "model.safetensors.index.json"
+TOKENIZER = b'{"version": "1.0", "model": {"type": "BPE"}}\n'
+GENERATION = b'{"bos_token_id": 1}\n'
+
+
+def shardc(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("SHARDC_FAULT", None)
+    if fault:
+        env["SHARDC_FAULT"] = fault
+    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+
+
+def cli_export(build_dir: Path, out: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
+    return shardc("export", "--manifest", str(build_dir / "manifest.json"), "--out", str(out), *extra, fault=fault)
+
+
+def one_line(r: subprocess.CompletedProcess, needle: str, code: int) -> str:
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
+    return lines[0]
+
+
+def files(d: Path) -> dict[str, bytes]:
+    """Everything in the directory but the lock file, by name."""
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.name != LOCK}
+
+
+def temps(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir() if p.name.startswith(".") and p.name.endswith(".tmp"))
+
+
+def plan(src: Path, tp: int, pp: int = 1, dtype: str = "bf16"):
+    return plan_from_dict({"replica_group": {"name": "x", "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
+                                             "gpus_per_replica": tp * pp}, "model": {"source": str(src)}})
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory) -> dict[str, Path]:
+    """a: tp 2 of checkpoint a (with tokenizer files); b: tp 2 x pp 2 of checkpoint b (other
+    weights: every exported byte changes); one: tp 1 of a (holds config.json and the HF index)."""
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    d = tmp_path_factory.mktemp("exp")
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        src = write_checkpoint(d / f"src-{name}", llama_config(**TINY), seed=seed)
+        (src / "tokenizer.json").write_bytes(TOKENIZER)
+        (src / "generation_config.json").write_bytes(GENERATION)
+        out[f"src-{name}"] = src
+    out["a"] = build(plan(out["src-a"], 2), d / "a").out_dir
+    out["b"] = build(plan(out["src-b"], 2, 2), d / "b").out_dir
+    out["one"] = build(plan(out["src-a"], 1), d / "one").out_dir
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(builds, tmp_path_factory) -> dict[str, dict[str, bytes]]:
+    """Uninterrupted exports of a (4 files of at most 20 KB) and b (2 files): what every test
+    starts from or must end as."""
+    d = tmp_path_factory.mktemp("ref")
+    ref = {}
+    for name, size in (("a", "20KB"), ("b", "60KB")):
+        r = cli_export(builds[name], d / name, "--max-shard-size", size)
+        assert r.returncode == 0, r.stderr
+        ref[name] = files(d / name)
+    assert len([n for n in ref["a"] if n.startswith("model-0")]) > len([n for n in ref["b"] if n.startswith("model-0")])
+    return ref
+
+
+def test_reference_exports_are_the_checkpoints(builds, reference):
+    """The oracle the other tests compare with is itself right: every tensor of the checkpoint,
+    bit for bit, the index naming the files, the tokenizer files as the source has them."""
+    import torch
+    from safetensors.torch import load
+
+    for name in ("a", "b"):
+        ref = reference[name]
+        want = load((builds[f"src-{name}"] / "model.safetensors").read_bytes())
+        index = json.loads(ref[INDEX])
+        got = {}
+        for fname in sorted(set(index["weight_map"].values())):
+            got.update(load(ref[fname]))
+        assert set(got) == set(want) == set(index["weight_map"])
+        for k, v in want.items():
+            assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
+        assert ref["tokenizer.json"] == TOKENIZER and ref["generation_config.json"] == GENERATION
+        assert sorted(n for n in ref if n.startswith("model-0")) == sorted(set(index["weight_map"].values()))
+
+
+def old_export(reference, tmp_path: Path, name: str = "a") -> Path:
+    """A directory holding a complete earlier export (bytes the test wrote)."""
+    out = tmp_path / "hf"
+    out.mkdir()
+    for fname, data in reference[name].items():
+        (out / fname).write_bytes(data)
+    return out
+
+
+def corrupted_copy(build_dir: Path, tmp_path: Path) -> tuple[Path, str]:
+    """The build with one bit flipped in the middle of its last shard (only the hash sees it)."""
+    bad = tmp_path / "bad"
+    shutil.copytree(build_dir, bad)
+    victim = sorted(bad.glob("model-tp*.safetensors"))[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2 + 7] ^= 0x10
+    victim.write_bytes(bytes(data))
+    return bad, victim.name
+
+
+# --- item 5: a failed export keeps the one it would replace --------------------------------------
+
+def test_corrupt_input_keeps_the_old_export_and_releases_the_lock(builds, reference, tmp_path):
+    out = old_export(reference, tmp_path)
+    bad, victim = corrupted_copy(builds["b"], tmp_path)
+    r = cli_export(bad, out, "--max-shard-size", "60KB")
+    one_line(r, f"{victim} is corrupted", 1)
+    assert files(out) == reference["a"]  # byte for byte, no temp file of the failed run
+    r = cli_export(builds["b"], out, "--max-shard-size", "60KB")  # the lock was released
+    assert r.returncode == 0, r.stderr
+    assert files(out) == reference["b"]  # and the stale 4-file export's shards are gone
+
+
+def test_library_failure_releases_the_lock_and_removes_what_it_created(builds, tmp_path):
+    """A corrupt input found while writing: a directory the export created is gone again, and
+    one it did not create is left with nothing of the run, its lock free (flock from here)."""
+    bad, victim = corrupted_copy(builds["b"], tmp_path)
+    with pytest.raises(VerifyMismatch, match=victim):
+        export(open_local_input(bad / "manifest.json"), tmp_path / "new" / "hf")
+    assert not (tmp_path / "new" / "hf").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_bytes(b"mine")
+    with pytest.raises(VerifyMismatch, match=victim):
+        export(open_local_input(bad / "manifest.json"), tmp_path / "mine")
+    assert files(tmp_path / "mine") == {"notes.txt": b"mine"}
+    fd = os.open(tmp_path / "mine" / LOCK, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises if the export still held it
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 1 MiB tmpfs (needs root; skipped otherwise)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_keeps_the_old_export(builds, reference, tmp_path, small_fs):
+    from shardc.build.synthetic import llama_config, write_checkpoint
+
+    out = small_fs / "hf"
+    out.mkdir()
+    for fname, data in reference["a"].items():
+        (out / fname).write_bytes(data)
+    src = write_checkpoint(tmp_path / "big-src", llama_config(**{**TINY, "vocab_size": 6000}), seed=3)
+    big = build(plan(src, 1), tmp_path / "big").out_dir  # 2.3 MB of shards: more than the tmpfs holds
+    r = cli_export(big, out)
+    one_line(r, f"cannot write the export in {out}", 1)
+    assert files(out) == reference["a"]
+    r = cli_export(builds["b"], out, "--max-shard-size", "60KB")  # lock released, room again
+    assert r.returncode == 0, r.stderr
+    assert files(out) == reference["b"]
+
+
+@pytest.mark.parametrize("spelling", ["same", "dotdot", "symlink", "manifest-dir", "bind"])
+def test_export_onto_its_input_is_refused(builds, tmp_path, spelling):
+    """The tp=1 input holds config.json and the HF index: an export there would overwrite them."""
+    one = tmp_path / "one"
+    shutil.copytree(builds["one"], one)
+    (one / LOCK).unlink()
+    before = files(one)
+    if spelling == "same":
+        out = one
+    elif spelling == "dotdot":
+        (tmp_path / "x").mkdir()
+        out = tmp_path / "x" / ".." / "one"
+    elif spelling == "symlink":
+        out = tmp_path / "link"
+        out.symlink_to(one)
+    elif spelling == "manifest-dir":
+        out = Path(str(one) + "/")
+    else:
+        out = tmp_path / "bound"
+        out.mkdir()
+        if subprocess.run(["mount", "--bind", str(one), str(out)], capture_output=True).returncode != 0:
+            pytest.skip("cannot bind-mount here (needs root)")
+    try:
+        r = shardc("export", "--manifest", str(one / "manifest.json"), "--out", str(out))
+        one_line(r, "is the input build's own directory", 2)
+    finally:
+        if spelling == "bind":
+            subprocess.run(["umount", "-l", str(out)], check=False)
+    assert files(one) == before and not (one / LOCK).exists()
+
+
+def test_export_into_another_build_is_refused(builds, tmp_path):
+    other = tmp_path / "other"
+    shutil.copytree(builds["one"], other)
+    before = files(other)
+    one_line(cli_export(builds["b"], other), "holds a shardc build", 2)
+    assert files(other) == before
+
+
+def test_a_directory_at_a_new_name_fails_before_the_switch(builds, reference, tmp_path):
+    """A rename cannot replace a directory: found before the old index goes, nothing changed.
+    A directory at a stale shard's name is not the old export's: left alone."""
+    out = old_export(reference, tmp_path, "b")
+    third = sorted(n for n in reference["a"] if n.startswith("model-0"))[2]
+    (out / third).mkdir()
+    before = files_and_dirs(out)
+    one_line(cli_export(builds["a"], out, "--max-shard-size", "20KB"), f"{third} is a directory", 1)
+    assert files_and_dirs(out) == before
+    (out / third).rmdir()
+    (out / "model-00009-of-00009.safetensors").mkdir()
+    assert cli_export(builds["a"], out, "--max-shard-size", "20KB").returncode == 0
+    assert files_and_dirs(out) == {**reference["a"], "model-00009-of-00009.safetensors": None}
+
+
+def files_and_dirs(d: Path) -> dict[str, bytes | None]:
+    return {p.name: None if p.is_dir() else p.read_bytes() for p in sorted(d.iterdir()) if p.name != LOCK}
+
+
+# --- items 5 and 10b: killed anywhere, the directory never lies; a rerun cleans up ----------------
+
+def kill_points(reference) -> list[str]:
+    n = len(reference["a"])  # files of the new export: 6 shards, config, 2 tokenizer files, index
+    return ["stage:0", "stage:1", f"stage:{n}", "switch:0", "switch:3", f"switch:{n - 1}", f"switch:{n}"]
+
+
+@pytest.mark.parametrize("i", [pytest.param(i, marks=[] if i in (1, 4) else [pytest.mark.heavy]) for i in range(7)])
+def test_killed_export_never_leaves_a_lying_index(builds, reference, tmp_path, i):
+    """Export a over b's export, SIGKILLed at one point. Before the switch the old export is
+    all there, byte for byte (plus the dead run's temp files); during it there is no index; after
+    the index rename it is the new export. A rerun removes the temps and ends as an
+    uninterrupted export."""
+    point = kill_points(reference)[i]
+    out = old_export(reference, tmp_path, "b")
+    r = cli_export(builds["a"], out, "--max-shard-size", "20KB", fault=f"export:{point}")
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr)
+    left = files(out)
+    leaked = temps(out)
+    final = {k: v for k, v in left.items() if k not in leaked}
+    n = len(reference["a"])
+    if point.startswith("stage:"):
+        assert final == reference["b"]
+        assert len(leaked) == max(1, int(point.split(":")[1]))  # stage:0: one shard half written
+    elif point == f"switch:{n}":
+        assert final == reference["a"] and not leaked
+    else:
+        assert INDEX not in left
+        renamed = int(point.split(":")[1])
+        assert len(leaked) == n - renamed
+        for name, data in final.items():  # whatever is there is one export's file or the other's
+            assert data in (reference["a"].get(name), reference["b"].get(name)), name
+    r = cli_export(builds["a"], out, "--max-shard-size", "20KB")
+    assert r.returncode == 0, r.stderr
+    assert files(out) == reference["a"] and not temps(out)
+
+
+@pytest.mark.heavy
+def test_a_killed_exports_temps_are_removed_only_under_the_lock(builds, reference, tmp_path):
+    """10b: a kill leaves its temp files (real bytes); the next export removes them once it holds
+    the lock, and an export refused by the lock removes nothing (not even the holder's temps)."""
+    out = old_export(reference, tmp_path, "b")
+    r = cli_export(builds["a"], out, "--max-shard-size", "20KB", fault="export:stage:2")
+    assert r.returncode == -signal.SIGKILL
+    leaked = temps(out)
+    assert len(leaked) == 2 and all(t.startswith(".model-0000") for t in leaked)
+    assert all((out / t).stat().st_size > 10_000 for t in leaked)
+    with stopped_export(builds["a"], out, "stage:0", "--max-shard-size", "20KB") as proc:
+        held = temps(out)
+        assert len(held) == 1 and not set(held) & set(leaked)  # the dead run's are gone
+        before = files(out)
+        one_line(cli_export(builds["b"], out, "--max-shard-size", "60KB"), "another shardc export", 2)
+        assert files(out) == before
+        proc.send_signal(signal.SIGCONT)
+        assert proc.wait(timeout=120) == 0
+    assert files(out) == reference["a"] and not temps(out)
+
+
+# --- item 11: two exports into one directory: one wins, the other touches nothing --------------
+
+class stopped_export:
+    """A real `shardc export` subprocess that stopped itself (SIGSTOP) at ``point``, holding the lock."""
+
+    def __init__(self, build_dir: Path, out: Path, point: str, *extra: str) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SHARDC_FAULT": f"export:{point}:stop"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "shardc.cli", "export", "--manifest",
+                                      str(build_dir / "manifest.json"), "--out", str(out), "--json", *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+
+    def __enter__(self) -> subprocess.Popen:
+        _, status = os.waitpid(self.proc.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status), status
+        return self.proc
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.send_signal(signal.SIGCONT)
+        self.proc.wait(timeout=60)
+
+
+def test_two_exports_into_one_directory(builds, reference, tmp_path):
+    out = tmp_path / "hf"
+    with stopped_export(builds["a"], out, "stage:1", "--max-shard-size", "20KB") as first:
+        before = files(out)
+        assert len(temps(out)) == 1  # the first has written its first shard at a temp name
+        second = cli_export(builds["b"], out, "--max-shard-size", "60KB")
+        one_line(second, f"another shardc export or build is writing to {out}", 2)
+        assert files(out) == before  # the loser touched nothing
+        first.send_signal(signal.SIGCONT)
+        stdout, stderr = first.communicate(timeout=120)
+    assert first.returncode == 0, stderr
+    assert files(out) == reference["a"]
+    report = json.loads(stdout)  # the winner's report is true
+    for f in report["files"]:
+        assert hashlib.sha256((out / f["name"]).read_bytes()).hexdigest() == f["sha256"]
+        assert (out / f["name"]).stat().st_size == f["size"]
+
+
+def test_a_build_into_a_directory_being_exported_is_refused(builds, reference, tmp_path):
+    """The export holds the build lock itself: a build or reshard into it waits its turn."""
+    out = tmp_path / "hf"
+    plan_file = tmp_path / "p.yaml"
+    plan_file.write_text(json.dumps({"replica_group": {"name": "x", "tp_degree": 1, "pp_degree": 1, "dtype": "bf16",
+                                                       "gpus_per_replica": 1},
+                                     "model": {"source": str(builds["src-a"])}}))
+    with stopped_export(builds["a"], out, "stage:0", "--max-shard-size", "20KB") as first:
+        r = shardc("build", str(plan_file), "--out", str(out), "--manifests-dir", str(tmp_path / "m"))
+        one_line(r, f"another shardc build is writing to {out}", 2)
+        first.send_signal(signal.SIGCONT)
+        assert first.wait(timeout=120) == 0
+    assert files(out) == reference["a"]
