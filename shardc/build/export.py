@@ -66,7 +66,13 @@ def parse_size(text: str) -> int:
 
 
 def export_plan(manifest: Manifest):
-    """The input's plan at tp=1, pp=1: same dtype, quantization ignore list and base dtype."""
+    """The input's plan at tp=1, pp=1: same dtype, quantization ignore list and base dtype. The
+    input's own plan is checked first, so an edited one is one line naming the manifest's plan."""
+    try:
+        plan_from_dict(json.loads(json.dumps(manifest.plan)))
+    except PlanError as exc:
+        raise ManifestError(f"the input manifest's plan is not a valid plan: {exc.one_line()}",
+                            key="plan", hint="rebuild the input, or restore its manifest.json") from None
     data = json.loads(json.dumps(manifest.plan))
     rg = data["replica_group"]
     rg.update(tp_degree=1, pp_degree=1, gpus_per_replica=1)
