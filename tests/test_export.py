@@ -373,3 +373,89 @@ def test_a_build_into_a_directory_being_exported_is_refused(builds, reference, t
         first.send_signal(signal.SIGCONT)
         assert first.wait(timeout=120) == 0
     assert files(out) == reference["a"]
+
+
+# --- in-process checks (fast; what mutation testing runs) ---------------------------------------
+
+@pytest.mark.parametrize(("text", "want"), [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("1.5KB", 1500), ("7", 7),
+                                            (" 2 gib ", 2 * 2**30), ("3TB", 3 * 10**12), ("1TiB", 2**40),
+                                            ("2MB", 2 * 10**6), ("4KiB", 4096), ("9B", 9)])
+def test_parse_size(text, want):
+    from shardc.build.export import parse_size
+
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["0", "0GB", "-1GB", "5XB", "", "GB", "1e3", "5 G B"])
+def test_parse_size_refuses(text):
+    from shardc.build.export import parse_size
+    from shardc.errors import ManifestError
+
+    with pytest.raises(ManifestError, match="is not a size") as e:
+        parse_size(text)
+    assert e.value.key == "max_shard_size" and "5GB" in e.value.hint
+
+
+def test_groups_cut_before_the_limit_is_crossed():
+    from types import SimpleNamespace
+
+    from shardc.build.export import _groups
+
+    def sizes(limit, *nbytes):
+        return [[t.nbytes for t in g] for g in _groups(tuple(SimpleNamespace(nbytes=n) for n in nbytes), limit)]
+
+    assert sizes(20, 10, 10, 25, 5) == [[10, 10], [25], [5]]
+    assert sizes(20, 10, 11) == [[10], [11]]
+    assert sizes(21, 10, 11, 1) == [[10, 11], [1]]
+    assert sizes(5, 30, 1) == [[30], [1]]  # a tensor over the limit gets a file of its own
+    assert sizes(100, 1, 2, 3) == [[1, 2, 3]]
+
+
+def test_library_export_over_an_old_one(builds, reference, tmp_path):
+    """In process: the result's report, checked against the files with hashlib, and the old
+    export's stale shards gone (6 files became 2)."""
+    from safetensors.torch import load
+
+    out = old_export(reference, tmp_path, "a")
+    res = export(open_local_input(builds["b"] / "manifest.json"), out, max_shard_size=60_000)
+    assert files(out) == reference["b"] and not temps(out)
+    assert res["out_dir"] == str(out) and res["index"] == str(out / INDEX) and res["dtype"] == "bf16"
+    assert res["source"] == {"uri": str(builds["b"] / "manifest.json"),
+                             "manifest_sha256": hashlib.sha256((builds["b"] / "manifest.json").read_bytes()).hexdigest()}
+    src = load((builds["src-b"] / "model.safetensors").read_bytes())
+    assert res["total_bytes"] == sum(t.numel() * t.element_size() for t in src.values())
+    assert [f["name"] for f in res["files"]] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for f in res["files"]:
+        data = (out / f["name"]).read_bytes()
+        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
+        assert f["tensors"] == len(load(data))
+    assert json.loads((out / INDEX).read_bytes())["metadata"] == {"total_size": res["total_bytes"]}
+    assert res["seconds"] >= 0
+
+
+def test_library_refusals_touch_nothing(builds, reference, tmp_path):
+    """In process: a lock held elsewhere (flock from here), a build in --out, the input itself."""
+    from shardc.errors import PlanError, ShardcError
+
+    out = old_export(reference, tmp_path, "b")
+    fd = os.open(out / LOCK, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        (out / ".model-00001-of-00002.safetensors.0123456789abcdef.tmp").write_bytes(b"someone's")
+        before = files(out)
+        with pytest.raises(ShardcError, match="another shardc export or build is writing to") as e:
+            export(open_local_input(builds["a"] / "manifest.json"), out)
+        assert e.value.exit_code == 2 and files(out) == before
+    finally:
+        os.close(fd)
+    with pytest.raises(PlanError, match="is the input build's own directory"):
+        export(open_local_input(builds["one"] / "manifest.json"), builds["one"] / "x" / "..")
+    for marker in ("manifest.json", ".shardc-switch.json"):
+        d = tmp_path / marker
+        d.mkdir()
+        (d / marker).write_bytes(b"{}")
+        with pytest.raises(PlanError, match="holds a shardc build"):
+            export(open_local_input(builds["a"] / "manifest.json"), d)
+        assert files(d) == {marker: b"{}"}
+    res = export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+    assert files(out) == reference["a"] and res["files"]  # the stale temp is gone with the lock free
