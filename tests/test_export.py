@@ -234,6 +234,13 @@ def test_export_onto_its_input_is_refused(builds, tmp_path, spelling):
     assert files(one) == before and not (one / LOCK).exists()
 
 
+def test_out_a_symlink_loop_is_one_line(builds, tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    one_line(cli_export(builds["a"], loop), f"cannot create the output directory {loop}", 1)
+    assert loop.is_symlink() and os.readlink(loop) == str(loop)
+
+
 def test_export_into_another_build_is_refused(builds, tmp_path):
     other = tmp_path / "other"
     shutil.copytree(builds["one"], other)

@@ -118,7 +118,10 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
 def _refuse_input_dir(out: Path, inp: BuildInput) -> None:
     """The export would overwrite the input's config.json and index (a tp=1 build has both):
     refused however the directory is spelled (``..``, a symlink, a bind mount)."""
-    same = out.resolve() == inp.directory.resolve()
+    try:
+        same = out.resolve() == inp.directory.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: not the input (creating it says what it is)
+        same = False
     if not same and out.exists():
         try:
             same = os.path.samefile(out, inp.directory)
