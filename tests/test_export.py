@@ -466,3 +466,63 @@ def test_library_refusals_touch_nothing(builds, reference, tmp_path):
         assert files(d) == {marker: b"{}"}
     res = export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
     assert files(out) == reference["a"] and res["files"]  # the stale temp is gone with the lock free
+
+
+# --- item 7: Ctrl-C and a remote input ------------------------------------------------------------
+
+@pytest.mark.heavy
+def test_ctrl_c_mid_export_removes_its_temps_and_keeps_the_old_export(builds, reference, tmp_path):
+    """SIGINT while the export holds the lock with a shard staged: `interrupted`, exit 130, its
+    temp files gone, the old export byte for byte, and the lock free for the next export."""
+    out = old_export(reference, tmp_path, "b")
+    with stopped_export(builds["a"], out, "stage:1", "--max-shard-size", "20KB") as proc:
+        assert len(temps(out)) == 1
+        proc.send_signal(signal.SIGINT)  # delivered when it resumes, inside the export
+        proc.send_signal(signal.SIGCONT)
+        _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and stderr.strip() == "interrupted", stderr
+    assert files(out) == reference["b"]
+    assert cli_export(builds["a"], out, "--max-shard-size", "20KB").returncode == 0
+    assert files(out) == reference["a"]
+
+
+@pytest.fixture
+def aws_env(monkeypatch, tmp_path):
+    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+                 "AWS_CONFIG_FILE": str(tmp_path / "none"), "SHARDC_S3_MAX_ATTEMPTS": "2"}.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.heavy
+def test_corrupt_s3_input_keeps_the_old_export(builds, reference, tmp_path, s3, aws_env):
+    """From object storage: a corrupted object is exit 1 naming it, the old export whole, no
+    spool directory left beside it; the intact build then exports as the local one does."""
+    from click.testing import CliRunner
+
+    from shardc.cli import main
+    from shardc.store.push import push_build
+
+    server, _ = s3
+    c = server.client()
+    c.create_bucket(Bucket="exp")
+    push_build(builds["b"] / "manifest.json", "s3://exp/b", endpoint_url=server.endpoint)
+    out = old_export(reference, tmp_path, "a")
+    victim = "model-tp01-pp01.safetensors"
+    obj = c.get_object(Bucket="exp", Key=f"b/{victim}")
+    good = obj["Body"].read()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x40
+    c.put_object(Bucket="exp", Key=f"b/{victim}", Body=bytes(bad), Metadata=obj["Metadata"])
+    args = ["export", "--manifest", "s3://exp/b/manifest.json", "--out", str(out), "--endpoint-url",
+            server.endpoint, "--max-shard-size", "60KB"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 1 and victim in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.output
+    assert files(out) == reference["a"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".shardc-input-")]
+    c.put_object(Bucket="exp", Key=f"b/{victim}", Body=good, Metadata=obj["Metadata"])
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert files(out) == reference["b"]
