@@ -464,8 +464,15 @@ def test_library_refusals_touch_nothing(builds, reference, tmp_path):
         with pytest.raises(PlanError, match="holds a shardc build"):
             export(open_local_input(builds["a"] / "manifest.json"), d)
         assert files(d) == {marker: b"{}"}
+    planted = out / ".config.json.fedcba9876543210.tmp"
+    planted.mkdir()  # a directory at a temp name is not a leftover of ours: kept
+    link = out / ".tokenizer.json.00112233445566ff.tmp"
+    link.symlink_to(builds["one"] / "manifest.json")  # a link is removed, its target kept
     res = export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
-    assert files(out) == reference["a"] and res["files"]  # the stale temp is gone with the lock free
+    assert res["files"] and planted.is_dir() and not os.path.lexists(link)
+    planted.rmdir()
+    assert files(out) == reference["a"]  # the stale temp is gone with the lock free
+    assert (builds["one"] / "manifest.json").is_file()
 
 
 # --- item 7: Ctrl-C and a remote input ------------------------------------------------------------

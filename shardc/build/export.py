@@ -181,8 +181,13 @@ def _export_locked(inp: BuildInput, source: BuildSource, layout, out: Path, limi
     if os.path.lexists(out / "manifest.json") or os.path.lexists(out / SWITCH_JOURNAL):
         raise PlanError(f"the output directory {out} holds a shardc build, which the export would break",
                         key="--out", hint="export into another directory")
-    for stale in temp_files(out):  # left by a killed run (the lock says none is running)
-        stale.unlink(missing_ok=True)
+    try:
+        for stale in temp_files(out):  # left by a killed run (the lock says none is running)
+            if stale.is_symlink() or not stale.is_dir():  # a directory is not one of our files
+                stale.unlink(missing_ok=True)
+    except OSError as exc:
+        raise OutputError(f"cannot remove what a killed export left in {out}: {exc.strerror or exc}",
+                          hint="fix the directory's permissions, then rerun") from None
     staged: list[tuple[Path, str]] = []  # (durable temp file, final name), the index last
     try:
         files = _stage(inp, source, layout, out, limit, staged)
