@@ -400,7 +400,7 @@ def test_parse_size_refuses(text):
 
     with pytest.raises(ManifestError, match="is not a size") as e:
         parse_size(text)
-    assert e.value.key == "max_shard_size" and "5GB" in e.value.hint
+    assert e.value.key == "max_shard_size" and e.value.hint == "use a number with a unit: 5GB, 500MB, 2GiB"
 
 
 def test_groups_cut_before_the_limit_is_crossed():
@@ -533,3 +533,94 @@ def test_corrupt_s3_input_keeps_the_old_export(builds, reference, tmp_path, s3, 
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     assert files(out) == reference["b"]
+
+
+# --- in-process, for mutation testing: the fault points, the side-file check, exact messages ------
+
+def _forked_export(build_dir: Path, out: Path, fault: str) -> int:
+    """export() in a forked child with ``SHARDC_FAULT`` set: the hook's real SIGKILL ends the
+    child at its point (no interpreter start, so a dozen points cost well under a second)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 3
+        try:
+            os.environ["SHARDC_FAULT"] = f"export:{fault}"
+            export(open_local_input(build_dir / "manifest.json"), out, max_shard_size=20_000)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def test_fault_points_are_where_their_names_say(builds, reference, tmp_path):
+    """stage:N: N files at temp names (stage:0, the first shard half written); switch:N: no
+    index and N files renamed, switch:<all> the new export in place. Then a clean export."""
+    out = old_export(reference, tmp_path, "b")
+    n = len(reference["a"])  # 10: 6 shards, config.json, 2 tokenizer files, the index
+    for point, left in [("stage:0", 1), ("stage:1", 1), ("stage:6", 6), ("stage:7", 7), (f"stage:{n}", n),
+                        ("switch:0", n), ("switch:1", n - 1), ("switch:2", n - 2), (f"switch:{n - 1}", 1),
+                        (f"switch:{n}", 0)]:
+        assert _forked_export(builds["a"], out, point) == -signal.SIGKILL, point
+        leaked = temps(out)
+        assert len(leaked) == left, (point, leaked)
+        final = {k: v for k, v in files(out).items() if k not in leaked}
+        if point.startswith("stage:"):
+            assert final == reference["b"], point
+        elif point == f"switch:{n}":
+            assert final == reference["a"]
+        else:
+            assert INDEX not in final and len(final) >= n - left, point
+        shutil.rmtree(out)
+        out = old_export(reference, tmp_path, "b")
+    assert _forked_export(builds["a"], out, "none") == 0
+    assert files(out) == reference["a"]
+
+
+def test_side_files_are_read_without_links_and_checked_again(builds, tmp_path):
+    """The tokenizer bytes copied are the bytes the input manifest lists: a link put in place of
+    a checked file, or a file changed after its check, is one line (exit 1), never copied."""
+    from shardc.build.export import _side_file
+
+    work = tmp_path / "in"
+    shutil.copytree(builds["a"], work)
+    inp = open_local_input(work / "manifest.json")
+    try:
+        assert _side_file(inp, "tokenizer.json") == TOKENIZER
+        (tmp_path / "same.json").write_bytes(TOKENIZER)
+        (work / "tokenizer.json").unlink()
+        (work / "tokenizer.json").symlink_to(tmp_path / "same.json")
+        with pytest.raises(VerifyMismatch) as e:
+            _side_file(inp, "tokenizer.json")
+        assert type(e.value) is VerifyMismatch and e.value.exit_code == 1
+        assert e.value.message.startswith(f"cannot read input file {work / 'tokenizer.json'}: ")
+        (work / "tokenizer.json").unlink()
+        (work / "tokenizer.json").write_bytes(TOKENIZER.replace(b"BPE", b"BPX"))  # same size
+        with pytest.raises(VerifyMismatch) as e:
+            _side_file(inp, "tokenizer.json")
+        assert e.value.message == (f"input file {work / 'tokenizer.json'} changed after it was checked: it is "
+                                   "not what the input manifest lists")
+        assert e.value.hint == "restore the file or rebuild the input"
+        (work / "tokenizer.json").write_bytes(TOKENIZER[:-1])  # one byte short
+        with pytest.raises(VerifyMismatch, match="changed after it was checked"):
+            _side_file(inp, "tokenizer.json")
+    finally:
+        inp.close()
+
+
+def test_switch_refuses_a_directory_and_replaces_a_link(builds, reference, tmp_path):
+    from shardc.errors import OutputError
+
+    out = old_export(reference, tmp_path, "b")
+    third = sorted(n for n in reference["a"] if n.startswith("model-0"))[2]
+    (out / third).mkdir()
+    with pytest.raises(OutputError) as e:
+        export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+    assert e.value.message == f"cannot switch the export into {out}: {out / third} is a directory"
+    assert e.value.key == third and e.value.hint == "remove it, then rerun the export"
+    assert files_and_dirs(out) == {**reference["b"], third: None}
+    (out / third).rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    (out / third).symlink_to(tmp_path / "elsewhere")  # a link is a name, replaced like a file
+    export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+    assert files(out) == reference["a"] and (tmp_path / "elsewhere").is_dir()
