@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -90,13 +91,13 @@ def builds(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def reference(builds, tmp_path_factory) -> dict[str, dict[str, bytes]]:
-    """Uninterrupted exports of a (4 files of at most 20 KB) and b (2 files): what every test
-    starts from or must end as."""
+    """Uninterrupted exports of a (6 files of at most 20 KB) and b (2 files): what every test
+    starts from or must end as. Written in process (the subprocess tests compare the CLI's
+    output with them); the first test below checks them against the checkpoints themselves."""
     d = tmp_path_factory.mktemp("ref")
     ref = {}
-    for name, size in (("a", "20KB"), ("b", "60KB")):
-        r = cli_export(builds[name], d / name, "--max-shard-size", size)
-        assert r.returncode == 0, r.stderr
+    for name, size in (("a", 20_000), ("b", 60_000)):
+        export(open_local_input(builds[name] / "manifest.json"), d / name, max_shard_size=size)
         ref[name] = files(d / name)
     assert len([n for n in ref["a"] if n.startswith("model-0")]) > len([n for n in ref["b"] if n.startswith("model-0")])
     return ref
@@ -119,7 +120,27 @@ def test_reference_exports_are_the_checkpoints(builds, reference):
         for k, v in want.items():
             assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
         assert ref["tokenizer.json"] == TOKENIZER and ref["generation_config.json"] == GENERATION
-        assert sorted(n for n in ref if n.startswith("model-0")) == sorted(set(index["weight_map"].values()))
+        assert json.loads(ref["config.json"]) == json.loads((builds[f"src-{name}"] / "config.json").read_bytes())
+        shards = sorted(n for n in ref if n.startswith("model-0"))
+        assert shards == sorted(set(index["weight_map"].values()))
+        assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        assert index["metadata"] == {"total_size": sum(v.numel() * v.element_size() for v in want.values())}
+        # save_pretrained's grouping: names in order, a new file only when the next would cross
+        limit = {"a": 20_000, "b": 60_000}[name]
+        order, sizes = [], []
+        for fname in shards:
+            n = struct.unpack("<Q", ref[fname][:8])[0]
+            head = json.loads(ref[fname][8 : 8 + n])
+            assert head.pop("__metadata__") == {"format": "pt", "shardc.export_of": hashlib.sha256(
+                (builds[name] / "manifest.json").read_bytes()).hexdigest()}
+            names = sorted(head, key=lambda k: head[k]["data_offsets"][0])
+            order += names
+            sizes.append([want[k].numel() * want[k].element_size() for k in names])
+        assert order == sorted(want)
+        for i, group in enumerate(sizes):
+            assert sum(group) <= limit or len(group) == 1
+            if i + 1 < len(sizes):
+                assert sum(group) + sizes[i + 1][0] > limit
 
 
 def old_export(reference, tmp_path: Path, name: str = "a") -> Path:
