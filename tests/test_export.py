@@ -574,10 +574,13 @@ def _forked_export(build_dir: Path, out: Path, fault: str) -> int:
     return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def test_fault_points_are_where_their_names_say(builds, reference, tmp_path):
+def test_fault_points_in_forked_children(builds, reference, tmp_path):
     """stage:N: N files at temp names (stage:0, the first shard half written); switch:N: no
-    index and N files renamed, switch:<all> the new export in place. Then a clean export."""
+    index and N files renamed, switch:<all> the new export in place. First one export in this
+    process: with no fault set, no hook fires."""
     out = old_export(reference, tmp_path, "b")
+    export(open_local_input(builds["b"] / "manifest.json"), out, max_shard_size=60_000)
+    assert files(out) == reference["b"]
     n = len(reference["a"])  # 10: 6 shards, config.json, 2 tokenizer files, the index
     for point, left in [("stage:0", 1), ("stage:1", 1), ("stage:6", 6), ("stage:7", 7), (f"stage:{n}", n),
                         ("switch:0", n), ("switch:1", n - 1), ("switch:2", n - 2), (f"switch:{n - 1}", 1),
