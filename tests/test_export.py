@@ -648,3 +648,111 @@ def test_switch_refuses_a_directory_and_replaces_a_link(builds, reference, tmp_p
     (out / third).symlink_to(tmp_path / "elsewhere")  # a link is a name, replaced like a file
     export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
     assert files(out) == reference["a"] and (tmp_path / "elsewhere").is_dir()
+
+
+def test_exact_refusals_in_process(builds, reference, tmp_path):
+    """The one lines of the refusals, word for word (key and hint included), found before the
+    output directory is touched; a bind mount of the input is its own directory too."""
+    from shardc.errors import ManifestError, OutputError, PlanError
+
+    with pytest.raises(PlanError) as e:
+        export(open_local_input(builds["one"] / "manifest.json"), builds["one"])
+    assert (e.value.message, e.value.key, e.value.hint) == (
+        f"the output directory {builds['one']} is the input build's own directory", "--out",
+        "export into another directory")
+    bound = tmp_path / "bound"
+    bound.mkdir()
+    if subprocess.run(["mount", "--bind", str(builds["one"]), str(bound)], capture_output=True).returncode == 0:
+        try:
+            with pytest.raises(PlanError, match="is the input build's own directory"):
+                export(open_local_input(builds["one"] / "manifest.json"), bound)
+        finally:
+            subprocess.run(["umount", "-l", str(bound)], check=False)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(OutputError) as e:
+        export(open_local_input(builds["a"] / "manifest.json"), loop)
+    assert e.value.message == f"cannot create the output directory {loop}: File exists"
+    d = tmp_path / "build"
+    d.mkdir()
+    (d / "manifest.json").write_bytes(b"{}")
+    with pytest.raises(PlanError) as e:
+        export(open_local_input(builds["a"] / "manifest.json"), d)
+    assert (e.value.message, e.value.key, e.value.hint) == (
+        f"the output directory {d} holds a shardc build, which the export would break", "--out",
+        "export into another directory")
+    bad = tmp_path / "badplan"
+    shutil.copytree(builds["a"], bad)
+    m = json.loads((bad / "manifest.json").read_bytes())
+    m["plan"]["replica_group"]["dtype"] = "q9"
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ManifestError) as e:
+        export(open_local_input(bad / "manifest.json"), tmp_path / "never")
+    assert e.value.message.startswith("the input manifest's plan is not a valid plan: ") and "q9" in e.value.message
+    assert (e.value.key, e.value.hint) == ("plan", "rebuild the input, or restore its manifest.json")
+    assert not (tmp_path / "never").exists()
+
+
+def test_disk_full_in_process(builds, reference, tmp_path):
+    """ENOSPC while staging: the exact line, the old export whole, no temp left."""
+    from shardc.errors import OutputError
+
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160K", "tmpfs", str(mnt)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        out = mnt / "hf"
+        out.mkdir()
+        for fname, data in reference["b"].items():
+            (out / fname).write_bytes(data)
+        with pytest.raises(OutputError) as e:
+            export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+        assert (e.value.message, e.value.hint) == (f"cannot write the export in {out}: No space left on device",
+                                                   "free space or fix the disk, then rerun")
+        assert files(out) == reference["b"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_failed_switch_leaves_no_index_and_no_temps(builds, reference, tmp_path):
+    """A rename refused midway (an immutable config.json, chattr +i): one line, no index (never
+    one naming other files), this run's temps removed; a rerun once it is fixed completes."""
+    from shardc.errors import OutputError
+
+    out = old_export(reference, tmp_path, "b")
+    if subprocess.run(["chattr", "+i", str(out / "config.json")], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is refused here")
+    try:
+        with pytest.raises(OutputError) as e:
+            export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+    finally:
+        subprocess.run(["chattr", "-i", str(out / "config.json")], check=True)
+    assert (e.value.message, e.value.hint) == (
+        f"cannot switch the export into {out}: Operation not permitted; it has no index now",
+        "fix the disk, then rerun the export")
+    assert INDEX not in files(out) and not temps(out)
+    export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+    assert files(out) == reference["a"]
+
+
+def test_report_seconds_and_pp_layers(builds, tmp_path):
+    """The report's seconds is this call's wall time, to the millisecond; an input with uneven
+    stages (pp_layers) exports (the tp=1 plan drops them)."""
+    import time
+
+    t0 = time.perf_counter()
+    res = export(open_local_input(builds["a"] / "manifest.json"), tmp_path / "hf")
+    wall = time.perf_counter() - t0
+    assert isinstance(res["seconds"], float) and 0 < res["seconds"] <= wall
+    assert res["seconds"] == round(res["seconds"], 3) and res["seconds"] > wall - 0.5
+    p = plan_from_dict({"replica_group": {"name": "x", "tp_degree": 1, "pp_degree": 2, "dtype": "bf16",
+                                          "gpus_per_replica": 2},
+                        "model": {"source": str(builds["src-a"]), "pp_layers": [1, 1]}})
+    uneven = build(p, tmp_path / "pp").out_dir
+    export(open_local_input(uneven / "manifest.json"), tmp_path / "hf2")
+    assert files(tmp_path / "hf2")["model-00001-of-00001.safetensors"][8:] == \
+        files(tmp_path / "hf")["model-00001-of-00001.safetensors"][8:].replace(
+            hashlib.sha256((builds["a"] / "manifest.json").read_bytes()).hexdigest().encode(),
+            hashlib.sha256((uneven / "manifest.json").read_bytes()).hexdigest().encode())
