@@ -121,6 +121,7 @@ def test_reference_exports_are_the_checkpoints(builds, reference):
             assert got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)), k
         assert ref["tokenizer.json"] == TOKENIZER and ref["generation_config.json"] == GENERATION
         assert json.loads(ref["config.json"]) == json.loads((builds[f"src-{name}"] / "config.json").read_bytes())
+        assert ref["config.json"] == (builds[name] / "config.json").read_bytes()  # as build writes it, byte for byte
         shards = sorted(n for n in ref if n.startswith("model-0"))
         assert shards == sorted(set(index["weight_map"].values()))
         assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
