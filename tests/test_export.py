@@ -757,3 +757,32 @@ def test_report_seconds_and_pp_layers(builds, tmp_path):
         files(tmp_path / "hf")["model-00001-of-00001.safetensors"][8:].replace(
             hashlib.sha256((builds["a"] / "manifest.json").read_bytes()).hexdigest().encode(),
             hashlib.sha256((uneven / "manifest.json").read_bytes()).hexdigest().encode())
+
+
+def test_cleanup_failure_is_one_line_and_a_plan_without_checkpoint_exports(builds, reference, tmp_path):
+    """A leftover temp file that cannot be removed (chattr +i) is one line, nothing else touched;
+    an input plan with no checkpoint block (its default) exports."""
+    from shardc.errors import OutputError
+
+    out = old_export(reference, tmp_path, "b")
+    stuck = out / ".config.json.0123456789abcdef.tmp"
+    stuck.write_bytes(b"left")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is refused here")
+    try:
+        with pytest.raises(OutputError) as e:
+            export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=True)
+    assert (e.value.message, e.value.hint) == (
+        f"cannot remove what a killed export left in {out}: Operation not permitted",
+        "fix the directory's permissions, then rerun")
+    assert files(out) == {**reference["b"], stuck.name: b"left"}
+    bare = tmp_path / "bare"
+    shutil.copytree(builds["a"], bare)
+    m = json.loads((bare / "manifest.json").read_bytes())
+    del m["plan"]["replica_group"]["checkpoint"]
+    (bare / "manifest.json").write_text(json.dumps(m))
+    export(open_local_input(bare / "manifest.json"), tmp_path / "hf", max_shard_size=20_000)
+    assert {k: v for k, v in files(tmp_path / "hf").items() if k.startswith("model-0")}.keys() == \
+        {k for k in reference["a"] if k.startswith("model-0")}
