@@ -122,6 +122,7 @@ def test_reference_exports_are_the_checkpoints(builds, reference):
         assert ref["tokenizer.json"] == TOKENIZER and ref["generation_config.json"] == GENERATION
         assert json.loads(ref["config.json"]) == json.loads((builds[f"src-{name}"] / "config.json").read_bytes())
         assert ref["config.json"] == (builds[name] / "config.json").read_bytes()  # as build writes it, byte for byte
+        assert ref[INDEX] == (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()  # as save_pretrained writes it
         shards = sorted(n for n in ref if n.startswith("model-0"))
         assert shards == sorted(set(index["weight_map"].values()))
         assert shards == [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
@@ -438,6 +439,7 @@ def test_groups_cut_before_the_limit_is_crossed():
     assert sizes(21, 10, 11, 1) == [[10, 11], [1]]
     assert sizes(5, 30, 1) == [[30], [1]]  # a tensor over the limit gets a file of its own
     assert sizes(100, 1, 2, 3) == [[1, 2, 3]]
+    assert sizes(20, 15, 10, 10) == [[15], [10, 10]]  # a new file starts empty: fills to the limit again
 
 
 def test_library_export_over_an_old_one(builds, reference, tmp_path):
