@@ -66,7 +66,11 @@ def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, for
 
 
 @click.command("export", epilog="""\b
-Exit codes: 0 done, 1 a corrupted input file (named), 2 bad input.
+Every file is written at a temp name and the index is renamed in last: a failed or killed
+export leaves the one already in DIR whole (killed while switching: no index), and a rerun
+removes its leftovers. One export per DIR at a time; DIR may not be the input build's.
+Exit codes: 0 done, 1 a corrupted input file (named) or a disk failure, 2 bad input or another
+export writing to DIR.
 Examples:
   shardc export --manifest build/demo-tp3pp2-bf16/manifest.json --out /tmp/smollm2-hf
   shardc export --manifest s3://models/llama3-70b/fp16/manifest.json --out ./hf --max-shard-size 10GB
