@@ -232,3 +232,13 @@ def test_build_upload_over_another_plan_needs_replace(small, tmp_path):
     assert r.stdout.splitlines()[-1] == "removed 3 object(s) of the replaced build", r.stdout
     assert sorted(p.name for p in dest.iterdir()) == ["config.json", "manifest.json", "model-tp00-pp00.safetensors",
                                                       "model.safetensors.index.json"]
+
+
+def test_export_quiet_prints_nothing(small, tmp_path):
+    """#26 item 6: export has -q like every other writing command."""
+    root, _, _ = small
+    r = shardc("export", "--manifest", root / "b", "--out", tmp_path / "hf", "-q")
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", r.stderr
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    r = shardc("export", "--manifest", root / "b", "--out", tmp_path / "hf2")
+    assert r.stdout.startswith("exported 1 file(s), "), r.stdout

@@ -82,8 +82,9 @@ Examples:
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest file (5GB = 5e9 bytes, 5GiB = 5*2^30); a larger tensor gets its own file.")
 @click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
+@click.option("--quiet", "-q", is_flag=True, help="No summary text.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, as_json) -> None:
+def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, quiet, as_json) -> None:
     """Write a build as one Hugging Face checkpoint: model-0000i-of-0000n.safetensors + index."""
     from ..build.export import export, parse_size
     from ..store.reshard_input import open_input
@@ -94,6 +95,8 @@ def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, as_json) -> 
     summary = export(inp, out_dir, max_shard_size=limit)
     if as_json:
         echo_json(summary)
+        return
+    if quiet:
         return
     click.echo(f"exported {len(summary['files'])} file(s), {summary['total_bytes'] / 2**30:.2f} GiB "
                f"({summary['dtype']}) to {summary['out_dir']} in {summary['seconds']:.1f}s")
