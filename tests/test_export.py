@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from shardc.build.compile import LOCK, build
+from shardc.build.compile import build
 from shardc.build.export import export
 from shardc.build.inputs import open_local_input
+from shardc.build.lock import LOCK
 from shardc.errors import VerifyMismatch
 from shardc.spec.plan import plan_from_dict
 

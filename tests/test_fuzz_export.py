@@ -19,9 +19,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from shardc.build.compile import LOCK, build
+from shardc.build.compile import build
 from shardc.build.export import export
 from shardc.build.inputs import open_local_input
+from shardc.build.lock import LOCK
 from shardc.errors import ShardcError
 from shardc.spec.plan import plan_from_dict
 

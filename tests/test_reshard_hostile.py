@@ -362,7 +362,9 @@ def test_an_s3_manifest_replaced_mid_reshard_is_refused(work, tmp_path, s3, aws)
     other = build(plan_from_dict(plan_data(other_ckpt, 2, 2)), tmp_path / "a2")
     from shardc.store.push import push_build
 
-    push_build(other.manifest_path, uri.removesuffix("/manifest.json"), endpoint_url=server.endpoint)
+    # another source's build over the prefix: push says --replace (#25 item 12)
+    push_build(other.manifest_path, uri.removesuffix("/manifest.json"), endpoint_url=server.endpoint,
+               replace=True)
     second = hashlib.sha256(other.manifest_path.read_bytes()).hexdigest()
     assert first != second
     out = tmp_path / "r"

@@ -9,7 +9,6 @@ and gets a small ``.done`` record so a killed build resumes; manifest.json is wr
 
 from __future__ import annotations
 
-import fcntl
 import gc
 import os
 import time
@@ -27,6 +26,7 @@ from ..formats.safetensors import ShardWriter
 from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import Plan, canonical_json
+from .lock import take_lock
 from .materialize import Materializer
 from .outputs import (
     INDEX,
@@ -43,8 +43,6 @@ from .outputs import (
 from .source import Source, open_source
 from .stages import write_stage
 from .switch import apply_switch, finish_switch, write_journal
-
-LOCK = ".shardc-build.lock"
 
 
 @dataclass
@@ -131,18 +129,8 @@ def build(
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise SourceError(f"cannot create output directory {out}: {exc.strerror}") from None
-    # Held for the whole build. Never truncated, and a link planted at its name is refused rather
-    # than followed (O_NOFOLLOW): the lock file is only ever an empty file of ours.
-    try:
-        lock = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        raise OutputError(f"cannot open the build lock {out / LOCK}: {exc.strerror}",
-                          hint="build into a writable directory you own (--out DIR)") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(lock)
-        raise ShardcError(f"another shardc build is writing to {out}", hint="wait for it to finish") from None
+    lock = take_lock(out, busy=f"another shardc build is writing to {out}", busy_hint="wait for it to finish",
+                     open_hint="build into a writable directory you own (--out DIR)")  # for the whole build
     # The cyclic garbage collector finds next to nothing in a build, yet runs hundreds of times
     # (mostly while numba loads; docs/performance.md §2): it waits until the build is done.
     gc_was_enabled = gc.isenabled()

@@ -23,7 +23,6 @@ which an HF checkpoint does not have, and export needs no roll-forward (a rerun 
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -35,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..errors import ManifestError, OutputError, PlanError, ShardcError, VerifyMismatch
+from ..errors import ManifestError, OutputError, PlanError, VerifyMismatch
 from ..formats.files import fsync_dir, safe_name, temp_files, write_temp
 from ..formats.manifest import SWITCH_JOURNAL, Manifest
 from ..formats.safetensors import ShardWriter
@@ -43,8 +42,8 @@ from ..spec.layout import TensorSpec, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import plan_from_dict
 from ..spec.readfile import read_regular_file
-from .compile import LOCK
 from .inputs import BuildInput
+from .lock import LOCK, take_lock
 from .materialize import Materializer, stream_region
 from .outputs import INDEX, TOKENIZER_FILES, output_config
 from .reshard import BuildSource
@@ -144,18 +143,12 @@ def _locked(out: Path) -> Iterator[None]:
         raise OutputError(f"cannot create the output directory {out}: {exc.strerror or exc}",
                           hint="export into a writable directory (--out DIR)") from None
     try:
-        # never truncated, never followed: the lock file is only ever an empty file of ours
-        lock = os.open(out / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
+        lock = take_lock(out, busy=f"another shardc export or build is writing to {out}",
+                         busy_hint="wait for it to finish, or export into another directory",
+                         open_hint="export into a writable directory you own (--out DIR)")
+    except OutputError:
         _remove_created(out, created)
-        raise OutputError(f"cannot open the build lock {out / LOCK}: {exc.strerror}",
-                          hint="export into a writable directory you own (--out DIR)") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(lock)
-        raise ShardcError(f"another shardc export or build is writing to {out}",
-                          hint="wait for it to finish, or export into another directory") from None
+        raise
     try:
         yield
     except BaseException:

@@ -342,7 +342,8 @@ def reshard(
     checked before writing is (model, degrees, dtype rules); a failure later (a corrupted input
     file, replicas that differ) leaves no file of this run behind."""
     from ..spec.layout import build_layout
-    from .compile import LOCK, build
+    from .compile import build
+    from .lock import LOCK
 
     try:
         model = model_from_config(inp.manifest.config)
