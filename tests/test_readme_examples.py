@@ -92,3 +92,9 @@ def test_readme_examples_run_and_leave_git_status_clean(demo_model_dir):
     assert any(line.startswith("shardc reshard") for line in ran) and len(ran) >= 12, ran
     if before is not None:
         assert _git_status() == before, "a README example changed tracked or unignored files"
+
+
+@pytest.mark.parametrize("line", [line for line in examples() if _skip_reason(line) is not None])
+def test_readme_example_not_run_here(line):
+    """Each README example that cannot run here is reported as a skip, with its reason (``-rs``)."""
+    pytest.skip(f"README example `{line[:60]}`: {_skip_reason(line)}")
