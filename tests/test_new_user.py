@@ -242,3 +242,17 @@ def test_export_quiet_prints_nothing(small, tmp_path):
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     r = shardc("export", "--manifest", root / "b", "--out", tmp_path / "hf2")
     assert r.stdout.startswith("exported 1 file(s), "), r.stdout
+
+
+def test_gate_report_and_cache_paths_get_their_directories(tmp_path):
+    """The README's gate examples write under reports/, which a fresh clone lacks: the gate makes
+    the directory before it scores (here the gate then stops at its first check, a missing build)."""
+    r = shardc("gate", "--baseline", tmp_path / "nope", "--candidate", tmp_path / "nope",
+               "--report", tmp_path / "reports" / "gate.json",
+               "--baseline-cache", tmp_path / "cache" / "b.safetensors")
+    assert r.returncode == 2 and (tmp_path / "reports").is_dir() and (tmp_path / "cache").is_dir()
+    (tmp_path / "file").write_text("")
+    r = shardc("gate", "--baseline", tmp_path / "nope", "--candidate", tmp_path / "nope",
+               "--report", tmp_path / "file" / "gate.json")
+    assert r.returncode == 1
+    assert one_line(r).startswith(f"error: --report {tmp_path / 'file' / 'gate.json'}: cannot create its directory")

@@ -114,3 +114,17 @@ def push_lines(res: dict[str, Any]) -> list[str]:
     if res.get("removed"):
         lines.append(f"removed {len(res['removed'])} object(s) of the replaced build")
     return lines
+
+
+def ensure_parent(path: Any, flag: str) -> None:
+    """Create the directory a file flag's path lives in (``--report reports/gate.json`` on a fresh
+    clone), before any work: a missing directory must not surface after minutes of it."""
+    from pathlib import Path
+
+    from ..errors import OutputError
+
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(f"{flag} {path}: cannot create its directory ({exc.strerror or exc})",
+                          hint=f"pass {flag} a path in a writable directory") from None

@@ -124,8 +124,11 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
     from ..runtime.gate import Thresholds, format_report, run_gate
     from ..spec.plan import canonical_json
-    from .output import echo_json
+    from .output import echo_json, ensure_parent
 
+    for path, flag in ((report_path, "--report"), (baseline_cache, "--baseline-cache")):
+        if path is not None:
+            ensure_parent(path, flag)
     report = run_gate(
         baseline, candidate, golden=golden, max_tokens=max_tokens, window=window,
         thresholds=Thresholds(max_ppl_delta_pct, max_kl, min_top1), baseline_dir=baseline_dir,
