@@ -401,7 +401,9 @@ def test_reshard_from_s3(make_ckpt, tmp_path, s3_env, compress):
 
     ckpt = make_ckpt(**TIED)
     a = build(plan_of(ckpt, 4, 3, "int8"), tmp_path / "a")
-    push_build(a.manifest_path, "s3://models/a", endpoint_url=s3_env.endpoint, compress=compress)
+    # both parametrizations share the bucket; each pushes its own checkpoint's build over it
+    push_build(a.manifest_path, "s3://models/a", endpoint_url=s3_env.endpoint, compress=compress,
+               replace=True)
     b = plan_of(ckpt, 2, 2, "int8")
     want = build(b, tmp_path / "b")
     inp = RemoteBuildInput("s3://models/a/manifest.json", endpoint_url=s3_env.endpoint, spool_parent=tmp_path)

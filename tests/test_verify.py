@@ -290,6 +290,14 @@ def _watch(port: int):
     return dist.PrefixStore("shardc-verify", client)
 
 
+def _json_error(out: str, err: str) -> dict:
+    """With --json an error is also one JSON object on stdout (#26 item 3): the stderr line's
+    message, exit code and hint as data."""
+    obj = json.loads(out)
+    assert set(obj) == {"error", "key", "hint", "exit"} and obj["error"] in err, (out, err)
+    return obj
+
+
 def _results(procs: dict[int, subprocess.Popen], skip: int | None = None) -> dict[int, tuple[int, str, str]]:
     """Wait for every rank but ``skip`` (one that hangs would fail the test through TimeoutExpired)."""
     return {r: (p.wait(timeout=120), *p.communicate()) for r, p in procs.items() if r != skip}
@@ -326,7 +334,7 @@ def test_distributed_rank0_never_starts(builds):
     assert time.monotonic() - t0 < 60
     for r, (rc, out, err) in results.items():
         line = _one_error_line(err)
-        assert rc == 1 and out == ""
+        assert rc == 1 and _json_error(out, err)["exit"] == 1
         assert f"rank {r}: cannot reach the rendezvous at 127.0.0.1:{port} within 4s" in line
         assert "Raise --timeout" in line
 
@@ -375,7 +383,7 @@ def test_distributed_rank0_dies_after_joining(builds):
     assert time.monotonic() - t0 < 60
     for r in (1, 2):
         rc, out, err = results[r]
-        assert rc == 1 and out == ""
+        assert rc == 1 and _json_error(out, err)["exit"] == 1
         line = _one_error_line(err)
         assert f"rank {r}: distributed verify failed" in line
         assert "rank 0 (which hosts the rendezvous) is gone or not answering" in line
@@ -398,7 +406,7 @@ def test_distributed_peer_hangs_while_verifying(builds):
             elapsed = time.monotonic() - t0
     assert elapsed < 40  # --timeout, then rank 0 waits for the others' diagnosis
     for r, (rc, out, err) in results.items():
-        assert rc == 1 and out == ""
+        assert rc == 1 and _json_error(out, err)["exit"] == 1
         line = _one_error_line(err)
         assert f"rank {r}: distributed verify failed after up to 5s: rank(s) [2] did not finish verifying" in line
 
@@ -428,7 +436,7 @@ def test_distributed_peer_joins_then_hangs(builds, hung):
             elapsed = time.monotonic() - t0
     assert elapsed < 75
     for r, (rc, out, err) in results.items():
-        assert rc == 1 and out == ""
+        assert rc == 1 and _json_error(out, err)["exit"] == 1
         line = _one_error_line(err)
         if hung == 0 and r == 3:
             assert "rank 3: the rendezvous at" in line and "takes connections but does not answer" in line
