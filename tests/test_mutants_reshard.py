@@ -186,3 +186,35 @@ def test_a_corrupted_reference_build_is_named_not_compared(work, tmp_path):
         verify_build(read(out / "manifest.json"), out, deep=str(ref))
     assert exc.value.message == (f"input file {victim} is corrupted: sha256 {hashlib.sha256(data).hexdigest()[:16]}"
                                  f"..., the input manifest says {listed[:16]}...")
+
+
+# --- _assemble_stored: replicas must be identical, the line names both files --------------------
+
+def _flip_in(path: Path, name: str, at: int) -> None:
+    """Flip one byte of tensor ``name`` (offsets from the test's own parse of the header)."""
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    begin = json.loads(raw[8 : 8 + n])[name]["data_offsets"][0]
+    raw[8 + n + begin + at] ^= 0x10
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(("dtype", "tensor", "what"), [
+    ("bf16", "model.layers.2.self_attn.v_proj.weight", "model.layers.2.self_attn.v_proj.weight"),
+    ("int8", "model.layers.2.self_attn.v_proj.weight_scale", "model.layers.2.self_attn.v_proj.weight scales"),
+])
+def test_replicas_that_differ_are_named_in_one_line(work, tmp_path, dtype, tensor, what):
+    """tp 8 with 2 KV heads: ranks 4-7 each hold KV head 1. Rank 5's copy edited, the manifest
+    re-hashed to match: only the replica check sees it, naming rank 5's file and rank 4's."""
+    a = build(plan(work["ckpt"], 8, 1, dtype), tmp_path / "a").out_dir
+    victim = a / "model-tp05-pp00.safetensors"
+    _flip_in(victim, tensor, 6)
+    edit_manifest(a, lambda m: m["shards"][victim.name].update(
+        sha256=hashlib.sha256(victim.read_bytes()).hexdigest()))
+    out = tmp_path / "r"
+    with pytest.raises(VerifyMismatch) as exc:
+        reshard(open_local_input(a), plan(work["ckpt"], 2, 1, dtype), out)
+    assert exc.value.one_line() == (
+        f"tensor {tensor} of model-tp05-pp00.safetensors differs from its replica in model-tp04-pp00.safetensors "
+        f"({what}) (hint: the input build's replicas must be identical; it was not written by shardc build)")
+    assert not out.exists()
