@@ -23,7 +23,6 @@ which an HF checkpoint does not have, and export needs no roll-forward (a rerun 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -104,7 +103,7 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
         source = BuildSource(inp, layout)
         out = Path(out_dir)
         _refuse_input_dir(out, inp)
-        inp.prepare(inp.side_files())
+        inp.side_directory()  # config and tokenizer files checked (and copied) first: small
         source.schedule(layout)
         with _locked(out):
             result = _export_locked(inp, source, layout, out, max_shard_size)
@@ -246,15 +245,11 @@ def _stage_bytes(out: Path, name: str, data: bytes, staged: list[tuple[Path, str
 
 
 def _side_file(inp: BuildInput, name: str) -> bytes:
-    """A tokenizer file the input manifest lists, read from where BuildInput checked it (never
-    through a link) and checked again against the manifest: the bytes copied are the bytes listed."""
-    entry = inp.entry(safe_name(name))
-    data = read_regular_file(inp.directory / name, limit=entry.size, what="input file",
-                             error=VerifyMismatch, follow_links=False)
-    if len(data) != entry.size or hashlib.sha256(data).hexdigest() != entry.sha256:
-        raise VerifyMismatch(f"input file {inp.directory / name} changed after it was checked: it is not "
-                             f"what the input manifest lists", hint="restore the file or rebuild the input")
-    return data
+    """A tokenizer file the input manifest lists, from ``BuildInput.side_directory``: the copies
+    whose bytes were hashed against the manifest as they were made, never through a link (the one
+    place reshard's build copies them from too)."""
+    return read_regular_file(inp.side_directory() / safe_name(name), limit=inp.entry(name).size,
+                             what="input file", error=VerifyMismatch, follow_links=False)
 
 
 def _switch(out: Path, staged: list[tuple[Path, str]], new: list[str]) -> None:
