@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from .support import activation
+from .support import ROPE_TYPES, activation
 
 
 class TPComm(Protocol):
@@ -97,7 +97,7 @@ def rope_inv_freq(model: dict[str, Any]) -> tuple[torch.Tensor, float]:
     raise ModelError(
         f"rope_scaling type {kind!r} is not supported by the shardc runtime",
         key="rope_scaling",
-        hint="supported: default, linear, llama3",
+        hint=f"supported: {', '.join(ROPE_TYPES)}",  # support.py refuses it before a rank starts
     )
 
 
