@@ -211,7 +211,7 @@ def test_llama3_rope_frequencies_match_transformers(synth):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from shardc.runtime.llama import rope_inv_freq
+    from shardc.runtime.decoder import rope_inv_freq
     from shardc.spec.model import load_model
 
     spec = load_model(synth["llama3rope"]).summary()

@@ -36,12 +36,12 @@ def output_config(layout: Layout) -> dict[str, Any]:
     cfg = json.loads(json.dumps(layout.model.config))
     cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
     if layout.plan.quantized:
-        from ..spec.layout import QUANTIZABLE
+        from ..spec.layout import quantizable
         from .quantize import quantization_config
 
         specs = [t for rl in layout.ranks for t in rl.tensors]
         quantized = {t.source for t in specs if t.quant}
-        linear = {t.source for t in specs if QUANTIZABLE.fullmatch(t.source)}
+        linear = {t.source for t in specs} & quantizable(layout.model)
         # compressed-tensors lists modules left in 16 bits: lm_head and any plan-ignored projection
         ignored = sorted(n.removesuffix(".weight") for n in linear - quantized) + ["lm_head"]
         cfg["quantization_config"] = quantization_config(layout.plan.dtype, ignored)

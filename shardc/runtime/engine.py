@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .comm import Comm
-from .llama import KVCache, StageModel
+from .decoder import KVCache, StageModel
 
 # isends allowed in flight before the oldest is waited for: bounds memory, keeps the pipe full.
 MAX_IN_FLIGHT = 4

@@ -1,7 +1,9 @@
 """What the shardc runtime's forward implements, checked before any rank starts.
 
-The runtime is one Llama-family forward (``runtime/llama.py``). A config key whose value it does
-not compute must never run as something else (a ``gelu`` model as SiLU, a yarn rope as the default
+The runtime is one decoder (``runtime/decoder.py``) that computes what each family module's
+``Forward`` declares; a family module refuses, when it reads a config, any value of its own keys
+it cannot honour. What is left is checked here: a config key whose value the decoder does not
+compute must never run as something else (a ``gelu`` model as SiLU, a yarn rope as the default
 one): every value the forward implements is listed here, and ``check_supported`` refuses the rest
 with one line naming the key and the value. Pure data and arithmetic: no torch.
 """
@@ -35,19 +37,19 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
 _HINT = "the shardc runtime does not compute this model; serve the build with an engine that does"
 
 
-def activation(model: ModelSpec | dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The MLP activation of a model (a ModelSpec or its config dict)."""
-    cfg = model.config if isinstance(model, ModelSpec) else model
-    name = cfg.get("hidden_act", "silu")
+def activation_fn(name: Any, key: str = "hidden_act") -> tuple[str, dict[str, Any]]:
+    """The torch function of a config's MLP activation (``key`` names where it was read)."""
     if not isinstance(name, str) or name not in ACTIVATIONS:
-        raise ModelError(f"config.json hidden_act={name!r} is not implemented by the shardc runtime",
-                         key="hidden_act", hint=f"implemented: {', '.join(ACTIVATIONS)}; {_HINT}")
+        raise ModelError(f"config.json {key}={name!r} is not implemented by the shardc runtime",
+                         key=key, hint=f"implemented: {', '.join(ACTIVATIONS)}; {_HINT}")
     return ACTIVATIONS[name]
 
 
 def check_supported(model: ModelSpec) -> None:
     """Refuse, with one line naming the key and value, any setting the forward would get wrong."""
-    activation(model)
+    fwd = model.forward
+    activation_fn(fwd.activation, "hidden_activation" if "hidden_activation" in model.config
+                  and "hidden_act" not in model.config else "hidden_act")
     scaling = model.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     key = "rope_parameters" if "rope_parameters" in model.config else "rope_scaling"

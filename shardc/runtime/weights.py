@@ -20,7 +20,7 @@ from ..errors import ManifestError
 from ..formats.manifest import Manifest
 from ..spec.dtypes import torch_name
 from ..spec.layout import PACKED_SUFFIX, SCALE_SUFFIX, SHAPE_SUFFIX, Layout, RankLayout
-from .llama import Dims, LayerWeights, StageWeights
+from .decoder import Dims, LayerWeights, StageWeights
 
 _PROJ = {
     "q": "self_attn.q_proj",
@@ -31,6 +31,11 @@ _PROJ = {
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
 }
+
+# Norms some families add to the Llama block, by the decoder's role name (runtime/decoder.py).
+_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
+          "post_ffw": "post_feedforward_layernorm.weight"}
+_SANDWICH = "pre_feedforward_layernorm.weight"
 
 
 def compute_dtype(manifest: Manifest) -> torch.dtype:
@@ -105,10 +110,14 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         p = f"model.layers.{i}."
         w = {key: get(p + proj + ".weight") for key, proj in _PROJ.items()}
         bias = {key: get(p + proj + ".bias") for key, proj in _PROJ.items() if p + proj + ".bias" in specs}
-        layers.append(LayerWeights(
-            index=i, ln1=get(p + "input_layernorm.weight"), ln2=get(p + "post_attention_layernorm.weight"),
-            bias=bias, **w,
-        ))
+        norms = {role: get(p + name) for role, name in _NORMS.items() if p + name in specs}
+        if p + _SANDWICH in specs:  # Gemma: post_attention_layernorm follows attention instead
+            norms["post_attn"] = get(p + "post_attention_layernorm.weight")
+            ln2 = get(p + _SANDWICH)
+        else:
+            ln2 = get(p + "post_attention_layernorm.weight")
+        layers.append(LayerWeights(index=i, ln1=get(p + "input_layernorm.weight"), ln2=ln2,
+                                   bias=bias, norms=norms, **w))
     embed = get("model.embed_tokens.weight") if "model.embed_tokens.weight" in specs else None
     last = rl.pp_stage == layout.plan.pp - 1
     lm_head = None

@@ -56,8 +56,8 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
 
     from ..verify.devices import resolve_device
     from .comm import Comm, open_store
+    from .decoder import StageModel
     from .engine import StageRunner, Timer
-    from .llama import StageModel
     from .weights import compute_dtype, load_stage, local_dims
 
     reps, manifests = _replicas(job)
@@ -89,7 +89,7 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
         weights = load_stage(manifest, directory, layout, comm.tp_rank, comm.pp_stage, device)
         # rope and activation as this shardc reads the config (not as an older one recorded them)
         model = StageModel(weights, local_dims(layout), {**layout.model.summary(), "config": manifest.config}, comm,
-                           compute_dtype(manifest), device)
+                           compute_dtype(manifest), device, layout.model.forward)
         load_s = time.perf_counter() - t_load
         comm.mark("loaded")
         comm.wait_all("loaded", float(job.get("load_timeout_s", max(timeout, 600.0))),

@@ -1,6 +1,6 @@
 """The Layout: which slice of which source tensor goes to which rank. Pure: no I/O, no torch.
 
-Split rules are data (``SPLIT_RULES`` in tensors.py), interpreted by one function
+Split rules are data (each family's tensor table, spec/families/), interpreted by one function
 (``_slice_for_rank``); which tensors are quantized and how they are stored is quantization.py's.
 build, verify, the runtime and the planner all ask the Layout; none of them re-derives a rule
 (docs/architecture.md §4).
@@ -23,21 +23,22 @@ from .plan import Plan
 from .quantization import (  # noqa: F401
     PACK,
     PACKED_SUFFIX,
-    QUANTIZABLE,
     SCALE_SUFFIX,
     SHAPE_SUFFIX,
     base_dtype,
     check_packing,
+    quantizable,
     quantized_names,
 )
 from .tensors import (  # noqa: F401
     MAX_TP_HINT,
-    SPLIT_RULES,
+    VOCAB,
     SourceTensor,
     _tp_problems,
     layer_of,
     source_tensors,
     split_kind,
+    tensor_table,
     valid_tp_degrees,
 )
 
@@ -240,15 +241,16 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
         return [last]  # model.norm.weight, lm_head.weight
 
     # (shard tensor name, source name, shape) for every tensor the shards hold.
-    entries = [(t.name, t.name, t.shape) for t in source_tensors(model)]
+    entries = [(r.name, r.name, r.shape, r.split) for r in sorted(tensor_table(model).values(),
+                                                                  key=lambda r: r.name)]
     if model.tie_word_embeddings and plan.pp > 1:
-        entries.append(("lm_head.weight", "model.embed_tokens.weight", (model.vocab_size, model.hidden_size)))
+        entries.append(("lm_head.weight", "model.embed_tokens.weight",
+                        (model.vocab_size, model.hidden_size), VOCAB))
 
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
         (s, r): [] for s in range(plan.pp) for r in range(plan.tp)
     }
-    for name, source, shape in entries:
-        kind = split_kind(name)
+    for name, source, shape, kind in entries:
         for s in stage_of(name):
             for r in range(plan.tp):
                 cut = _slice_for_rank(kind, shape, r, model, plan.tp)

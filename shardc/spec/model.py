@@ -1,7 +1,7 @@
-"""Model description: the handful of numbers from a Hugging Face config.json that sharding needs.
+"""Model description: the numbers from a Hugging Face config.json that sharding needs.
 
-Only decoder-only Llama-family architectures are accepted. They share one tensor naming scheme and one
-split table (see layout.py); members differ only in which projections carry biases.
+The numbers every decoder has (sizes, heads, rope) are read here; which family a config belongs to,
+the keys only that family reads, and its tensors are the family module's (spec/families/).
 """
 
 from __future__ import annotations
@@ -15,14 +15,10 @@ from typing import Any
 
 from ..errors import ModelError, ShardcError
 from .dtypes import SOURCE_DTYPES, from_torch_name
+from .families import BY_ARCHITECTURE, BY_NAME, Family, Forward
 from .readfile import CONFIG_LIMIT, read_regular_file
 
-# Architecture -> which projections carry a bias. Everything else about the split table is shared.
-ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {"qkv_bias": False, "o_bias": False},
-    "MistralForCausalLM": {"qkv_bias": False, "o_bias": False},
-    "Qwen2ForCausalLM": {"qkv_bias": True, "o_bias": False},
-}
+ARCHITECTURES = BY_ARCHITECTURE  # every architecture a family module declares -> its family
 
 _LLAMA3_ROPE = {
     "factor": 8.0,
@@ -78,7 +74,8 @@ HUB_PRESETS = {
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The shape of a Llama-family model, as sharding sees it."""
+    """The shape of a model, as sharding sees it; ``family`` and ``options`` are its family
+    module's (spec/families/), which lists its tensors and the forward the runtime computes."""
 
     architecture: str
     hidden_size: int
@@ -98,6 +95,17 @@ class ModelSpec:
     rope_scaling: dict[str, Any] | None
     torch_dtype: str
     config: dict[str, Any] = field(compare=False, repr=False, hash=False)
+    family: str = "llama"
+    options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
+
+    @property
+    def spec(self) -> Family:
+        """The family module's declaration (tensor table, forward)."""
+        return BY_NAME[self.family]
+
+    @property
+    def forward(self) -> Forward:
+        return self.spec.forward(self)
 
     @property
     def source_dtype(self) -> str:
@@ -125,7 +133,7 @@ class ModelSpec:
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling,
             "torch_dtype": self.torch_dtype,
-        }
+        } | ({} if self.family == "llama" else {"family": self.family})
 
 
 # Sane upper bounds, checked before anything is sized from a config (a manifest's config too):
@@ -229,9 +237,10 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise ModelError(
             f"unsupported architecture {arch!r}",
-            hint=f"supported: {', '.join(sorted(ARCHITECTURES))}",
+            hint=f"supported: {', '.join(sorted(ARCHITECTURES))} (README: Supported models)",
             key="architectures",
         )
+    family = ARCHITECTURES[arch]
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")
     kv = _int(cfg, "num_key_value_heads", heads)
@@ -244,7 +253,8 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
             key="num_key_value_heads",
         )
-    bias = ARCHITECTURES[arch]
+    layers = _int(cfg, "num_hidden_layers")  # bounded before a family sizes per-layer tables by it
+    options = family.read(cfg)
     attention_bias = _flag(cfg, "attention_bias")
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     if not isinstance(dtype, str):
@@ -253,14 +263,14 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
         architecture=arch,
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size"),
-        num_layers=_int(cfg, "num_hidden_layers"),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv,
         head_dim=head_dim,
         vocab_size=_int(cfg, "vocab_size"),
         tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
-        qkv_bias=bias["qkv_bias"] or attention_bias,
-        o_bias=bias["o_bias"] or attention_bias,
+        qkv_bias=options.pop("qkv_bias", False) or attention_bias,
+        o_bias=options.pop("o_bias", False) or attention_bias,
         mlp_bias=_flag(cfg, "mlp_bias"),
         max_position_embeddings=_int(cfg, "max_position_embeddings", 4096),
         rms_norm_eps=_float(cfg, "rms_norm_eps", 1e-6, below=1.0),
@@ -268,6 +278,8 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
         rope_scaling=rope_scaling,
         torch_dtype=dtype,
         config=copy.deepcopy(cfg),
+        family=family.name,
+        options=options,
     )
 
 

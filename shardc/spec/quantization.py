@@ -7,16 +7,12 @@ pack-quantized, four values to an int32 along the input dimension, which constra
 
 from __future__ import annotations
 
-import re
-
 from ..errors import LayoutError, QuantizationError
 from .dtypes import PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
-from .tensors import source_tensors, split_kind, valid_tp_degrees
+from .tensors import ROW, tensor_table, valid_tp_degrees
 
-# Weight-only quantization applies to the linear projections of the decoder layers only.
-QUANTIZABLE = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]|mlp\.(gate|up|down))_proj\.weight")
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 # int8 is stored as compressed-tensors "pack-quantized": X.weight_packed holds the int8 values
 # (+128) four to an int32 (little-endian, along the input dimension), X.weight_shape the unpacked
@@ -31,11 +27,17 @@ def _ignore_matches(entry: str, name: str) -> bool:
     return any(parts[i : i + len(want)] == want for i in range(len(parts) - len(want) + 1))
 
 
+def quantizable(model: ModelSpec) -> set[str]:
+    """The decoder's linear projections: the rows its family table marks quantizable."""
+    return {r.name for r in model.spec.tensors(model) if r.quantizable}
+
+
 def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
     """Source weights the plan quantizes; an ignore entry that matches nothing is an error."""
     if not plan.quantized:
         return set()
-    names = [t.name for t in source_tensors(model)]
+    table = tensor_table(model)
+    names, linear = sorted(table), quantizable(model)
     for entry in plan.quant_ignore:
         if not any(_ignore_matches(entry, n) for n in names) and entry not in ("lm_head",):
             raise QuantizationError(
@@ -46,7 +48,7 @@ def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
     return {
         n
         for n in names
-        if QUANTIZABLE.fullmatch(n) and not any(_ignore_matches(e, n) for e in plan.quant_ignore)
+        if n in linear and not any(_ignore_matches(e, n) for e in plan.quant_ignore)
     }
 
 
@@ -67,10 +69,12 @@ def check_packing(model: ModelSpec, plan: Plan, quantized: set[str]) -> None:
     if not pack:
         return
 
+    table = tensor_table(model)
+
     def bad(tp: int) -> tuple[str, int] | None:
-        for t in source_tensors(model):
+        for t in sorted(table.values(), key=lambda r: r.name):
             if t.name in quantized:
-                width = t.shape[1] // tp if split_kind(t.name) == "row" else t.shape[1]
+                width = t.shape[1] // tp if t.split == ROW else t.shape[1]
                 if width % pack:
                     return t.name, width
         return None

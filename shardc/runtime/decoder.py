@@ -1,8 +1,13 @@
-"""The Llama-family forward for one rank of a TP x PP replica: pure tensor math plus a ``Comm``.
+"""The decoder forward for one rank of a TP x PP replica: pure tensor math plus a ``Comm``.
 
-Numerics follow Hugging Face's LlamaForCausalLM (RMSNorm in fp32 then weight * x in the model dtype,
-rotary tables computed in fp32 and cast, SDPA attention, a gated MLP with the config's activation: SwiGLU for Llama), so a tp1pp1 replica reproduces the
-reference. Tensor parallel is the Megatron pattern: column-parallel q/k/v/gate/up need no
+One block serves every dense family; what differs between them is data, the family module's
+``Forward`` (spec/families/base.py): the norm's form, q/k norms, sandwich norms, embedding,
+residual and logit multipliers, soft-capping, sliding windows and local rope bases.
+
+Numerics follow Hugging Face's modeling files (for Llama: RMSNorm in fp32 then weight * x in the
+model dtype, rotary tables computed in fp32 and cast, SDPA attention, a gated MLP with the
+config's activation; Gemma's norm scales by 1 + w in fp32 and its soft-capped attention is the
+eager matmul-softmax-matmul transformers runs), so a tp1pp1 replica reproduces the reference. Tensor parallel is the Megatron pattern: column-parallel q/k/v/gate/up need no
 communication, row-parallel o/down produce partial sums that are all-reduced (formed in fp32 and
 rounded once, in rank order), the embedding is vocabulary-parallel (masked lookup + all-reduce) and the lm_head
 produces a vocabulary slice of the logits that is gathered before any softmax.
@@ -19,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ModelError
-from .support import ROPE_TYPES, activation
+from ..spec.families.base import Forward
+from .support import ROPE_TYPES, activation_fn
 
 
 class TPComm(Protocol):
@@ -47,6 +53,8 @@ class LayerWeights:
     up: torch.Tensor
     down: torch.Tensor
     bias: dict[str, torch.Tensor] = field(default_factory=dict)  # q, k, v, o, gate, up, down
+    # q_norm, k_norm (per head); post_attn, post_ffw (sandwich norms; ln2 is then the pre-MLP norm)
+    norms: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +125,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: the weight is an offset from 1, applied in fp32 before the cast."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(x / cap) * cap
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -141,8 +160,8 @@ class StageModel:
     """The forward of one rank's share of the model. Stateless apart from the weights."""
 
     def __init__(self, weights: StageWeights, dims: Dims, model: dict[str, Any], comm: TPComm,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.w, self.d, self.model, self.comm = weights, dims, model, comm
+                 dtype: torch.dtype, device: torch.device, fwd: Forward) -> None:
+        self.w, self.d, self.model, self.comm, self.f = weights, dims, model, comm, fwd
         self.dtype, self.device = dtype, device
         if device.type == "cuda":
             # Attention backend, chosen deliberately: PyTorch would pick cuDNN's SDPA for a GQA
@@ -151,47 +170,49 @@ class StageModel:
             # serves prefill and decode over the preallocated KV cache; the math kernel remains the
             # fallback for what flash cannot take (fp32, head_dim > 256). CPU keeps PyTorch's choice.
             torch.backends.cuda.enable_cudnn_sdp(False)
-        self._rope_len = 0
-        self._cos = self._sin = torch.empty(0)
-        cfg = model.get("config") or {}
-        # Sliding-window attention (Mistral, some Qwen2) equals full attention only inside the window.
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
-        self.max_len = int(window) if window else None
-        fn, kwargs = activation(cfg)
+        self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        fn, kwargs = activation_fn(fwd.activation)
         self._act = functools.partial(getattr(F, fn), **kwargs)
+        self._norm = gemma_norm if fwd.norm == "gemma" else rms_norm
 
-    def _rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, start: int, length: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions start..start+length; ``local``: the sliding layers' own base."""
         need = start + length
-        if self.max_len is not None and need > self.max_len:
-            raise ModelError(
-                f"sequence of {need} tokens exceeds the model's sliding_window={self.max_len}, "
-                "which the shardc runtime does not implement",
-                hint="use shorter windows / prompts",
-            )
-        if need > self._rope_len:
-            size = max(need, 2 * self._rope_len, 256)
-            cos, sin = rope_tables(self.model, size, self.dtype)
-            self._cos, self._sin = cos.to(self.device), sin.to(self.device)
-            self._rope_len = size
-        return self._cos[start:need], self._sin[start:need]
+        cos, sin = self._tables.get(local, (torch.empty(0), torch.empty(0)))
+        if need > cos.shape[0]:
+            size = max(need, 2 * cos.shape[0], 256)
+            model = self.model if not local else {
+                "head_dim": self.model["head_dim"], "rope_theta": self.f.rope_theta_local}
+            cos, sin = rope_tables(model, size, self.dtype)
+            self._tables[local] = cos.to(self.device), sin.to(self.device)
+        cos, sin = self._tables[local]
+        return cos[start:need], sin[start:need]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Vocabulary-parallel lookup: rows outside this rank's slice are zero, the all-reduce fills them."""
         table = self.w.embed
         assert table is not None
         if self.comm.tp == 1:
-            return F.embedding(ids, table)
-        local = ids - self.w.vocab_start
-        outside = (local < 0) | (local >= table.shape[0])
-        h = F.embedding(local.clamp(0, table.shape[0] - 1), table)
-        h = h.masked_fill(outside[..., None], 0)
-        return self.comm.all_reduce_sum(h, "embedding all-reduce")
+            h = F.embedding(ids, table)
+        else:
+            local = ids - self.w.vocab_start
+            outside = (local < 0) | (local >= table.shape[0])
+            h = F.embedding(local.clamp(0, table.shape[0] - 1), table)
+            h = h.masked_fill(outside[..., None], 0)
+            h = self.comm.all_reduce_sum(h, "embedding all-reduce")
+        scale = self.f.embed_scale
+        if scale is None:
+            return h
+        # Gemma rounds sqrt(hidden) to the model dtype first; Granite multiplies by the float
+        return h * (torch.tensor(scale, dtype=h.dtype) if self.f.embed_scale_in_dtype else scale)
 
     def layers(self, h: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """Every local layer. With a cache, h holds positions cache.length.. and the cache is extended."""
         start = cache.length if cache is not None else 0
-        cos, sin = self._rope(start, h.shape[1])
+        t = h.shape[1]
         for lw in self.w.layers:
+            local = self.f.window(lw.index) is not None and self.f.rope_theta_local is not None
+            cos, sin = self._rope(start, t, local)
             h = self._layer(lw, h, cos, sin, cache, start)
         if cache is not None:
             cache.length = start + h.shape[1]
@@ -199,12 +220,15 @@ class StageModel:
 
     def _layer(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: KVCache | None, start: int) -> torch.Tensor:
-        d, b = self.d, lw.bias
+        d, b, f, norm = self.d, lw.bias, self.f, self._norm
         bsz, t, _ = x.shape
-        h = rms_norm(x, lw.ln1, d.eps)
-        q = _linear(h, lw.q, b.get("q")).view(bsz, t, d.heads, d.head_dim).transpose(1, 2)
-        k = _linear(h, lw.k, b.get("k")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
+        h = norm(x, lw.ln1, d.eps)
+        q = _linear(h, lw.q, b.get("q")).view(bsz, t, d.heads, d.head_dim)
+        k = _linear(h, lw.k, b.get("k")).view(bsz, t, d.kv_heads, d.head_dim)
         v = _linear(h, lw.v, b.get("v")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
+        if f.qk_norm:  # per head, before rope (Qwen3, Gemma 3)
+            q, k = norm(q, lw.norms["q_norm"], d.eps), norm(k, lw.norms["k_norm"], d.eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         if cache is not None:
@@ -213,18 +237,47 @@ class StageModel:
             k = cache.k[lw.index][:, :, : start + t]
             v = cache.v[lw.index][:, :, : start + t]
         # Prefill always starts at position 0 (no chunked prefill), so is_causal's top-left mask is
-        # right; a single decode query attends to everything cached.
-        causal = t > 1
-        if causal and start:
+        # right; a single decode query attends to everything cached (inside its window).
+        if t > 1 and start:
             raise AssertionError("prefill continuing a non-empty cache is not supported")
-        a = F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=d.head_dim**-0.5, enable_gqa=d.heads != d.kv_heads
-        )
+        a = self._attend(q, k, v, start, f.window(lw.index))
         a = a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
-        x = x + self._row(a, lw.o, b.get("o"), f"layer {lw.index} attention all-reduce")
-        h = rms_norm(x, lw.ln2, d.eps)
+        o = self._row(a, lw.o, b.get("o"), f"layer {lw.index} attention all-reduce")
+        if f.sandwich:
+            o = norm(o, lw.norms["post_attn"], d.eps)
+        x = x + (o if f.residual_scale == 1.0 else o * f.residual_scale)
+        h = norm(x, lw.ln2, d.eps)
         g = self._act(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
-        return x + self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
+        m = self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
+        if f.sandwich:
+            m = norm(m, lw.norms["post_ffw"], d.eps)
+        return x + (m if f.residual_scale == 1.0 else m * f.residual_scale)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                window: int | None) -> torch.Tensor:
+        """Causal attention of q (positions start..) over k/v (positions 0..), within ``window``
+        keys of each query when given (transformers: kv > q - window)."""
+        d, f = self.d, self.f
+        t, n = q.shape[2], k.shape[2]
+        scale = f.attn_scale if f.attn_scale is not None else d.head_dim**-0.5
+        mask = None
+        if (window is not None and n > window) or f.attn_softcap is not None:
+            qpos = torch.arange(start, start + t, device=q.device)[:, None]
+            kpos = torch.arange(n, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+        if f.attn_softcap is None:
+            causal = t > 1 and mask is None
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                                  enable_gqa=d.heads != d.kv_heads)
+        # Soft-capped scores (Gemma 2): no fused kernel takes them; transformers' eager path
+        groups = d.heads // d.kv_heads
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * scale, f.attn_softcap)
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:
         """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once."""
@@ -239,7 +292,12 @@ class StageModel:
         With ``everyone=False`` only TP rank 0 receives the gathered logits (others get None).
         """
         assert self.w.norm is not None and self.w.lm_head is not None
-        h = rms_norm(h, self.w.norm, self.d.eps)
-        local = F.linear(h, self.w.lm_head).float()
+        h = self._norm(h, self.w.norm, self.d.eps)
+        local = F.linear(h, self.w.lm_head)
+        if self.f.logits_divisor != 1.0:  # Granite, in the model dtype as transformers divides
+            local = local / self.f.logits_divisor
+        if self.f.final_softcap is not None:  # Gemma 2, elementwise: the same on a vocabulary slice
+            local = soft_cap(local, self.f.final_softcap)
+        local = local.float()
         full = self.comm.gather_vocab(local, "lm_head logits gather", everyone) if self.comm.tp > 1 else local
         return None if full is None else full[..., : self.d.vocab]

@@ -1,0 +1,23 @@
+"""The model families shardc compiles and runs: one module each, listed in ``FAMILIES``.
+
+Adding a family is one new module here (its config reader, tensor table and forward, see
+base.py) plus its tests; nothing else names a family (docs/architecture.md §8).
+"""
+
+from __future__ import annotations
+
+from . import llama
+from .base import Family, Forward, Row
+
+FAMILIES: tuple[Family, ...] = (llama.FAMILY,)
+
+BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
+BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(BY_ARCHITECTURE)
+
+
+__all__ = ["BY_ARCHITECTURE", "BY_NAME", "FAMILIES", "Family", "Forward", "Row",
+           "supported_architectures"]

@@ -1,0 +1,194 @@
+"""What a model family declares: its configs, the config keys that change the math, one table of
+its tensors, and the forward its runtime computes. Pure data and arithmetic: no I/O, no torch.
+
+Every other part of shardc derives from a family's table (docs/architecture.md §8, "A family"):
+the checkpoint check and the synthetic source (``source_tensors``), the split rules and the
+Layout (``Row.split``), the quantization targets (``Row.quantizable``), the planner's memory and
+the export. The forward is data too (``Forward``), interpreted by the one decoder in
+``runtime/decoder.py``; a family whose block that decoder cannot express declares what it needs
+there, never a special case elsewhere.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ...errors import ModelError
+
+if TYPE_CHECKING:  # ModelSpec is built from a family's answers; the type only
+    from ..model import ModelSpec
+
+# Split kinds (how a tensor is cut over tensor parallelism; spec/layout.py interprets them):
+COLUMN = "column"  # dim 0 (output rows) split evenly; biases the same way
+KV_COLUMN = "kv_column"  # like column; when tp > kv_heads each rank holds one whole KV head
+ROW = "row"  # dim 1 (input columns) split evenly
+VOCAB = "vocab"  # dim 0 by vocabulary rows, padded with zero rows to a multiple of tp
+REPLICATED = "replicated"  # whole on every TP rank of the owning stage
+FUSED = "fused"  # dim 0 holds several column tensors end to end (Phi-3's qkv_proj, gate_up_proj):
+#                  each part is cut by its own kind and the rank's pieces are concatenated
+SPLITS = (COLUMN, KV_COLUMN, ROW, VOCAB, REPLICATED, FUSED)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One tensor of a checkpoint: its name, the shape the config implies, how TP splits it,
+    whether int8/fp8 plans quantize it, and for a fused tensor its parts along dim 0."""
+
+    name: str
+    shape: tuple[int, ...]
+    split: str
+    quantizable: bool = False
+    parts: tuple[tuple[int, str], ...] = ()  # FUSED: (rows, COLUMN | KV_COLUMN) in order
+
+
+@dataclass(frozen=True)
+class Forward:
+    """What the runtime's one decoder computes for a family (runtime/decoder.py reads it).
+
+    Defaults are Llama's; each field names the config key it comes from in the family module."""
+
+    norm: str = "rms"  # rms: w * norm(x).to(dtype) (Llama); gemma: (norm(x.float()) * (1 + w)).to(dtype)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    sandwich: bool = False  # norms after attention and around the MLP (Gemma 2 and 3)
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden); Granite)
+    embed_scale_in_dtype: bool = False  # the factor rounded to the compute dtype first (Gemma)
+    residual_scale: float = 1.0  # branch outputs times this before the residual add (Granite)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # tanh soft-capping of attention scores (Gemma 2)
+    final_softcap: float | None = None  # tanh soft-capping of the logits (Gemma 2)
+    logits_divisor: float = 1.0  # logits divided by this (Granite's logits_scaling)
+    windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = full
+    rope_theta_local: float | None = None  # rope base of sliding-window layers (Gemma 3)
+    activation: str = "silu"  # config.json hidden_act / hidden_activation (runtime/support.py)
+    fused: bool = False  # q/k/v and gate/up stored fused (Phi-3): the decoder splits the rank's piece
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family: one module under spec/families/ defines one of these (``FAMILY``).
+
+    ``read`` turns a config into the family's options (every key that changes the math, both
+    the transformers 4 and 5 spellings, refusing values it cannot honour with one line; the
+    options ``qkv_bias`` / ``o_bias`` say which projections carry a bias whatever
+    ``attention_bias`` says);
+    ``tensors`` lists the checkpoint's tensors; ``forward`` says what the runtime computes."""
+
+    name: str
+    architectures: tuple[str, ...]
+    read: Callable[[dict[str, Any]], dict[str, Any]]
+    tensors: Callable[[ModelSpec], list[Row]]
+    forward: Callable[[ModelSpec], Forward]
+
+
+# ---- config readers every family shares --------------------------------------------------------
+
+HINT = "pass the config.json of a supported Hugging Face checkpoint"
+
+
+def number(cfg: dict[str, Any], key: str, default: float | None, *, positive: bool = True,
+           below: float | None = None) -> float | None:
+    """A finite number (positive unless told; below ``below`` when given); None when the key is
+    absent or null and the default is None."""
+    value = cfg.get(key, default)
+    if value is None:
+        value = default
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (positive and value <= 0) or (below is not None and value >= below)):
+        what = "a finite positive number" if positive else "a finite number"
+        bound = f" below {below}" if below is not None else ""
+        raise ModelError(f"config.json {key} must be {what}{bound}, found {value!r}", hint=HINT, key=key)
+    return float(value)
+
+
+def count(cfg: dict[str, Any], key: str, default: int | None = None, *, low: int = 1) -> int | None:
+    """A whole number >= low, or the default when absent or null."""
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ModelError(f"config.json {key} must be a whole number >= {low}, found {value!r}",
+                         hint=HINT, key=key)
+    return value
+
+
+def refuse(key: str, value: Any, why: str, hint: str = "") -> ModelError:
+    return ModelError(f"config.json {key}={_short(value)} {why}", key=key,
+                      hint=hint or "shardc builds and runs only what it computes exactly")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def layer_types(cfg: dict[str, Any], layers: int, default: Callable[[int], str]) -> tuple[str, ...]:
+    """config.json ``layer_types`` (transformers 5: "full_attention" / "sliding_attention" per
+    layer), or the family's default pattern; anything else is refused."""
+    given = cfg.get("layer_types")
+    if given is None:
+        return tuple(default(i) for i in range(layers))
+    if not isinstance(given, list) or len(given) != layers or any(
+            t not in ("full_attention", "sliding_attention") for t in given):
+        raise refuse("layer_types", given, f"must list full_attention or sliding_attention for each "
+                     f"of the {layers} layers")
+    return tuple(given)
+
+
+def windows_for(types: tuple[str, ...], window: int | None) -> tuple[int | None, ...]:
+    """Per-layer sliding windows: ``window`` on sliding_attention layers, None elsewhere."""
+    if window is None or "sliding_attention" not in types:
+        return ()
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+# ---- the rows most families share --------------------------------------------------------------
+
+def attention_rows(m: ModelSpec, p: str, *, qkv_bias: bool, o_bias: bool) -> list[Row]:
+    """q/k/v (column, KV heads kv_column) and o (row) of one layer, prefix ``p``."""
+    h, hd = m.hidden_size, m.head_dim
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    a = p + "self_attn."
+    rows = [Row(a + "q_proj.weight", (q, h), COLUMN, True),
+            Row(a + "k_proj.weight", (kv, h), KV_COLUMN, True),
+            Row(a + "v_proj.weight", (kv, h), KV_COLUMN, True),
+            Row(a + "o_proj.weight", (h, q), ROW, True)]
+    if qkv_bias:
+        rows += [Row(a + "q_proj.bias", (q,), COLUMN), Row(a + "k_proj.bias", (kv,), KV_COLUMN),
+                 Row(a + "v_proj.bias", (kv,), KV_COLUMN)]
+    if o_bias:
+        rows.append(Row(a + "o_proj.bias", (h,), REPLICATED))
+    return rows
+
+
+def mlp_rows(m: ModelSpec, p: str, *, bias: bool) -> list[Row]:
+    """The gated MLP of one layer: gate/up column, down row."""
+    h, inter = m.hidden_size, m.intermediate_size
+    rows = [Row(p + "mlp.gate_proj.weight", (inter, h), COLUMN, True),
+            Row(p + "mlp.up_proj.weight", (inter, h), COLUMN, True),
+            Row(p + "mlp.down_proj.weight", (h, inter), ROW, True)]
+    if bias:
+        rows += [Row(p + "mlp.gate_proj.bias", (inter,), COLUMN),
+                 Row(p + "mlp.up_proj.bias", (inter,), COLUMN),
+                 Row(p + "mlp.down_proj.bias", (h,), REPLICATED)]
+    return rows
+
+
+def norm_rows(m: ModelSpec, p: str, names: tuple[str, ...], size: int | None = None) -> list[Row]:
+    return [Row(p + n + ".weight", (size or m.hidden_size,), REPLICATED) for n in names]
+
+
+def outer_rows(m: ModelSpec) -> list[Row]:
+    """Embedding, final norm and (untied) lm_head."""
+    v, h = m.vocab_size, m.hidden_size
+    rows = [Row("model.embed_tokens.weight", (v, h), VOCAB), Row("model.norm.weight", (h,), REPLICATED)]
+    if not m.tie_word_embeddings:
+        rows.append(Row("lm_head.weight", (v, h), VOCAB))
+    return rows

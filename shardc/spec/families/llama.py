@@ -1,0 +1,64 @@
+"""The Llama family: Llama, Mistral and Qwen2 share one block (pre-norm RMSNorm, rotary attention
+with grouped KV heads, a gated MLP) and one tensor naming scheme. They differ in which projections
+carry biases (Qwen2's q/k/v; ``attention_bias`` / ``mlp_bias`` anywhere) and in sliding-window
+attention: Mistral's ``sliding_window`` covers every layer; Qwen2's applies only with
+``use_sliding_window``, to the layers ``layer_types`` (or ``max_window_layers``) names, as
+transformers' configuration_qwen2.py derives them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import (
+    Family,
+    Forward,
+    Row,
+    attention_rows,
+    count,
+    layer_types,
+    mlp_rows,
+    norm_rows,
+    outer_rows,
+    windows_for,
+)
+
+if TYPE_CHECKING:
+    from ..model import ModelSpec
+
+
+def read(cfg: dict[str, Any]) -> dict[str, Any]:
+    arch = cfg["architectures"][0]
+    layers = count(cfg, "num_hidden_layers") or 1
+    window = None
+    types: tuple[str, ...] = ()
+    if arch == "MistralForCausalLM":
+        window = count(cfg, "sliding_window")
+        types = ("sliding_attention",) * layers if window else ()
+    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+        window = count(cfg, "sliding_window", 4096)
+        first = count(cfg, "max_window_layers", 28, low=0)
+        types = layer_types(cfg, layers, lambda i: "sliding_attention" if i >= first else "full_attention")
+    return {"windows": windows_for(types, window), "activation": cfg.get("hidden_act", "silu"),
+            "qkv_bias": arch == "Qwen2ForCausalLM"}
+
+
+def tensors(m: ModelSpec) -> list[Row]:
+    rows = outer_rows(m)
+    for i in range(m.num_layers):
+        p = f"model.layers.{i}."
+        rows += norm_rows(m, p, ("input_layernorm", "post_attention_layernorm"))
+        rows += attention_rows(m, p, qkv_bias=m.qkv_bias, o_bias=m.o_bias)
+        rows += mlp_rows(m, p, bias=m.mlp_bias)
+    return rows
+
+
+def forward(m: ModelSpec) -> Forward:
+    return Forward(windows=m.options["windows"], activation=m.options["activation"])
+
+
+FAMILY = Family(
+    name="llama",
+    architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+    read=read, tensors=tensors, forward=forward,
+)
