@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ModelError
 from ..spec.layout import source_tensors
-from ..spec.model import PRESETS, ModelSpec, load_model
+from ..spec.model import PRESET_SOURCES, PRESETS, ModelSpec, load_model
 from .mla import MLA_PRESETS, is_mla_config, mla_from_config, mla_param_count
 
 
@@ -23,15 +23,6 @@ def param_count(model: Any) -> int:
         return mla_param_count(model)
 
     return sum(math.prod(t.shape) for t in source_tensors(model))
-
-
-# Where `shardc build` fetches each preset's weights (model.HUB_PRESETS maps these back to presets).
-PRESET_SOURCES = {
-    "llama-3.1-8b": "hf://meta-llama/Llama-3.1-8B-Instruct",
-    "llama-3.3-70b": "hf://meta-llama/Llama-3.3-70B-Instruct",
-    "llama-3.1-70b": "hf://meta-llama/Llama-3.1-70B-Instruct",
-    "llama-3.1-405b": "hf://meta-llama/Llama-3.1-405B-Instruct",
-}
 
 
 def resolve_model(ref: str) -> tuple[Any, str, str]:

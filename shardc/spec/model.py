@@ -15,62 +15,19 @@ from typing import Any
 
 from ..errors import ModelError, ShardcError
 from .dtypes import SOURCE_DTYPES, from_torch_name
-from .families import BY_ARCHITECTURE, BY_NAME, Family, Forward
+from .families import BY_ARCHITECTURE, BY_NAME, FAMILIES, Family, Forward
 from .readfile import CONFIG_LIMIT, read_regular_file
 
 ARCHITECTURES = BY_ARCHITECTURE  # every architecture a family module declares -> its family
 
-_LLAMA3_ROPE = {
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-    "rope_type": "llama3",
-}
+# Built-in presets (so plans validate and plan without downloading anything), from the families.
+PRESETS: dict[str, dict[str, Any]] = {k: p.config for f in FAMILIES for k, p in f.presets.items()}
+# Hub repos whose config equals a preset (lets `hf://org/repo` plans validate offline), lower case.
+HUB_PRESETS: dict[str, str] = {r.lower(): k for f in FAMILIES for k, p in f.presets.items()
+                               for r in p.repos}
+PRESET_SOURCES: dict[str, str] = {k: f"hf://{p.repos[0]}" for f in FAMILIES
+                                  for k, p in f.presets.items() if p.repos}
 
-
-def _llama3(hidden: int, inter: int, layers: int, heads: int) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": inter,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": 8,
-        "head_dim": hidden // heads,
-        "vocab_size": 128256,
-        "max_position_embeddings": 131072,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "rope_scaling": dict(_LLAMA3_ROPE),
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "hidden_act": "silu",
-        "bos_token_id": 128000,
-        "eos_token_id": 128009,
-        "torch_dtype": "bfloat16",
-    }
-
-
-# Built-in presets so plans can be validated and planned without downloading anything.
-PRESETS: dict[str, dict[str, Any]] = {
-    "llama-3.1-8b": _llama3(4096, 14336, 32, 32),
-    "llama-3.3-70b": _llama3(8192, 28672, 80, 64),
-    "llama-3.1-70b": _llama3(8192, 28672, 80, 64),
-    "llama-3.1-405b": _llama3(16384, 53248, 126, 128),
-}
-# Hub repos whose config equals a preset (lets `hf://meta-llama/...` plans validate offline).
-HUB_PRESETS = {
-    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
-    "meta-llama/llama-3.1-8b": "llama-3.1-8b",
-    "meta-llama/llama-3.3-70b-instruct": "llama-3.3-70b",
-    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
-    "meta-llama/llama-3.1-70b": "llama-3.1-70b",
-    "meta-llama/llama-3.1-405b-instruct": "llama-3.1-405b",
-    "meta-llama/llama-3.1-405b": "llama-3.1-405b",
-}
 
 @dataclass(frozen=True)
 class ModelSpec:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ModelError
@@ -70,6 +70,15 @@ class Forward:
 
 
 @dataclass(frozen=True)
+class Preset:
+    """A published model's config.json, so plans validate and plan offline; ``repos``: the hub
+    repositories whose config it is (the first is where ``shardc build`` fetches the weights)."""
+
+    config: dict[str, Any]
+    repos: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Family:
     """A model family: one module under spec/families/ defines one of these (``FAMILY``).
 
@@ -84,6 +93,7 @@ class Family:
     read: Callable[[dict[str, Any]], dict[str, Any]]
     tensors: Callable[[ModelSpec], list[Row]]
     forward: Callable[[ModelSpec], Forward]
+    presets: dict[str, Preset] = field(default_factory=dict)  # name -> real-size config
 
 
 # ---- config readers every family shares --------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from .base import (
     Family,
     Forward,
+    Preset,
     Row,
     attention_rows,
     count,
@@ -57,8 +58,53 @@ def forward(m: ModelSpec) -> Forward:
     return Forward(windows=m.options["windows"], activation=m.options["activation"])
 
 
+_LLAMA3_ROPE = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3",
+}
+
+
+def _llama3(hidden: int, inter: int, layers: int, heads: int) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 8,
+        "head_dim": hidden // heads,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA3_ROPE),
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "bos_token_id": 128000,
+        "eos_token_id": 128009,
+        "torch_dtype": "bfloat16",
+    }
+
+
+PRESETS = {
+    "llama-3.1-8b": Preset(_llama3(4096, 14336, 32, 32),
+                           ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B")),
+    "llama-3.3-70b": Preset(_llama3(8192, 28672, 80, 64), ("meta-llama/Llama-3.3-70B-Instruct",)),
+    "llama-3.1-70b": Preset(_llama3(8192, 28672, 80, 64),
+                            ("meta-llama/Llama-3.1-70B-Instruct", "meta-llama/Llama-3.1-70B")),
+    "llama-3.1-405b": Preset(_llama3(16384, 53248, 126, 128),
+                             ("meta-llama/Llama-3.1-405B-Instruct", "meta-llama/Llama-3.1-405B")),
+}
+
+
 FAMILY = Family(
     name="llama",
     architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
-    read=read, tensors=tensors, forward=forward,
+    read=read, tensors=tensors, forward=forward, presets=PRESETS,
 )
