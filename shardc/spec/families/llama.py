@@ -28,19 +28,28 @@ if TYPE_CHECKING:
     from ..model import ModelSpec
 
 
+def qwen_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
+    """Qwen2 / Qwen3 sliding windows: only with ``use_sliding_window``, on the layers
+    ``layer_types`` names (default: from ``max_window_layers`` on), as their configurations say."""
+    if not cfg.get("use_sliding_window"):
+        return ()
+    layers = count(cfg, "num_hidden_layers") or 1
+    window = count(cfg, "sliding_window", 4096)
+    first = count(cfg, "max_window_layers", 28, low=0)
+    types = layer_types(cfg, layers, lambda i: "sliding_attention" if i >= first else "full_attention")
+    return windows_for(types, window)
+
+
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
     arch = cfg["architectures"][0]
-    layers = count(cfg, "num_hidden_layers") or 1
-    window = None
-    types: tuple[str, ...] = ()
-    if arch == "MistralForCausalLM":
+    windows: tuple[int | None, ...] = ()
+    if arch == "MistralForCausalLM":  # every layer, when set
         window = count(cfg, "sliding_window")
-        types = ("sliding_attention",) * layers if window else ()
-    elif arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
-        window = count(cfg, "sliding_window", 4096)
-        first = count(cfg, "max_window_layers", 28, low=0)
-        types = layer_types(cfg, layers, lambda i: "sliding_attention" if i >= first else "full_attention")
-    return {"windows": windows_for(types, window), "activation": cfg.get("hidden_act", "silu"),
+        layers = count(cfg, "num_hidden_layers") or 1
+        windows = windows_for(("sliding_attention",) * layers, window)
+    elif arch == "Qwen2ForCausalLM":
+        windows = qwen_windows(cfg)
+    return {"windows": windows, "activation": cfg.get("hidden_act", "silu"),
             "qkv_bias": arch == "Qwen2ForCausalLM"}
 
 

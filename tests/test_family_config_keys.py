@@ -1,0 +1,91 @@
+"""No silent wrong answer (#28 item 3): every config key a family's transformers configuration
+declares is either read by shardc (changing it changes the model shardc builds and runs, or is
+refused with one line) or listed below as not changing the math of inference.
+
+The keys come from transformers' own configuration classes, so a key transformers adds in a
+later version fails this test until someone decides what it means for shardc.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from shardc.errors import ModelError  # noqa: E402
+from shardc.runtime.support import check_supported  # noqa: E402
+from shardc.spec.model import model_from_config  # noqa: E402
+
+# Keys that do not change inference: training-only, generation defaults, or token ids the
+# tokenizer side owns. pretraining_tp: transformers 5's Llama no longer reads it.
+NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "pad_token_id", "bos_token_id",
+            "eos_token_id", "pretraining_tp"}
+SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
+# a key whose effect transformers writes into another one on save: tested with that one absent
+DERIVED = {"max_window_layers": "layer_types"}
+# family configuration class -> architecture, extra settings that make every key live
+FAMILIES = {
+    "LlamaConfig": ("LlamaForCausalLM", {}),
+    "MistralConfig": ("MistralForCausalLM", {"sliding_window": 8}),
+    "Qwen2Config": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
+                                         "max_window_layers": 2}),
+    "Qwen3Config": ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
+                                         "max_window_layers": 2}),
+    "GraniteConfig": ("GraniteForCausalLM", {}),
+}
+
+
+def _config(cls_name: str) -> dict:
+    arch, extra = FAMILIES[cls_name]
+    cfg = getattr(transformers, cls_name)(**SHAPE, **extra).to_dict()
+    cfg["architectures"] = [arch]
+    return cfg
+
+
+def _seen(cfg: dict):
+    """What shardc makes of a config: its model record, forward and tensor table (or a refusal)."""
+    try:
+        m = model_from_config(cfg)
+        check_supported(m)
+    except ModelError as e:
+        return ("refused", e.key)
+    return (m.summary(), m.forward, sorted((r.name, r.shape, r.split) for r in m.spec.tensors(m)))
+
+
+def _changed(value):
+    """Another plausible value for a config key."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value * 2
+    if isinstance(value, float):
+        return value * 3.0
+    if isinstance(value, str):
+        return {"silu": "gelu"}.get(value, value + "-other")
+    if isinstance(value, list):
+        return list(reversed(value)) if len(set(map(str, value))) > 1 else ["sliding_attention"] * len(value)
+    if isinstance(value, dict):  # rope_parameters
+        return {**value, "rope_theta": value.get("rope_theta", 10000.0) * 3}
+    return 8  # None: a number turns the setting on
+
+
+@pytest.mark.parametrize("cls_name", sorted(FAMILIES))
+def test_every_config_key_is_read_or_declared_irrelevant(cls_name):
+    cls = getattr(transformers, cls_name)
+    base = _config(cls_name)
+    before = _seen(base)
+    assert before[0] != "refused", before
+    ignored = []
+    for key in (k for k in cls.__annotations__ if not k.startswith("_")):
+        if key in NOT_MATH:
+            continue
+        ref = copy.deepcopy(base)
+        ref.pop(DERIVED.get(key, ""), None)
+        cfg = copy.deepcopy(ref)
+        cfg[key] = _changed(cfg.get(key))
+        if _seen(cfg) == _seen(ref):
+            ignored.append(key)
+    assert ignored == [], f"{cls_name}: changing {ignored} changes nothing shardc builds or runs"
