@@ -19,6 +19,7 @@ from shardc.runtime.gate import (
     golden_text,
     make_windows,
     paired_bootstrap_ci,
+    run_gate,
     summarize,
 )
 
@@ -324,3 +325,107 @@ def test_demo_broken_candidate_fails_loudly(demo_builds):
     r = json.loads(p.stdout)
     assert not r["pass"] and r["ppl_delta_pct"] > 5 and r["top1_agreement"] < 0.9
     assert all(not c["ok"] for c in r["checks"])
+
+
+# -- --reference transformers: the baseline scored by transformers itself ----------------------------------
+def test_reference_transformers_refuses_a_split_baseline(synth_builds):
+    """transformers reads a tp=1 build only: a tp>1 baseline is one line naming --reference and what
+    would work, exit 2, before anything is scored."""
+    p = _gate("--baseline", str(synth_builds["tp2pp2"]), "--candidate", str(synth_builds["tp1pp1"]),
+              "--reference", "transformers", "--max-tokens", "128", "--window", "64")
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --reference: transformers cannot load the baseline")
+    assert "tp=2" in lines[0] and "shardc reshard --manifest" in lines[0] and "--reference shardc" in lines[0]
+
+
+def test_cache_key_and_cache_differ_by_reference(synth_builds, tmp_path):
+    """A baseline cache scored by one reference is never read for the other (either way), with a
+    line naming the reference; shardc's own key has no reference entry (its caches stay valid)."""
+    from shardc.formats.safetensors import ShardWriter
+    from shardc.runtime.api import open_build
+    from shardc.runtime.gate import cache_key, check_cache, seal_cache
+    from shardc.runtime.reference import reference_record
+
+    base = open_build(synth_builds["tp1pp1"])
+    windows = [[1, 2, 3, 4]]
+    ours = cache_key(base, "text", 4, 4, windows, 1)
+    by = reference_record("transformers")
+    theirs = cache_key(base, "text", 4, 4, windows, 1, by)
+    assert "reference" not in ours and reference_record("shardc") is None
+    assert theirs == {**ours, "reference": by} and by["name"] == "transformers" and by["attn_implementation"] == "eager"
+    for written, read, why in ((ours, theirs, "reference shardc != transformers"),
+                               (theirs, ours, "reference transformers != shardc")):
+        scratch, cache = tmp_path / "scratch.safetensors", tmp_path / "cache.safetensors"
+        w = ShardWriter(scratch, [("logits", "BF16", (1, 3, 4))], {})
+        w.write(np.zeros(1 * 3 * 4 * 2, dtype=np.uint8))
+        w.commit()
+        seal_cache(scratch, cache, written)
+        assert check_cache(cache, written) == ("hit", "")
+        assert check_cache(cache, read) == ("stale", why)
+
+
+def _eager_baseline_ppl(build: Path, windows: list[list[int]]) -> float:
+    """The oracle: transformers' eager forward of the build directory, written here (one thread, as
+    the gate's CPU passes run), through summarize's sums."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(build, dtype=torch.bfloat16, attn_implementation="eager").eval()
+        rows = torch.tensor(windows)
+        with torch.inference_mode():
+            lp = torch.cat([torch.log_softmax(model(rows[i : i + 1]).logits[:, :-1].float(), -1)
+                            for i in range(len(windows))])
+    finally:
+        torch.set_num_threads(threads)
+    nll = -lp.gather(-1, rows[:, 1:, None])[..., 0].double()
+    res = {"nll_base": nll, "nll_cand": nll, "kl": torch.zeros_like(nll), "top1": torch.ones_like(nll, dtype=torch.bool)}
+    return summarize(res, len(windows), Thresholds())["baseline_ppl"]
+
+
+REF = {"max_tokens": 512, "window": 256, "timeout_s": 120.0}
+
+
+@pytest.mark.heavy
+def test_demo_reference_transformers_agrees_with_shardc(demo_builds, tmp_path):
+    """tp1 vs tp1 on the demo model, the baseline scored by shardc's runtime and then by
+    transformers (eager attention). The candidate side is shardc's either way, so its perplexity is
+    the shardc-scored baseline's exactly; the transformers-scored baseline's perplexity is exactly
+    what transformers' eager forward gives in the test. The two baselines are not bit-identical:
+    shardc's forward equals transformers' SDPA attention bit for bit on the CPU, while eager
+    rounds the attention scores and probabilities to bf16 (measured here: delta -0.023%, KL 1.9e-3,
+    top-1 97.5% over 2 x 256 tokens, the size of tp3pp2's own bf16 rounding). Bound asserted:
+    |delta| < 0.1%, KL < 5e-3, top-1 > 95%. A shardc-scored cache is recomputed, with a line."""
+    base = demo_builds["tp1pp1"]
+    cache = tmp_path / "baseline.safetensors"
+    ours = run_gate(base, base, baseline_cache=cache, **REF)
+    assert ours["baseline_cache"]["status"] == "new" and "scored_by" not in ours["baseline"]
+    assert ours["pass"] and ours["baseline_ppl"] == ours["candidate_ppl"] and ours["kl_mean"] == 0.0
+    notes: list[str] = []
+    theirs = run_gate(base, base, baseline_cache=cache, note=notes.append, reference="transformers", **REF)
+    assert theirs["baseline_cache"]["status"] == "stale"
+    assert notes == [f"baseline cache {cache} is of another baseline (reference shardc != transformers); recomputing it"]
+    assert theirs["baseline"]["scored_by"]["name"] == "transformers" and theirs["pass"]
+    assert theirs["candidate_ppl"] == ours["baseline_ppl"]
+    windows = make_windows(_ids(base), REF["window"], REF["max_tokens"])
+    assert theirs["baseline_ppl"] == _eager_baseline_ppl(base.parent, windows)
+    assert abs(theirs["ppl_delta_pct"]) < 0.1 and theirs["kl_mean"] < 5e-3 and theirs["top1_agreement"] > 0.95
+
+
+@pytest.mark.heavy
+def test_demo_reference_transformers_fails_a_broken_candidate(demo_builds):
+    import shutil
+
+    broken = demo_builds["out"] / "broken-ref"
+    shutil.copytree(demo_builds["tp3pp2"].parent, broken)
+    _swap_row_parallel(broken, layer=20)
+    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(broken / "manifest.json"),
+              "--reference", "transformers", "--min-top1", "0.9", "--max-tokens", "256", "--window", "256",
+              "--json")
+    assert p.returncode == 1, p.stdout + p.stderr
+    r = json.loads(p.stdout)
+    assert r["baseline"]["scored_by"]["name"] == "transformers"
+    assert not r["pass"] and r["ppl_delta_pct"] > 5 and r["top1_agreement"] < 0.9

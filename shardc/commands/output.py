@@ -22,6 +22,7 @@ FLAGS = {
     "pp_stage": "--pp-stage",
     "block_size": "--block-size",
     "source": "--source",
+    "reference": "--reference",
 }
 
 

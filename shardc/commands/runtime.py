@@ -84,6 +84,7 @@ Examples:
   shardc gate --baseline b/manifest.json --candidate c/manifest.json --golden eval.jsonl \\
       --max-tokens 16384 --max-kl 0.01 --min-top1 0.97 --json --report gate.json
   shardc gate --baseline b --candidate c --device cuda --baseline-cache b-pydoc.safetensors
+  shardc gate --baseline build/demo-tp1pp1-bf16 --candidate build/demo-tp3pp2-bf16 --reference transformers
 """)
 @click.option("--baseline", required=True, help="The trusted plan's manifest.json (or build directory).")
 @click.option("--candidate", required=True, help="The new plan's manifest.json (or build directory).")
@@ -110,6 +111,10 @@ Examples:
                    "windows reads them instead of rescoring. The file carries a digest keyed by the "
                    "baseline manifest (and SHARDC_GATE_CACHE_SECRET if set): another baseline's, an "
                    "edited or a damaged cache is recomputed. Refused inside a build directory.")
+@click.option("--reference", type=click.Choice(["shardc", "transformers"]), default="shardc", show_default=True,
+              help="What scores the baseline: shardc's sharded runtime, or transformers itself "
+                   "(AutoModelForCausalLM, eager attention, after verify's checks; needs a tp=1 baseline) "
+                   "so a runtime bug cannot pass both sides. The candidate is always scored by shardc.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help=_TIMEOUT_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
@@ -119,8 +124,8 @@ Examples:
 def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Path | None,
              candidate_dir: Path | None, golden: str, max_tokens: int, window: int,
              max_ppl_delta_pct: float, max_kl: float | None, min_top1: float | None,
-             tokenizer: Path | None, device: str, baseline_cache: Path | None, timeout_s: float,
-             as_json: bool, report_path: Path | None) -> None:
+             tokenizer: Path | None, device: str, baseline_cache: Path | None, reference: str,
+             timeout_s: float, as_json: bool, report_path: Path | None) -> None:
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
     from ..runtime.gate import Thresholds, format_report, run_gate
     from ..spec.plan import canonical_json
@@ -133,7 +138,7 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
         baseline, candidate, golden=golden, max_tokens=max_tokens, window=window,
         thresholds=Thresholds(max_ppl_delta_pct, max_kl, min_top1), baseline_dir=baseline_dir,
         candidate_dir=candidate_dir, tokenizer=tokenizer, timeout_s=timeout_s, device=device,
-        baseline_cache=baseline_cache, note=lambda line: click.echo(line, err=True),
+        baseline_cache=baseline_cache, note=lambda line: click.echo(line, err=True), reference=reference,
     )
     if not report:  # under torchrun, only the rank that holds the comparison reports
         return

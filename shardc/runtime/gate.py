@@ -185,16 +185,21 @@ def run_gate(
     thresholds: Thresholds = Thresholds(), baseline_dir: str | Path | None = None,
     candidate_dir: str | Path | None = None, tokenizer: str | Path | None = None,
     timeout_s: float = 120.0, device: str = "cpu", baseline_cache: str | Path | None = None,
-    note: Callable[[str], None] | None = None,
+    note: Callable[[str], None] | None = None, reference: str = "shardc",
 ) -> dict[str, Any]:
     """Score the baseline (or take it from ``baseline_cache``), then the candidate, and return the
-    report (``report["pass"]``). ``note`` receives one-line remarks (a cache being recomputed)."""
+    report (``report["pass"]``). ``note`` receives one-line remarks (a cache being recomputed).
+    ``reference``: what scores the baseline, shardc's runtime or ``"transformers"``
+    (runtime/reference.py; a tp=1 baseline); the candidate is always scored by shardc's runtime."""
     from .api import load_tokenizer, open_build, save_baseline, score_against, scratch_path
     from .launch import check_devices, in_torchrun
+    from .reference import check_reference, reference_record, save_baseline_transformers
 
     base = open_build(baseline, baseline_dir)
     cand = open_build(candidate, candidate_dir)
     check_compatible(base.manifest, cand.manifest)
+    check_reference(base, reference, torchrun=in_torchrun())
+    scored_by = reference_record(reference)
     for ref in sorted((base, cand), key=lambda r: -r.world_size):  # the larger plan names the need
         check_devices({"replicas": [ref.job_entry()], "device": device}, torchrun=in_torchrun())
     text, label = golden_text(golden)
@@ -205,7 +210,7 @@ def run_gate(
     # thread count, so this keeps a gate's figures (and a cached baseline) the same on any host
     # and for any pair of plans.
     threads = GATE_CPU_THREADS if device == "cpu" else None
-    key = cache_key(base, text, window, max_tokens, windows, threads)
+    key = cache_key(base, text, window, max_tokens, windows, threads, scored_by)
     t0 = time.perf_counter()
     cache = Path(baseline_cache) if baseline_cache is not None else None
     if cache is not None:
@@ -223,8 +228,12 @@ def run_gate(
             if status in NOTES and note is not None:
                 note(f"baseline cache {cache} {NOTES[status]} ({why}); recomputing it")
         if status != "hit":
-            base_res = save_baseline(base, windows, scratch, key, timeout_s=timeout_s, device=device,
-                                     threads=threads)
+            if scored_by is not None:  # transformers, in this process (refused under torchrun)
+                base_res = save_baseline_transformers(base, windows, scratch, key, device=device,
+                                                      threads=threads)
+            else:
+                base_res = save_baseline(base, windows, scratch, key, timeout_s=timeout_s, device=device,
+                                         threads=threads)
             if cache is not None and (not torchrun or res_holder(base)):  # the rank that wrote it
                 seal_cache(scratch, cache, key)
         res = score_against(cand, windows, scratch, timeout_s=timeout_s, device=device, threads=threads)
@@ -238,7 +247,7 @@ def run_gate(
     scored = len(windows) * window
     base_s = (base_res or {}).get("seconds")
     report.update({
-        "baseline": _side(base),
+        "baseline": _side(base) if scored_by is None else {**_side(base), "scored_by": scored_by},
         "candidate": _side(cand),
         "golden": {"source": label, "sha256": key["golden_sha256"],
                    "text_tokens": len(ids), "windows": len(windows), "window": window,
@@ -253,11 +262,14 @@ def run_gate(
 
 
 def cache_key(base: Any, text: str, window: int, max_tokens: int, windows: list[list[int]],
-              threads: int | None = None) -> dict[str, Any]:
+              threads: int | None = None, scored_by: dict[str, Any] | None = None) -> dict[str, Any]:
     """What the baseline's logits depend on: the baseline build (its manifest's bytes pin every shard's
     sha256), the golden text and the window settings (the token windows themselves, hashed, also pin
-    the tokenizer), and the CPU threads per rank (None on a GPU)."""
-    return {
+    the tokenizer), the CPU threads per rank (None on a GPU), and what scored it: shardc's runtime
+    (no ``reference`` entry, so caches written before the reference existed still hit) or
+    ``scored_by`` (runtime/reference.py: transformers and torch versions). A cache of one reference
+    is never read for the other: ``check_cache`` compares every entry either key has."""
+    key: dict[str, Any] = {
         "cpu_threads": threads,
         "baseline_manifest_sha256": hashlib.sha256(base.manifest_path.read_bytes()).hexdigest(),
         "golden_sha256": hashlib.sha256(text.encode()).hexdigest(),
@@ -265,6 +277,9 @@ def cache_key(base: Any, text: str, window: int, max_tokens: int, windows: list[
         "max_tokens": int(max_tokens),
         "windows_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest(),
     }
+    if scored_by is not None:
+        key["reference"] = scored_by
+    return key
 
 
 CACHE_META = "shardc.baseline_cache"  # the key, as JSON (informative: the digest decides)
@@ -355,9 +370,9 @@ def _check_open(f: Any, path: Path, key: dict[str, Any], copy_to: Path | None) -
         found = None
     if not isinstance(found, dict):
         return "stale", "not a shardc baseline cache"
-    for k, v in key.items():
-        if found.get(k) != v:
-            return "stale", f"{k} {str(found.get(k))[:12]} != {str(v)[:12]}"
+    for k in [*key, *(k for k in found if k not in key)]:  # an entry one side lacks differs too
+        if found.get(k) != key.get(k):
+            return "stale", f"{k} {_brief(k, found.get(k))} != {_brief(k, key.get(k))}"
     digest = meta.get(CACHE_DIGEST)
     if not isinstance(digest, str):
         return "stale", "it carries no digest (an older shardc's cache)"
@@ -385,6 +400,13 @@ def _check_open(f: Any, path: Path, key: dict[str, Any], copy_to: Path | None) -
             out.close()
         if tmp is not None:
             tmp.unlink(missing_ok=True)
+
+
+def _brief(k: str, v: Any) -> str:
+    """A key entry as a stale cache's line shows it: the reference by name (none is shardc's own)."""
+    if k == "reference":
+        return str(v.get("name")) if isinstance(v, dict) else "shardc" if v is None else str(v)[:12]
+    return str(v)[:12]
 
 
 def _layout_problem(tensors: dict[str, Any], data_len: int) -> str | None:
@@ -480,9 +502,11 @@ def format_report(r: dict[str, Any]) -> str:
     """Human-readable summary (the JSON report carries the same numbers)."""
     b, c, g = r["baseline"], r["candidate"], r["golden"]
     lo, hi = r["ppl_delta_ci95_pct"]
+    by = b.get("scored_by")
     lines = [
         f"gate: {c['plan']} (tp{c['tp']} pp{c['pp']} {c['dtype']}) vs baseline {b['plan']} "
-        f"(tp{b['tp']} pp{b['pp']} {b['dtype']})",
+        f"(tp{b['tp']} pp{b['pp']} {b['dtype']})"
+        + (f", baseline scored by {by['name']} {by.get(by['name'], '')}".rstrip() if by else ""),
         f"golden: {g['source']}, {g['windows']} windows x {g['window']} tokens, {r['positions']} scored positions",
         f"perplexity: baseline {r['baseline_ppl']:.4f}  candidate {r['candidate_ppl']:.4f}  "
         f"delta {r['ppl_delta_pct']:+.4f}% (95% CI {lo:+.4f}% .. {hi:+.4f}%)",

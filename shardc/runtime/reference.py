@@ -1,0 +1,155 @@
+"""The gate's independent reference: the baseline scored by transformers itself.
+
+``shardc gate --reference transformers`` takes the baseline's logits from Hugging Face
+transformers (``AutoModelForCausalLM.from_pretrained`` on the baseline build's directory: a tp = 1
+build is a Hugging Face checkpoint, config.json and model.safetensors.index.json included) instead
+of from shardc's sharded runtime, so a bug in shardc's forward (a misread config key, a wrong
+rope or activation) cannot pass both sides of the gate. The candidate is still scored by shardc's
+runtime and compared by the same code (``worker._against``).
+
+What stays the same as shardc's own baseline pass: the windows, one window per forward, the
+build's compute dtype (the plan's base dtype), the logits written losslessly in that dtype to the
+same kind of scratch file, one CPU thread on the CPU. What it adds: eager attention
+(``attn_implementation="eager"``, no kernel choice left to the host), and the whole build checked
+by verify's checks (``verify_build``: every shard's sha256 against the manifest, config.json and
+the index against the Layout) before transformers opens a file. transformers and torch are
+imported inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ShardcError, VerifyMismatch
+
+REFERENCES = ("shardc", "transformers")
+DEFAULT_REFERENCE = "shardc"
+ATTENTION = "eager"
+INDEX = "model.safetensors.index.json"  # what makes a build directory a transformers checkpoint
+
+
+class ReferenceUnfit(ShardcError):
+    """``--reference transformers`` cannot score this baseline here (tp > 1, no HF index, a
+    package missing, under torchrun): bad input, exit 2."""
+
+
+def check_reference(base: Any, reference: str, *, torchrun: bool = False) -> None:
+    """Refuse, before anything is scored, a reference that cannot score ``base`` (a BuildRef)."""
+    if reference == DEFAULT_REFERENCE:
+        return
+    if reference not in REFERENCES:
+        raise ReferenceUnfit(f"unknown reference {reference!r}", key="reference",
+                             hint=f"use one of {', '.join(REFERENCES)}")
+    lay = base.manifest.layout
+    hint_tp1 = (f"reshard the baseline to a tp=1 plan first (shardc reshard --manifest {base.manifest_path} "
+                f"--plan <a plan with tp_degree: 1>) and gate against that build, or use --reference shardc")
+    if lay.tp_degree != 1:
+        raise ReferenceUnfit(
+            f"transformers cannot load the baseline {base.name}: it is split tp={lay.tp_degree}, and "
+            f"transformers reads only a tp=1 build (any pp) as a checkpoint", key="reference", hint=hint_tp1)
+    if not (base.directory / INDEX).is_file():
+        raise ReferenceUnfit(
+            f"the baseline {base.name} has no {INDEX} in {base.directory}, so transformers cannot load it",
+            key="reference", hint="rebuild it with this shardc (every tp=1 build writes one), or use --reference shardc")
+    if torchrun:
+        raise ReferenceUnfit("transformers scores the baseline in one process; it does not run under torchrun",
+                             key="reference", hint="run shardc gate without torchrun (its own launcher starts the ranks)")
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if lay.dtype in ("int8", "fp8") and importlib.util.find_spec("compressed_tensors") is None:
+        missing.append("compressed-tensors")
+    if missing:
+        raise ReferenceUnfit(f"transformers cannot score the baseline: {' and '.join(missing)} not installed",
+                             key="reference", hint=f"pip install {' '.join(missing)}, or use --reference shardc")
+
+
+def reference_record(reference: str) -> dict[str, Any] | None:
+    """What scored the baseline, for the cache key and the report: None for shardc's own runtime
+    (whose records stay as they were), else the library and versions that computed the logits."""
+    if reference == DEFAULT_REFERENCE:
+        return None
+    from importlib.metadata import version
+
+    return {"name": reference, "transformers": version("transformers"), "torch": version("torch"),
+            "attn_implementation": ATTENTION}
+
+
+def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | Path, key: dict[str, Any], *,
+                               device: str = "cpu", threads: int | None = None) -> dict[str, Any]:
+    """The gate's baseline pass with transformers: check the build, load it with transformers in
+    the build's compute dtype and eager attention, score ``windows`` one at a time and write the
+    logits [windows, T - 1, vocab] to ``path`` as ``save_baseline`` does (same tensor, dtype and
+    metadata). Returns {"seconds", "load_seconds"}. ``threads``: CPU threads for the pass."""
+    import torch
+
+    from ..formats.safetensors import ShardWriter
+    from ..spec.dtypes import from_torch_name
+    from ..verify.checks import verify_build
+    from ..verify.devices import resolve_device
+    from .weights import compute_dtype
+
+    t_load = time.perf_counter()
+    report = verify_build(base.manifest, base.directory)
+    if not report["ok"]:
+        raise VerifyMismatch(f"baseline {base.name}: {report['problems'][0]}",
+                             hint="run shardc verify for the full report; re-pull or rebuild the baseline")
+    dtype = compute_dtype(base.manifest)
+    dev = torch.device(resolve_device(device) or "cpu")
+    saved_threads = torch.get_num_threads()
+    model = writer = None
+    try:
+        if threads:
+            torch.set_num_threads(int(threads))
+        model = _load(base.directory, dtype, dev)
+        load_s = time.perf_counter() - t_load
+        rows = torch.tensor(windows, dtype=torch.int64)
+        n, t = rows.shape
+        vocab = int(base.manifest.model["vocab_size"])
+        name = from_torch_name(str(dtype))
+        meta = {"shardc.baseline_cache": json.dumps(key, sort_keys=True)}  # as worker._LogitSaver writes
+        writer = ShardWriter(Path(path), [("logits", name, (n, t - 1, vocab))], meta)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for i in range(n):
+                logits = model(rows[i : i + 1].to(dev)).logits[:, :-1]
+                if logits.shape[-1] != vocab:
+                    raise ShardcError(f"transformers gives {logits.shape[-1]} logits per position, the "
+                                      f"manifest's vocabulary is {vocab}")
+                part = logits.to(dtype)
+                if not torch.equal(part.float(), logits.float()):  # as the runtime's own saver checks
+                    raise ShardcError(f"transformers' logits are not exact in {name}")
+                writer.write(part.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        writer.commit()
+        writer = None
+        return {"seconds": time.perf_counter() - t0, "load_seconds": load_s}
+    finally:
+        if writer is not None:
+            writer.abort()
+        torch.set_num_threads(saved_threads)
+        del model
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()  # the candidate's ranks need the GPU next
+
+
+def _load(directory: Path, dtype: Any, dev: Any) -> Any:
+    """transformers' model of a checked build directory: local files only, no remote code, every
+    tensor of the model read from the build (a missing, unexpected or mis-shaped tensor is refused,
+    never left at a random initialization). The loaders' progress bars (transformers',
+    compressed-tensors') go to a buffer: the gate's stderr carries its own lines."""
+    import contextlib
+    import io
+
+    from transformers import AutoModelForCausalLM
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(directory.resolve()), dtype=dtype, attn_implementation=ATTENTION,
+            local_files_only=True, trust_remote_code=False, output_loading_info=True)
+    bad = {k: sorted(map(str, v))[:3] for k, v in info.items() if v}
+    if bad:
+        raise ReferenceUnfit(f"transformers does not read the build at {directory} as its model: {bad}",
+                             key="reference", hint="use --reference shardc")
+    return model.to(dev).eval()
