@@ -118,7 +118,7 @@ def test_runtime_matches_transformers(saved, case, tp):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= TOP1[tp]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str):
     import subprocess
     import sys
 

@@ -9,8 +9,10 @@ runtime and compared by the same code (``worker._against``).
 
 What stays the same as shardc's own baseline pass: the windows, one window per forward, the
 build's compute dtype (the plan's base dtype), the logits written losslessly in that dtype to the
-same kind of scratch file, one CPU thread on the CPU. What it adds: eager attention
-(``attn_implementation="eager"``, no kernel choice left to the host), and the whole build checked
+same kind of scratch file, one CPU thread on the CPU. Attention is transformers' default for the
+model (SDPA where the model supports it, eager where it does not, as for Gemma 2's soft-capping):
+what a user of transformers gets, and on the CPU shardc's tp = 1 forward equals it bit for bit for
+the Llama family, so an identical candidate scores a delta of exactly 0. What it adds: the whole build checked
 by verify's checks (``verify_build``: every shard's sha256 against the manifest, config.json and
 the index against the Layout) before transformers opens a file. transformers and torch are
 imported inside the functions that need them.
@@ -28,7 +30,7 @@ from ..errors import ShardcError, VerifyMismatch
 
 REFERENCES = ("shardc", "transformers")
 DEFAULT_REFERENCE = "shardc"
-ATTENTION = "eager"
+ATTENTION: str | None = None  # transformers' default for the model (recorded as "default")
 INDEX = "model.safetensors.index.json"  # what makes a build directory a transformers checkpoint
 
 
@@ -74,13 +76,13 @@ def reference_record(reference: str) -> dict[str, Any] | None:
     from importlib.metadata import version
 
     return {"name": reference, "transformers": version("transformers"), "torch": version("torch"),
-            "attn_implementation": ATTENTION}
+            "attn_implementation": ATTENTION or "default"}
 
 
 def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | Path, key: dict[str, Any], *,
                                device: str = "cpu", threads: int | None = None) -> dict[str, Any]:
     """The gate's baseline pass with transformers: check the build, load it with transformers in
-    the build's compute dtype and eager attention, score ``windows`` one at a time and write the
+    the build's compute dtype and transformers' default attention, score ``windows`` one at a time and write the
     logits [windows, T - 1, vocab] to ``path`` as ``save_baseline`` does (same tensor, dtype and
     metadata). Returns {"seconds", "load_seconds"}. ``threads``: CPU threads for the pass."""
     import torch
