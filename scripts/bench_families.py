@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Build speed per model family, against Llama's, measured in the same run (#28).
+
+For every registered family, its first real-size preset (e.g. llama-3.1-8b, qwen3-8b,
+granite-3.1-8b) cut to --layers layers is written as a seeded synthetic checkpoint, then built
+with the same tp=2 bf16 plan (an fp16 source cast to bf16: every byte read, converted, written)
+--repeat times, the families interleaved so the VM's drift hits them alike. Printed per family:
+the median build seconds, source GB/s, and that rate as a ratio of the Llama family's rate
+(target: 1.0, "the build of a new family runs at the same bytes/s as Llama's").
+
+Example: python scripts/bench_families.py --layers 2 --repeat 3     (~3 GiB of disk per family)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from shardc.build.synthetic import write_checkpoint  # noqa: E402
+from shardc.spec.families import FAMILIES  # noqa: E402
+from shardc.spec.model import model_from_config  # noqa: E402
+from shardc.spec.tensors import valid_tp_degrees  # noqa: E402
+
+
+def config_for(family, layers: int) -> tuple[str, dict]:
+    name, preset = next(iter(family.presets.items()))
+    cfg = copy.deepcopy(preset.config)
+    cfg["num_hidden_layers"] = layers
+    if isinstance(cfg.get("layer_types"), list):
+        cfg["layer_types"] = cfg["layer_types"][:layers]
+    cfg["torch_dtype"] = "float16"  # the build casts to bf16: every byte converted
+    return name, cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workdir", default=None, help="[default: build/bench-families]")
+    a = ap.parse_args()
+    work = Path(a.workdir or ROOT / "build" / "bench-families")
+    work.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=work))
+    os.environ["SHARDC_CACHE_DIR"] = str(tmp / "hash-cache")
+    runs: dict[str, dict] = {}
+    try:
+        for fam in FAMILIES:
+            if not fam.presets:
+                continue
+            preset, cfg = config_for(fam, a.layers)
+            src = write_checkpoint(tmp / f"src-{fam.name}", cfg)
+            tp = next(t for t in valid_tp_degrees(model_from_config(cfg)) if t >= 2)
+            plan = tmp / f"{fam.name}.yaml"
+            plan.write_text(yaml.safe_dump({
+                "replica_group": {"name": f"bench-{fam.name}", "tp_degree": tp, "pp_degree": 1,
+                                  "dtype": "bf16", "gpus_per_replica": tp},
+                "model": {"source": str(src)}}))
+            size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+            runs[fam.name] = {"preset": preset, "plan": plan, "bytes": size, "tp": tp, "times": []}
+            # first build hashes the source (cached afterwards for every plan): not timed
+            out = tmp / f"out-{fam.name}"
+            subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan), "--out", str(out), "-q"],
+                           check=True)
+            shutil.rmtree(out)
+        for _ in range(a.repeat):
+            for fam, r in runs.items():
+                out = tmp / f"out-{fam}"
+                subprocess.run(["sync"], check=True)
+                t0 = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(r["plan"]), "--out", str(out),
+                                "-q"], check=True)
+                r["times"].append(time.perf_counter() - t0)
+                shutil.rmtree(out)
+        base = None
+        for fam, r in runs.items():
+            med = statistics.median(r["times"])
+            rate = r["bytes"] / med / 1e9
+            base = base or rate
+            print(f"{fam:8s} {r['preset']:16s} {a.layers} layers tp={r['tp']}  {r['bytes'] / 2**30:5.2f} GiB  "
+                  f"median {med:6.2f} s  {rate:5.2f} GB/s  = {rate / base:4.2f}x llama's bytes/s  "
+                  f"(runs: {', '.join(f'{t:.2f}' for t in r['times'])})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
