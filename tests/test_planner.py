@@ -523,7 +523,7 @@ def test_mla_latent_kv_is_not_divided_by_tp(tmp_path):
     assert by_tp[2].memory.weights == (16_130_560 + 1_024_000 + 1_024) * 2
     # 20 GiB / (16 x 1,280 B) = 1,048,576 blocks = 16,777,216 tokens, capped at 4,096
     assert (by_tp[2].kv.blocks, by_tp[2].kv.max_model_len) == (1_048_576, 4096)
-    assert s.advisory and "not Llama-family" in s.advisory and s.to_json()["plan"] is None
+    assert s.advisory and "not in a family shardc builds" in s.advisory and s.to_json()["plan"] is None
     with pytest.raises(PlanError, match="advisory"):
         s.plan_for(s.recommended)
     v3 = search(resolve_model("deepseek-v3")[0], Cluster(get_gpu("h200")), dtypes=["fp8"], tps=[8], pps=[1])
@@ -546,7 +546,7 @@ def test_cli_mla_is_advisory_and_out_refuses(tmp_path):
     r = _run("--model", str(cfg), "--gpu", "l40s", "--dtype", "bf16", "--out", str(out))
     assert r.exit_code == 2 and not out.exists()
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: --out: not written:") and "not Llama-family" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("error: --out: not written:") and "not in a family shardc builds" in lines[0]
     assert "ADVISORY" in r.stdout
 
 

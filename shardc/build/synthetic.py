@@ -1,4 +1,4 @@
-"""Seeded synthetic Llama-family checkpoints of any shape, for tests and benchmarks.
+"""Seeded synthetic checkpoints of any family and shape, for tests and benchmarks.
 
 Writes a valid Hugging Face checkpoint directory: config.json, one or several
 ``model-0000i-of-0000n.safetensors`` files (+ ``model.safetensors.index.json`` when several).

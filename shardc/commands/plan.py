@@ -285,7 +285,7 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     rec = result.require_recommendation()
     if out_file is not None and result.advisory:
         raise PlanError(f"not written: {result.advisory}", key="--out",
-                        hint="shardc build compiles Llama-family checkpoints only")
+                        hint="shardc build compiles the families in the README's Supported models table")
     if out_file is not None:
         write_plan(result.plan_for(rec, _source_for(source, model_ref, out_file)), out_file, result, rec)
         if not as_json:

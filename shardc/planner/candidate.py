@@ -6,7 +6,7 @@ decode step. A unit fits when every stage's KV pool (what vLLM would allocate, a
 holds the demand and the CUDA context and graphs fit in the headroom vLLM leaves outside its
 budget (with a measured `kv_memory` pool: no GPU above the memory limit); the cap alone never rules
 a unit out.
-Weights come from the Layout (Llama family) or from mla.py's matrices (advisory MLA models); LoRA
+Weights come from the Layout (the families shardc builds) or from mla.py's matrices (advisory MLA models); LoRA
 adapters and a draft model are sharded like the weights.
 """
 

@@ -28,7 +28,7 @@ def param_count(model: Any) -> int:
 def resolve_model(ref: str) -> tuple[Any, str, str]:
     """The model as (spec, short name, plan source): a preset, a config.json or a checkpoint dir.
 
-    A Llama-family config gives a ModelSpec (what ``shardc build`` compiles); an MLA config
+    A config of a family shardc builds gives a ModelSpec (what ``shardc build`` compiles); an MLA config
     (kv_lora_rank, qk_rope_head_dim) or an MLA preset gives an MlaModel, planned as advisory."""
     key = ref.lower()
     if key in MLA_PRESETS:

@@ -45,7 +45,7 @@ from .policy import OBJECTIVES, FitTrail, recommend
 class Search:
     """The inputs, every candidate with its figures or reasons, and the recommendation."""
 
-    model: Any  # a ModelSpec (Llama family, buildable) or an MlaModel (advisory)
+    model: Any  # a ModelSpec (a family shardc builds) or an MlaModel (advisory)
     model_name: str
     source: str
     cluster: Cluster
@@ -67,7 +67,7 @@ class Search:
         """Why no plan file can be written for this model (None: `shardc build` compiles it)."""
         if isinstance(self.model, ModelSpec):
             return None
-        return (f"{self.model_name} ({self.model.architecture}) is not Llama-family: `shardc build` cannot "
+        return (f"{self.model_name} ({self.model.architecture}) is not in a family shardc builds: `shardc build` cannot "
                 "compile it, so these figures are an advisory estimate")
 
     def fitting(self) -> list[Candidate]:
@@ -128,7 +128,7 @@ class Search:
         assert cand.pp is not None and cand.dtype is not None and cand.speed is not None
         if self.advisory:
             raise PlanError(f"no plan file: {self.advisory}", key="model",
-                            hint="shardc build compiles Llama-family checkpoints only")
+                            hint="shardc build compiles the families in the README's Supported models table")
         data = plan_dict(
             plan_name(self.model_name, cand.tp, cand.pp, cand.dtype), source or self.source, cand.tp,
             cand.pp, cand.dtype, kv_cache_cap_gib=round(self.workload.cap / GIB, 2),
@@ -233,7 +233,7 @@ def search(
         if d not in DTYPES:
             raise PlanError(f"unknown dtype {d!r}", key="dtype", hint=f"use auto or one of {', '.join(DTYPES)}")
     if w.lora_adapters and isinstance(model, MlaModel):
-        raise PlanError("LoRA memory is modelled for Llama-family projections only", key="lora_adapters")
+        raise PlanError("LoRA memory is modelled for the projections of the families shardc builds only", key="lora_adapters")
     s = Search(model, model_name, source or model_name, cluster, w, ov, sp, dts, param_count(model), [],
                objective=objective, draft_params=param_count(draft) if draft is not None else 0)
     total, gpn, limit = cluster.total_gpus, cluster.gpus_per_node, cluster.tp_limit

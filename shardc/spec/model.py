@@ -106,7 +106,7 @@ LIMITS: dict[str, int] = {
     "vocab_size": 1 << 24,
     "max_position_embeddings": 1 << 28,
 }
-_HINT = "pass the config.json of a Llama-family Hugging Face checkpoint"
+_HINT = "pass the config.json of a Hugging Face checkpoint of a supported family (README: Supported models)"
 
 
 def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
