@@ -138,6 +138,18 @@ def test_the_real_size_preset_lays_out(phi3):
     assert 13.9e9 < params < 14.0e9  # Phi-3-medium: 14B
 
 
+def test_a_plan_for_the_hub_repo_dry_runs_offline(tmp_path):
+    import yaml
+
+    plan = tmp_path / "p.yaml"
+    plan.write_text(yaml.safe_dump({"replica_group": {"name": "phi3m", "tp_degree": 2, "pp_degree": 1,
+                                                      "dtype": "int8", "gpus_per_replica": 2},
+                                    "model": {"source": "hf://microsoft/Phi-3-medium-4k-instruct"}}))
+    res = CliRunner().invoke(main, ["build", str(plan), "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "Phi3ForCausalLM 40 layers" in res.output and "model-tp01-pp00.safetensors" in res.output
+
+
 # --- the runtime against transformers -----------------------------------------------------------
 
 def test_tp1_logits_equal_transformers_past_the_sliding_window(phi3):
