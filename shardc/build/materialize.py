@@ -27,9 +27,12 @@ QUANT_WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))
 
 def region(full: np.ndarray | Tiles, spec: TensorSpec) -> np.ndarray:
     """The rank's slice of a full tensor (source or quantized) as a view: nothing is copied
-    (except from Tiles, which are put together first: ``stream_region`` avoids that)."""
+    (except from Tiles, which are put together first: ``stream_region`` avoids that). A fused
+    tensor's pieces are concatenated (a copy: ``stream_region`` writes them one after another)."""
     if isinstance(full, Tiles):
         full = np.asarray(full)
+    if spec.pieces:
+        return np.concatenate([region(full, p) for p in spec.split_pieces()])
     if spec.dim == 0:
         return full[spec.start : spec.stop]
     if spec.dim == 1:  # a packed tensor holds ``pack`` source columns per element
@@ -68,7 +71,14 @@ def stream_region(writer: ShardWriter, full: np.ndarray, spec: TensorSpec) -> No
     Each chunk of rows is sliced and cast straight into the writer's staging buffer (no
     intermediate copy, and the GIL is free meanwhile); only a chunk that straddles the end of a
     staging buffer goes through the thread's own buffer and a plain ``write``. From Tiles (a
-    reshard's input ranks) each chunk is filled from the pieces it spans."""
+    reshard's input ranks) each chunk is filled from the pieces it spans. A fused tensor's pieces
+    (spec.pieces: source-row ranges) are written one after another, each cut from the one source
+    view, so the source is read once whatever the number of ranks and parts."""
+    for piece in spec.split_pieces():
+        _stream_rows(writer, full, piece)
+
+
+def _stream_rows(writer: ShardWriter, full: np.ndarray | Tiles, spec: TensorSpec) -> None:
     if isinstance(full, Tiles):
         lo = [spec.start if spec.dim == i else 0 for i in range(len(full.shape))]
         shape = tuple(spec.stop - spec.start if spec.dim == i else n for i, n in enumerate(full.shape))

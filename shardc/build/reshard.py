@@ -53,10 +53,12 @@ _CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_he
 
 @dataclass(frozen=True)
 class Piece:
-    """One rank tensor of the input build: which file, and which part of which tensor it holds."""
+    """One rank tensor of the input build (or one piece of a fused one, ``row0`` rows into the
+    stored tensor): which file, and which part of which tensor it holds."""
 
     file: str
     spec: TensorSpec
+    row0: int = 0
 
     @property
     def region(self) -> tuple:
@@ -90,7 +92,10 @@ class BuildSource(Source):
         self.pieces: dict[tuple[str, str], list[Piece]] = {}
         for rl in self.in_layout.ranks:
             for t in rl.tensors:
-                self.pieces.setdefault((t.source, _role(t)), []).append(Piece(rl.file, t))
+                row0 = 0
+                for sub in t.split_pieces():  # a fused tensor: each source-row range on its own
+                    self.pieces.setdefault((t.source, _role(t)), []).append(Piece(rl.file, sub, row0))
+                    row0 += sub.shape[0]
         self.in_quant = {src: p[0].spec.quant for (src, role), p in self.pieces.items()
                          if role == "weight" and p[0].spec.quant}
         self.dequantized = check_dtypes(self.in_quant, out_layout, dequantize)
@@ -220,6 +225,7 @@ class BuildSource(Source):
         offset, dtype, _, _ = self._header(p.file)[spec.name]
         rows = spec.shape[0] - spec.pad_rows if spec.shape else 1
         count = math.prod(spec.shape[1:]) * rows if spec.shape else 1
+        offset += p.row0 * math.prod(spec.shape[1:]) * DTYPE_BYTES[dtype]  # a fused tensor's piece
         if count == 0:
             return np.empty((0, *spec.shape[1:]), np_dtype(dtype))
         # A mapping of just this tensor, gone with the last array that views it: mapped pages

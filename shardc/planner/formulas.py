@@ -325,6 +325,7 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
                 totals["linear"] += mult * math.prod(t.shape) * (t.pack or 1)
             if t.name.endswith("self_attn.k_proj.weight"):
                 kv_heads = t.shape[0] // model.head_dim
+        kv_heads = kv_heads or max(1, model.num_kv_heads // plan.tp)  # k stored fused (Phi-3)
         out.append(
             RankWeights(rl.tp_rank, rl.pp_stage, real[rl.pp_stage], totals["nbytes"], totals["read"],
                         totals["linear"], kv_heads)

@@ -19,7 +19,14 @@ from ..build.quantize import dequantize
 from ..errors import ManifestError
 from ..formats.manifest import Manifest
 from ..spec.dtypes import torch_name
-from ..spec.layout import PACKED_SUFFIX, SCALE_SUFFIX, SHAPE_SUFFIX, Layout, RankLayout
+from ..spec.layout import (
+    PACKED_SUFFIX,
+    SCALE_SUFFIX,
+    SHAPE_SUFFIX,
+    Layout,
+    RankLayout,
+    tensor_table,
+)
 from .decoder import Dims, LayerWeights, StageWeights
 
 _PROJ = {
@@ -105,11 +112,27 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         t = t.to(dtype=dtype).contiguous()
         return t.clone() if copy_out and t.data_ptr() == raw[name].data_ptr() else t
 
+    fused = layout.model.forward.fused
+    table = tensor_table(layout.model) if fused else {}
+
+    def split(name: str) -> tuple[torch.Tensor, ...]:
+        """A fused tensor cut into its parts by the rank's part sizes: the Layout's pieces (tp > 1)
+        or the family's part rows (whole)."""
+        spec = specs.get(name) or specs[name + PACKED_SUFFIX]
+        sizes = [b - a for a, b in spec.pieces] if spec.pieces else [n for n, _ in table[name].parts]
+        return torch.split(get(name), sizes, dim=0)
+
     layers = []
     for i in range(*rl.layers):
         p = f"model.layers.{i}."
-        w = {key: get(p + proj + ".weight") for key, proj in _PROJ.items()}
-        bias = {key: get(p + proj + ".bias") for key, proj in _PROJ.items() if p + proj + ".bias" in specs}
+        w, bias = {}, {}
+        for module, roles in fused:
+            w |= dict(zip(roles, split(p + module + ".weight"), strict=True))
+            if p + module + ".bias" in specs:
+                bias |= dict(zip(roles, split(p + module + ".bias"), strict=True))
+        w |= {key: get(p + proj + ".weight") for key, proj in _PROJ.items() if key not in w}
+        bias |= {key: get(p + proj + ".bias") for key, proj in _PROJ.items()
+                 if key not in bias and p + proj + ".bias" in specs}
         norms = {role: get(p + name) for role, name in _NORMS.items() if p + name in specs}
         if p + _SANDWICH in specs:  # Gemma: post_attention_layernorm follows attention instead
             norms["post_attn"] = get(p + "post_attention_layernorm.weight")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import LayoutError, QuantizationError
@@ -51,7 +51,7 @@ class TensorSpec:
     dtype: str  # safetensors dtype: F16, BF16, F32, I8, F8_E4M3
     shape: tuple[int, ...]
     source: str  # source tensor name in the checkpoint
-    split: str  # column | kv_column | row | vocab | replicated
+    split: str  # column | kv_column | row | vocab | replicated | fused
     dim: int | None = None  # sliced dimension of the source (None: whole tensor)
     start: int | None = None
     stop: int | None = None
@@ -61,6 +61,9 @@ class TensorSpec:
     quant: str | None = None  # int8 | fp8 for a quantized weight and its companions
     pack: int | None = None  # values per stored element (start/stop count source columns)
     value: tuple[int, ...] | None = None  # contents fixed by the Layout (X.weight_shape)
+    # fused (dim 0, no start/stop): the source-row ranges [start, stop) this rank holds, one per
+    # part of the fused tensor (q, k, v; gate, up), concatenated in this order along dim 0
+    pieces: tuple[tuple[int, int], ...] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -72,9 +75,20 @@ class TensorSpec:
         out["shape"] = list(self.shape)
         if self.value is not None:
             out["value"] = list(self.value)
+        if self.pieces is not None:
+            out["pieces"] = [list(p) for p in self.pieces]
         if not self.pad_rows:
             out.pop("pad_rows")
         return out
+
+
+    def split_pieces(self) -> tuple[TensorSpec, ...]:
+        """The rank tensor as plain dim-0 slices of its source, in the order it stores them: a
+        fused tensor's pieces (each a spec of its own rows), any other tensor itself."""
+        if not self.pieces:
+            return (self,)
+        return tuple(replace(self, start=a, stop=b, pieces=None, shape=(b - a, *self.shape[1:]))
+                     for a, b in self.pieces)
 
 
 @dataclass(frozen=True)
@@ -141,10 +155,23 @@ def padded_vocab(model: ModelSpec, tp: int) -> int:
     return -(-model.vocab_size // tp) * tp
 
 
-def _slice_for_rank(kind: str, shape: tuple[int, ...], r: int, model: ModelSpec, tp: int) -> dict:
+def _slice_for_rank(kind: str, shape: tuple[int, ...], r: int, model: ModelSpec, tp: int,
+                    parts: tuple[tuple[int, str], ...] = ()) -> dict:
     """Interpret one split rule for TP rank r: the slice of the source and the local shape."""
     if kind == "replicated" or tp == 1 and kind != "vocab":
         return {"dim": None, "start": None, "stop": None, "shape": shape}
+    if kind == "fused":  # each part cut by its own kind; the rank's pieces end to end
+        pieces, at, kv_head = [], 0, None
+        for rows, part in parts:
+            c = _slice_for_rank(part, (rows, *shape[1:]), r, model, tp)
+            pieces.append((at + c["start"], at + c["stop"]))
+            kv_head = c.get("kv_head", kv_head)
+            at += rows
+        if at != shape[0]:
+            raise AssertionError(f"fused parts cover {at} of {shape[0]} rows")
+        out = {"dim": 0, "start": None, "stop": None, "pieces": tuple(pieces),
+               "shape": (sum(b - a for a, b in pieces), *shape[1:])}
+        return out | ({"kv_head": kv_head} if kv_head is not None else {})
     if kind == "column" or (kind == "kv_column" and model.num_kv_heads >= tp):
         n = shape[0] // tp
         return {"dim": 0, "start": r * n, "stop": (r + 1) * n, "shape": (n, *shape[1:])}
@@ -241,19 +268,19 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
         return [last]  # model.norm.weight, lm_head.weight
 
     # (shard tensor name, source name, shape) for every tensor the shards hold.
-    entries = [(r.name, r.name, r.shape, r.split) for r in sorted(tensor_table(model).values(),
-                                                                  key=lambda r: r.name)]
+    entries = [(r.name, r.name, r.shape, r.split, r.parts)
+               for r in sorted(tensor_table(model).values(), key=lambda r: r.name)]
     if model.tie_word_embeddings and plan.pp > 1:
         entries.append(("lm_head.weight", "model.embed_tokens.weight",
-                        (model.vocab_size, model.hidden_size), VOCAB))
+                        (model.vocab_size, model.hidden_size), VOCAB, ()))
 
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
         (s, r): [] for s in range(plan.pp) for r in range(plan.tp)
     }
-    for name, source, shape, kind in entries:
+    for name, source, shape, kind, parts in entries:
         for s in stage_of(name):
             for r in range(plan.tp):
-                cut = _slice_for_rank(kind, shape, r, model, plan.tp)
+                cut = _slice_for_rank(kind, shape, r, model, plan.tp, parts)
                 local = cut.pop("shape")
                 common = dict(name=name, source=source, split=kind, **cut)
                 if source in quantized and name == source:
@@ -292,7 +319,8 @@ def _weight_specs(common: dict, qdtype: str, local: tuple[int, ...], quant: str)
 
 
 def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:
-    """Per-output-channel scale [out, 1]: sliced with the rows (column), whole for row-parallel."""
+    """Per-output-channel scale [out, 1]: sliced with the rows (column; fused: the same pieces),
+    whole for row-parallel."""
     if cut.get("dim") == 0:
         return TensorSpec(
             name=name + SCALE_SUFFIX,
@@ -304,6 +332,7 @@ def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:
             start=cut["start"],
             stop=cut["stop"],
             kv_head=cut.get("kv_head"),
+            pieces=cut.get("pieces"),
             scale_of=name,
             quant=quant,
         )

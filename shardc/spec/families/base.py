@@ -63,7 +63,10 @@ class Forward:
     windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = full
     rope_theta_local: float | None = None  # rope base of sliding-window layers (Gemma 3)
     activation: str = "silu"  # config.json hidden_act / hidden_activation (runtime/support.py)
-    fused: bool = False  # q/k/v and gate/up stored fused (Phi-3): the decoder splits the rank's piece
+    # tensors stored fused (Phi-3): (module under model.layers.N, the decoder roles of its parts in
+    # order), e.g. ("self_attn.qkv_proj", ("q", "k", "v")); runtime/weights.py splits the rank's
+    # tensor into those roles by the local part sizes, so the decoder sees q/k/v and gate/up
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None

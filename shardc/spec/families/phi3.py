@@ -1,0 +1,131 @@
+"""The Phi-3 family (Phi3ForCausalLM): Llama's block (pre-norm RMSNorm, rotary attention with
+grouped KV heads, a gated MLP, no biases) with two tensors stored fused, as transformers'
+modeling_phi3.py holds them:
+
+- ``self_attn.qkv_proj.weight`` [q + 2 kv, hidden]: q, then k, then v along dim 0;
+- ``mlp.gate_up_proj.weight`` [2 inter, hidden]: gate, then up (``up * act(gate)``).
+
+Each is one FUSED row whose parts are cut by their own split kind (q and gate/up column, k and v
+kv_column: one whole replicated KV head per rank when tp > kv_heads); a rank holds its pieces end
+to end, and ``Forward.fused`` tells runtime/weights.py which roles they are, so the decoder
+computes Llama's math. ``sliding_window`` (Phi-3-medium: 2047) applies to every layer.
+
+Refused here with one line: a ``partial_rotary_factor`` below 1 (Phi-3 configs may carry it at
+the top level or inside ``rope_parameters``) and any rope type but the default (Phi-3's
+``longrope``, which transformers also reads from ``su`` / ``yarn``): the runtime rotates every
+dimension with the default frequencies. The dropouts (``resid_pdrop``, ``embd_pdrop``,
+``attention_dropout``) do nothing at inference.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .base import (
+    COLUMN,
+    FUSED,
+    KV_COLUMN,
+    ROW,
+    Family,
+    Forward,
+    Preset,
+    Row,
+    count,
+    norm_rows,
+    outer_rows,
+    refuse,
+    windows_for,
+)
+
+if TYPE_CHECKING:
+    from ..model import ModelSpec
+
+_RUNTIME = "is not implemented by the shardc runtime"
+
+
+def _rope_block(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The rope settings object and the key it was read from (transformers 5 or 4 spelling)."""
+    for key in ("rope_parameters", "rope_scaling"):
+        block = cfg.get(key)
+        if isinstance(block, dict):
+            return key, block
+    return "rope_parameters", {}
+
+
+def read(cfg: dict[str, Any]) -> dict[str, Any]:
+    layers = count(cfg, "num_hidden_layers") or 1
+    key, rope = _rope_block(cfg)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        field = "rope_type" if "rope_type" in rope else "type"
+        raise refuse(f"{key}.{field}", kind, f"{_RUNTIME} (it computes the default rope only)")
+    for where, block in (("", cfg), (key + ".", rope)):
+        partial = block.get("partial_rotary_factor")
+        if partial is not None and partial != 1:
+            raise refuse(f"{where}partial_rotary_factor", partial, f"{_RUNTIME} (it rotates every dimension)")
+    window = count(cfg, "sliding_window")
+    return {"windows": windows_for(("sliding_attention",) * layers, window),
+            "activation": cfg.get("hidden_act", "silu")}
+
+
+def tensors(m: ModelSpec) -> list[Row]:
+    h, hd, inter = m.hidden_size, m.head_dim, m.intermediate_size
+    q, kv = m.num_heads * hd, m.num_kv_heads * hd
+    rows = outer_rows(m)
+    for i in range(m.num_layers):
+        p = f"model.layers.{i}."
+        rows += norm_rows(m, p, ("input_layernorm", "post_attention_layernorm"))
+        rows += [
+            Row(p + "self_attn.qkv_proj.weight", (q + 2 * kv, h), FUSED, True,
+                parts=((q, COLUMN), (kv, KV_COLUMN), (kv, KV_COLUMN))),
+            Row(p + "self_attn.o_proj.weight", (h, q), ROW, True),
+            Row(p + "mlp.gate_up_proj.weight", (2 * inter, h), FUSED, True,
+                parts=((inter, COLUMN), (inter, COLUMN))),
+            Row(p + "mlp.down_proj.weight", (h, inter), ROW, True),
+        ]
+    return rows
+
+
+FUSED_ROLES = (("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up")))
+
+
+def forward(m: ModelSpec) -> Forward:
+    return Forward(windows=m.options["windows"], activation=m.options["activation"], fused=FUSED_ROLES)
+
+
+PRESETS = {
+    # microsoft/Phi-3-medium-4k-instruct's config.json (its transformers-4 spelling)
+    "phi-3-medium": Preset({
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": 5120,
+        "intermediate_size": 17920,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 10,
+        "vocab_size": 32064,
+        "max_position_embeddings": 4096,
+        "original_max_position_embeddings": 4096,
+        "sliding_window": 2047,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 32000,
+        "pad_token_id": 32000,
+        "torch_dtype": "bfloat16",
+    }, ("microsoft/Phi-3-medium-4k-instruct",)),
+}
+
+
+FAMILY = Family(
+    name="phi3",
+    architectures=("Phi3ForCausalLM",),
+    read=read, tensors=tensors, forward=forward, presets=PRESETS,
+)
