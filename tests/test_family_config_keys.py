@@ -19,9 +19,10 @@ from shardc.runtime.support import check_supported  # noqa: E402
 from shardc.spec.model import model_from_config  # noqa: E402
 
 # Keys that do not change inference: training-only, generation defaults, or token ids the
-# tokenizer side owns. pretraining_tp: transformers 5's Llama no longer reads it.
+# tokenizer side owns. pretraining_tp: transformers 5's Llama no longer reads it. Phi-3's
+# original_max_position_embeddings: read only by longrope, which run and gate refuse.
 NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "pad_token_id", "bos_token_id",
-            "eos_token_id", "pretraining_tp"}
+            "eos_token_id", "pretraining_tp", "resid_pdrop", "embd_pdrop", "original_max_position_embeddings"}
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
 # a key whose effect transformers writes into another one on save: tested with that one absent
@@ -35,6 +36,7 @@ FAMILIES = {
     "Qwen3Config": ("Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
                                          "max_window_layers": 2}),
     "GraniteConfig": ("GraniteForCausalLM", {}),
+    "Phi3Config": ("Phi3ForCausalLM", {"sliding_window": 8}),
 }
 
 

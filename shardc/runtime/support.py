@@ -52,7 +52,7 @@ def check_supported(model: ModelSpec) -> None:
                   and "hidden_act" not in model.config else "hidden_act")
     scaling = model.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    key = "rope_parameters" if "rope_parameters" in model.config else "rope_scaling"
+    key = "rope_parameters" if model.config.get("rope_parameters") is not None else "rope_scaling"
     if not isinstance(kind, str) or kind not in ROPE_TYPES:
         raise ModelError(f"config.json {key} rope_type={kind!r} is not implemented by the shardc runtime",
                          key=key, hint=f"implemented: {', '.join(ROPE_TYPES)}; {_HINT}")
@@ -65,8 +65,10 @@ def check_supported(model: ModelSpec) -> None:
     if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
         raise ModelError(f"config.json {key}: low_freq_factor must be below high_freq_factor, found "
                          f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}", key=key, hint=_HINT)
-    partial = model.config.get("partial_rotary_factor", 1.0)
-    if partial not in (None, 1, 1.0):
-        raise ModelError(f"config.json partial_rotary_factor={partial!r} is not implemented by the "
-                         "shardc runtime (it rotates every dimension)", key="partial_rotary_factor",
-                         hint=_HINT)
+    # transformers 4 writes it at the top level, transformers 5 (Phi-3) inside rope_parameters
+    for where, block in (("", model.config), (key + ".", scaling)):
+        partial = block.get("partial_rotary_factor", 1.0)
+        if partial not in (None, 1, 1.0):
+            raise ModelError(f"config.json {where}partial_rotary_factor={partial!r} is not implemented by "
+                             "the shardc runtime (it rotates every dimension)",
+                             key=f"{where}partial_rotary_factor", hint=_HINT)

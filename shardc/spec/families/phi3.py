@@ -10,10 +10,11 @@ kv_column: one whole replicated KV head per rank when tp > kv_heads); a rank hol
 to end, and ``Forward.fused`` tells runtime/weights.py which roles they are, so the decoder
 computes Llama's math. ``sliding_window`` (Phi-3-medium: 2047) applies to every layer.
 
-Refused here with one line: a ``partial_rotary_factor`` below 1 (Phi-3 configs may carry it at
-the top level or inside ``rope_parameters``) and any rope type but the default (Phi-3's
-``longrope``, which transformers also reads from ``su`` / ``yarn``): the runtime rotates every
-dimension with the default frequencies. The dropouts (``resid_pdrop``, ``embd_pdrop``,
+Rope does not change how a checkpoint is sharded, so a ``longrope`` Phi-3 (the 128k variants,
+Phi-3.5) builds, reshards and exports; ``run`` and ``gate`` refuse it with one line
+(runtime/support.py: the runtime computes default, linear and llama3 rope over every dimension,
+so ``longrope`` / ``su`` and a ``partial_rotary_factor`` below 1, at the top level or inside
+``rope_parameters``, are refused before a rank starts). The dropouts (``resid_pdrop``, ``embd_pdrop``,
 ``attention_dropout``) do nothing at inference.
 """
 
@@ -33,36 +34,14 @@ from .base import (
     count,
     norm_rows,
     outer_rows,
-    refuse,
     windows_for,
 )
 
 if TYPE_CHECKING:
     from ..model import ModelSpec
 
-_RUNTIME = "is not implemented by the shardc runtime"
-
-
-def _rope_block(cfg: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The rope settings object and the key it was read from (transformers 5 or 4 spelling)."""
-    for key in ("rope_parameters", "rope_scaling"):
-        block = cfg.get(key)
-        if isinstance(block, dict):
-            return key, block
-    return "rope_parameters", {}
-
-
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
     layers = count(cfg, "num_hidden_layers") or 1
-    key, rope = _rope_block(cfg)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        field = "rope_type" if "rope_type" in rope else "type"
-        raise refuse(f"{key}.{field}", kind, f"{_RUNTIME} (it computes the default rope only)")
-    for where, block in (("", cfg), (key + ".", rope)):
-        partial = block.get("partial_rotary_factor")
-        if partial is not None and partial != 1:
-            raise refuse(f"{where}partial_rotary_factor", partial, f"{_RUNTIME} (it rotates every dimension)")
     window = count(cfg, "sliding_window")
     return {"windows": windows_for(("sliding_attention",) * layers, window),
             "activation": cfg.get("hidden_act", "silu")}
