@@ -85,7 +85,7 @@ class Family:
     ``read`` turns a config into the family's options (every key that changes the math, both
     the transformers 4 and 5 spellings, refusing values it cannot honour with one line; the
     options ``qkv_bias`` / ``o_bias`` say which projections carry a bias whatever
-    ``attention_bias`` says);
+    ``attention_bias`` says, ``tie_word_embeddings`` the family's default when the key is absent);
     ``tensors`` lists the checkpoint's tensors; ``forward`` says what the runtime computes."""
 
     name: str
@@ -94,6 +94,9 @@ class Family:
     tensors: Callable[[ModelSpec], list[Row]]
     forward: Callable[[ModelSpec], Forward]
     presets: dict[str, Preset] = field(default_factory=dict)  # name -> real-size config
+    # The global rope (theta, scaling in rope_scaling's form) when the family spells it its own
+    # way (Gemma 3's per-layer-type rope_parameters); None: spec/model.py's one-object reader.
+    rope: Callable[[dict[str, Any]], tuple[float, dict[str, Any] | None]] | None = None
 
 
 # ---- config readers every family shares --------------------------------------------------------
