@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from shardc.build.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
-from shardc.runtime.api import open_build, score  # noqa: E402
+from shardc.runtime.api import generate, open_build, score  # noqa: E402
 from shardc.spec.model import load_model, model_from_config  # noqa: E402
 from shardc.spec.plan import plan_from_dict  # noqa: E402
 
@@ -177,6 +177,22 @@ def test_each_feature_matters(saved, want, family, changes):
     _, models = saved
     other = _hf(models[family], _ids(1), **changes)
     assert (other - want[family]).abs().max() > 2 * ATOL[2]
+
+
+@pytest.mark.heavy
+def test_greedy_decode_past_the_window_matches_transformers(saved, builds):
+    """The KV-cache path: decoding 30 tokens after a 10-token prompt crosses the window of 16."""
+    _, models = saved
+    prompt = _ids(3)[:1, :10]
+    for family in CASES:
+        m = transformers.AutoModelForCausalLM.from_pretrained(models[family], dtype=torch.bfloat16,
+                                                              attn_implementation="eager").eval()
+        with torch.no_grad():
+            ref = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)[0, 10:].tolist()
+        got = generate(open_build(builds(family, 1)), prompt.tolist(), max_new_tokens=30, eos=[],
+                       timeout_s=120)["tokens"][0]
+        assert got == ref, family
 
 
 @pytest.mark.heavy

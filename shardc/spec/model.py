@@ -204,7 +204,7 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     head_dim = _int(cfg, "head_dim") if cfg.get("head_dim") is not None else hidden // heads
     if head_dim < 1:
         raise ModelError(f"hidden_size={hidden} is smaller than num_attention_heads={heads}", key="hidden_size")
-    rope_theta, rope_scaling = family.rope(cfg) if family.rope is not None else _rope(cfg)
+    rope_theta, rope_scaling = family.rope(cfg, _rope) if family.rope is not None else _rope(cfg)
     if heads % kv:
         raise ModelError(
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",

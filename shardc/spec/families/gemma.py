@@ -25,6 +25,7 @@ from .base import (
     Family,
     Forward,
     Preset,
+    RopeReader,
     Row,
     attention_rows,
     count,
@@ -72,18 +73,18 @@ def _per_layer_rope(cfg: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | None]:
+def rope(cfg: dict[str, Any], _rope: RopeReader) -> tuple[float, dict[str, Any] | None, float]:
     """Gemma 3's rope: the global layers' theta and scaling (what ModelSpec records) and the
     sliding layers' base, from transformers 5's per-layer-type ``rope_parameters`` or the old
-    ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``."""
-    from ..model import _rope  # the one reader of a single rope object (both spellings)
-
+    ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``; ``_rope`` reads one rope
+    object in either spelling (spec/model.py's)."""
     params = _per_layer_rope(cfg)
     if params is None:
         glob = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in cfg}
         glob.setdefault("rope_theta", _GLOBAL_THETA)
         theta, scaling = _rope(glob)
         local = number(cfg, "rope_local_base_freq", _LOCAL_THETA)
+        assert local is not None
         return theta, scaling, local
     unknown = sorted(set(params) - {"full_attention", "sliding_attention"})
     if unknown:
@@ -109,7 +110,16 @@ def rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float | Non
         raise refuse("rope_local_base_freq", old_local, f"disagrees with rope_parameters."
                      f"sliding_attention.rope_theta={local!r}",
                      "keep one spelling (transformers 5 writes rope_parameters only)")
+    assert local is not None
     return theta, scaling, local
+
+
+def _local_theta(cfg: dict[str, Any]) -> float:
+    """The sliding layers' base alone (the global rope is read by spec/model.py through
+    ``rope``): both spellings, checked as ``rope`` checks them."""
+    def one(obj: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+        return 1.0, None  # the global rope is not wanted here
+    return rope(cfg, one)[2]
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +139,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
         assert pattern is not None
         types = layer_types(cfg, layers, lambda i: "sliding_attention" if (i + 1) % pattern
                             else "full_attention")
-        _, _, local = rope(cfg)
+        local: float | None = _local_theta(cfg)
     else:
         types = layer_types(cfg, layers, lambda i: "sliding_attention" if (i + 1) % 2
                             else "full_attention")
@@ -247,4 +257,4 @@ PRESETS_3 = {
 GEMMA2_FAMILY = Family(name="gemma2", architectures=(GEMMA2,), read=read, tensors=tensors,
                        forward=forward, presets=PRESETS_2)
 GEMMA3_FAMILY = Family(name="gemma3", architectures=(GEMMA3,), read=read, tensors=tensors,
-                       forward=forward, presets=PRESETS_3, rope=lambda cfg: rope(cfg)[:2])
+                       forward=forward, presets=PRESETS_3, rope=lambda cfg, one: rope(cfg, one)[:2])
