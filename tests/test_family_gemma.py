@@ -287,3 +287,19 @@ def test_plan_sizes_the_gemma_3_27b_preset():
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr
     assert "gemma-3-27b" in r.stdout and "62 layers" in r.stdout and "tied embeddings" in r.stdout
+
+
+def test_transformers4_spelling_reads_the_same(saved):
+    """The old keys (rope_theta, rope_scaling, rope_local_base_freq, sliding_window_pattern)
+    describe the same Gemma 3 as transformers 5's per-layer-type rope_parameters and layer_types."""
+    _, models = saved
+    new = json.loads((models["gemma3"] / "config.json").read_text())
+    old = {k: v for k, v in new.items() if k not in ("rope_parameters", "layer_types")}
+    old.update(rope_theta=100.0, rope_scaling={"rope_type": "linear", "factor": 4.0}, rope_local_base_freq=10.0,
+               sliding_window_pattern=3)
+    a, b = model_from_config(new), model_from_config(old)
+    assert (a.rope_theta, a.rope_scaling, a.forward) == (b.rope_theta, b.rope_scaling, b.forward)
+    g2 = json.loads((models["gemma2"] / "config.json").read_text())
+    old2 = {k: v for k, v in g2.items() if k not in ("rope_parameters", "layer_types", "hidden_activation")}
+    old2.update(rope_theta=g2["rope_parameters"]["rope_theta"], hidden_act=g2["hidden_activation"])
+    assert model_from_config(old2).forward == model_from_config(g2).forward
