@@ -204,7 +204,7 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     head_dim = _int(cfg, "head_dim") if cfg.get("head_dim") is not None else hidden // heads
     if head_dim < 1:
         raise ModelError(f"hidden_size={hidden} is smaller than num_attention_heads={heads}", key="hidden_size")
-    rope_theta, rope_scaling = _rope(cfg)
+    rope_theta, rope_scaling = family.rope(cfg, _rope) if family.rope is not None else _rope(cfg)
     if heads % kv:
         raise ModelError(
             f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}",
@@ -212,6 +212,7 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
         )
     layers = _int(cfg, "num_hidden_layers")  # bounded before a family sizes per-layer tables by it
     options = family.read(cfg)
+    tied = options.pop("tie_word_embeddings", False)  # the family's default when the key is absent
     attention_bias = _flag(cfg, "attention_bias")
     dtype = cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"
     if not isinstance(dtype, str):
@@ -225,7 +226,7 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
         num_kv_heads=kv,
         head_dim=head_dim,
         vocab_size=_int(cfg, "vocab_size"),
-        tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings") if "tie_word_embeddings" in cfg else tied,
         qkv_bias=options.pop("qkv_bias", False) or attention_bias,
         o_bias=options.pop("o_bias", False) or attention_bias,
         mlp_bias=_flag(cfg, "mlp_bias"),

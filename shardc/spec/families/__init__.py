@@ -6,10 +6,11 @@ base.py) plus its tests; nothing else names a family (docs/architecture.md §8).
 
 from __future__ import annotations
 
-from . import granite, llama, phi3, qwen3
+from . import gemma, granite, llama, phi3, qwen3
 from .base import Family, Forward, Row
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, granite.FAMILY, phi3.FAMILY)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, granite.FAMILY, phi3.FAMILY,
+                                gemma.GEMMA2_FAMILY, gemma.GEMMA3_FAMILY)
 
 BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}

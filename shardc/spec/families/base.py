@@ -21,6 +21,8 @@ from ...errors import ModelError
 if TYPE_CHECKING:  # ModelSpec is built from a family's answers; the type only
     from ..model import ModelSpec
 
+RopeReader = Callable[[dict[str, Any]], tuple[float, dict[str, Any] | None]]
+
 # Split kinds (how a tensor is cut over tensor parallelism; spec/layout.py interprets them):
 COLUMN = "column"  # dim 0 (output rows) split evenly; biases the same way
 KV_COLUMN = "kv_column"  # like column; when tp > kv_heads each rank holds one whole KV head
@@ -88,7 +90,7 @@ class Family:
     ``read`` turns a config into the family's options (every key that changes the math, both
     the transformers 4 and 5 spellings, refusing values it cannot honour with one line; the
     options ``qkv_bias`` / ``o_bias`` say which projections carry a bias whatever
-    ``attention_bias`` says);
+    ``attention_bias`` says, ``tie_word_embeddings`` the family's default when the key is absent);
     ``tensors`` lists the checkpoint's tensors; ``forward`` says what the runtime computes."""
 
     name: str
@@ -97,6 +99,10 @@ class Family:
     tensors: Callable[[ModelSpec], list[Row]]
     forward: Callable[[ModelSpec], Forward]
     presets: dict[str, Preset] = field(default_factory=dict)  # name -> real-size config
+    # The global rope (theta, scaling in rope_scaling's form) when the family spells it its own
+    # way (Gemma 3's per-layer-type rope_parameters), given spec/model.py's reader of one rope
+    # object (both spellings) to apply to its parts; None: that reader on the whole config.
+    rope: Callable[[dict[str, Any], RopeReader], tuple[float, dict[str, Any] | None]] | None = None
 
 
 # ---- config readers every family shares --------------------------------------------------------
