@@ -37,6 +37,8 @@ FAMILIES = {
                                          "max_window_layers": 2}),
     "GraniteConfig": ("GraniteForCausalLM", {}),
     "Phi3Config": ("Phi3ForCausalLM", {"sliding_window": 8}),
+    "Gemma2Config": ("Gemma2ForCausalLM", {"sliding_window": 8}),
+    "Gemma3TextConfig": ("Gemma3ForCausalLM", {"sliding_window": 8}),
 }
 
 
@@ -68,7 +70,10 @@ def _changed(value):
     if isinstance(value, str):
         return {"silu": "gelu"}.get(value, value + "-other")
     if isinstance(value, list):
-        return list(reversed(value)) if len(set(map(str, value))) > 1 else ["sliding_attention"] * len(value)
+        if len(set(map(str, value))) > 1:
+            return list(reversed(value))
+        other = "full_attention" if value and value[0] == "sliding_attention" else "sliding_attention"
+        return [other] + list(value[1:])
     if isinstance(value, dict):  # rope_parameters
         return {**value, "rope_theta": value.get("rope_theta", 10000.0) * 3}
     return 8  # None: a number turns the setting on

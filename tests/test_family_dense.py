@@ -128,23 +128,24 @@ def _cli(*args: str):
 
 @pytest.mark.heavy
 @pytest.mark.parametrize("case", ["qwen3", "granite"])
-def test_tp1_build_loads_in_transformers_and_int8_verifies_deep(saved, case):
-    """The interop promise (a tp=1 build is a checkpoint transformers loads, same logits), and an
-    int8 tp=2 build of the family passes verify --deep against its source."""
+def test_tp1_build_loads_in_transformers_and_quantized_builds_verify_deep(saved, case):
+    """The interop promise (a tp=1 build is a checkpoint transformers loads, same logits), and fp8
+    and int8 tp=2 builds of the family pass verify --deep against the source."""
     root, models = saved
     x = _ids(seed=5)
     manifest = _build(models[case], root / "builds", 1)
     torch.testing.assert_close(_hf_logits(manifest.parent, x), _hf_logits(models[case], x), rtol=0, atol=0)
-    plan = root / f"{case}-int8.yaml"
-    plan.write_text(json.dumps({
-        "replica_group": {"name": f"{case}-int8", "tp_degree": 2, "pp_degree": 1, "dtype": "int8",
-                          "gpus_per_replica": 2}, "model": {"source": str(models[case])}}))
-    out = root / "builds" / f"{case}-int8"
-    r = _cli("build", str(plan), "--out", str(out), "-q")
-    assert r.returncode == 0, r.stderr
-    r = _cli("verify", "--manifest", str(out / "manifest.json"), "--deep", str(models[case]))
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok   ") == 2 and "all good" in r.stdout
+    for dtype in ("fp8", "int8"):
+        plan = root / f"{case}-{dtype}.yaml"
+        plan.write_text(json.dumps({
+            "replica_group": {"name": f"{case}-{dtype}", "tp_degree": 2, "pp_degree": 1, "dtype": dtype,
+                              "gpus_per_replica": 2}, "model": {"source": str(models[case])}}))
+        out = root / "builds" / f"{case}-{dtype}"
+        r = _cli("build", str(plan), "--out", str(out), "-q")
+        assert r.returncode == 0, r.stderr
+        r = _cli("verify", "--manifest", str(out / "manifest.json"), "--deep", str(models[case]))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.count("ok   ") == 2 and "all good" in r.stdout
     # q_norm / k_norm stay 16-bit and whole on every rank; the projections are quantized
     m = json.loads((out / "manifest.json").read_text())
     recs = {n: rec for s in m["shards"] for n, rec in s["tensors"].items()} if isinstance(

@@ -209,15 +209,17 @@ def test_export_of_a_tp2_build_is_the_fused_checkpoint(phi3, tmp_path):
     assert torch.equal(_hf_logits(out, phi3["x"]), phi3["want"])
 
 
-def test_an_int8_build_verifies_deep(phi3):
-    built = phi3["build"](4, "int8")  # tp 4 > 2 KV heads: replicated KV pieces and their scales
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_a_quantized_build_verifies_deep(phi3, dtype):
+    built = phi3["build"](4, dtype)  # tp 4 > 2 KV heads: replicated KV pieces and their scales
     res = CliRunner().invoke(main, ["verify", "--manifest", str(built.manifest_path), "--deep",
                                     str(phi3["src"]), "--json"])
     assert res.exit_code == 0, res.output
     assert all("deep" in r["checks"] for r in json.loads(res.stdout)["ranks"])
     rec = json.loads(built.manifest_path.read_text())["shards"]["model-tp02-pp00.safetensors"]["tensors"]
+    weight = QKV + ("_packed" if dtype == "int8" else "")
     assert rec[QKV + "_scale"]["pieces"] == [list(p) for p in PIECES[4][QKV][2]]
-    assert rec[QKV + "_packed"]["pieces"] == rec[QKV + "_scale"]["pieces"]
+    assert rec[weight]["pieces"] == rec[QKV + "_scale"]["pieces"]
 
 
 def test_an_int8_reshard_reassembles_replicated_pieces(phi3, tmp_path):

@@ -17,6 +17,7 @@ import click
 
 from ..errors import PlanError, ShardcError
 from ..formats.files import write_atomic
+from ..spec.model import PRESETS
 
 # planner field -> the flag that sets it (errors' keys and `field` mentions in hints and warnings)
 FLAGS = {
@@ -146,7 +147,7 @@ Examples:
   shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
 """)
 @click.option("--model", "model_ref", required=True, metavar="PRESET|config.json|DIR",
-              help="Model preset (llama-3.1-8b, llama-3.3-70b, llama-3.1-70b, llama-3.1-405b, phi-3-medium; advisory: "
+              help=f"Model preset ({', '.join(PRESETS)}; advisory: "
               "deepseek-v3, deepseek-v2-lite), a config.json, or a checkpoint directory.")
 @click.option("--gpu", "gpu_name", required=True, metavar="PRESET",
               help="a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100-sxm, h200, l40s.")
