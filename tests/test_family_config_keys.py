@@ -20,9 +20,11 @@ from shardc.spec.model import model_from_config  # noqa: E402
 
 # Keys that do not change inference: training-only, generation defaults, or token ids the
 # tokenizer side owns. pretraining_tp: transformers 5's Llama no longer reads it. Phi-3's
-# original_max_position_embeddings: read only by longrope, which run and gate refuse.
+# original_max_position_embeddings: read only by longrope, which run and gate refuse. The routers'
+# jitter noise and auxiliary loss act in training only.
 NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "pad_token_id", "bos_token_id",
-            "eos_token_id", "pretraining_tp", "resid_pdrop", "embd_pdrop", "original_max_position_embeddings"}
+            "eos_token_id", "pretraining_tp", "resid_pdrop", "embd_pdrop", "original_max_position_embeddings",
+            "router_jitter_noise", "output_router_logits", "router_aux_loss_coef"}
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
 # a key whose effect transformers writes into another one on save: tested with that one absent
@@ -39,6 +41,12 @@ FAMILIES = {
     "Phi3Config": ("Phi3ForCausalLM", {"sliding_window": 8}),
     "Gemma2Config": ("Gemma2ForCausalLM", {"sliding_window": 8}),
     "Gemma3TextConfig": ("Gemma3ForCausalLM", {"sliding_window": 8}),
+    "MixtralConfig": ("MixtralForCausalLM", {"sliding_window": 8, "num_local_experts": 4}),
+    "Qwen2MoeConfig": ("Qwen2MoeForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
+                                               "max_window_layers": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                                               "decoder_sparse_step": 1, "mlp_only_layers": [3]}),
+    "Qwen3MoeConfig": ("Qwen3MoeForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
+                                               "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [3]}),
 }
 
 

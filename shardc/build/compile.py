@@ -41,7 +41,7 @@ from .outputs import (
     write_side_files,
 )
 from .source import Source, open_source
-from .stages import write_stage
+from .stages import stage_order, write_stage
 from .switch import apply_switch, finish_switch, write_journal
 
 
@@ -166,7 +166,7 @@ def _run(run: BuildRun) -> BuildResult:
     mat = Materializer(run.source, run.layout)
     try:
         stages = _stages_to_write(run)
-        mat.start_queue([(t.source, t.quant) for todo in stages for t in todo[0].tensors if t.quant])
+        mat.start_queue([(t.source, t.quant) for todo in stages for t in stage_order(todo) if t.quant])
         _write_stages(run, stages, mat)
     finally:
         mat.close()
@@ -317,7 +317,8 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
                 rec["stats"] = mat.stats[t.source]
                 rec["scale"] = t.source + SCALE_SUFFIX
             tensors[t.name] = rec
-        shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors))
+        shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors,
+                                 experts=rl.experts))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
     if run.replacing:
         _switch(run, manifest)

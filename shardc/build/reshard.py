@@ -43,6 +43,7 @@ from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput, shard_problems
 from .quantize import unpack_int8
 from .source import Source, TensorInfo
+from .stages import stage_order
 from .tiles import Tiles
 
 # summary() field -> the config.json key a user knows
@@ -273,7 +274,7 @@ def _check_records(manifest: Manifest, layout: Layout) -> None:
         entry = manifest.shard(rl.file)
         have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
                 for n, r in (entry.tensors if entry else {}).items()}
-        if entry is None or have != {t.name: t.record() for t in rl.tensors}:
+        if entry is None or have != {t.name: t.record() for t in rl.tensors} or entry.experts != rl.experts:
             raise ManifestError(f"the input manifest's record of {rl.file} does not match its own plan",
                                 hint="the manifest was edited or is damaged; run shardc verify on the input")
     if len(manifest.shards) != len(layout.ranks):
@@ -285,7 +286,7 @@ def _need_order(src: BuildSource, out: Layout) -> list[str]:
     """Input files in the order the output build will first need them (stage by stage)."""
     order: dict[str, None] = {}
     for s in range(out.plan.pp):
-        for t in out.ranks[s * out.plan.tp].tensors:
+        for t in stage_order(list(out.ranks[s * out.plan.tp : (s + 1) * out.plan.tp])):
             for role in ("weight", "scale"):
                 for p in src.pieces.get((t.source, role), []):
                     order.setdefault(p.file)

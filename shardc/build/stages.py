@@ -27,15 +27,20 @@ def write_stage(
     pools = {rl.file: ThreadPoolExecutor(1, thread_name_prefix=f"shardc-w{rl.rank}") for rl in ranks}
     pending: list[list[Future]] = []
     try:
-        specs = ranks[0].tensors
+        # every name any rank of the stage holds, in name order (each rank's file is in name order
+        # too); a routed expert placed by expert parallelism is held by one rank only
+        held = [{t.name: t for t in rl.tensors} for rl in ranks]
+        order = stage_order(ranks)
         # the last use of each quantized tensor (its weight, then its scale): once every rank has
         # written it, its buffer goes back to the quantizer (each rank writes in order)
-        last = {(t.source, t.quant): i for i, t in enumerate(specs) if t.quant}
-        for i, first in enumerate(specs):
+        last = {(t.source, t.quant): i for i, t in enumerate(order) if t.quant}
+        for i, first in enumerate(order):
+            name = first.name
             futures = []
-            for rl in ranks:
-                spec = rl.tensors[i]
-                assert spec.name == first.name
+            for rl, h in zip(ranks, held, strict=True):
+                spec = h.get(name)
+                if spec is None:
+                    continue
                 # slicing + cast run on the writer threads too: the main thread only hands out
                 # source views and quantized tensors, so the per-rank work spreads over the cores
                 futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], mat.full(spec), spec, bar))
@@ -58,6 +63,16 @@ def write_stage(
     finally:
         for p in pools.values():
             p.shutdown(wait=True)
+
+
+def stage_order(ranks: list[RankLayout]) -> list[TensorSpec]:
+    """Every tensor the ranks of a stage hold, once each, in name order (each rank's file is in
+    name order too): a routed expert placed by expert parallelism is held by one rank only."""
+    first: dict[str, TensorSpec] = {}
+    for rl in ranks:
+        for t in rl.tensors:
+            first.setdefault(t.name, t)
+    return [first[n] for n in sorted(first)]
 
 
 def _when_all(futures: list[Future], fn: Callable[[], None]) -> None:

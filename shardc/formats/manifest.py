@@ -63,6 +63,7 @@ _REBUILD = "the manifest is damaged; rebuild, or pass the manifest.json that sha
 # before a Layout (one record per layer and rank) is sized from it.
 MAX_DEGREE = 4096
 MAX_BYTES = 1 << 50
+MAX_EXPERTS = 1 << 16  # routed experts per layer (DeepSeek-V3: 256)
 # Levels of objects and arrays: a real manifest has under ten (a tensor record's stats, an HF
 # config's rope_scaling); a few thousand would end in RecursionError in whatever recursed first.
 MAX_NESTING = 64
@@ -163,12 +164,13 @@ class ShardEntry:
     sha256: str
     tensors: dict[str, dict[str, Any]]
     compressed: dict[str, Any] | None = None
+    experts: tuple[int, ...] = ()  # routed expert ids held whole (expert_parallel plans)
 
     @classmethod
     def read(cls, r: _Reader, file: str | None = None) -> ShardEntry:
         """One entry; ``file`` is its key (version 2) or None when it names itself (version 1)."""
         r.only(*(("file",) if file is None else ()), "tp_rank", "pp_stage", "rank", "layers", "size",
-               "sha256", "tensors", "compressed")
+               "sha256", "tensors", "compressed", "experts")
         file = safe_name(r.get("file", str) if file is None else file, "shard file name")
         layers = r.get("layers", list)
         if len(layers) != 2 or not all(type(x) is int and 0 <= x <= CONFIG_BOUNDS["num_hidden_layers"]
@@ -179,16 +181,21 @@ class ShardEntry:
             if not isinstance(rec, dict) or not isinstance(rec.get("dtype"), str) \
                     or not isinstance(rec.get("shape"), list):
                 raise r.error("is not a tensor record with dtype and shape", f"tensors.{name}")
+        experts = r.get("experts", list, optional=True) or []
+        if not all(type(e) is int and 0 <= e < MAX_EXPERTS for e in experts) or experts != sorted(set(experts)):
+            raise r.error(f"must be increasing expert ids below {MAX_EXPERTS}", "experts")
         return cls(file, r.number("tp_rank", MAX_DEGREE),
                    r.number("pp_stage", MAX_DEGREE), r.number("rank", MAX_DEGREE * MAX_DEGREE),
                    (layers[0], layers[1]), r.number("size", MAX_BYTES), r.sha256("sha256"), tensors,
-                   r.get("compressed", dict, optional=True))
+                   r.get("compressed", dict, optional=True), tuple(experts))
 
     def to_dict(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
         out = {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
                "layers": list(self.layers), "size": self.size, "sha256": self.sha256, "tensors": self.tensors}
         if self.compressed is not None:
             out["compressed"] = self.compressed
+        if self.experts:
+            out["experts"] = list(self.experts)
         return {"file": self.file, **out} if version == 1 else out
 
 

@@ -56,7 +56,7 @@ def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
         "shardc.pp_stage": str(rl.pp_stage),
         "shardc.rank": str(rl.rank),
         "shardc.layers": f"{rl.layers[0]}:{rl.layers[1]}",
-    }
+    } | ({"shardc.experts": ",".join(map(str, rl.experts))} if rl.experts else {})
 
 
 def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, str], int]:

@@ -39,6 +39,18 @@ class TPComm(Protocol):
 
 
 @dataclass
+class MoeWeights:
+    """One sparse layer's router (replicated), the routed experts this rank holds (all of them, each
+    split over TP like a dense MLP; or, with expert parallelism, its own whole experts) as
+    (gate, up, down), and a shared expert with its sigmoid gate (Qwen2-MoE)."""
+
+    router: torch.Tensor
+    experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    shared_gate: torch.Tensor | None = None
+
+
+@dataclass
 class LayerWeights:
     """One decoder layer's local slices. q/k/v and gate/up stay separate (as in the shard files)."""
 
@@ -49,12 +61,13 @@ class LayerWeights:
     k: torch.Tensor
     v: torch.Tensor
     o: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
+    gate: torch.Tensor | None  # None on a sparse layer: ``moe`` holds its MLP
+    up: torch.Tensor | None
+    down: torch.Tensor | None
     bias: dict[str, torch.Tensor] = field(default_factory=dict)  # q, k, v, o, gate, up, down
     # q_norm, k_norm (per head); post_attn, post_ffw (sandwich norms; ln2 is then the pre-MLP norm)
     norms: dict[str, torch.Tensor] = field(default_factory=dict)
+    moe: MoeWeights | None = None
 
 
 @dataclass
@@ -247,8 +260,11 @@ class StageModel:
             o = norm(o, lw.norms["post_attn"], d.eps)
         x = x + (o if f.residual_scale == 1.0 else o * f.residual_scale)
         h = norm(x, lw.ln2, d.eps)
-        g = self._act(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
-        m = self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
+        if lw.moe is not None:
+            m = self._moe(lw.moe, h, f"layer {lw.index} moe all-reduce")
+        else:
+            g = self._act(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
+            m = self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
         if f.sandwich:
             m = norm(m, lw.norms["post_ffw"], d.eps)
         return x + (m if f.residual_scale == 1.0 else m * f.residual_scale)
@@ -278,6 +294,49 @@ class StageModel:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(probs, v)
+
+    def _moe(self, mw: MoeWeights, h: torch.Tensor, what: str) -> torch.Tensor:
+        """A mixture-of-experts MLP (docs/architecture.md §4, "How the runtime computes an MoE layer").
+
+        Every rank routes every token (the router is replicated), then adds, for each routed expert
+        it holds, in expert-id order, the expert's output times its routing weight: with the experts
+        split over TP that output is a partial sum over this rank's slice of the intermediate
+        dimension; with expert parallelism it is the whole expert's output, and only the rank that
+        holds the expert adds it. Either way the sum over ranks is the layer's output, so one
+        all-reduce finishes it. At tp = 1 this is transformers' experts loop, operation for
+        operation (same order, same dtypes)."""
+        moe = self.f.moe
+        assert moe is not None
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])
+        logits = F.linear(x, mw.router)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not moe.weights_fp32:
+            weights = weights.to(logits.dtype)
+        # Experts split over TP give partial sums: those are added in fp32 and rounded once, after
+        # the all-reduce (as the dense MLP's row-parallel sums are); whole experts (tp = 1, or
+        # expert parallelism) are added in the model dtype, as transformers adds them.
+        partial = self.comm.tp > 1 and len(mw.experts) == moe.experts
+        out = torch.zeros(x.shape, dtype=torch.float32 if partial else x.dtype, device=x.device)
+        for e, (gate, up, down) in sorted(mw.experts.items()):
+            slot, token = torch.where(chosen.T == e)  # by slot, then token: transformers' order
+            if token.numel() == 0:
+                continue
+            y = x[token]
+            y = F.linear(self._act(F.linear(y, gate)) * F.linear(y, up), down)
+            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
+        if mw.shared is not None:
+            gate, up, down = mw.shared
+            shared = F.linear(self._act(F.linear(x, gate)) * F.linear(x, up), down)
+            if mw.shared_gate is not None:
+                shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
+            out = out + shared.to(out.dtype)
+        if self.comm.tp > 1:
+            out = self.comm.all_reduce_sum(out, what)
+        return out.to(x.dtype).reshape(shape)
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:
         """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once."""

@@ -27,7 +27,7 @@ from ..spec.layout import (
     RankLayout,
     tensor_table,
 )
-from .decoder import Dims, LayerWeights, StageWeights
+from .decoder import Dims, LayerWeights, MoeWeights, StageWeights
 
 _PROJ = {
     "q": "self_attn.q_proj",
@@ -43,6 +43,11 @@ _PROJ = {
 _NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
           "post_ffw": "post_feedforward_layernorm.weight"}
 _SANDWICH = "pre_feedforward_layernorm.weight"
+
+
+def _held(specs: dict, name: str) -> bool:
+    """Whether this rank holds a tensor (as itself or int8's packed form)."""
+    return name in specs or name + PACKED_SUFFIX in specs
 
 
 def compute_dtype(manifest: Manifest) -> torch.dtype:
@@ -112,6 +117,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         t = t.to(dtype=dtype).contiguous()
         return t.clone() if copy_out and t.data_ptr() == raw[name].data_ptr() else t
 
+    moe = layout.model.forward.moe
     fused = layout.model.forward.fused
     table = tensor_table(layout.model) if fused else {}
 
@@ -130,6 +136,9 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
             w |= dict(zip(roles, split(p + module + ".weight"), strict=True))
             if p + module + ".bias" in specs:
                 bias |= dict(zip(roles, split(p + module + ".bias"), strict=True))
+        sparse = moe is not None and moe.sparse[i]
+        if sparse:  # the routed experts (and a shared expert) take the dense MLP's place
+            w |= {"gate": None, "up": None, "down": None}
         w |= {key: get(p + proj + ".weight") for key, proj in _PROJ.items() if key not in w}
         bias |= {key: get(p + proj + ".bias") for key, proj in _PROJ.items()
                  if key not in bias and p + proj + ".bias" in specs}
@@ -141,6 +150,14 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
             ln2 = get(p + "post_attention_layernorm.weight")
         layers.append(LayerWeights(index=i, ln1=get(p + "input_layernorm.weight"), ln2=ln2,
                                    bias=bias, norms=norms, **w))
+        if sparse:
+            assert moe is not None
+            layers[-1].moe = MoeWeights(
+                router=get(p + moe.router),
+                experts={e: tuple(get(p + t.format(e=e)) for t in moe.expert)  # type: ignore[misc]
+                         for e in range(moe.experts) if _held(specs, p + moe.expert[0].format(e=e))},
+                shared=tuple(get(p + t) for t in moe.shared) if moe.shared else None,  # type: ignore[arg-type]
+                shared_gate=get(p + moe.shared_gate) if moe.shared_gate else None)
     embed = get("model.embed_tokens.weight") if "model.embed_tokens.weight" in specs else None
     last = rl.pp_stage == layout.plan.pp - 1
     lm_head = None

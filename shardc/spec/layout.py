@@ -31,6 +31,7 @@ from .quantization import (  # noqa: F401
     quantized_names,
 )
 from .tensors import (  # noqa: F401
+    EXPERT,
     MAX_TP_HINT,
     VOCAB,
     SourceTensor,
@@ -99,6 +100,7 @@ class RankLayout:
     layers: tuple[int, int]  # [start, stop) of global layer indices
     file: str
     tensors: tuple[TensorSpec, ...]  # sorted by name: the order in the file
+    experts: tuple[int, ...] = ()  # routed expert ids held whole (plan expert_parallel), sorted
 
     @property
     def nbytes(self) -> int:
@@ -140,9 +142,14 @@ def stage_ranges(model: ModelSpec, plan: Plan) -> list[tuple[int, int]]:
 
 def check_degrees(model: ModelSpec, plan: Plan) -> None:
     """Every precondition of the split rules, before a byte is written."""
-    problems = _tp_problems(model, plan.tp)
+    moe = model.forward.moe
+    if plan.expert_parallel and moe is None:
+        raise LayoutError(f"{model.architecture} has no routed experts to place",
+                          key="replica_group.expert_parallel",
+                          hint="drop expert_parallel (it applies to mixture-of-experts models)")
+    problems = _tp_problems(model, plan.tp, plan.expert_parallel)
     if problems:
-        good = valid_tp_degrees(model)
+        good = valid_tp_degrees(model, expert_parallel=plan.expert_parallel)
         raise LayoutError(
             problems[0],
             key="replica_group.tp_degree",
@@ -158,7 +165,7 @@ def padded_vocab(model: ModelSpec, tp: int) -> int:
 def _slice_for_rank(kind: str, shape: tuple[int, ...], r: int, model: ModelSpec, tp: int,
                     parts: tuple[tuple[int, str], ...] = ()) -> dict:
     """Interpret one split rule for TP rank r: the slice of the source and the local shape."""
-    if kind == "replicated" or tp == 1 and kind != "vocab":
+    if kind in ("replicated", "expert") or tp == 1 and kind != "vocab":
         return {"dim": None, "start": None, "stop": None, "shape": shape}
     if kind == "fused":  # each part cut by its own kind; the rank's pieces end to end
         pieces, at, kv_head = [], 0, None
@@ -267,19 +274,24 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
             return [0]
         return [last]  # model.norm.weight, lm_head.weight
 
-    # (shard tensor name, source name, shape) for every tensor the shards hold.
-    entries = [(r.name, r.name, r.shape, r.split, r.parts)
+    # (shard tensor name, source name, shape, split, fused parts, owning TP rank or None: all)
+    # for every tensor the shards hold. With expert parallelism a routed expert's tensors go
+    # whole to the one rank that holds the expert (Moe.owner), and nowhere else.
+    moe = model.forward.moe
+    place = plan.expert_parallel and moe is not None
+    entries = [(r.name, r.name, r.shape, EXPERT if place and r.expert is not None else r.split, r.parts,
+                moe.owner(r.expert, plan.tp) if place and moe is not None and r.expert is not None else None)
                for r in sorted(tensor_table(model).values(), key=lambda r: r.name)]
     if model.tie_word_embeddings and plan.pp > 1:
         entries.append(("lm_head.weight", "model.embed_tokens.weight",
-                        (model.vocab_size, model.hidden_size), VOCAB, ()))
+                        (model.vocab_size, model.hidden_size), VOCAB, (), None))
 
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
         (s, r): [] for s in range(plan.pp) for r in range(plan.tp)
     }
-    for name, source, shape, kind, parts in entries:
+    for name, source, shape, kind, parts, owner in entries:
         for s in stage_of(name):
-            for r in range(plan.tp):
+            for r in range(plan.tp) if owner is None else (owner,):
                 cut = _slice_for_rank(kind, shape, r, model, plan.tp, parts)
                 local = cut.pop("shape")
                 common = dict(name=name, source=source, split=kind, **cut)
@@ -288,6 +300,8 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                     per_rank[s, r].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
                 else:
                     per_rank[s, r].append(TensorSpec(dtype=base, shape=local, **common))
+    held = {r: tuple(e for e in range(moe.experts) if moe.owner(e, plan.tp) == r) if place and moe else ()
+            for r in range(plan.tp)}
     ranks = []
     for s in range(plan.pp):
         for r in range(plan.tp):
@@ -299,6 +313,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                     layers=stages[s],
                     file=plan.shard_name(r, s),
                     tensors=tuple(sorted(per_rank[s, r], key=lambda t: t.name)),
+                    experts=held[r],
                 )
             )
     return Layout(model, plan, tuple(stages), tuple(ranks), padded_vocab(model, plan.tp))
@@ -341,7 +356,7 @@ def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:
         dtype="F32",
         shape=(full[0], 1),
         source=name,
-        split="replicated",
+        split="expert" if kind == "expert" else "replicated",
         scale_of=name,
         quant=quant,
     )

@@ -69,6 +69,10 @@ def _one_of(*choices: str) -> Callable[[Any], str | None]:
     return check
 
 
+def _bool(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "must be true or false"
+
+
 def _string(value: Any) -> str | None:
     return None if isinstance(value, str) and value else "must be a non-empty string"
 
@@ -131,6 +135,7 @@ _SCHEMA: dict[str, Any] = {
         "nvlink_domain": (False, _string),
         "kv_cache_cap_gb": (False, _positive_number),
         "max_concurrent_sequences": (False, _positive_int),
+        "expert_parallel": (False, _bool),
         "checkpoint": {
             "manifest_uri": (False, _string),
             "shard_prefix": (False, _shard_prefix),
@@ -165,6 +170,9 @@ class Plan:
     base_dtype: str | None
     kv_cache_cap_gb: float | None
     data: dict[str, Any]
+    # whole routed experts placed on the TP ranks of a stage (docs/architecture.md §4); recorded
+    # in ``data`` only when the plan says it, so other plans hash as before
+    expert_parallel: bool = False
     source_label: str | None = None  # the source as written, when ``source`` was resolved from it
     # Plan keys the command line replaced (``build --source``: {"model.source": "<as typed>"}).
     # ``data`` stays the plan file's, so shard metadata does not depend on where the weights lie;
@@ -378,6 +386,7 @@ def plan_from_dict(raw: Any) -> Plan:
         base_dtype=quant.get("base_dtype"),
         kv_cache_cap_gb=rg.get("kv_cache_cap_gb"),
         data=data,
+        expert_parallel=bool(rg.get("expert_parallel", False)),
     )
 
 

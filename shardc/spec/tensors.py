@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from .families.base import COLUMN, FUSED, KV_COLUMN, REPLICATED, ROW, VOCAB, Row
+from .families.base import COLUMN, EXPERT, FUSED, KV_COLUMN, REPLICATED, ROW, VOCAB, Row
 from .model import ModelSpec
 
-__all__ = ["COLUMN", "FUSED", "KV_COLUMN", "REPLICATED", "ROW", "VOCAB", "Row"]
+__all__ = ["COLUMN", "EXPERT", "FUSED", "KV_COLUMN", "REPLICATED", "ROW", "VOCAB", "Row"]
 
 MAX_TP_HINT = 64
 
@@ -51,11 +51,11 @@ def source_tensors(model: ModelSpec) -> list[SourceTensor]:
     return sorted((SourceTensor(r.name, r.shape) for r in model.spec.tensors(model)), key=lambda t: t.name)
 
 
-def valid_tp_degrees(model: ModelSpec, limit: int = MAX_TP_HINT) -> list[int]:
-    return [t for t in range(1, limit + 1) if not _tp_problems(model, t)]
+def valid_tp_degrees(model: ModelSpec, limit: int = MAX_TP_HINT, *, expert_parallel: bool = False) -> list[int]:
+    return [t for t in range(1, limit + 1) if not _tp_problems(model, t, expert_parallel)]
 
 
-def _tp_problems(model: ModelSpec, tp: int) -> list[str]:
+def _tp_problems(model: ModelSpec, tp: int, expert_parallel: bool = False) -> list[str]:
     problems = []
     if model.num_heads % tp:
         problems.append(f"num_attention_heads={model.num_heads} is not divisible by tp={tp}")
@@ -68,4 +68,17 @@ def _tp_problems(model: ModelSpec, tp: int) -> list[str]:
         problems.append(f"intermediate_size={model.intermediate_size} is not divisible by tp={tp}")
     if model.hidden_size % tp:
         problems.append(f"hidden_size={model.hidden_size} is not divisible by tp={tp}")
+    moe = model.forward.moe
+    if moe is not None and expert_parallel and moe.experts < tp:
+        problems.append(f"{moe.experts} experts leave ranks without one at tp={tp} with expert_parallel")
+    # every other column / row split of the family's table (a routed expert's or a shared
+    # expert's intermediate size): whole rows or columns per rank
+    for row in () if problems else model.spec.tensors(model):
+        if row.split not in (COLUMN, ROW) or (expert_parallel and row.expert is not None):
+            continue
+        dim = 0 if row.split == COLUMN else 1
+        if row.shape[dim] % tp:
+            what = "rows" if dim == 0 else "columns"
+            problems.append(f"{row.name} has {row.shape[dim]} {what}, not divisible by tp={tp}")
+            break
     return problems

@@ -110,6 +110,9 @@ def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: L
             continue
         if (entry.tp_rank, entry.pp_stage, entry.rank) != (rl.tp_rank, rl.pp_stage, rl.rank):
             problems.append(f"manifest entry {rl.file} has the wrong ranks")
+        if entry.experts != rl.experts:
+            problems.append(f"manifest entry {rl.file} holds experts {list(entry.experts)}, the plan places "
+                            f"{list(rl.experts)} there")
         want = {t.name: t.record() for t in rl.tensors}
         have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
                 for n, r in entry.tensors.items()}

@@ -42,10 +42,24 @@ def describe(path: Path) -> dict[str, Any]:
     for s in m.shards:
         lines.append(f"  {s.file}  rank {s.rank} (tp {s.tp_rank}, pp {s.pp_stage})  "
                      f"layers {s.layers[0]}:{s.layers[1]}  {len(s.tensors)} tensors  "
-                     f"{human_size(s.size)}  {s.sha256[:12]}")
+                     f"{human_size(s.size)}  {s.sha256[:12]}"
+                     + (f"  experts {_ranges(s.experts)}" if s.experts else ""))
         for name, t in s.tensors.items():
             tensors.append({"file": s.file, "name": name, **t})
-    return {"kind": "manifest", "lines": lines, "tensors": tensors}
+    return {"kind": "manifest", "lines": lines, "tensors": tensors,
+            "experts": {s.file: list(s.experts) for s in m.shards if s.experts}}
+
+
+def _ranges(ids: tuple[int, ...]) -> str:
+    """Expert ids as ranges: (0, 1, 2, 5) -> "0-2,5"."""
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _describe_shard(path: Path) -> dict[str, Any]:
@@ -59,7 +73,8 @@ def _describe_shard(path: Path) -> dict[str, Any]:
         lines.append(f"plan       {meta['shardc.plan']}  (sha256 {meta.get('shardc.plan_sha256', '')[:12]})")
         lines.append(f"rank       {meta.get('shardc.rank')} (tp {meta.get('shardc.tp_rank')}/"
                      f"{meta.get('shardc.tp_degree')}, pp {meta.get('shardc.pp_stage')}/"
-                     f"{meta.get('shardc.pp_degree')})  layers {meta.get('shardc.layers')}")
+                     f"{meta.get('shardc.pp_degree')})  layers {meta.get('shardc.layers')}"
+                     + (f"  experts {meta['shardc.experts']}" if "shardc.experts" in meta else ""))
     else:
         lines.append("plan       (no shardc metadata: not a shardc shard)")
     tensors = [{"name": n, "dtype": h["dtype"], "shape": h["shape"]} for n, h in sorted(header.items())]

@@ -31,7 +31,9 @@ VOCAB = "vocab"  # dim 0 by vocabulary rows, padded with zero rows to a multiple
 REPLICATED = "replicated"  # whole on every TP rank of the owning stage
 FUSED = "fused"  # dim 0 holds several column tensors end to end (Phi-3's qkv_proj, gate_up_proj):
 #                  each part is cut by its own kind and the rank's pieces are concatenated
-SPLITS = (COLUMN, KV_COLUMN, ROW, VOCAB, REPLICATED, FUSED)
+EXPERT = "expert"  # a routed expert's tensor placed whole on one rank (plan expert_parallel);
+#                    without expert parallelism the row's own kind (column / row) splits it
+SPLITS = (COLUMN, KV_COLUMN, ROW, VOCAB, REPLICATED, FUSED, EXPERT)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,35 @@ class Row:
     split: str
     quantizable: bool = False
     parts: tuple[tuple[int, str], ...] = ()  # FUSED: (rows, COLUMN | KV_COLUMN) in order
+    expert: int | None = None  # a routed expert's id: placed whole by expert parallelism
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A mixture-of-experts MLP as the runtime computes it (runtime/decoder.py ``_moe``), with the
+    tensor names it reads under ``model.layers.N.`` (``{e}``: the expert id).
+
+    Routing is transformers' TopKRouter: router logits in the model dtype, softmax in fp32, top-k,
+    renormalized when ``norm_topk``; the weights stay fp32 (Mixtral) or are cast to the model dtype
+    first (Qwen). Each routed token's expert output times its weight is added in the model dtype,
+    experts in id order, as transformers' experts loop does."""
+
+    experts: int  # routed experts per sparse layer
+    top_k: int
+    norm_topk: bool
+    weights_fp32: bool  # the routing weights multiply the expert output in fp32 (Mixtral)
+    sparse: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP (False)
+    router: str  # e.g. "mlp.gate.weight"
+    expert: tuple[str, str, str]  # gate, up, down templates, e.g. "mlp.experts.{e}.gate_proj.weight"
+    shared: tuple[str, str, str] | None = None  # a shared expert's gate, up, down (Qwen2-MoE)
+    shared_gate: str | None = None  # its sigmoid gate [1, hidden]
+
+    def owner(self, e: int, ranks: int) -> int:
+        """The rank of ``ranks`` that holds expert ``e`` under expert parallelism: vLLM's linear
+        placement, rank r holding [r·E/N, (r+1)·E/N) with the remainder to the first ranks."""
+        base, extra = divmod(self.experts, ranks)
+        cut = extra * (base + 1)
+        return e // (base + 1) if e < cut else extra + (e - cut) // base
 
 
 @dataclass(frozen=True)
@@ -69,6 +100,7 @@ class Forward:
     # order), e.g. ("self_attn.qkv_proj", ("q", "k", "v")); runtime/weights.py splits the rank's
     # tensor into those roles by the local part sizes, so the decoder sees q/k/v and gate/up
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    moe: Moe | None = None  # mixture-of-experts MLP on the layers ``moe.sparse`` marks
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
