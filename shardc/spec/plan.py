@@ -25,6 +25,8 @@ from .readfile import PLAN_LIMIT, decode_text, read_regular_file
 DTYPES = ("fp16", "bf16", "int8", "fp8")
 QUANTIZED_DTYPES = ("int8", "fp8")
 DEFAULT_SHARD_PREFIX = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
+# with attention data parallelism (dp_degree > 1) each DP group's ranks hold their own experts
+DP_SHARD_PREFIX = "model-dp{dp_rank:02d}-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # What every reader of a build accepts as a shard file name (formats/manifest.py ``safe_name``):
@@ -90,14 +92,14 @@ def _shard_prefix(value: Any) -> str | None:
         parsed = [(f, spec, conv) for _, f, spec, conv in string.Formatter().parse(value) if f is not None]
     except ValueError as exc:
         return f"is not a valid format string ({exc})"
-    if {f for f, _, _ in parsed} != {"tp_rank", "pp_stage"}:
-        return "must use exactly the fields {tp_rank} and {pp_stage}"
+    if {f for f, _, _ in parsed} not in ({"tp_rank", "pp_stage"}, {"tp_rank", "pp_stage", "dp_rank"}):
+        return "must use exactly the fields {tp_rank} and {pp_stage} (and {dp_rank} with dp_degree > 1)"
     for _, spec, conv in parsed:  # a width of 10**9 would build a 1 GB name
         if conv or not _SPEC_RE.fullmatch(spec or ""):
             return f"may format a rank only as an integer (like {{tp_rank:02d}}), found {{...:{spec}}}"
     for tp_rank, pp_stage in ((0, 0), (1, 0), (0, 1), (MAX_TP - 1, MAX_PP - 1)):
         try:
-            sample = value.format(tp_rank=tp_rank, pp_stage=pp_stage)
+            sample = value.format(tp_rank=tp_rank, pp_stage=pp_stage, dp_rank=tp_rank)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             return f"is not a valid format string ({exc})"
         if not sample.endswith(".safetensors") or not _FILE_RE.match(sample):
@@ -136,6 +138,7 @@ _SCHEMA: dict[str, Any] = {
         "kv_cache_cap_gb": (False, _positive_number),
         "max_concurrent_sequences": (False, _positive_int),
         "expert_parallel": (False, _bool),
+        "dp_degree": (False, _bounded_int(MAX_TP)),
         "checkpoint": {
             "manifest_uri": (False, _string),
             "shard_prefix": (False, _shard_prefix),
@@ -173,6 +176,7 @@ class Plan:
     # whole routed experts placed on the TP ranks of a stage (docs/architecture.md §4); recorded
     # in ``data`` only when the plan says it, so other plans hash as before
     expert_parallel: bool = False
+    dp: int = 1  # attention data-parallel groups of tp ranks per stage (expert_parallel plans)
     source_label: str | None = None  # the source as written, when ``source`` was resolved from it
     # Plan keys the command line replaced (``build --source``: {"model.source": "<as typed>"}).
     # ``data`` stays the plan file's, so shard metadata does not depend on where the weights lie;
@@ -181,7 +185,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
 
     @property
     def quantized(self) -> bool:
@@ -202,8 +206,8 @@ class Plan:
         nothing was overridden)."""
         return data_sha256(self.effective_data) if self.overrides else self.sha256
 
-    def shard_name(self, tp_rank: int, pp_stage: int) -> str:
-        return self.shard_prefix.format(tp_rank=tp_rank, pp_stage=pp_stage)
+    def shard_name(self, tp_rank: int, pp_stage: int, dp_rank: int = 0) -> str:
+        return self.shard_prefix.format(tp_rank=tp_rank, pp_stage=pp_stage, dp_rank=dp_rank)
 
     def with_source(self, source: str) -> Plan:
         """The same plan reading weights from ``source`` (``--source``, as the user typed it).
@@ -348,17 +352,27 @@ def plan_from_dict(raw: Any) -> Plan:
     _check_plain(raw)
     _validate(raw, _SCHEMA, "")
     rg = raw["replica_group"]
-    tp, pp = rg["tp_degree"], rg["pp_degree"]
-    if rg["gpus_per_replica"] != tp * pp:
+    tp, pp, dp = rg["tp_degree"], rg["pp_degree"], rg.get("dp_degree", 1)
+    if dp > 1 and not rg.get("expert_parallel"):
+        raise PlanError(f"is {dp}, but attention data parallelism serves the experts of a "
+                        "mixture-of-experts model spread over every rank, which needs expert_parallel",
+                        key="replica_group.dp_degree",
+                        hint="add expert_parallel: true (an MoE model), or use dp_degree: 1 and more replicas")
+    if rg["gpus_per_replica"] != tp * pp * dp:
+        what = f"tp_degree * pp_degree = {tp} * {pp}" if dp == 1 else \
+            f"tp_degree * pp_degree * dp_degree = {tp} * {pp} * {dp}"
         raise PlanError(
-            f"is {rg['gpus_per_replica']} but tp_degree * pp_degree = {tp} * {pp} = {tp * pp}",
+            f"is {rg['gpus_per_replica']} but {what} = {tp * pp * dp}",
             key="replica_group.gpus_per_replica",
-            hint=f"set gpus_per_replica: {tp * pp}",
+            hint=f"set gpus_per_replica: {tp * pp * dp}",
         )
-    prefix = (rg.get("checkpoint") or {}).get("shard_prefix") or DEFAULT_SHARD_PREFIX
-    if len({prefix.format(tp_rank=t, pp_stage=s) for t in range(tp) for s in range(pp)}) != tp * pp:
+    default_prefix = DEFAULT_SHARD_PREFIX if dp == 1 else DP_SHARD_PREFIX
+    prefix = (rg.get("checkpoint") or {}).get("shard_prefix") or default_prefix
+    if len({prefix.format(tp_rank=t, pp_stage=s, dp_rank=d) for t in range(tp) for s in range(pp)
+            for d in range(dp)}) != tp * pp * dp:
         raise PlanError(f"gives two ranks the same file name ({prefix!r})",
-                        key="replica_group.checkpoint.shard_prefix", hint="use {tp_rank:02d} and {pp_stage:02d}")
+                        key="replica_group.checkpoint.shard_prefix",
+                        hint="use {tp_rank:02d} and {pp_stage:02d}" + (" and {dp_rank:02d}" if dp > 1 else ""))
     model = raw["model"]
     pp_layers = model.get("pp_layers")
     if pp_layers is not None and len(pp_layers) != pp:
@@ -371,7 +385,7 @@ def plan_from_dict(raw: Any) -> Plan:
     quant = raw.get("quantization") or {}
     data = json.loads(json.dumps(raw))  # plain JSON types only; copies
     data.setdefault("replica_group", {}).setdefault("checkpoint", {})
-    data["replica_group"]["checkpoint"].setdefault("shard_prefix", DEFAULT_SHARD_PREFIX)
+    data["replica_group"]["checkpoint"].setdefault("shard_prefix", default_prefix)
     data.setdefault("quantization", {}).setdefault("ignore", list(DEFAULT_IGNORE))
     return Plan(
         name=rg["name"],
@@ -380,13 +394,14 @@ def plan_from_dict(raw: Any) -> Plan:
         dtype=rg["dtype"],
         source=model["source"],
         pp_layers=tuple(pp_layers) if pp_layers else None,
-        shard_prefix=ckpt.get("shard_prefix", DEFAULT_SHARD_PREFIX),
+        shard_prefix=ckpt.get("shard_prefix", default_prefix),
         manifest_uri=ckpt.get("manifest_uri"),
         quant_ignore=tuple(quant.get("ignore", DEFAULT_IGNORE)),
         base_dtype=quant.get("base_dtype"),
         kv_cache_cap_gb=rg.get("kv_cache_cap_gb"),
         data=data,
         expert_parallel=bool(rg.get("expert_parallel", False)),
+        dp=dp,
     )
 
 
