@@ -210,7 +210,7 @@ def _stages_to_write(run: BuildRun) -> list[list[RankLayout]]:
     plan, stages = run.plan, []
     for stage in range(plan.pp):
         todo = []
-        for rl in run.layout.ranks[stage * plan.tp : (stage + 1) * plan.tp]:
+        for rl in run.layout.stage(stage):
             done = None if run.force else stage_done(run.out, run.layout, rl, run.key)
             if done:
                 run.hashes[rl.file] = done
@@ -318,7 +318,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
                 rec["scale"] = t.source + SCALE_SUFFIX
             tensors[t.name] = rec
         shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors,
-                                 experts=rl.experts))
+                                 experts=rl.experts, dp_rank=rl.dp_rank if layout.plan.dp > 1 else None))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
     if run.replacing:
         _switch(run, manifest)

@@ -74,6 +74,8 @@ def export_plan(manifest: Manifest):
     data = json.loads(json.dumps(manifest.plan))
     rg = data["replica_group"]
     rg.update(tp_degree=1, pp_degree=1, gpus_per_replica=1)
+    for key in ("dp_degree", "expert_parallel"):  # one rank holds every expert
+        rg.pop(key, None)
     rg.get("checkpoint", {}).pop("shard_prefix", None)
     data["model"].pop("pp_layers", None)
     return plan_from_dict(data)

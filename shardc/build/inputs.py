@@ -48,6 +48,8 @@ HASH_WORKERS = max(1, min(8, os.cpu_count() or 1))
 SPOOL_PREFIX = ".shardc-input-"  # private temporary directories of reshard / export inputs
 _METADATA_KEYS = ("shardc.plan_sha256", "shardc.tp_degree", "shardc.pp_degree", "shardc.tp_rank",
                   "shardc.pp_stage", "shardc.rank")
+# written only by expert-parallel / data-parallel plans: absent on both sides elsewhere
+_OPTIONAL_KEYS = ("shardc.experts", "shardc.dp_degree", "shardc.dp_rank")
 
 
 def shard_problems(path: Path, layout: Layout, rl: RankLayout, checks: list[str] | None = None) -> list[str]:
@@ -75,9 +77,9 @@ def header_problems(header: dict[str, Any], meta: dict[str, str], data_length: i
     checks.append("header")
     problems = []
     want_meta = shard_metadata(layout, rl)
-    for key in _METADATA_KEYS:
-        if meta.get(key) != want_meta[key]:
-            problems.append(f"metadata {key} is {meta.get(key)!r}, expected {want_meta[key]!r} "
+    for key in _METADATA_KEYS + _OPTIONAL_KEYS:
+        if meta.get(key) != want_meta.get(key):
+            problems.append(f"metadata {key} is {meta.get(key)!r}, expected {want_meta.get(key)!r} "
                             f"(a shard of another plan or rank?)")
     checks.append("metadata")
     want = {t.name: t for t in rl.tensors}

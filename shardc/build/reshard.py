@@ -286,7 +286,7 @@ def _need_order(src: BuildSource, out: Layout) -> list[str]:
     """Input files in the order the output build will first need them (stage by stage)."""
     order: dict[str, None] = {}
     for s in range(out.plan.pp):
-        for t in stage_order(list(out.ranks[s * out.plan.tp : (s + 1) * out.plan.tp])):
+        for t in stage_order(out.stage(s)):
             for role in ("weight", "scale"):
                 for p in src.pieces.get((t.source, role), []):
                     order.setdefault(p.file)

@@ -165,12 +165,13 @@ class ShardEntry:
     tensors: dict[str, dict[str, Any]]
     compressed: dict[str, Any] | None = None
     experts: tuple[int, ...] = ()  # routed expert ids held whole (expert_parallel plans)
+    dp_rank: int | None = None  # its attention data-parallel group (recorded when dp_degree > 1)
 
     @classmethod
     def read(cls, r: _Reader, file: str | None = None) -> ShardEntry:
         """One entry; ``file`` is its key (version 2) or None when it names itself (version 1)."""
         r.only(*(("file",) if file is None else ()), "tp_rank", "pp_stage", "rank", "layers", "size",
-               "sha256", "tensors", "compressed", "experts")
+               "sha256", "tensors", "compressed", "experts", "dp_rank")
         file = safe_name(r.get("file", str) if file is None else file, "shard file name")
         layers = r.get("layers", list)
         if len(layers) != 2 or not all(type(x) is int and 0 <= x <= CONFIG_BOUNDS["num_hidden_layers"]
@@ -187,7 +188,8 @@ class ShardEntry:
         return cls(file, r.number("tp_rank", MAX_DEGREE),
                    r.number("pp_stage", MAX_DEGREE), r.number("rank", MAX_DEGREE * MAX_DEGREE),
                    (layers[0], layers[1]), r.number("size", MAX_BYTES), r.sha256("sha256"), tensors,
-                   r.get("compressed", dict, optional=True), tuple(experts))
+                   r.get("compressed", dict, optional=True), tuple(experts),
+                   r.number("dp_rank", MAX_DEGREE) if "dp_rank" in r.data else None)
 
     def to_dict(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
         out = {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
@@ -196,6 +198,8 @@ class ShardEntry:
             out["compressed"] = self.compressed
         if self.experts:
             out["experts"] = list(self.experts)
+        if self.dp_rank is not None:
+            out["dp_rank"] = self.dp_rank
         return {"file": self.file, **out} if version == 1 else out
 
 
@@ -259,20 +263,23 @@ class LayoutRecord:
     stages: list[tuple[int, int]]
     base_dtype: str
     dtype: str
+    dp_degree: int = 1  # recorded only when > 1 (attention data parallelism)
 
     @classmethod
     def read(cls, r: _Reader) -> LayoutRecord:
-        r.only("tp_degree", "pp_degree", "stages", "base_dtype", "dtype")
+        r.only("tp_degree", "pp_degree", "stages", "base_dtype", "dtype", "dp_degree")
         tp, pp = r.number("tp_degree", MAX_DEGREE, 1), r.number("pp_degree", MAX_DEGREE, 1)
         stages = r.get("stages", list)
         if len(stages) != pp or not all(isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s)
                                         for s in stages):
             raise r.error(f"is not {pp} [start, stop] pairs", "stages")
-        return cls(tp, pp, [(a, b) for a, b in stages], r.get("base_dtype", str), r.get("dtype", str))
+        dp = r.number("dp_degree", MAX_DEGREE, 2) if "dp_degree" in r.data else 1
+        return cls(tp, pp, [(a, b) for a, b in stages], r.get("base_dtype", str), r.get("dtype", str), dp)
 
     def to_dict(self) -> dict[str, Any]:
         return {"tp_degree": self.tp_degree, "pp_degree": self.pp_degree,
-                "stages": [list(s) for s in self.stages], "base_dtype": self.base_dtype, "dtype": self.dtype}
+                "stages": [list(s) for s in self.stages], "base_dtype": self.base_dtype, "dtype": self.dtype,
+                **({"dp_degree": self.dp_degree} if self.dp_degree > 1 else {})}
 
 
 @dataclass
@@ -307,7 +314,7 @@ class Manifest:
 
     @property
     def world_size(self) -> int:
-        return self.layout.tp_degree * self.layout.pp_degree
+        return self.layout.tp_degree * self.layout.pp_degree * self.layout.dp_degree
 
     @property
     def effective_sha256(self) -> str:
@@ -454,12 +461,13 @@ def _check_extent(r: _Reader, rg: _Reader, config: _Reader, shards: list[ShardEn
     by the manifest's own records, a small factor each; the exact comparison (verify's
     ``check_manifest_against_layout``) follows once the Layout is built. Degrees that are not
     integers in range are left to the plan's own check."""
-    tp, pp = rg.data.get("tp_degree"), rg.data.get("pp_degree")
-    if not all(type(x) is int and 1 <= x <= MAX_DEGREE for x in (tp, pp)):
+    tp, pp, dp = rg.data.get("tp_degree"), rg.data.get("pp_degree"), rg.data.get("dp_degree", 1)
+    if not all(type(x) is int and 1 <= x <= MAX_DEGREE for x in (tp, pp, dp)):
         return
-    if len(shards) != tp * pp:
-        raise r.error(f"lists {len(shards)} shard(s); its plan (tp_degree={tp}, pp_degree={pp}) has "
-                      f"{tp * pp}", "shards")
+    if len(shards) != tp * pp * dp:
+        dps = f", dp_degree={dp}" if dp > 1 else ""
+        raise r.error(f"lists {len(shards)} shard(s); its plan (tp_degree={tp}, pp_degree={pp}{dps}) has "
+                      f"{tp * pp * dp}", "shards")
     layers = config.data.get("num_hidden_layers")
     records = sum(len(s.tensors) for s in shards)
     if type(layers) is int and records < tp * layers:
@@ -495,7 +503,8 @@ def new_manifest(layout: Layout, source: SourceRecord, shards: list[ShardEntry],
         plan=plan.data,
         plan_sha256=plan.sha256,
         model={**model.summary(), "padded_vocab_size": layout.padded_vocab, "config": model.config},
-        layout=LayoutRecord(plan.tp, plan.pp, [tuple(s) for s in layout.stages], base_dtype(model, plan), plan.dtype),
+        layout=LayoutRecord(plan.tp, plan.pp, [tuple(s) for s in layout.stages], base_dtype(model, plan), plan.dtype,
+                            plan.dp),
         source=source,
         files=sorted(files, key=lambda f: f.name),
         shards=sorted(shards, key=lambda s: s.rank),

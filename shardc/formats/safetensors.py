@@ -56,7 +56,8 @@ def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
         "shardc.pp_stage": str(rl.pp_stage),
         "shardc.rank": str(rl.rank),
         "shardc.layers": f"{rl.layers[0]}:{rl.layers[1]}",
-    } | ({"shardc.experts": ",".join(map(str, rl.experts))} if rl.experts else {})
+    } | ({"shardc.experts": ",".join(map(str, rl.experts))} if rl.experts else {}) | (
+        {"shardc.dp_degree": str(p.dp), "shardc.dp_rank": str(rl.dp_rank)} if p.dp > 1 else {})
 
 
 def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, str], int]:

@@ -2,8 +2,10 @@
 
 A world holds one replica (``shardc run``) or two side by side (``shardc gate`` runs baseline and
 candidate together so their logits can be compared position by position). Inside a replica, global
-rank = base + pp_stage * tp + tp_rank (TP groups contiguous, docs/architecture.md §3.2). Each (replica, stage) gets
-its own TP group; pipeline hand-offs are point-to-point on the world group between equal TP ranks.
+rank = base + (pp_stage * dp + dp_rank) * tp + tp_rank (TP groups contiguous, docs/architecture.md
+§3.2; dp = 1 unless the plan has attention data parallelism). Each (replica, stage, DP group) gets
+its own TP group, and with dp > 1 each (replica, stage) an expert group of all its dp x tp ranks;
+pipeline hand-offs are point-to-point on the world group between equal TP and DP ranks.
 
 Every collective and point-to-point wait runs under the process-group timeout. A failure is
 re-raised as DistributedError that says which operation failed and which ranks were behind, read
@@ -36,13 +38,14 @@ class Replica:
     tp: int
     pp: int
     base: int  # first global rank
+    dp: int = 1  # attention data-parallel groups per stage (expert-parallel plans)
 
     @property
     def size(self) -> int:
-        return self.tp * self.pp
+        return self.tp * self.pp * self.dp
 
-    def rank(self, tp_rank: int, pp_stage: int) -> int:
-        return self.base + pp_stage * self.tp + tp_rank
+    def rank(self, tp_rank: int, pp_stage: int, dp_rank: int = 0) -> int:
+        return self.base + (pp_stage * self.dp + dp_rank) * self.tp + tp_rank
 
     def owns(self, rank: int) -> bool:
         return self.base <= rank < self.base + self.size
@@ -50,7 +53,10 @@ class Replica:
     def place(self, rank: int) -> tuple[int, int]:
         """(tp_rank, pp_stage) of a global rank in this replica."""
         local = rank - self.base
-        return local % self.tp, local // self.tp
+        return local % self.tp, local // (self.tp * self.dp)
+
+    def dp_of(self, rank: int) -> int:
+        return (rank - self.base) // self.tp % self.dp
 
 
 def describe(replicas: list[Replica], rank: int) -> str:
@@ -59,7 +65,8 @@ def describe(replicas: list[Replica], rank: int) -> str:
         if r.owns(rank):
             t, p = r.place(rank)
             name = f"{r.name} " if len(replicas) > 1 else ""
-            return f"rank {rank} ({name}tp {t}, pp {p})"
+            dp = f", dp {r.dp_of(rank)}" if r.dp > 1 else ""
+            return f"rank {rank} ({name}tp {t}, pp {p}{dp})"
     return f"rank {rank}"
 
 
@@ -81,6 +88,7 @@ class Comm:
         self.replica = next(r for r in replicas if r.owns(rank))
         self.tp = self.replica.tp
         self.tp_rank, self.pp_stage = self.replica.place(rank)
+        self.dp_rank = self.replica.dp_of(rank)
         self.step = 0
         self._beat_at = 0.0
         timeout = timedelta(seconds=timeout_s)
@@ -89,19 +97,27 @@ class Comm:
                                     world_size=world, timeout=timeout)
             # new_group is collective over the whole world: every rank creates every group, in order.
             self.tp_group: Any = None
+            self.ep_group: Any = None  # dp > 1: every rank of the stage (the experts' group)
             for r in replicas:
                 for s in range(r.pp):
-                    if r.tp == 1:
-                        continue
-                    ranks = [r.rank(t, s) for t in range(r.tp)]
-                    g = dist.new_group(ranks, timeout=timeout, backend=backend)
-                    if rank in ranks:
-                        self.tp_group = g
+                    for d in range(r.dp):
+                        if r.tp == 1:
+                            continue
+                        ranks = [r.rank(t, s, d) for t in range(r.tp)]
+                        g = dist.new_group(ranks, timeout=timeout, backend=backend)
+                        if rank in ranks:
+                            self.tp_group = g
+                    if r.dp > 1:
+                        ranks = [r.rank(t, s, d) for d in range(r.dp) for t in range(r.tp)]
+                        g = dist.new_group(ranks, timeout=timeout, backend=backend)
+                        if rank in ranks:
+                            self.ep_group = g
         except DistributedError:
             raise
         except Exception as exc:
             raise self._error("process-group setup", exc, time.monotonic()) from None
-        self.tp0 = self.replica.rank(0, self.pp_stage)
+        self.tp0 = self.replica.rank(0, self.pp_stage, self.dp_rank)
+        self.ep = self.tp * self.replica.dp
 
     # -- heartbeats and diagnosis ------------------------------------------------------------
     def beat(self) -> None:
@@ -195,6 +211,19 @@ class Comm:
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.tp)]
         self._run(what, dist.all_gather, parts, x, group=self.tp_group)
+        total = parts[0].float()
+        for p in parts[1:]:
+            total += p.float()
+        return total.to(x.dtype)
+
+    def all_reduce_experts(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """Sum over the stage's expert group (all dp x tp ranks; the TP group when dp = 1), in fp32
+        and rank order, rounded once to x's dtype, as ``all_reduce_sum``."""
+        if self.replica.dp == 1:
+            return self.all_reduce_sum(x, what)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.ep)]
+        self._run(what, dist.all_gather, parts, x, group=self.ep_group)
         total = parts[0].float()
         for p in parts[1:]:
             total += p.float()

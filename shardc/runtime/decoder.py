@@ -32,8 +32,11 @@ class TPComm(Protocol):
     """What the forward needs from the tensor-parallel group (see comm.py)."""
 
     tp: int
+    dp_rank: int
 
     def all_reduce_sum(self, x: torch.Tensor, what: str) -> torch.Tensor: ...
+
+    def all_reduce_experts(self, x: torch.Tensor, what: str) -> torch.Tensor: ...
 
     def gather_vocab(self, x: torch.Tensor, what: str, everyone: bool) -> torch.Tensor | None: ...
 
@@ -328,15 +331,16 @@ class StageModel:
             y = x[token]
             y = F.linear(self._act(F.linear(y, gate)) * F.linear(y, up), down)
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        if mw.shared is not None:
+        out = self.comm.all_reduce_experts(out, what).to(x.dtype)
+        if mw.shared is not None:  # Qwen2-MoE: added to the experts' sum, as transformers does
             gate, up, down = mw.shared
             shared = F.linear(self._act(F.linear(x, gate)) * F.linear(x, up), down)
+            if self.comm.tp > 1:  # split over TP like a dense MLP (the same in every DP group)
+                shared = self.comm.all_reduce_sum(shared, f"{what} (shared expert)")
             if mw.shared_gate is not None:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
-            out = out + shared.to(out.dtype)
-        if self.comm.tp > 1:
-            out = self.comm.all_reduce_sum(out, what)
-        return out.to(x.dtype).reshape(shape)
+            out = out + shared
+        return out.reshape(shape)
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:
         """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once."""

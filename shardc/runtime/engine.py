@@ -32,8 +32,8 @@ class StageRunner:
         rep = comm.replica
         self.first = comm.pp_stage == 0
         self.last = comm.pp_stage == rep.pp - 1
-        self.prev = rep.rank(comm.tp_rank, comm.pp_stage - 1) if not self.first else None
-        self.next = rep.rank(comm.tp_rank, comm.pp_stage + 1) if not self.last else None
+        self.prev = rep.rank(comm.tp_rank, comm.pp_stage - 1, comm.dp_rank) if not self.first else None
+        self.next = rep.rank(comm.tp_rank, comm.pp_stage + 1, comm.dp_rank) if not self.last else None
         self.hidden = model.d.hidden
         self._sends: deque[Any] = deque()
         # (micro-batch, start, end) of this rank's compute, wall clock (comparable across processes):
@@ -91,8 +91,9 @@ class StageRunner:
         lazy = dev.type == "cuda" and not eos
         out: list[list[Any]] = [[] for _ in prompts]
         awaiting = [False] * len(prompts)  # a token from the last stage is due for this sequence
-        last_rank = self.comm.replica.rank(self.comm.tp_rank, self.comm.replica.pp - 1)
-        others = [self.comm.replica.rank(self.comm.tp_rank, s) for s in range(self.comm.replica.pp - 1)]
+        c = self.comm
+        last_rank = c.replica.rank(c.tp_rank, c.replica.pp - 1, c.dp_rank)
+        others = [c.replica.rank(c.tp_rank, s, c.dp_rank) for s in range(c.replica.pp - 1)]
 
         def finished(m: int) -> bool:
             return len(out[m]) >= max_new_tokens or bool(out[m] and out[m][-1] in eos)

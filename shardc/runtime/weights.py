@@ -79,13 +79,13 @@ def local_dims(layout: Layout) -> Dims:
 
 def load_stage(
     manifest: Manifest, directory: Path, layout: Layout, tp_rank: int, pp_stage: int,
-    device: torch.device,
+    device: torch.device, dp_rank: int = 0,
 ) -> StageWeights:
     """Load, check and arrange one rank's tensors (dequantizing int8/fp8)."""
     from ..verify.loader import load_shard
 
-    rl = layout.rank(tp_rank, pp_stage)
-    raw = load_shard(manifest, tp_rank, pp_stage, device=str(device), directory=directory)
+    rl = layout.rank(tp_rank, pp_stage, dp_rank)
+    raw = load_shard(manifest, tp_rank, pp_stage, device=str(device), directory=directory, dp_rank=dp_rank)
     return arrange(raw, rl, layout, compute_dtype(manifest), device)
 
 

@@ -37,15 +37,15 @@ def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]]]:
     reps, manifests, base = [], [], 0
     for i, spec in enumerate(job["replicas"]):
         m = read(spec["manifest"])
-        tp, pp = m.layout.tp_degree, m.layout.pp_degree
-        reps.append(Replica(i, spec.get("name") or m.name, tp, pp, base))
+        tp, pp, dp = m.layout.tp_degree, m.layout.pp_degree, m.layout.dp_degree
+        reps.append(Replica(i, spec.get("name") or m.name, tp, pp, base, dp))
         manifests.append(m)
-        base += tp * pp
+        base += tp * pp * dp
     return reps, manifests
 
 
 def world_size(job: dict[str, Any]) -> int:
-    """Processes the job needs: the sum of its replicas' tp * pp."""
+    """Processes the job needs: the sum of its replicas' tp * pp * dp."""
     reps, _ = _replicas(job)
     return sum(r.size for r in reps)
 
@@ -86,7 +86,7 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
         layout = manifest.to_layout()
         directory = Path(job["replicas"][rep.index]["dir"])
         t_load = time.perf_counter()
-        weights = load_stage(manifest, directory, layout, comm.tp_rank, comm.pp_stage, device)
+        weights = load_stage(manifest, directory, layout, comm.tp_rank, comm.pp_stage, device, comm.dp_rank)
         # rope and activation as this shardc reads the config (not as an older one recorded them)
         model = StageModel(weights, local_dims(layout), {**layout.model.summary(), "config": manifest.config}, comm,
                            compute_dtype(manifest), device, layout.model.forward)
@@ -147,7 +147,7 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
     marks = [time.perf_counter()]  # when each micro-batch's scores were done: steady-state rates
 
     def on_logits(m: int, logits: torch.Tensor | None) -> None:
-        if logits is None:
+        if logits is None or comm.dp_rank:  # DP groups > 0 compute the same logits as group 0
             return
         mb = int(job["score"].get("micro_batch", 1))
         targets = windows[m * mb : (m + 1) * mb, 1:]
@@ -232,7 +232,7 @@ def _against(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | No
     rows = base.get_slice("logits") if base is not None else None
 
     def on_logits(m: int, logits: torch.Tensor | None) -> None:
-        if logits is None:
+        if logits is None or comm.dp_rank:  # DP groups > 0 compute the same logits as group 0
             return
         assert rows is not None
         prev = rows[m * mb : (m + 1) * mb].to(logits.device, non_blocking=True).float()

@@ -101,6 +101,7 @@ class RankLayout:
     file: str
     tensors: tuple[TensorSpec, ...]  # sorted by name: the order in the file
     experts: tuple[int, ...] = ()  # routed expert ids held whole (plan expert_parallel), sorted
+    dp_rank: int = 0  # attention data-parallel group (dp_degree > 1): rank = (pp·dp + dp_rank)·tp + tp
 
     @property
     def nbytes(self) -> int:
@@ -147,6 +148,10 @@ def check_degrees(model: ModelSpec, plan: Plan) -> None:
         raise LayoutError(f"{model.architecture} has no routed experts to place",
                           key="replica_group.expert_parallel",
                           hint="drop expert_parallel (it applies to mixture-of-experts models)")
+    if moe is not None and plan.expert_parallel and plan.dp > 1 and moe.experts < plan.tp * plan.dp:
+        raise LayoutError(f"{moe.experts} experts over tp_degree * dp_degree = {plan.tp * plan.dp} ranks "
+                          "leave ranks without one", key="replica_group.dp_degree",
+                          hint=f"use tp_degree * dp_degree <= {moe.experts}")
     problems = _tp_problems(model, plan.tp, plan.expert_parallel)
     if problems:
         good = valid_tp_degrees(model, expert_parallel=plan.expert_parallel)
@@ -217,14 +222,23 @@ class Layout:
     ranks: tuple[RankLayout, ...]  # indexed by global rank
     padded_vocab: int
 
-    def rank(self, tp_rank: int, pp_stage: int) -> RankLayout:
-        if not (0 <= tp_rank < self.plan.tp and 0 <= pp_stage < self.plan.pp):
+    def rank(self, tp_rank: int, pp_stage: int, dp_rank: int = 0) -> RankLayout:
+        p = self.plan
+        if not (0 <= tp_rank < p.tp and 0 <= pp_stage < p.pp and 0 <= dp_rank < p.dp):
+            dp = f" dp={dp_rank}" if dp_rank or p.dp > 1 else ""
+            dps = f" dp_degree={p.dp}" if p.dp > 1 else ""
             raise LayoutError(
-                f"rank tp={tp_rank} pp={pp_stage} is outside tp_degree={self.plan.tp} "
-                f"pp_degree={self.plan.pp}", key="tp_rank",
-                hint=f"tp ranks 0..{self.plan.tp - 1}, pp stages 0..{self.plan.pp - 1}",
+                f"rank tp={tp_rank} pp={pp_stage}{dp} is outside tp_degree={p.tp} "
+                f"pp_degree={p.pp}{dps}", key="tp_rank",
+                hint=f"tp ranks 0..{p.tp - 1}, pp stages 0..{p.pp - 1}"
+                     + (f", dp ranks 0..{p.dp - 1}" if p.dp > 1 else ""),
             )
-        return self.ranks[pp_stage * self.plan.tp + tp_rank]
+        return self.ranks[(pp_stage * p.dp + dp_rank) * p.tp + tp_rank]
+
+    def stage(self, pp_stage: int) -> list[RankLayout]:
+        """The ranks of one pipeline stage (every DP group's TP ranks), in rank order."""
+        n = self.plan.tp * self.plan.dp
+        return list(self.ranks[pp_stage * n : (pp_stage + 1) * n])
 
     def select(self, ranks: Iterable[int] = (), pairs: Iterable[tuple[int, int]] = ()) -> list[RankLayout]:
         """The ranks named by global rank or by (tp_rank, pp_stage), each once, in rank order;
@@ -274,46 +288,52 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
             return [0]
         return [last]  # model.norm.weight, lm_head.weight
 
-    # (shard tensor name, source name, shape, split, fused parts, owning TP rank or None: all)
+    # (shard tensor name, source name, shape, split, fused parts, owning EP rank or None: all)
     # for every tensor the shards hold. With expert parallelism a routed expert's tensors go
-    # whole to the one rank that holds the expert (Moe.owner), and nowhere else.
+    # whole to the one rank that holds the expert (Moe.owner over the stage's dp x tp ranks,
+    # EP rank dp_rank·tp + tp_rank), and nowhere else; every other tensor is cut by TP rank,
+    # the same in every DP group.
     moe = model.forward.moe
     place = plan.expert_parallel and moe is not None
+    n_ep = plan.tp * plan.dp
     entries = [(r.name, r.name, r.shape, EXPERT if place and r.expert is not None else r.split, r.parts,
-                moe.owner(r.expert, plan.tp) if place and moe is not None and r.expert is not None else None)
+                moe.owner(r.expert, n_ep) if place and moe is not None and r.expert is not None else None)
                for r in sorted(tensor_table(model).values(), key=lambda r: r.name)]
     if model.tie_word_embeddings and plan.pp > 1:
         entries.append(("lm_head.weight", "model.embed_tokens.weight",
                         (model.vocab_size, model.hidden_size), VOCAB, (), None))
 
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
-        (s, r): [] for s in range(plan.pp) for r in range(plan.tp)
+        (s, e): [] for s in range(plan.pp) for e in range(n_ep)
     }
     for name, source, shape, kind, parts, owner in entries:
         for s in stage_of(name):
-            for r in range(plan.tp) if owner is None else (owner,):
+            for e in range(n_ep) if owner is None else (owner,):
+                r = e % plan.tp
                 cut = _slice_for_rank(kind, shape, r, model, plan.tp, parts)
                 local = cut.pop("shape")
                 common = dict(name=name, source=source, split=kind, **cut)
                 if source in quantized and name == source:
-                    per_rank[s, r] += _weight_specs(common, qdtype, local, plan.dtype)
-                    per_rank[s, r].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
+                    per_rank[s, e] += _weight_specs(common, qdtype, local, plan.dtype)
+                    per_rank[s, e].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
                 else:
-                    per_rank[s, r].append(TensorSpec(dtype=base, shape=local, **common))
-    held = {r: tuple(e for e in range(moe.experts) if moe.owner(e, plan.tp) == r) if place and moe else ()
-            for r in range(plan.tp)}
+                    per_rank[s, e].append(TensorSpec(dtype=base, shape=local, **common))
+    held = {e: tuple(x for x in range(moe.experts) if moe.owner(x, n_ep) == e) if place and moe else ()
+            for e in range(n_ep)}
     ranks = []
     for s in range(plan.pp):
-        for r in range(plan.tp):
+        for e in range(n_ep):
+            d, r = divmod(e, plan.tp)
             ranks.append(
                 RankLayout(
                     tp_rank=r,
                     pp_stage=s,
-                    rank=s * plan.tp + r,
+                    rank=s * n_ep + e,
                     layers=stages[s],
-                    file=plan.shard_name(r, s),
-                    tensors=tuple(sorted(per_rank[s, r], key=lambda t: t.name)),
-                    experts=held[r],
+                    file=plan.shard_name(r, s, d),
+                    tensors=tuple(sorted(per_rank[s, e], key=lambda t: t.name)),
+                    experts=held[e],
+                    dp_rank=d,
                 )
             )
     return Layout(model, plan, tuple(stages), tuple(ranks), padded_vocab(model, plan.tp))

@@ -143,7 +143,7 @@ def check_names(manifest: Manifest, where: str) -> None:
                                      f"pull only manifests shardc wrote")
     plan = plan_from_dict(manifest.plan)
     for s in manifest.shards:
-        want = plan.shard_name(s.tp_rank, s.pp_stage)
+        want = plan.shard_name(s.tp_rank, s.pp_stage, s.dp_rank or 0)
         if s.file != want:
             raise ManifestError(f"{where} lists {s.file} for tp_rank={s.tp_rank} pp_stage={s.pp_stage}, "
                                 f"whose shard its plan names {want}",
@@ -278,5 +278,5 @@ def verify_pulled(manifest: Manifest, dest: Path, shards: list[ShardEntry],
     from ..verify.checks import verify_build
 
     layout = manifest.to_layout()
-    return verify_build(manifest, dest, [layout.rank(s.tp_rank, s.pp_stage) for s in shards],
+    return verify_build(manifest, dest, [layout.rank(s.tp_rank, s.pp_stage, s.dp_rank or 0) for s in shards],
                         hashed=digests)

@@ -110,6 +110,8 @@ def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: L
             continue
         if (entry.tp_rank, entry.pp_stage, entry.rank) != (rl.tp_rank, rl.pp_stage, rl.rank):
             problems.append(f"manifest entry {rl.file} has the wrong ranks")
+        if entry.dp_rank != (rl.dp_rank if layout.plan.dp > 1 else None):
+            problems.append(f"manifest entry {rl.file} has the wrong dp_rank")
         if entry.experts != rl.experts:
             problems.append(f"manifest entry {rl.file} holds experts {list(entry.experts)}, the plan places "
                             f"{list(rl.experts)} there")

@@ -26,9 +26,11 @@ _FULL = "run shardc verify for the full report"
 
 
 def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, pp_stage: int, *,
-               device: str = "cuda", directory: str | Path | None = None) -> dict[str, Any]:
+               device: str = "cuda", directory: str | Path | None = None, dp_rank: int = 0) -> dict[str, Any]:
     """One rank's tensors on ``device``, checked before any is returned.
 
+    ``dp_rank``: the attention data-parallel group, for plans with dp_degree > 1 (each group's
+    ranks hold their own routed experts).
     ``manifest``: a manifest dict, a manifest.json path or a build directory (the shards default to
     the manifest's directory; a dict needs ``directory``). ``device``: "cuda" is this process's GPU
     (cuda:LOCAL_RANK), "cuda:N" GPU N, or "cpu". Raises VerifyMismatch when the bytes, the header
@@ -40,23 +42,23 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     from .checks import check_manifest_against_layout
     from .devices import check_gpus, resolve_device
 
-    _check_arguments(tp_rank, pp_stage, device, directory)
+    _check_arguments(tp_rank, pp_stage, device, directory, dp_rank)
     manifest, directory = _manifest_and_directory(manifest, directory)
     manifest = typed(manifest)
     layout = manifest.to_layout()
     check_gpus(layout.plan.name, device, 1)
     dev = resolve_device(device)
     assert dev is not None
-    rl = layout.rank(tp_rank, pp_stage)
+    rl = layout.rank(tp_rank, pp_stage, dp_rank)
     problems = check_manifest_against_layout(manifest, layout)
     if problems:
         raise VerifyMismatch(problems[0], hint=_FULL)
     return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev))
 
 
-def _check_arguments(tp_rank: Any, pp_stage: Any, device: Any, directory: Any) -> None:
+def _check_arguments(tp_rank: Any, pp_stage: Any, device: Any, directory: Any, dp_rank: Any = 0) -> None:
     """Ranks are ints (not bools, floats or strings), ``device`` a string, ``directory`` a path."""
-    for key, value in (("tp_rank", tp_rank), ("pp_stage", pp_stage)):
+    for key, value in (("tp_rank", tp_rank), ("pp_stage", pp_stage), ("dp_rank", dp_rank)):
         if type(value) is not int:
             raise LayoutError(f"is {value!r} ({type(value).__name__}), expected an int", key=key,
                               hint="load_shard(manifest, tp_rank, pp_stage) takes the ranks as ints")
