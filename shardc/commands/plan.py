@@ -331,7 +331,7 @@ def write_plan(data: dict[str, Any], out_file: Path, result: Any, cand: Any) -> 
 
     assert cand.speed and cand.cost and cand.kv
     comment = (
-        f"# shardc plan: {result.model_name} on {cand.tp * (cand.pp or 1)} x {result.cluster.gpu.name}, "
+        f"# shardc plan: {result.model_name} on {cand.gpus} x {result.cluster.gpu.name}, "
         f"{cand.label}\n# {cand.speed.tokens_per_s:,.0f} tok/s per replica at {cand.speed.tpot_s * 1e3:.1f} ms TPOT "
         f"(batch {cand.speed.batch}), ${cand.cost.dollars_per_mtok:.2f}/Mtok, max model length "
         f"{cand.kv.max_model_len:,}\n"

@@ -64,6 +64,14 @@ class Candidate:
     speed: Speed | None = None
     cost: Cost | None = None
     meets_target: bool = False
+    ep: int = 1  # expert-parallel degree: > 1 is an EP unit (tp 1, dp = ep GPUs, experts spread over them)
+    dp: int = 1  # attention data-parallel groups (the plan's dp_degree)
+    ep_detail: Any = None  # ep.EpWeights of an EP unit: what --explain restates
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one replica: tp x pp x dp (every dp group holds its own KV)."""
+        return self.tp * (self.pp or 1) * self.dp
 
     @property
     def fits(self) -> bool:
@@ -79,14 +87,16 @@ class Candidate:
 
     @property
     def label(self) -> str:
+        if self.ep > 1:
+            return f"ep={self.ep} dp={self.dp} {self.dtype or '*'}"
         return f"tp={self.tp} pp={self.pp if self.pp else '*'} {self.dtype or '*'}"
 
     def to_json(self) -> dict[str, Any]:
         """Every figure of the candidate, plain JSON types."""
         out: dict[str, Any] = {
-            "tp": self.tp, "pp": self.pp, "dtype": self.dtype, "status": self.status,
-            "reasons": self.reasons, "skipped": self.skipped,
-            "gpus": self.tp * self.pp if self.pp else None,
+            "tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp, "dtype": self.dtype,
+            "status": self.status, "reasons": self.reasons, "skipped": self.skipped,
+            "gpus": self.gpus if self.pp else None,
             "kv_demand_bytes": self.kv.demand_bytes if self.kv is not None else None,
         }
         for name in ("memory", "kv", "speed", "cost"):
@@ -113,6 +123,14 @@ def kv_bpt(model: Any, layers: int, tp: int, kv_bytes: int) -> int:
     if isinstance(model, MlaModel):
         return mla_kv_bytes_per_token(layers, model.kv_lora_rank, model.qk_rope_head_dim, kv_bytes)
     return kv_bytes_per_token(layers, model.num_kv_heads, tp, model.head_dim, kv_bytes)
+
+
+def routing(model: Any) -> tuple[int, int]:
+    """(experts a token is routed to, routed experts per MoE layer); (0, 0) for a dense model."""
+    if isinstance(model, MlaModel):
+        return model.num_experts_per_tok, model.n_routed_experts
+    moe = model.forward.moe
+    return (moe.top_k, moe.experts) if moe is not None else (0, 0)
 
 
 def attn_flops(model: Any) -> int:
@@ -182,6 +200,16 @@ def _memory(s: Search, c: Candidate) -> None:
     c.kv = KvFigures(bpt, limiting.kv_budget, blocks, tokens, min(tokens, max(req, model.max_position_embeddings)),
                      sequences_at(blocks, w.context, w.block_size), req,
                      request_kv_bytes(bpt, req, w.block_size), need, bpt * need)
+    memory_reasons(s, c, stages, fullest, limiting, tokens, need, world)
+
+
+def memory_reasons(s: Search, c: Candidate, stages: list[GpuMemory], fullest: GpuMemory, limiting: GpuMemory,
+                   tokens: int, need: int, world: int, words: str | None = None,
+                   limit_always: bool = False) -> None:
+    """The memory rules, as reasons on ``c``: vLLM starts, the weights fit its budget, the pool holds
+    the demand (``need`` tokens per GPU), and with a measured pool no GPU above the memory limit."""
+    model, w, gpu = s.model, s.workload, s.cluster.gpu
+    inside = s.overheads.in_budget(world)
     g = GIB
     outside, headroom = s.overheads.outside(world), gpu.memory * (1 - w.gpu_memory_utilization)
     if w.kv_memory is None and outside > headroom:  # vLLM's start check, and room for the graph capture
@@ -199,12 +227,13 @@ def _memory(s: Search, c: Candidate) -> None:
         source = ("`kv_memory`" if w.kv_memory is not None else
                   f"the {w.cap / g:.2f} GiB cap" if w.cap <= m.kv_available else "what memory leaves")
         c.reasons.append(
-            f"KV demand {m.kv_demand / g:.2f} GiB per GPU ({demand_words(w, model.max_position_embeddings)}: "
+            f"KV demand {m.kv_demand / g:.2f} GiB per GPU ({words or demand_words(w, model.max_position_embeddings)}: "
             f"{need:,} tokens) > the {m.kv_budget / g:.2f} GiB KV pool ({source}; it holds {tokens:,})")
     # The budget (total x utilization) bounds the pool, and the headroom check above the rest; a
     # measured pool (`kv_memory`) bypasses the budget, so the planner's own limit bounds the card.
     worst = max(stages, key=lambda m: m.used_fraction)
-    if w.kv_memory is not None and worst.used_fraction > s.speed.max_memory_fraction and not c.reasons:
+    if (w.kv_memory is not None or limit_always) and worst.used_fraction > s.speed.max_memory_fraction \
+            and not c.reasons:
         c.reasons.append(f"GPU at {worst.used_fraction:.1%} of its memory "
                          f"(> {s.speed.max_memory_fraction:.0%}): no headroom")
 
@@ -225,7 +254,7 @@ def _speed(s: Search, c: Candidate) -> None:
             bpt = kv_bpt(model, layers, tp, w.kv_bytes)
             read = rw.read_bytes
             if rw.expert_bytes:  # MoE: a step reads the routed experts its tokens picked
-                share = experts_touched(b, model.num_experts_per_tok, model.n_routed_experts)
+                share = experts_touched(b, *routing(model))
                 read -= rw.expert_bytes * (1 - share)
             mem = (read + b * w.context * bpt) / hbm
             comp = b * (2 * rw.linear_params + layers * heads * attn * w.context) / flops

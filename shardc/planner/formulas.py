@@ -24,7 +24,14 @@ from typing import Any
 from ..errors import PlanError
 from ..spec.layout import build_layout, check_degrees, layer_of, stage_ranges
 from ..spec.model import ModelSpec
-from ..spec.plan import DEFAULT_IGNORE, DEFAULT_SHARD_PREFIX, QUANTIZED_DTYPES, Plan
+from ..spec.plan import (
+    DEFAULT_IGNORE,
+    DEFAULT_SHARD_PREFIX,
+    DP_SHARD_PREFIX,
+    QUANTIZED_DTYPES,
+    Plan,
+)
+from ..spec.tensors import tensor_table
 from .gpus import GIB, Cluster
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
@@ -225,6 +232,14 @@ def ring_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) ->
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
+def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """One all-to-all (an EP dispatch or combine): each GPU sends (n-1)/n of its ``nbytes`` to the
+    others over its own link, plus (n-1) x latency for the peer exchanges; free for n = 1."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
 def gpipe_bubble(p: int, m: int) -> float:
     """Idle share of a GPipe schedule with p stages and m micro-batches: (p-1)/(m+p-1)."""
     return (p - 1) / (m + p - 1)
@@ -306,14 +321,15 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
     """
     check_degrees(model, plan)
     counts = [b - a for a, b in stage_ranges(model, plan)]
-    probe = build_layout(
-        dataclasses.replace(model, num_layers=plan.pp), dataclasses.replace(plan, pp_layers=(1,) * plan.pp)
-    )
+    probe_model = dataclasses.replace(model, num_layers=plan.pp)
+    probe = build_layout(probe_model, dataclasses.replace(plan, pp_layers=(1,) * plan.pp))
+    # routed experts (MoE families): a decode step reads only the experts its tokens are routed to
+    routed = {n for n, r in tensor_table(probe_model).items() if r.expert is not None} if model.forward.moe else set()
     real = stage_ranges(model, plan)
     out = []
     for rl in probe.ranks:
         n = counts[rl.pp_stage]
-        totals = {"nbytes": 0, "read": 0, "linear": 0}
+        totals = {"nbytes": 0, "read": 0, "linear": 0, "expert": 0}
         kv_heads = 0
         for t in rl.tensors:
             mult = n if layer_of(t.name) is not None else 1
@@ -321,6 +337,7 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
             streamed = not embed or (model.tie_word_embeddings and plan.pp == 1)  # tied: also lm_head
             totals["nbytes"] += mult * t.nbytes
             totals["read"] += mult * t.nbytes if streamed else 0
+            totals["expert"] += mult * t.nbytes if t.source in routed else 0
             if streamed and len(t.shape) == 2 and t.scale_of is None:  # packed: values, not words
                 totals["linear"] += mult * math.prod(t.shape) * (t.pack or 1)
             if t.name.endswith("self_attn.k_proj.weight"):
@@ -328,7 +345,7 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
         kv_heads = kv_heads or max(1, model.num_kv_heads // plan.tp)  # k stored fused (Phi-3)
         out.append(
             RankWeights(rl.tp_rank, rl.pp_stage, real[rl.pp_stage], totals["nbytes"], totals["read"],
-                        totals["linear"], kv_heads)
+                        totals["linear"], kv_heads, totals["expert"])
         )
     return out
 
@@ -336,25 +353,31 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
 # --- plans ------------------------------------------------------------------------------------
 
 
-def plan_name(model_name: str, tp: int, pp: int, dtype: str) -> str:
+def plan_name(model_name: str, tp: int, pp: int, dtype: str, ep: int = 1) -> str:
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-._")[:96] or "model"
-    return f"{slug}-tp{tp}pp{pp}-{dtype}"
+    return f"{slug}-ep{ep}-{dtype}" if ep > 1 else f"{slug}-tp{tp}pp{pp}-{dtype}"
 
 
 def plan_dict(
     name: str, source: str, tp: int, pp: int, dtype: str, *, kv_cache_cap_gib: float | None = None,
-    max_concurrent_sequences: int | None = None,
+    max_concurrent_sequences: int | None = None, dp: int = 1,
 ) -> dict[str, Any]:
-    """A plan file's content (the schema of spec/plan.py), ready for ``plan_from_dict``/YAML."""
+    """A plan file's content (the schema of spec/plan.py), ready for ``plan_from_dict``/YAML.
+
+    ``dp`` > 1: an expert-parallel plan (``expert_parallel: true``, ``dp_degree: dp``; the EP group
+    is the dp x tp ranks of a stage), with the shard names that carry ``{dp_rank}``."""
     rg: dict[str, Any] = {
-        "name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * pp,
+        "name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * pp * dp,
         "nvlink_domain": "node-local",
     }
+    if dp > 1:
+        rg["dp_degree"] = dp
+        rg["expert_parallel"] = True
     if kv_cache_cap_gib:
         rg["kv_cache_cap_gb"] = int(kv_cache_cap_gib) if kv_cache_cap_gib == int(kv_cache_cap_gib) else kv_cache_cap_gib
     if max_concurrent_sequences:
         rg["max_concurrent_sequences"] = max_concurrent_sequences
-    rg["checkpoint"] = {"shard_prefix": DEFAULT_SHARD_PREFIX}
+    rg["checkpoint"] = {"shard_prefix": DEFAULT_SHARD_PREFIX if dp == 1 else DP_SHARD_PREFIX}
     out: dict[str, Any] = {"replica_group": rg, "model": {"source": source}}
     if dtype in QUANTIZED_DTYPES:
         out["quantization"] = {"ignore": list(DEFAULT_IGNORE)}

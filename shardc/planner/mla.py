@@ -213,6 +213,11 @@ def mla_rank_weights(model: MlaModel, tp: int, pp: int, dtype: str, ranges: list
     return out
 
 
+def routed_expert_elems(model: MlaModel) -> int:
+    """Matmul elements of one routed expert (gate, up, down of moe_intermediate_size), one layer."""
+    return _bytes(_mlp(model.hidden_size, model.moe_intermediate_size), 1, False)[1]
+
+
 def mla_param_count(model: MlaModel) -> int:
     """Parameters of the checkpoint (no multi-token-prediction head), from the same matrices."""
     attn, norms = _attention(model)

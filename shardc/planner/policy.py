@@ -72,6 +72,8 @@ class FitTrail:
     valid_tps: list[int]
     outside: int = 0  # the CUDA context and graphs: in vLLM's headroom, outside its budget
     headroom: float = 0.0  # memory x (1 - utilization): where they must fit for vLLM to start
+    # MoE: the EP ladder walked before the dense path: (label, weights per GPU, in use per GPU, verdict)
+    ep_ladder: list[tuple[str, int, float, str]] = field(default_factory=list)
     steps: list[tuple[str, str]] = field(default_factory=list)  # (label, verdict)
     chosen: str | None = None
     rejected: list[tuple[str, str]] = field(default_factory=list)  # smaller units and why they are out
@@ -104,7 +106,8 @@ def _fit(s: Search) -> Candidate | None:
     w = s.workload
     need = w.target_set
     for d in sorted(s.dtypes, key=DTYPE_ORDER.index):
-        mine = {(c.tp, c.pp): c for c in s.candidates if c.dtype == d and c.pp is not None}
+        mine = {(c.tp, c.pp): c for c in s.candidates if c.dtype == d and c.pp is not None and c.ep == 1}
+        ladder = sorted((c for c in s.candidates if c.dtype == d and c.ep > 1), key=lambda c: c.ep)
         trail = s.fit_trail(d)
         s.trails.append(trail)
         _rejected(trail, mine.values())
@@ -115,6 +118,16 @@ def _fit(s: Search) -> Candidate | None:
         if trail.minimum is None:
             trail.steps.append(("*", "the replicated part alone fills a card: no unit fits"))
             continue
+        one = mine.get((1, 1))
+        if ladder and not (trail.minimum == 1 and one is not None and one.fits):  # one card beats EP
+            for c in ladder:
+                verdict = _verdict(c, need, w.target_ms)
+                mem = c.memory
+                trail.ep_ladder.append((c.label, mem.weights if mem else 0, mem.used if mem else 0.0, verdict))
+                if c.fits and not c.skipped and (c.meets_target or not need):
+                    trail.chosen = c.label
+                    _rejected(trail, mine.values(), c.gpus)
+                    return c
         tps = sorted(tp for tp, pp in mine if pp == 1)
         for tp in (t for t in tps if t >= trail.minimum):
             c = mine[tp, 1]
@@ -154,7 +167,7 @@ def _why_not(trail: FitTrail, c: Candidate) -> str:
 
 
 def _fastest(cands: list[Candidate]) -> Candidate | None:
-    return min(cands, key=lambda c: (c.speed.tpot1_s, c.tp * (c.pp or 1), _dtype_rank(c)), default=None)
+    return min(cands, key=lambda c: (c.speed.tpot1_s, c.gpus, _dtype_rank(c)), default=None)
 
 
 def recommend(s: Search) -> None:
@@ -183,6 +196,6 @@ def recommend(s: Search) -> None:
             f"{rec.label} misses the default {DEFAULT_TPOT_MS:g} ms TPOT target ({rec.speed.tpot1_s * 1e3:.1f} ms "
             f"at batch 1, costed at batch 1); recommended anyway as {OBJECTIVE_WORDS[s.objective]}, since no "
             "`target_tpot_ms` was given")
-    cards, tpot1 = rec.tp * (rec.pp or 1), rec.speed.tpot1_s
+    cards, tpot1 = rec.gpus, rec.speed.tpot1_s
     s.alternative = _fastest([c for c in fitting if c.pp == 1 and c.dtype == rec.dtype and c.tp > cards
                               and c.speed.tpot1_s < tpot1])  # more GPUs are only worth naming when faster

@@ -7,7 +7,8 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 
 from __future__ import annotations
 
-from .candidate import Candidate, attn_flops, kv_bpt
+from .candidate import Candidate, attn_flops, kv_bpt, routing
+from .ep import ep_demand_words, ep_slot, linear_block
 from .formulas import demand_tokens, demand_words
 from .gpus import GB, GIB
 from .mla import MlaModel, experts_touched
@@ -47,8 +48,8 @@ def header(s: Search) -> list[str]:
     budget = f"`kv_memory` {gib(w.kv_memory)}" if w.kv_memory is not None else f"utilization {w.gpu_memory_utilization:g}"
     attn = (f"MLA latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}" if isinstance(m, MlaModel) else
             f"{m.num_kv_heads} KV heads x {m.head_dim}")
-    moe = (f", {m.n_routed_experts} routed experts (top {m.num_experts_per_tok})"
-           if isinstance(m, MlaModel) and m.n_routed_experts else "")
+    k, experts = routing(m)
+    moe = f", {experts} routed experts (top {k})" if experts else ""
     extras = ([f"{w.lora_adapters} LoRA adapters of rank {w.lora_rank}"] if w.lora_adapters else []) + (
         [f"draft model {s.draft_params / 1e9:.2f} B parameters"] if s.draft_params else [])
     out = [
@@ -84,7 +85,7 @@ def table(s: Search) -> list[str]:
         assert c.memory and c.kv and c.speed and c.cost
         mark = "*" if c is s.recommended else "+" if c is s.alternative else "!" if not c.meets_target else " "
         out.append(
-            f"{mark} {c.label:<17}{c.tp * (c.pp or 1):>5}{c.memory.weights / GIB:>6.2f} GiB"
+            f"{mark} {c.label:<17}{c.gpus:>5}{c.memory.weights / GIB:>6.2f} GiB"
             f"{c.kv.demand_bytes / GIB:>11.2f}/{c.kv.budget / GIB:<6.2f}{c.kv.bytes_per_token:>9,}{c.kv.max_model_len:>9,}{c.kv.sequences:>6,}{c.speed.batch:>6,}"
             f"{c.speed.tpot_s * 1e3:>7.1f}ms{c.speed.tokens_per_s:>8,.0f}{c.cost.dollars_per_mtok:>8.2f}  "
             f"{memory_bar(c)}"
@@ -94,6 +95,9 @@ def table(s: Search) -> list[str]:
     out += ["  KV need/pool: the demand's KV per GPU / the pool the unit allocates (vLLM's budget, at most "
             "the cap)", "  " + BAR_LEGEND,
             "  * recommended   + fastest alternative   ! misses the TPOT target (shown at batch 1)"]
+    if any(c.ep > 1 for c in s.candidates):
+        out.append("  ep=N dp=N: expert parallel on N GPUs (plan: dp_degree N, tp_degree 1, expert_parallel): each "
+                   "holds the non-expert weights whole and 1/N of the experts, and the KV of 1/N of the requests")
     bad = [c for c in s.candidates if c.reasons]
     if bad:
         out += ["", "not feasible:"] + [f"  {c.label:<17}{c.reasons[0]}" for c in bad]
@@ -134,7 +138,7 @@ def no_alternative(s: Search) -> str:
     """Why no alternative is named: none with more GPUs fits, or none of them is faster than the pick."""
     c = s.recommended
     assert c is not None and c.speed is not None
-    cards = c.tp * (c.pp or 1)
+    cards = c.gpus
     more = [x for x in s.candidates if x.fits and not x.skipped and x.pp == 1 and x.dtype == c.dtype
             and x.tp > cards]
     if not more:
@@ -147,12 +151,14 @@ def explain(s: Search, c: Candidate) -> list[str]:
     """The arithmetic for one candidate, line by line, with the numbers substituted."""
     m, g = s.model, s.cluster.gpu
     assert c.pp is not None and c.memory is not None and c.kv is not None
-    tp, pp, mem = c.tp, c.pp, c.memory
+    tp, mem = c.tp, c.memory
     kvh = max(1, m.num_kv_heads // tp)
     stage_w = [r for r in c.weights if r.pp_stage == mem.stage][0]
     layers = stage_w.layers[1] - stage_w.layers[0]
-    o: list[str] = [f"== {s.model_name} as {c.label} on {tp * pp} x {g.name} =="]
-    if isinstance(m, MlaModel):
+    o: list[str] = [f"== {s.model_name} as {c.label} on {c.gpus} x {g.name} =="]
+    if c.ep > 1:
+        o += _explain_ep(s, c)
+    elif isinstance(m, MlaModel):
         o += _explain_mla(s, c, layers)
     else:
         o += _explain_llama(s, c, layers, kvh)
@@ -160,7 +166,7 @@ def explain(s: Search, c: Candidate) -> list[str]:
     if c.reasons:
         o += ["", f"Verdict: infeasible: {'; '.join(c.reasons)}"]
         return o
-    o += _explain_speed(s, c) + _explain_choice(s, c)
+    o += (_explain_ep_speed(s, c) if c.ep > 1 else _explain_speed(s, c)) + _explain_choice(s, c)
     return o
 
 
@@ -182,6 +188,62 @@ def _explain_mla(s: Search, c: Candidate, layers: int) -> list[str]:
             f"{w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
             f"  one {c.kv.request_len:,}-token request: {c.kv.bytes_per_token:,} B x ceil({c.kv.request_len:,} / "
             f"{w.block_size}) x {w.block_size} = {c.kv.request_bytes:,} B = {gib(c.kv.request_bytes)}"]
+
+
+def _explain_ep(s: Search, c: Candidate) -> list[str]:
+    m, w, mem, kv, ew, n = s.model, s.workload, c.memory, c.kv, c.ep_detail, c.ep
+    assert mem is not None and kv is not None and ew is not None
+    held = linear_block(ew.experts, n, 0)
+    each = ew.expert_bytes[0]
+    o = ["", f"Expert parallelism: {n} GPUs, plan dp_degree {n}, tp_degree 1, expert_parallel "
+         f"({'advisory: MLA is not buildable yet' if s.advisory else 'the experts placed whole'}):",
+         f"  non-expert weights (attention, norms, router, shared/dense MLPs, embeddings), whole on every GPU: "
+         f"{gib(ew.base_bytes)}",
+         f"  routed experts: {ew.experts} per MoE layer x {ew.moe_layers} MoE layers, one expert "
+         f"{gib(each)} over its layers; vLLM's linear placement gives rank 0 experts {held.start}-{held.stop - 1} "
+         f"(ceil({ew.experts} / {n}) = {len(held)}, the largest share)",
+         f"  per GPU = {gib(ew.base_bytes)} + {len(held)} x {gib(each)} = {mem.weights:,} B = {gib(mem.weights)}",
+         "", "KV cache per token per GPU (split by request, not by head: every KV head of every layer"
+         + (", the MLA latent" if isinstance(m, MlaModel) else "") + "):",
+         f"  {kv.bytes_per_token:,} B; demand on each GPU: "
+         f"{ep_demand_words(w, m.max_position_embeddings, n)} ({kv.demand_tokens:,} tokens)",
+         f"  one {kv.request_len:,}-token request: {kv.bytes_per_token:,} B x ceil({kv.request_len:,} / "
+         f"{w.block_size}) x {w.block_size} = {kv.request_bytes:,} B = {gib(kv.request_bytes)} (one stream's KV "
+         "never splits)"]
+    return o
+
+
+def _explain_ep_speed(s: Search, c: Candidate) -> list[str]:
+    m, g, w, sp, v, ew, n = s.model, s.cluster.gpu, s.workload, s.speed, c.speed, c.ep_detail, c.ep
+    assert v is not None and c.cost is not None and ew is not None
+    rw = max(c.weights, key=lambda r: r.nbytes)
+    held = len(linear_block(ew.experts, n, 0))
+    share = experts_touched(v.batch, ew.top_k, ew.experts)
+    local = -(-v.batch // n)
+    link = g.link
+    t1 = ep_slot(s, c, 1)[0]
+    k = c.cost
+    return ["", f"Decode step (roofline, approximate), batch {v.batch} over {n} GPUs ({local} streams on the "
+            f"fullest) at {w.context:,} tokens of context:",
+            f"  HBM: (non-expert {gib(rw.read_bytes - rw.expert_bytes)} + own experts {gib(rw.expert_bytes)} x "
+            f"1-(1-{ew.top_k}/{ew.experts})^{v.batch} = {share:.0%} read + KV {local} x {w.context:,} x "
+            f"{c.kv.bytes_per_token:,} B) / ({g.hbm_bandwidth / GB:,.0f} GB/s x {sp.hbm_efficiency:g}) = "
+            f"{v.memory_s * 1e3:.2f} ms",
+            f"  compute: {local} streams x (2 x {ew.base_linear:,} + attention) + {v.batch} x {ew.top_k} x "
+            f"{held}/{ew.experts} routed tokens x 2 x {ew.expert_linear:,} FLOP / "
+            f"({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) = {v.compute_s * 1e3:.2f} ms",
+            f"  all-to-all: 2 (dispatch, combine) x {ew.moe_layers} MoE layers x [({n}-1)/{n} x {local} x "
+            f"{ew.top_k} x {m.hidden_size:,} x 2 B / ({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + "
+            f"({n}-1) x {link.latency * 1e6:g} us] = {v.allreduce_s * 1e3:.2f} ms ({link.name})",
+            f"  TPOT = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} = {v.tpot_s * 1e3:.2f} ms "
+            f"(batch 1: {t1 * 1e3:.2f} ms); not modelled: expert load imbalance, dispatch kernels, DP ranks "
+            "waiting for each other",
+            "", "Throughput and cost:",
+            f"  tokens/s per replica = {v.batch} / {v.tpot_s * 1e3:.2f} ms = {v.tokens_per_s:,.0f}",
+            f"  $/Mtok = {n} GPUs x ${w.price_per_gpu_hour:.2f}/h x 1e6 / ({v.tokens_per_s:,.0f} tok/s x 3,600 s/h)"
+            f" = ${k.dollars_per_mtok:.3f}  ({k.gpu_hours_per_mtok:.3f} GPU-hours per Mtok)",
+            f"  replicas per node = {s.cluster.gpus_per_node} // {n} = {k.replicas_per_node}; in this cluster: "
+            f"{k.replicas_in_cluster}"]
 
 
 def _explain_llama(s: Search, c: Candidate, layers: int, kvh: int) -> list[str]:
@@ -244,7 +306,7 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
              + f"{mem.overhead / GIB:.2f} + {max(mem.kv_budget, 0) / GIB:.2f} = "
              f"{gib(mem.used)} = {mem.used_fraction:.1%} of {gib(g.memory)} "
              + (f"(limit {sp.max_memory_fraction:.0%}: a measured pool bypasses vLLM's budget)" if w.kv_memory is not None
-                else f"(CUDA context and graphs {s.overheads.outside(c.tp * c.pp) / GIB:.2f} GiB in the "
+                else f"(CUDA context and graphs {s.overheads.outside(c.gpus) / GIB:.2f} GiB in the "
                 f"{g.memory * (1 - w.gpu_memory_utilization) / GIB:.2f} GiB headroom: vLLM starts when they fit)"))
     o += ["", "KV capacity (vLLM's block rounding):",
           f"  blocks = floor({gib(kv.budget)} / ({w.block_size} x {kv.bytes_per_token:,} B)) = {kv.blocks:,}"
@@ -280,11 +342,11 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     b = v.batch / v.microbatches
     bpt = kv_bpt(m, layers, tp, w.kv_bytes)
     read, routed = rw.read_bytes, ""
-    if rw.expert_bytes and isinstance(m, MlaModel):
-        share = experts_touched(b, m.num_experts_per_tok, m.n_routed_experts)
+    if rw.expert_bytes:
+        k, experts = routing(m)
+        share = experts_touched(b, k, experts)
         read -= rw.expert_bytes * (1 - share)
-        routed = (f" (routed experts {gib(rw.expert_bytes)} x 1-(1-{m.num_experts_per_tok}/{m.n_routed_experts})"
-                  f"^{b:g} = {share:.0%} read)")
+        routed = f" (routed experts {gib(rw.expert_bytes)} x 1-(1-{k}/{experts})^{b:g} = {share:.0%} read)"
     attn = (f"{attn_flops(m)} x {layers} layers x {m.num_heads // tp} heads" if isinstance(m, MlaModel) else
             f"4 x {layers} layers x {m.num_heads // tp} heads x {m.head_dim}")
     link = g.link
@@ -398,6 +460,12 @@ def _explain_fit(s: Search) -> list[str]:
                         f"no -> minimum = ceil({t.sharded / GIB:.2f} / {t.room / GIB:.2f}) = {t.minimum} GPUs"))
             o.append(f"    valid TP (divides the heads, <= the fabric limit {t.tp_limit}): "
                      f"{', '.join(map(str, t.valid_tps)) or 'none'}")
+        if t.ep_ladder:
+            o.append(f"    EP ladder (powers of two up to min({routing(s.model)[1]} experts, the "
+                     f"{s.cluster.tp_limit}-GPU EP domain of the fabric); the smallest that fits within "
+                     f"{s.speed.max_memory_fraction:.0%} wins, else the dense TP/PP path):")
+            o += [f"      {label}: weights {gib(wb)} per GPU, in use {gib(used)}: {verdict}"
+                  for label, wb, used, verdict in t.ep_ladder]
         o += [f"    {label}: {verdict}" for label, verdict in t.steps]
         o += [f"    rejected {label}: {why}" for label, why in t.rejected if label not in dict(t.steps)]
         o.append(f"    -> {t.chosen}" if t.chosen else "    -> no unit of this dtype")

@@ -22,7 +22,8 @@ from ..errors import LayoutError, PlanError
 from ..spec.layout import MAX_TP_HINT, check_degrees, valid_tp_degrees
 from ..spec.model import ModelSpec
 from ..spec.plan import DTYPES, plan_from_dict
-from .candidate import Candidate, evaluate, kv_bpt, lora_bytes
+from .candidate import Candidate, evaluate, kv_bpt, lora_bytes, routing
+from .ep import ep_degrees, evaluate_ep, weights_for
 from .formulas import (
     Overheads,
     SpeedParams,
@@ -90,7 +91,7 @@ class Search:
             )
         tried = [c for c in self.candidates if c.memory is not None]
         if tried:
-            near = max(tried, key=lambda c: (c.memory.kv_available, -c.tp * (c.pp or 1)))
+            near = max(tried, key=lambda c: (c.memory.kv_available, -c.gpus))
             detail = f"closest is {near.label}: {near.reasons[0]}"
         else:
             near = self.candidates[0] if self.candidates else None
@@ -130,9 +131,9 @@ class Search:
             raise PlanError(f"no plan file: {self.advisory}", key="model",
                             hint="shardc build compiles the families in the README's Supported models table")
         data = plan_dict(
-            plan_name(self.model_name, cand.tp, cand.pp, cand.dtype), source or self.source, cand.tp,
+            plan_name(self.model_name, cand.tp, cand.pp, cand.dtype, cand.ep), source or self.source, cand.tp,
             cand.pp, cand.dtype, kv_cache_cap_gib=round(self.workload.cap / GIB, 2),
-            max_concurrent_sequences=cand.speed.batch,
+            max_concurrent_sequences=cand.speed.batch, dp=cand.dp,
         )
         plan_from_dict(data)
         return data
@@ -271,6 +272,11 @@ def search(
                                               f"{domain}"))
             else:
                 s.candidates.append(evaluate(s, tp, pp, d))
+    # MoE: the EP ladder (ep.py) beside the dense units; `tp`/`pp` restrict the search to dense units
+    if routing(model)[1] and not tps and not pps:
+        for d in dts:
+            ew = weights_for(s, d)
+            s.candidates += [evaluate_ep(s, n, d, ew) for n in ep_degrees(s)]
     recommend(s)
     return s
 
