@@ -218,3 +218,80 @@ def test_replicas_that_differ_are_named_in_one_line(work, tmp_path, dtype, tenso
         f"tensor {tensor} of model-tp05-pp00.safetensors differs from its replica in model-tp04-pp00.safetensors "
         f"({what}) (hint: the input build's replicas must be identical; it was not written by shardc build)")
     assert not out.exists()
+
+
+# --- round 3: check_dtypes, _check_records, BuildSource.__init__ --------------------------------
+
+def _layout_for(build_dir: Path, p):
+    """The output Layout of plan ``p`` over the input build's model, as reshard makes it."""
+    return build_layout(model_from_config(json.loads((build_dir / "manifest.json").read_text())["model"]["config"]), p)
+
+
+def test_a_manifest_listing_a_shard_its_plan_lacks_is_refused(work):
+    """The manifest reader refuses a shard count other than tp x pp, so no file reaches this; a
+    Manifest handed to BuildSource in memory with one entry too many is refused all the same."""
+    import dataclasses
+
+    inp = open_local_input(work["a"])
+    try:
+        extra = dataclasses.replace(inp.manifest.shards[0], file="model-tp07-pp07.safetensors")
+        inp.manifest.shards.append(extra)
+        with pytest.raises(ManifestError) as exc:
+            BuildSource(inp, _layout_for(work["a"], plan(work["ckpt"], 1, 2)))
+        assert exc.value.one_line() == f"the input manifest lists shards its plan does not have (hint: {EDITED})"
+    finally:
+        inp.close()
+
+
+def test_build_source_refuses_a_lossy_plan_unless_asked(work):
+    """``dequantize`` is off unless the caller says so: an int8 build read for a bf16 layout is
+    refused as reshard refuses it; with ``dequantize=True`` the int8 weights are the ones dequantized."""
+    layout = _layout_for(work["int8"], plan(work["ckpt"], 1, 1, "bf16"))
+    inp = open_local_input(work["int8"])
+    try:
+        with pytest.raises(PlanError) as exc:
+            BuildSource(inp, layout)
+        assert exc.value.key == "replica_group.dtype"
+        assert exc.value.message.startswith("the input build holds model.layers.0.mlp.down_proj.weight as int8")
+        src = BuildSource(inp, layout, dequantize=True)
+        projs = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+        assert src.dequantized == {f"model.layers.{i}.{p}.weight" for i in range(4) for p in projs}
+    finally:
+        inp.close()
+
+
+def _tensor_span(path: Path, name: str) -> tuple[int, int]:
+    """Absolute [begin, end) of tensor ``name``'s bytes (the test's own parse of the header)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    begin, end = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + begin, 8 + n + end
+
+
+def test_a_nan_payload_survives_reshard_and_the_deep_reference(tmp_path):
+    """A 16-bit plan copies weights as they are, NaN payloads included (a signaling NaN, bf16
+    0x7F81, planted in the checkpoint here). Resharded from two ranks to one, the tensor is the
+    checkpoint's bytes exactly, and verify --deep against the input build (whose ranks its
+    reference puts together again) passes: no float conversion on either way (one through float64
+    turns 0x7F81 into 0x7FC0)."""
+    from shardc.formats.manifest import read
+    from shardc.verify.checks import verify_build
+
+    ckpt = write_checkpoint(tmp_path / "ck", llama_config(**GQA), seed=0)
+    (src_file,) = ckpt.glob("*.safetensors")
+    name = "model.layers.1.self_attn.q_proj.weight"  # split by rows at tp 2
+    begin, end = _tensor_span(src_file, name)
+    raw = bytearray(src_file.read_bytes())
+    raw[begin + 2 * 70 : begin + 2 * 71] = b"\x81\x7f"  # element 70 (row 1): rank 0's piece
+    src_file.write_bytes(bytes(raw))
+    want = bytes(raw[begin:end])
+
+    a = build(plan(ckpt, 2, 1), tmp_path / "a").out_dir
+    out = reshard(open_local_input(a), plan(ckpt, 1, 1), tmp_path / "r").out_dir
+    shard = out / "model-tp00-pp00.safetensors"
+    b, e = _tensor_span(shard, name)
+    assert shard.read_bytes()[b:e] == want
+    report = verify_build(read(out / "manifest.json"), out, deep=str(a))
+    assert report["ok"] and report["problems"] == []
+    assert all(r["ok"] and "deep" in r["checks"] for r in report["ranks"])
