@@ -176,8 +176,8 @@ def _digests(d: Path) -> dict[str, str]:
 
 @pytest.mark.heavy
 def test_manifest_inspect_verify_reshard_export(moe, tmp_path):
-    """The manifest records each rank's experts (and DP group) and inspect shows them; an int8 EP
-    build and a dp3 x pp2 build verify --deep; reshard of EP and DP builds to a TP tp2 plan gives a
+    """The manifest records each rank's experts (and DP group) and inspect shows them; int8 and fp8
+    EP builds and a dp3 x pp2 build verify --deep; reshard of EP and DP builds to a TP tp2 plan gives a
     direct tp2 build's bytes; export of them is a checkpoint with the source's per-expert tensors
     and transformers logits bit for bit."""
     _, srcs, get = moe
@@ -186,8 +186,9 @@ def test_manifest_inspect_verify_reshard_export(moe, tmp_path):
     assert [shards[f"model-tp0{r}-pp00.safetensors"].get("experts") for r in range(4)] == [[0, 1], [2, 3], [4], [5]]
     r = _cli("inspect", str(ep))
     assert r.returncode == 0 and "experts 0-1" in r.stdout and "experts 5" in r.stdout, r.stdout
-    r = _cli("verify", "--manifest", str(get("mixtral", 4, True, "int8")), "--deep", str(srcs["mixtral"]))
-    assert r.returncode == 0, r.stdout + r.stderr
+    for name, dtype in (("mixtral", "int8"), ("qwen3_moe", "fp8")):
+        r = _cli("verify", "--manifest", str(get(name, 4, True, dtype)), "--deep", str(srcs[name]))
+        assert r.returncode == 0, r.stdout + r.stderr
     dp = get("qwen3_moe", 1, True, dp=3, pp=2)
     shards = json.loads(dp.read_text())["shards"]
     assert {f: (e["dp_rank"], e.get("experts")) for f, e in shards.items()} == {

@@ -231,11 +231,8 @@ def test_out_writes_an_ep_plan(tmp_path):
 
 
 def test_out_ep_plan_passes_build_dry_run(tmp_path):
-    """`shardc build --dry-run` accepts the EP plan and lays out 4 ranks, each with the planner's bytes.
-
-    NOTE: this needs the Layout's dp_degree support (spec/layout.py: the EP group is dp x tp ranks
-    of a stage), which is being written on another branch; until it lands the dry run lays out one
-    rank per tp (1 here) and this test FAILS on the rank count. It is not skipped on purpose."""
+    """`shardc build --dry-run` accepts the EP plan and lays out 4 ranks (dp_degree 4: the EP group is
+    the stage's dp x tp ranks), each with the bytes the planner counted."""
     out = tmp_path / "mixtral.yaml"
     r = _run("--model", "mixtral-8x7b", "--gpu", "a100-40gb", "--dtype", "bf16", "--out", str(out))
     assert r.exit_code == 0, r.output
@@ -243,5 +240,5 @@ def test_out_ep_plan_passes_build_dry_run(tmp_path):
                         "mixtral-8x7b", "--json"], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     ranks = json.loads(p.stdout)["ranks"]
-    assert len(ranks) == 4, "the Layout does not place dp_degree > 1 yet"
+    assert len(ranks) == 4
     assert sorted(r["bytes"] for r in ranks) == [NON_EXPERT + 2 * EXPERT] * 4
