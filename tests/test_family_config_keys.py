@@ -21,10 +21,11 @@ from shardc.spec.model import model_from_config  # noqa: E402
 # Keys that do not change inference: training-only, generation defaults, or token ids the
 # tokenizer side owns. pretraining_tp: transformers 5's Llama no longer reads it. Phi-3's
 # original_max_position_embeddings: read only by longrope, which run and gate refuse. The routers'
-# jitter noise and auxiliary loss act in training only.
+# jitter noise and auxiliary loss act in training only. DeepSeek-V3's multi-token-prediction layers
+# (num_mtp_layers) serve speculative decoding only: the model's forward skips them.
 NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "pad_token_id", "bos_token_id",
             "eos_token_id", "pretraining_tp", "resid_pdrop", "embd_pdrop", "original_max_position_embeddings",
-            "router_jitter_noise", "output_router_logits", "router_aux_loss_coef"}
+            "router_jitter_noise", "output_router_logits", "router_aux_loss_coef", "num_mtp_layers"}
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
 # a key whose effect transformers writes into another one on save: tested with that one absent
@@ -47,12 +48,16 @@ FAMILIES = {
                                                "decoder_sparse_step": 1, "mlp_only_layers": [3]}),
     "Qwen3MoeConfig": ("Qwen3MoeForCausalLM", {"use_sliding_window": True, "sliding_window": 8,
                                                "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [3]}),
+    "DeepseekV3Config": ("DeepseekV3ForCausalLM", {
+        "num_key_value_heads": 4, "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 8, "moe_intermediate_size": 16}),
 }
 
 
 def _config(cls_name: str) -> dict:
     arch, extra = FAMILIES[cls_name]
-    cfg = getattr(transformers, cls_name)(**SHAPE, **extra).to_dict()
+    cfg = getattr(transformers, cls_name)(**{**SHAPE, **extra}).to_dict()
     cfg["architectures"] = [arch]
     return cfg
 

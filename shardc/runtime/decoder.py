@@ -51,6 +51,7 @@ class MoeWeights:
     experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     shared_gate: torch.Tensor | None = None
+    score_bias: torch.Tensor | None = None  # e_score_correction_bias (DeepSeek-V3), the choice only
 
 
 @dataclass
@@ -60,9 +61,9 @@ class LayerWeights:
     index: int
     ln1: torch.Tensor
     ln2: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    q: torch.Tensor  # MLA: q_b_proj (or q_proj), this rank's heads
+    k: torch.Tensor | None  # None with MLA: ``mla`` holds the latent projections
+    v: torch.Tensor | None
     o: torch.Tensor
     gate: torch.Tensor | None  # None on a sparse layer: ``moe`` holds its MLP
     up: torch.Tensor | None
@@ -71,6 +72,9 @@ class LayerWeights:
     # q_norm, k_norm (per head); post_attn, post_ffw (sandwich norms; ln2 is then the pre-MLP norm)
     norms: dict[str, torch.Tensor] = field(default_factory=dict)
     moe: MoeWeights | None = None
+    # MLA (Forward.mla): q_a, q_a_norm (when q_lora_rank), kv_a, kv_a_norm (replicated), kv_b (this
+    # rank's heads)
+    mla: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,6 +98,7 @@ class Dims:
     head_dim: int
     vocab: int  # true vocabulary (logits beyond it are padding and dropped)
     eps: float
+    latent: tuple[int, int] | None = None  # MLA: the cache holds (kv_lora_rank, qk_rope_head_dim) per token
 
 
 def rope_inv_freq(model: dict[str, Any]) -> tuple[torch.Tensor, float]:
@@ -118,11 +123,45 @@ def rope_inv_freq(model: dict[str, Any]) -> tuple[torch.Tensor, float]:
         smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
         medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, inv_l), 1.0
+    if kind == "yarn":  # transformers' _compute_yarn_parameters, step for step
+        return _yarn(model, scaling, dim, base)
     raise ModelError(
         f"rope_scaling type {kind!r} is not supported by the shardc runtime",
         key="rope_scaling",
         hint=f"supported: {', '.join(ROPE_TYPES)}",  # support.py refuses it before a rank starts
     )
+
+
+def _yarn(model: dict[str, Any], p: dict[str, Any], dim: int, base: float) -> tuple[torch.Tensor, float]:
+    orig = p.get("original_max_position_embeddings") or model["max_position_embeddings"]
+    factor = p.get("factor")
+    if factor is None:
+        factor = model["max_position_embeddings"] / orig
+
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention = p.get("attention_factor")
+    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+    if attention is None:
+        attention = (float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+                     if mscale and mscale_all_dim else get_mscale(factor))
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, attention
 
 
 def rope_tables(model: dict[str, Any], length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,13 +201,19 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 
 class KVCache:
-    """Preallocated keys/values for one micro-batch: [batch, local kv heads, max_len, head_dim] per layer."""
+    """Preallocated keys/values for one micro-batch: [batch, local kv heads, max_len, head_dim] per layer.
+
+    With MLA (``dims.latent``) it holds what transformers' cache holds: ``k`` the normed latent
+    [batch, 1, max_len, kv_lora_rank] and ``v`` the rotated shared key [batch, 1, max_len,
+    qk_rope_head_dim], whole on every TP rank; each step expands them to this rank's heads."""
 
     def __init__(self, layers: list[int], batch: int, dims: Dims, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
         shape = (batch, dims.kv_heads, max_len, dims.head_dim)
-        self.k = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.empty(shape, dtype=dtype, device=device) for i in layers}
+        kshape, vshape = ((batch, 1, max_len, dims.latent[0]), (batch, 1, max_len, dims.latent[1])) \
+            if dims.latent else (shape, shape)
+        self.k = {i: torch.empty(kshape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.empty(vshape, dtype=dtype, device=device) for i in layers}
         self.length = 0
 
 
@@ -179,6 +224,8 @@ class StageModel:
                  dtype: torch.dtype, device: torch.device, fwd: Forward) -> None:
         self.w, self.d, self.model, self.comm, self.f = weights, dims, model, comm, fwd
         self.dtype, self.device = dtype, device
+        # the rotary tables' width: MLA rotates qk_rope_head_dim dimensions per head
+        self._rope_model = model if fwd.mla is None else {**model, "head_dim": fwd.mla.rope}
         if device.type == "cuda":
             # Attention backend, chosen deliberately: PyTorch would pick cuDNN's SDPA for a GQA
             # decode, which plans anew for every KV length (14 ms of host time per call, measured on
@@ -197,7 +244,7 @@ class StageModel:
         cos, sin = self._tables.get(local, (torch.empty(0), torch.empty(0)))
         if need > cos.shape[0]:
             size = max(need, 2 * cos.shape[0], 256)
-            model = self.model if not local else {
+            model = self._rope_model if not local else {
                 "head_dim": self.model["head_dim"], "rope_theta": self.f.rope_theta_local}
             cos, sin = rope_tables(model, size, self.dtype)
             self._tables[local] = cos.to(self.device), sin.to(self.device)
@@ -237,8 +284,34 @@ class StageModel:
     def _layer(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                cache: KVCache | None, start: int) -> torch.Tensor:
         d, b, f, norm = self.d, lw.bias, self.f, self._norm
-        bsz, t, _ = x.shape
+        t = x.shape[1]
         h = norm(x, lw.ln1, d.eps)
+        if t > 1 and start:
+            raise AssertionError("prefill continuing a non-empty cache is not supported")
+        if f.mla is not None:
+            a = self._mla(lw, h, cos, sin, cache, start)
+        else:
+            a = self._qkv_attention(lw, h, cos, sin, cache, start)
+        o = self._row(a, lw.o, b.get("o"), f"layer {lw.index} attention all-reduce")
+        if f.sandwich:
+            o = norm(o, lw.norms["post_attn"], d.eps)
+        x = x + (o if f.residual_scale == 1.0 else o * f.residual_scale)
+        h = norm(x, lw.ln2, d.eps)
+        if lw.moe is not None:
+            m = self._moe(lw.moe, h, f"layer {lw.index} moe all-reduce")
+        else:
+            g = self._act(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
+            m = self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
+        if f.sandwich:
+            m = norm(m, lw.norms["post_ffw"], d.eps)
+        return x + (m if f.residual_scale == 1.0 else m * f.residual_scale)
+
+    def _qkv_attention(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: KVCache | None, start: int) -> torch.Tensor:
+        """q/k/v projections, rope, attention: [batch, t, local heads x head_dim]."""
+        d, b, f, norm = self.d, lw.bias, self.f, self._norm
+        bsz, t, _ = h.shape
+        assert lw.k is not None and lw.v is not None
         q = _linear(h, lw.q, b.get("q")).view(bsz, t, d.heads, d.head_dim)
         k = _linear(h, lw.k, b.get("k")).view(bsz, t, d.kv_heads, d.head_dim)
         v = _linear(h, lw.v, b.get("v")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
@@ -254,23 +327,55 @@ class StageModel:
             v = cache.v[lw.index][:, :, : start + t]
         # Prefill always starts at position 0 (no chunked prefill), so is_causal's top-left mask is
         # right; a single decode query attends to everything cached (inside its window).
-        if t > 1 and start:
-            raise AssertionError("prefill continuing a non-empty cache is not supported")
         a = self._attend(q, k, v, start, f.window(lw.index))
-        a = a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
-        o = self._row(a, lw.o, b.get("o"), f"layer {lw.index} attention all-reduce")
-        if f.sandwich:
-            o = norm(o, lw.norms["post_attn"], d.eps)
-        x = x + (o if f.residual_scale == 1.0 else o * f.residual_scale)
-        h = norm(x, lw.ln2, d.eps)
-        if lw.moe is not None:
-            m = self._moe(lw.moe, h, f"layer {lw.index} moe all-reduce")
+        return a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
+
+    def _mla(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             cache: KVCache | None, start: int) -> torch.Tensor:
+        """Multi-head latent attention (DeepSeek-V3) for this rank's whole heads: [batch, t, local
+        heads x v_head_dim], computed as transformers' DeepseekV3Attention with eager attention,
+        operation for operation (docs/architecture.md §4, "How the runtime computes MLA").
+
+        The latent (kv_a_proj_with_mqa, normed) and the shared rotary key are the same on every
+        rank (replicated projections); the cache keeps them, not per-head keys, and each step
+        expands the whole cached sequence through this rank's rows of kv_b_proj, as transformers
+        expands its cache."""
+        a, w = self.f.mla, lw.mla
+        assert a is not None
+        bsz, t, _ = h.shape
+        if a.q_lora_rank is None:
+            q = F.linear(h, lw.q)
         else:
-            g = self._act(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
-            m = self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
-        if f.sandwich:
-            m = norm(m, lw.norms["post_ffw"], d.eps)
-        return x + (m if f.residual_scale == 1.0 else m * f.residual_scale)
+            q = F.linear(rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], a.latent_eps), lw.q)
+        q = q.view(bsz, t, -1, a.nope + a.rope).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [a.nope, a.rope], dim=-1)
+        kv_nope, k_rot = torch.split(F.linear(h, w["kv_a"]), [a.kv_lora_rank, a.rope], dim=-1)
+        kv_nope = rms_norm(kv_nope, w["kv_a_norm"], a.latent_eps).view(bsz, 1, t, a.kv_lora_rank)
+        k_rot = k_rot.view(bsz, 1, t, a.rope)
+        if a.interleave:  # pairs (x0, x1), (x2, x3)...: transformers' apply_rotary_pos_emb_interleave
+            c, s = cos[..., : a.rope // 2], sin[..., : a.rope // 2]
+            q_rot, k_rot = (torch.cat([x[..., 0::2] * c - x[..., 1::2] * s, x[..., 1::2] * c + x[..., 0::2] * s],
+                                      dim=-1) for x in (q_rot, k_rot))
+        else:
+            q_rot, k_rot = (x * cos + _rotate_half(x) * sin for x in (q_rot, k_rot))
+        if cache is not None:
+            cache.k[lw.index][:, :, start : start + t] = kv_nope
+            cache.v[lw.index][:, :, start : start + t] = k_rot
+            kv_nope, k_rot = cache.k[lw.index][:, :, : start + t], cache.v[lw.index][:, :, : start + t]
+        query = torch.cat((q_pass, q_rot), dim=-1)
+        n = kv_nope.shape[2]
+        kv = F.linear(kv_nope, w["kv_b"]).view(bsz, n, -1, a.nope + a.v).transpose(1, 2)
+        k_nope, value = torch.split(kv, [a.nope, a.v], dim=-1)
+        key = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+        # eager attention (transformers' eager_attention_forward): scores in the model dtype times
+        # the scale, the causal mask, softmax in fp32 rounded back, then the values
+        scores = torch.matmul(query, key.transpose(2, 3)) * self.f.attn_scale
+        if t > 1:
+            mask = torch.ones(t, n, dtype=torch.bool, device=h.device).tril(n - t)
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, value)
+        return out.transpose(1, 2).reshape(bsz, t, -1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
                 window: int | None) -> torch.Tensor:
@@ -312,11 +417,14 @@ class StageModel:
         assert moe is not None
         shape = h.shape
         x = h.reshape(-1, shape[-1])
-        logits = F.linear(x, mw.router)
-        probs = F.softmax(logits, dim=-1, dtype=torch.float)
-        weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
-        if moe.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if moe.scoring == "sigmoid":
+            logits, weights, chosen = self._grouped_route(mw, x)
+        else:
+            logits = F.linear(x, mw.router)
+            probs = F.softmax(logits, dim=-1, dtype=torch.float)
+            weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
+            if moe.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         if not moe.weights_fp32:
             weights = weights.to(logits.dtype)
         # Experts split over TP give partial sums: those are added in fp32 and rounded once, after
@@ -341,6 +449,29 @@ class StageModel:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
             out = out + shared
         return out.reshape(shape)
+
+    def _grouped_route(self, mw: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, step for step, all in fp32):
+        sigmoid scores; the correction bias added for the choice only; the best ``topk_groups``
+        groups by the sum of their two best biased scores; top-k among their experts; the weights
+        are the chosen experts' unbiased scores, renormalized when ``norm_topk``, times
+        ``scaling``. Returns (logits, weights, chosen expert ids)."""
+        moe = self.f.moe
+        assert moe is not None and mw.score_bias is not None
+        e, g = moe.experts, moe.groups
+        logits = F.linear(x.float(), mw.router.float())
+        scores = logits.sigmoid()
+        choice = scores + mw.score_bias.float()
+        group_scores = choice.view(-1, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(-1, g, e // g).reshape(-1, e)
+        choice = choice.masked_fill(~keep.bool(), float("-inf"))
+        chosen = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, chosen)
+        if moe.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return logits, weights * moe.scaling, chosen
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:
         """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once."""

@@ -34,6 +34,8 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+# rope types only some families' forward takes (Forward.yarn: DeepSeek-V3)
+YARN: dict[str, tuple[str, ...]] = {"yarn": ("factor",)}
 _HINT = "the shardc runtime does not compute this model; serve the build with an engine that does"
 
 
@@ -53,15 +55,27 @@ def check_supported(model: ModelSpec) -> None:
     scaling = model.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     key = "rope_parameters" if model.config.get("rope_parameters") is not None else "rope_scaling"
-    if not isinstance(kind, str) or kind not in ROPE_TYPES:
+    types = ROPE_TYPES | (YARN if fwd.yarn else {})
+    if not isinstance(kind, str) or kind not in types:
         raise ModelError(f"config.json {key} rope_type={kind!r} is not implemented by the shardc runtime",
-                         key=key, hint=f"implemented: {', '.join(ROPE_TYPES)}; {_HINT}")
-    for field in ROPE_TYPES[kind]:
+                         key=key, hint=f"implemented: {', '.join(types)}; {_HINT}")
+    for field in types[kind]:
         value = scaling.get(field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                 or value <= 0:
             raise ModelError(f"config.json {key}.{field} must be a positive number for rope_type "
                              f"{kind!r}, found {value!r}", key=f"{key}.{field}", hint=_HINT)
+    if kind == "yarn":
+        for field in ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                      "original_max_position_embeddings"):
+            value = scaling.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not math.isfinite(value) or value < 0):
+                raise ModelError(f"config.json {key}.{field} must be a number >= 0 for rope_type 'yarn', "
+                                 f"found {value!r}", key=f"{key}.{field}", hint=_HINT)
+        if not isinstance(scaling.get("truncate", True), bool):
+            raise ModelError(f"config.json {key}.truncate must be true or false, found {scaling['truncate']!r}",
+                             key=f"{key}.truncate", hint=_HINT)
     if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
         raise ModelError(f"config.json {key}: low_freq_factor must be below high_freq_factor, found "
                          f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}", key=key, hint=_HINT)

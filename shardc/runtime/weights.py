@@ -43,6 +43,10 @@ _PROJ = {
 _NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
           "post_ffw": "post_feedforward_layernorm.weight"}
 _SANDWICH = "pre_feedforward_layernorm.weight"
+# MLA's latent projections and norms (Forward.mla), by the decoder's role name
+_MLA = {"q_a": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
+        "kv_a": "self_attn.kv_a_proj_with_mqa.weight", "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+        "kv_b": "self_attn.kv_b_proj.weight"}
 
 
 def _held(specs: dict, name: str) -> bool:
@@ -67,6 +71,7 @@ def unpack_int8(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
 
 def local_dims(layout: Layout) -> Dims:
     m, tp = layout.model, layout.plan.tp
+    mla = m.forward.mla
     return Dims(
         hidden=m.hidden_size,
         heads=m.num_heads // tp,
@@ -74,6 +79,7 @@ def local_dims(layout: Layout) -> Dims:
         head_dim=m.head_dim,
         vocab=m.vocab_size,
         eps=m.rms_norm_eps,
+        latent=(mla.kv_lora_rank, mla.rope) if mla is not None else None,
     )
 
 
@@ -118,6 +124,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         return t.clone() if copy_out and t.data_ptr() == raw[name].data_ptr() else t
 
     moe = layout.model.forward.moe
+    mla = layout.model.forward.mla
     fused = layout.model.forward.fused
     table = tensor_table(layout.model) if fused else {}
 
@@ -139,6 +146,12 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         sparse = moe is not None and moe.sparse[i]
         if sparse:  # the routed experts (and a shared expert) take the dense MLP's place
             w |= {"gate": None, "up": None, "down": None}
+        latent = {}
+        if mla is not None:  # q_b_proj (or q_proj) is q; the latent projections replace k and v
+            latent = {role: get(p + name) for role, name in _MLA.items() if _held(specs, p + name)}
+            w |= {"k": None, "v": None}
+            if mla.q_lora_rank is not None:
+                w["q"] = get(p + "self_attn.q_b_proj.weight")
         w |= {key: get(p + proj + ".weight") for key, proj in _PROJ.items() if key not in w}
         bias |= {key: get(p + proj + ".bias") for key, proj in _PROJ.items()
                  if key not in bias and p + proj + ".bias" in specs}
@@ -149,7 +162,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         else:
             ln2 = get(p + "post_attention_layernorm.weight")
         layers.append(LayerWeights(index=i, ln1=get(p + "input_layernorm.weight"), ln2=ln2,
-                                   bias=bias, norms=norms, **w))
+                                   bias=bias, norms=norms, mla=latent, **w))
         if sparse:
             assert moe is not None
             layers[-1].moe = MoeWeights(
@@ -157,7 +170,8 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
                 experts={e: tuple(get(p + t.format(e=e)) for t in moe.expert)  # type: ignore[misc]
                          for e in range(moe.experts) if _held(specs, p + moe.expert[0].format(e=e))},
                 shared=tuple(get(p + t) for t in moe.shared) if moe.shared else None,  # type: ignore[arg-type]
-                shared_gate=get(p + moe.shared_gate) if moe.shared_gate else None)
+                shared_gate=get(p + moe.shared_gate) if moe.shared_gate else None,
+                score_bias=get(p + moe.score_bias) if moe.score_bias else None)
     embed = get("model.embed_tokens.weight") if "model.embed_tokens.weight" in specs else None
     last = rl.pp_stage == layout.plan.pp - 1
     lm_head = None

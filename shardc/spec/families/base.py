@@ -68,6 +68,16 @@ class Moe:
     expert: tuple[str, str, str]  # gate, up, down templates, e.g. "mlp.experts.{e}.gate_proj.weight"
     shared: tuple[str, str, str] | None = None  # a shared expert's gate, up, down (Qwen2-MoE)
     shared_gate: str | None = None  # its sigmoid gate [1, hidden]
+    # DeepSeek-V3's router (transformers' DeepseekV3TopkRouter), when scoring is "sigmoid": logits
+    # in fp32 from the fp32 router, sigmoid scores, ``score_bias`` (e_score_correction_bias) added
+    # for the choice only, the best ``topk_groups`` of ``groups`` groups by the sum of their two
+    # best biased scores, top-k among those; the weights are the unbiased scores, renormalized
+    # (+1e-20) when ``norm_topk``, times ``scaling``
+    scoring: str = "softmax"
+    score_bias: str | None = None
+    groups: int = 1
+    topk_groups: int = 1
+    scaling: float = 1.0
 
     def owner(self, e: int, ranks: int) -> int:
         """The rank of ``ranks`` that holds expert ``e`` under expert parallelism: vLLM's linear
@@ -75,6 +85,21 @@ class Moe:
         base, extra = divmod(self.experts, ranks)
         cut = extra * (base + 1)
         return e // (base + 1) if e < cut else extra + (e - cut) // base
+
+
+@dataclass(frozen=True)
+class Mla:
+    """Multi-head latent attention (DeepSeek-V3), as runtime/decoder.py ``_mla`` computes it; the
+    tensors under ``model.layers.N.self_attn.``: q_a_proj, q_a_layernorm, q_b_proj (or q_proj when
+    ``q_lora_rank`` is None), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    nope: int  # qk_nope_head_dim
+    rope: int  # qk_rope_head_dim: the rotary part of q and k (k's shared by every head)
+    v: int  # v_head_dim
+    interleave: bool  # rope_interleave: rotary dimensions in (even, odd) pairs
+    latent_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' RMSNorm default eps
 
 
 @dataclass(frozen=True)
@@ -101,6 +126,8 @@ class Forward:
     # tensor into those roles by the local part sizes, so the decoder sees q/k/v and gate/up
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     moe: Moe | None = None  # mixture-of-experts MLP on the layers ``moe.sparse`` marks
+    mla: Mla | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek-V3)
+    yarn: bool = False  # the family's rope may be YaRN (transformers' _compute_yarn_parameters)
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
