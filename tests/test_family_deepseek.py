@@ -2,7 +2,8 @@
 shared experts, dense first layers, YaRN rope; experts split over TP or placed by expert parallelism.
 
 transformers is the oracle: two tiny DeepseekV3ForCausalLM made and saved by transformers 5 (fixed
-seed, bf16, a random nonzero e_score_correction_bias so the bias changes choices): "lora" with
+seed, bf16 with the router and its bias in fp32 as transformers keeps them, a random nonzero
+e_score_correction_bias so the bias changes choices): "lora" with
 q_lora_rank, interleaved rope and YaRN (attention factor 1, softmax mscale² correction); "direct"
 with q_lora_rank null (one q_proj), rope_interleave false and a YaRN whose attention factor is not 1.
 The comparison is with transformers' eager attention and eager experts loop, which the runtime
@@ -53,10 +54,15 @@ CASES = {
 def _save(root: Path, name: str) -> Path:
     torch.manual_seed(7)
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**SHAPE, **CASES[name]))
+    model.to(torch.bfloat16)
     with torch.no_grad():  # transformers initializes the bias to zero: make it choose
         for layer in model.model.layers[SHAPE["first_k_dense_replace"]:]:
+            # the router and its bias in fp32, as transformers holds them (and saves a loaded model),
+            # with values bf16 cannot hold
+            layer.mlp.gate.float()
+            layer.mlp.gate.weight.normal_(0, SHAPE["initializer_range"])
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(SHAPE["n_routed_experts"]) * 0.5)
-    model.to(torch.bfloat16).save_pretrained(root / name)
+    model.save_pretrained(root / name)
     return root / name
 
 
@@ -119,6 +125,9 @@ def test_layout_splits_heads_and_replicates_latents(ds):
                         ("model.layers.1.mlp.gate.e_score_correction_bias", (8,))):
         t = r1.tensor(name)
         assert (t.split, t.shape, t.dim) == ("replicated", shape, None), name
+    assert r1.tensor("model.layers.1.mlp.gate.weight").dtype == "F32"
+    assert r1.tensor("model.layers.1.mlp.gate.e_score_correction_bias").dtype == "F32"
+    assert r1.tensor("model.layers.1.mlp.experts.4.up_proj.weight").dtype == "BF16"
     assert [rl.experts for rl in layout.ranks] == [(0, 1, 2, 3), (4, 5, 6, 7)]
     shared = r1.tensor("model.layers.2.mlp.shared_experts.down_proj.weight")
     assert (shared.split, shared.start, shared.stop) == ("row", 16, 32)

@@ -120,7 +120,8 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         t = raw[name].to(device)
         if spec.quant:
             return deq(t, raw[name + SCALE_SUFFIX])
-        t = t.to(dtype=dtype).contiguous()
+        # 16-bit tensors in the compute dtype; an fp32 one the family keeps so (Row.dtype) stays fp32
+        t = t.to(dtype=torch.float32 if spec.dtype == "F32" else dtype).contiguous()
         return t.clone() if copy_out and t.data_ptr() == raw[name].data_ptr() else t
 
     moe = layout.model.forward.moe

@@ -303,6 +303,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
         entries.append(("lm_head.weight", "model.embed_tokens.weight",
                         (model.vocab_size, model.hidden_size), VOCAB, (), None))
 
+    kept = {r.name: r.dtype for r in tensor_table(model).values() if r.dtype}  # Row.dtype: fixed
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
         (s, e): [] for s in range(plan.pp) for e in range(n_ep)
     }
@@ -317,7 +318,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                     per_rank[s, e] += _weight_specs(common, qdtype, local, plan.dtype)
                     per_rank[s, e].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
                 else:
-                    per_rank[s, e].append(TensorSpec(dtype=base, shape=local, **common))
+                    per_rank[s, e].append(TensorSpec(dtype=kept.get(name, base), shape=local, **common))
     held = {e: tuple(x for x in range(moe.experts) if moe.owner(x, n_ep) == e) if place and moe else ()
             for e in range(n_ep)}
     ranks = []

@@ -47,6 +47,8 @@ class Row:
     quantizable: bool = False
     parts: tuple[tuple[int, str], ...] = ()  # FUSED: (rows, COLUMN | KV_COLUMN) in order
     expert: int | None = None  # a routed expert's id: placed whole by expert parallelism
+    dtype: str | None = None  # stored in this safetensors dtype whatever the plan's (e.g. "F32": a
+    #                           router transformers keeps in fp32, _keep_in_fp32_modules_strict)
 
 
 @dataclass(frozen=True)

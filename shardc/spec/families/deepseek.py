@@ -18,9 +18,11 @@ route ``num_experts_per_tok`` of ``n_routed_experts`` experts (``mlp.experts.N.*
 only, grouped top-k (``n_group`` groups, the best ``topk_group`` by the sum of their two best
 scores), the chosen scores renormalized (``norm_topk_prob``) and times ``routed_scaling_factor``;
 plus ``n_shared_experts`` shared experts as one MLP of ``n_shared_experts x moe_intermediate_size``
-(``mlp.shared_experts.*``, split over TP like a dense MLP). The router and its bias stay 16-bit and
-replicated. Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the
-forward (transformers skips them too) and are not in the table.
+(``mlp.shared_experts.*``, split over TP like a dense MLP). The router and its bias are replicated,
+never quantized, and stored in fp32 as transformers keeps them (``Row.dtype``): a bf16 source's
+values exactly, and an fp32 source's (the published checkpoints hold the bias in fp32) unrounded.
+Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the forward
+(transformers skips them too) and are not in the table.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from .base import (
     outer_rows,
     refuse,
 )
-from .moe import expert_rows, flag, read_routing, router_row
+from .moe import expert_rows, flag, read_routing
 
 if TYPE_CHECKING:
     from ..model import ModelSpec
@@ -154,7 +156,9 @@ def tensors(m: ModelSpec) -> list[Row]:
         if not o["sparse"][i]:
             rows += mlp_rows(m, p, bias=False)
             continue
-        rows += [router_row(m, p, ROUTER, o["experts"]), Row(p + BIAS, (o["experts"],), REPLICATED)]
+        # transformers keeps the router and its bias in fp32 (_keep_in_fp32_modules_strict): so do the shards
+        rows += [Row(p + ROUTER, (o["experts"], h), REPLICATED, dtype="F32"),
+                 Row(p + BIAS, (o["experts"],), REPLICATED, dtype="F32")]
         rows += expert_rows(m, p, EXPERT, o["experts"], o["moe_inter"])
         inter = o["moe_inter"] * o["shared"]
         rows += [Row(p + SHARED[0], (inter, h), COLUMN, True), Row(p + SHARED[1], (inter, h), COLUMN, True),
