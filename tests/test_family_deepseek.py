@@ -9,8 +9,10 @@ with q_lora_rank null (one q_proj), rope_interleave false and a YaRN whose atten
 The comparison is with transformers' eager attention and eager experts loop, which the runtime
 follows operation for operation at tp = 1 (measured max |diff| 0 on both). With tp = 2 the o_proj,
 experts' and shared experts' partial sums are added in fp32 and rounded once (with expert
-parallelism each rank adds its whole experts in bf16): measured max |diff| 0.14 here, top-1 0.94
-(a last-bit change in a router score can pick another expert for a token).
+parallelism each rank adds its whole experts in bf16): measured max |diff| 0.09-0.15 on positions
+whose experts agree, top-1 0.96-1.0; in about one window in three a last-bit change flips one
+token's expert choice (measured at a layer-1 top-2 margin of 0.011 between biased scores), and that
+position then differs by up to 1.4.
 """
 
 from __future__ import annotations
@@ -153,14 +155,17 @@ def test_runtime_matches_transformers(ds, tp, ep):
             assert torch.equal(got, want), name
             continue
         # a router near-tie can flip one token's expert (routing is discontinuous): that token and
-        # those attending to it then differ by more (up to 2.2 measured, 1-3 of 48 positions)
+        # those attending to it then differ by more (up to 1.4 measured, 1 of 48 positions)
         close = ((got - want).abs() <= ATOL[tp] + 0.01 * want.abs()).all(-1).float().mean()
         assert close >= 0.9, (name, close)
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= TOP1[tp], name
 
 
 def test_greedy_generation_equals_transformers_generate(ds):
-    """Through the latent KV cache at tp = 1: transformers' own generate() tokens, exactly."""
+    """Through the latent KV cache at tp = 1: transformers' own generate() tokens, exactly. With
+    expert parallelism over 2 ranks the logits differ in the last bits, so a token may differ only
+    where transformers itself has a near-tie: each of shardc's tokens is transformers' argmax for
+    shardc's own sequence, or within 2 x ATOL of it (measured: one token, 0.016 below)."""
     _, srcs, get = ds
     prompt = _ids(7)[:1, :8]
     for name in CASES:
@@ -170,6 +175,12 @@ def test_greedy_generation_equals_transformers_generate(ds):
                              eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
         got = generate(open_build(get(name, 1)), prompt.tolist(), max_new_tokens=16, eos=[], timeout_s=120)
         assert got["tokens"][0] == ref, name
+        ep = generate(open_build(get(name, 2, True)), prompt.tolist(), max_new_tokens=16, eos=[],
+                      timeout_s=120)["tokens"][0]
+        with torch.no_grad():
+            logits = m(torch.tensor([prompt[0].tolist() + ep])).logits[0, 7:-1].float()
+        picked = logits.gather(-1, torch.tensor(ep)[:, None])[:, 0]
+        assert bool((logits.max(-1).values - picked <= 2 * ATOL[2]).all()), (name, ep, ref)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
