@@ -76,11 +76,13 @@ def _eager(src: Path):
     return _hf(src, experts_implementation="eager", attn_implementation="eager")
 
 
-def _plan(src: Path, tp: int, ep: bool = False, dtype: str = "bf16"):
-    rg = {"name": f"{src.name}-tp{tp}{'-ep' if ep else ''}-{dtype}", "tp_degree": tp, "pp_degree": 1,
-          "dtype": dtype, "gpus_per_replica": tp}
+def _plan(src: Path, tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1):
+    rg = {"name": f"{src.name}-tp{tp}{f'-dp{dp}' if dp > 1 else ''}{'-ep' if ep else ''}-{dtype}", "tp_degree": tp,
+          "pp_degree": 1, "dtype": dtype, "gpus_per_replica": tp * dp}
     if ep:
         rg["expert_parallel"] = True
+    if dp > 1:
+        rg["dp_degree"] = dp
     return plan_from_dict({"replica_group": rg, "model": {"source": str(src)}})
 
 
@@ -90,10 +92,10 @@ def ds(tmp_path_factory):
     srcs = {name: _save(root, name) for name in CASES}
     made: dict = {}
 
-    def get(name: str, tp: int, ep: bool = False, dtype: str = "bf16") -> Path:
-        key = (name, tp, ep, dtype)
+    def get(name: str, tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1) -> Path:
+        key = (name, tp, ep, dtype, dp)
         if key not in made:
-            plan = _plan(srcs[name], tp, ep, dtype)
+            plan = _plan(srcs[name], tp, ep, dtype, dp)
             made[key] = build(plan, root / "builds" / plan.name).manifest_path
         return made[key]
 
@@ -144,13 +146,16 @@ def test_layout_splits_heads_and_replicates_latents(ds):
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_packed" in names
 
 
-@pytest.mark.parametrize("tp, ep", [(1, False), (2, False), (2, True)])
-def test_runtime_matches_transformers(ds, tp, ep):
+@pytest.mark.parametrize("tp, ep, dp", [(1, False, 1), (2, False, 1), (2, True, 1), (1, True, 2)])
+def test_runtime_matches_transformers(ds, tp, ep, dp):
+    """tp = 1, also with the experts over 2 data-parallel ranks: bit for bit (each rank's whole
+    experts summed across ranks in fp32 and rounded once is, for a token's two experts, the
+    correctly rounded bf16 sum transformers' loop makes; the shared experts are added after it)."""
     _, srcs, get = ds
     x = _ids(seed=tp + ep)
     for name in CASES:
         want = _eager(srcs[name])(x).logits.float()
-        got = score(open_build(get(name, tp, ep)), x, return_logits=True, timeout_s=120)["logits"]
+        got = score(open_build(get(name, tp, ep, dp=dp)), x, return_logits=True, timeout_s=120)["logits"]
         if tp == 1:
             assert torch.equal(got, want), name
             continue
