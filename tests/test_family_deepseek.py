@@ -29,7 +29,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from shardc.build.compile import build  # noqa: E402
-from shardc.errors import ModelError  # noqa: E402
+from shardc.errors import ModelError, SourceError  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
 from shardc.spec.layout import build_layout  # noqa: E402
 from shardc.spec.model import load_model, model_from_config  # noqa: E402
@@ -236,6 +236,7 @@ def test_refusals_are_one_line(ds):
     assert _refused(cfg, topk_group=3).key == "topk_group"  # more than n_group 2
     assert _refused(cfg, num_experts_per_tok=5).key == "num_experts_per_tok"  # 1 group of 4 experts
     assert _refused(cfg, qk_rope_head_dim=7).key == "qk_rope_head_dim"
+    assert _refused(cfg, num_mtp_layers=2).key == "num_mtp_layers"  # disagrees with num_nextn_predict_layers
     e = _refused(cfg, num_local_experts=16)
     assert "disagrees" in e.message
     # a rope the runtime does not compute is refused before a rank starts
@@ -278,6 +279,31 @@ def test_config_key_spellings(ds):
     assert a.forward == b.forward
     assert sorted(r.name for r in a.spec.tensors(a)) == sorted(r.name for r in b.spec.tensors(b))
     assert b.options["q_lora"] == 24 and _model(srcs["direct"]).options["q_lora"] is None
+
+
+def test_multi_token_prediction_layers_are_left_out(ds, tmp_path):
+    """A checkpoint holding its MTP layer (model.layers.{num_hidden_layers}.*, as the published one
+    holds layer 61) builds without it; the same tensors beyond num_nextn_predict_layers are refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, srcs, _ = ds
+    src = tmp_path / "mtp"
+    shutil.copytree(srcs["lora"], src)
+    tensors = load_file(src / "model.safetensors")
+    tensors |= {"model.layers.3.eh_proj.weight": torch.zeros(64, 128, dtype=torch.bfloat16),
+                "model.layers.3.self_attn.kv_b_proj.weight": torch.zeros(112, 16, dtype=torch.bfloat16)}
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    assert json.loads((src / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    layout = build_layout(_model(src), _plan(src, 1))
+    assert not any(t.name.startswith("model.layers.3.") for t in layout.ranks[0].tensors)
+    out = build(_plan(src, 1), tmp_path / "build")
+    assert out.manifest_path.exists()
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(SourceError, match="unexpected tensor 'model.layers.3."):
+        build(_plan(src, 1), tmp_path / "build0")
 
 
 def test_real_size_preset_counts_671b_and_plans_ep(tmp_path):

@@ -87,8 +87,9 @@ class Source:
                     f"tensor {name!r} has dtype {info.dtype}; only F16, BF16 and F32 sources are read",
                     hint="start from the unquantized checkpoint",
                 )
+        unused = model.spec.unused
         for name in self.tensors:
-            if name not in expected and not _BENIGN.fullmatch(name):
+            if name not in expected and not _BENIGN.fullmatch(name) and not (unused and unused(model, name)):
                 raise SourceError(
                     f"unexpected tensor {name!r} in the checkpoint (not a weight of "
                     f"{model.architecture} with this config)",

@@ -164,6 +164,9 @@ class Family:
     # way (Gemma 3's per-layer-type rope_parameters), given spec/model.py's reader of one rope
     # object (both spellings) to apply to its parts; None: that reader on the whole config.
     rope: Callable[[dict[str, Any], RopeReader], tuple[float, dict[str, Any] | None]] | None = None
+    # Checkpoint tensors outside the table that the forward never reads and a build leaves out, as
+    # transformers' loader skips them (DeepSeek-V3's multi-token-prediction layers); None: none.
+    unused: Callable[[ModelSpec, str], bool] | None = None
 
 
 # ---- config readers every family shares --------------------------------------------------------

@@ -21,13 +21,15 @@ plus ``n_shared_experts`` shared experts as one MLP of ``n_shared_experts x moe_
 (``mlp.shared_experts.*``, split over TP like a dense MLP). The router and its bias are replicated,
 never quantized, and stored in fp32 as transformers keeps them (``Row.dtype``): a bf16 source's
 values exactly, and an fp32 source's (the published checkpoints hold the bias in fp32) unrounded.
-Multi-token-prediction layers (``num_nextn_predict_layers``) are not part of the forward
-(transformers skips them too) and are not in the table.
+Multi-token-prediction layers (``num_nextn_predict_layers``, the published checkpoint's
+``model.layers.61.*``) are not part of the forward (transformers skips them too): not in the table,
+and a checkpoint's copy of them is left out of a build (``Family.unused``), so not exported either.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from typing import TYPE_CHECKING, Any
 
 from .base import (
@@ -107,7 +109,25 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
             "scaling": number(cfg, "routed_scaling_factor", 2.5),
             "shared": count(cfg, "n_shared_experts", 1), "moe_inter": count(cfg, "moe_intermediate_size", 2048),
             "sparse": tuple(i >= dense for i in range(layers)), "q_lora": q_lora, **dims,
-            "interleave": flag(cfg, "rope_interleave", True), "activation": cfg.get("hidden_act", "silu")}
+            "interleave": flag(cfg, "rope_interleave", True), "activation": cfg.get("hidden_act", "silu"),
+            "mtp": _mtp(cfg)}
+
+
+def _mtp(cfg: dict[str, Any]) -> int:
+    """Multi-token-prediction layers after the last decoder layer (transformers 4 spells it
+    num_nextn_predict_layers, 5 num_mtp_layers and writes the old name): in a checkpoint, not in
+    the forward."""
+    old, new = count(cfg, "num_nextn_predict_layers", low=0), count(cfg, "num_mtp_layers", low=0)
+    if old is not None and new is not None and old != new:
+        raise refuse("num_mtp_layers", new, f"disagrees with num_nextn_predict_layers={old}")
+    return old if old is not None else new or 0
+
+
+def unused(m: ModelSpec, name: str) -> bool:
+    """A multi-token-prediction layer's tensor (model.layers.{num_hidden_layers + i}.*), which
+    transformers' loader skips too: the forward never reads it, a build leaves it out."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    return layer is not None and m.num_layers <= int(layer.group(1)) < m.num_layers + m.options["mtp"]
 
 
 def mla(m: ModelSpec) -> Mla:
@@ -193,6 +213,6 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its fp8 quantizatio
 FAMILY = Family(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
-    read=read, tensors=tensors, forward=forward,
+    read=read, tensors=tensors, forward=forward, unused=unused,
     presets={"deepseek-v3": Preset(DEEPSEEK_V3, ("deepseek-ai/DeepSeek-V3",))},
 )
