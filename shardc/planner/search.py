@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import LayoutError, PlanError
 from ..spec.layout import MAX_TP_HINT, check_degrees, valid_tp_degrees
-from ..spec.model import ModelSpec
+from ..spec.model import ARCHITECTURES, ModelSpec
 from ..spec.plan import DTYPES, plan_from_dict
 from .candidate import Candidate, evaluate, kv_bpt, lora_bytes, routing
 from .ep import ep_degrees, evaluate_ep, weights_for
@@ -68,6 +68,10 @@ class Search:
         """Why no plan file can be written for this model (None: `shardc build` compiles it)."""
         if isinstance(self.model, ModelSpec):
             return None
+        if self.model.architecture in ARCHITECTURES:  # DeepSeek-V3: built, but sized here from MLA arithmetic
+            return (f"{self.model_name} ({self.model.architecture}) is sized by the planner's MLA estimate, "
+                    "not from its family's tensor table: these figures are advisory and no plan file is "
+                    "written (shardc build compiles the family: write the plan by hand)")
         return (f"{self.model_name} ({self.model.architecture}) is not in a family shardc builds: `shardc build` cannot "
                 "compile it, so these figures are an advisory estimate")
 
