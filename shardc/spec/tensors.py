@@ -51,6 +51,26 @@ def source_tensors(model: ModelSpec) -> list[SourceTensor]:
     return sorted((SourceTensor(r.name, r.shape) for r in model.spec.tensors(model)), key=lambda t: t.name)
 
 
+_SPLIT_ROWS: dict[int, tuple[ModelSpec, list[Row]]] = {}
+
+
+def _split_rows(model: ModelSpec) -> list[Row]:
+    """The first column / row split row of each (kind, shape, routed or not) in the model's table:
+    what the TP checks need, without walking a 36,000-row table (Qwen3-235B) for every degree a
+    search tries. Kept for the last few models asked about (a search asks about one many times)."""
+    hit = _SPLIT_ROWS.get(id(model))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    seen: dict[tuple, Row] = {}
+    for row in model.spec.tensors(model):
+        if row.split in (COLUMN, ROW):
+            seen.setdefault((row.split, row.shape, row.expert is not None), row)
+    if len(_SPLIT_ROWS) >= 8:
+        _SPLIT_ROWS.pop(next(iter(_SPLIT_ROWS)))
+    _SPLIT_ROWS[id(model)] = (model, list(seen.values()))
+    return _SPLIT_ROWS[id(model)][1]
+
+
 def valid_tp_degrees(model: ModelSpec, limit: int = MAX_TP_HINT, *, expert_parallel: bool = False) -> list[int]:
     return [t for t in range(1, limit + 1) if not _tp_problems(model, t, expert_parallel)]
 
@@ -73,8 +93,8 @@ def _tp_problems(model: ModelSpec, tp: int, expert_parallel: bool = False) -> li
         problems.append(f"{moe.experts} experts leave ranks without one at tp={tp} with expert_parallel")
     # every other column / row split of the family's table (a routed expert's or a shared
     # expert's intermediate size): whole rows or columns per rank
-    for row in () if problems else model.spec.tensors(model):
-        if row.split not in (COLUMN, ROW) or (expert_parallel and row.expert is not None):
+    for row in () if problems else _split_rows(model):
+        if expert_parallel and row.expert is not None:
             continue
         dim = 0 if row.split == COLUMN else 1
         if row.shape[dim] % tp:
