@@ -1,20 +1,22 @@
 #!/usr/bin/env python3
 """Build speed per model family, against Llama's, measured in the same run (#28).
 
-For every registered family, its first real-size preset (e.g. llama-3.1-8b, qwen3-8b,
-granite-3.1-8b) cut to --layers layers is written as a seeded synthetic checkpoint, then built
+For every registered dense family (MoE ones: scripts/bench_moe_build.py), its first real-size
+preset (e.g. llama-3.1-8b, qwen3-8b, granite-3.1-8b) cut to the layers that make --gib GiB (the
+same fixed costs against the same bytes) is written as a seeded synthetic checkpoint, then built
 with the same tp=2 bf16 plan (an fp16 source cast to bf16: every byte read, converted, written)
 --repeat times, the families interleaved so the VM's drift hits them alike. Printed per family:
 the median build seconds, source GB/s, and that rate as a ratio of the Llama family's rate
 (target: 1.0, "the build of a new family runs at the same bytes/s as Llama's").
 
-Example: python scripts/bench_families.py --layers 2 --repeat 3     (~3 GiB of disk per family)
+Example: python scripts/bench_families.py --gib 3 --repeat 3     (3 GiB of disk per family)
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import shutil
 import statistics
@@ -35,9 +37,19 @@ from shardc.spec.model import model_from_config  # noqa: E402
 from shardc.spec.tensors import valid_tp_degrees  # noqa: E402
 
 
-def config_for(family, layers: int) -> tuple[str, dict]:
+def _bytes(cfg: dict) -> int:
+    m = model_from_config(cfg)
+    return sum(2 * math.prod(r.shape) for r in m.spec.tensors(m))
+
+
+def config_for(family, gib: float) -> tuple[str, dict]:
+    """The family's first preset cut to the number of layers that makes about ``gib`` GiB (at
+    least one): every family's build then pays the same fixed costs (start-up, imports, side
+    files) against the same bytes."""
     name, preset = next(iter(family.presets.items()))
     cfg = copy.deepcopy(preset.config)
+    one, two = _bytes({**cfg, "num_hidden_layers": 1}), _bytes({**cfg, "num_hidden_layers": 2})
+    layers = max(1, round((gib * 2**30 - one) / (two - one)) + 1)
     cfg["num_hidden_layers"] = layers
     if isinstance(cfg.get("layer_types"), list):
         cfg["layer_types"] = cfg["layer_types"][:layers]
@@ -47,7 +59,7 @@ def config_for(family, layers: int) -> tuple[str, dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--gib", type=float, default=3.0, help="checkpoint size per family [default: 3]")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="[default: build/bench-families]")
     a = ap.parse_args()
@@ -58,9 +70,9 @@ def main() -> None:
     runs: dict[str, dict] = {}
     try:
         for fam in FAMILIES:
-            if not fam.presets:
-                continue
-            preset, cfg = config_for(fam, a.layers)
+            if not fam.presets or fam.forward(model_from_config(next(iter(fam.presets.values())).config)).moe:
+                continue  # mixture-of-experts builds: scripts/bench_moe_build.py
+            preset, cfg = config_for(fam, a.gib)
             src = write_checkpoint(tmp / f"src-{fam.name}", cfg)
             tp = next(t for t in valid_tp_degrees(model_from_config(cfg)) if t >= 2)
             plan = tmp / f"{fam.name}.yaml"
@@ -69,7 +81,8 @@ def main() -> None:
                                   "dtype": "bf16", "gpus_per_replica": tp},
                 "model": {"source": str(src)}}))
             size = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-            runs[fam.name] = {"preset": preset, "plan": plan, "bytes": size, "tp": tp, "times": []}
+            runs[fam.name] = {"preset": preset, "plan": plan, "bytes": size, "tp": tp, "times": [],
+                              "layers": cfg["num_hidden_layers"]}
             # first build hashes the source (cached afterwards for every plan): not timed
             out = tmp / f"out-{fam.name}"
             subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan), "--out", str(out), "-q"],
@@ -89,7 +102,7 @@ def main() -> None:
             med = statistics.median(r["times"])
             rate = r["bytes"] / med / 1e9
             base = base or rate
-            print(f"{fam:8s} {r['preset']:16s} {a.layers} layers tp={r['tp']}  {r['bytes'] / 2**30:5.2f} GiB  "
+            print(f"{fam:8s} {r['preset']:16s} {r['layers']:2d} layers tp={r['tp']}  {r['bytes'] / 2**30:5.2f} GiB  "
                   f"median {med:6.2f} s  {rate:5.2f} GB/s  = {rate / base:4.2f}x llama's bytes/s  "
                   f"(runs: {', '.join(f'{t:.2f}' for t in r['times'])})")
     finally:

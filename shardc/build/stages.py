@@ -25,12 +25,16 @@ def write_stage(
         for rl in ranks
     }
     pools = {rl.file: ThreadPoolExecutor(1, thread_name_prefix=f"shardc-w{rl.rank}") for rl in ranks}
-    pending: list[list[Future]] = []
+    pending: list[tuple[int, list[Future]]] = []  # (bytes, the ranks' writes) per tensor in flight
     try:
         # every name any rank of the stage holds, in name order (each rank's file is in name order
         # too); a routed expert placed by expert parallelism is held by one rank only
         held = [{t.name: t for t in rl.tensors} for rl in ranks]
         order = stage_order(ranks)
+        # in flight: at most two of the stage's largest tensors' worth of bytes (and always the
+        # next one), so memory stays bounded while runs of small tensors (a routed expert's, held
+        # by one rank each) keep every writer busy
+        budget = 2 * max((t.nbytes for t in order), default=0)
         # the last use of each quantized tensor (its weight, then its scale): once every rank has
         # written it, its buffer goes back to the quantizer (each rank writes in order)
         last = {(t.source, t.quant): i for i, t in enumerate(order) if t.quant}
@@ -46,11 +50,11 @@ def write_stage(
                 futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], mat.full(spec), spec, bar))
             if first.quant and last[(first.source, first.quant)] == i:
                 _when_all(futures, lambda spec=first: mat.release(spec))
-            pending.append(futures)
-            if len(pending) > 1:  # at most two tensors in flight: memory stays bounded
-                for f in pending.pop(0):
+            pending.append((first.nbytes, futures))
+            while len(pending) > 1 and sum(n for n, _ in pending) > budget:
+                for f in pending.pop(0)[1]:
                     f.result()
-        for fs in pending:
+        for _, fs in pending:
             for f in fs:
                 f.result()
         return writers
