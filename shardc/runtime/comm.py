@@ -206,24 +206,19 @@ class Comm:
         reduction order is unspecified: this way every rank and every run gets the same bits, and
         the result equals summing the partials of a tp-way split in order (the tests' reference).
         """
-        if self.tp == 1:
-            return x
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.tp)]
-        self._run(what, dist.all_gather, parts, x, group=self.tp_group)
-        total = parts[0].float()
-        for p in parts[1:]:
-            total += p.float()
-        return total.to(x.dtype)
+        return x if self.tp == 1 else self._ordered_sum(x, self.tp, self.tp_group, what)
 
     def all_reduce_experts(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """Sum over the stage's expert group (all dp x tp ranks; the TP group when dp = 1), in fp32
         and rank order, rounded once to x's dtype, as ``all_reduce_sum``."""
         if self.replica.dp == 1:
             return self.all_reduce_sum(x, what)
+        return self._ordered_sum(x, self.ep, self.ep_group, what)
+
+    def _ordered_sum(self, x: torch.Tensor, n: int, group: Any, what: str) -> torch.Tensor:
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.ep)]
-        self._run(what, dist.all_gather, parts, x, group=self.ep_group)
+        parts = [torch.empty_like(x) for _ in range(n)]
+        self._run(what, dist.all_gather, parts, x, group=group)
         total = parts[0].float()
         for p in parts[1:]:
             total += p.float()
