@@ -146,7 +146,8 @@ def test_layout_splits_heads_and_replicates_latents(ds):
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_packed" in names
 
 
-@pytest.mark.parametrize("tp, ep, dp", [(1, False, 1), (2, False, 1), (2, True, 1), (1, True, 2)])
+@pytest.mark.parametrize("tp, ep, dp", [(1, False, 1)] + [pytest.param(*c, marks=pytest.mark.heavy) for c in
+                                                          ((2, False, 1), (2, True, 1), (1, True, 2))])
 def test_runtime_matches_transformers(ds, tp, ep, dp):
     """tp = 1, also with the experts over 2 data-parallel ranks: bit for bit (each rank's whole
     experts summed across ranks in fp32 and rounded once is, for a token's two experts, the
@@ -166,6 +167,7 @@ def test_runtime_matches_transformers(ds, tp, ep, dp):
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= TOP1[tp], name
 
 
+@pytest.mark.heavy
 def test_greedy_generation_equals_transformers_generate(ds):
     """Through the latent KV cache at tp = 1: transformers' own generate() tokens, exactly. With
     expert parallelism over 2 ranks the logits differ in the last bits, so a token may differ only

@@ -122,7 +122,9 @@ LAYOUTS = [("mixtral", 1, False, 1, 1), ("mixtral", 2, False, 1, 1), ("mixtral",
            ("qwen2_moe", 2, True, 2, 1)]
 
 
-@pytest.mark.parametrize("name, tp, ep, dp, pp", LAYOUTS)
+# the first layout stays in the fast loop (make test-fast); the rest run with the heavy tests
+@pytest.mark.parametrize("name, tp, ep, dp, pp", [LAYOUTS[0]] + [pytest.param(*c, marks=pytest.mark.heavy)
+                                                                   for c in LAYOUTS[1:]])
 def test_runtime_matches_transformers(moe, name, tp, ep, dp, pp):
     """tp = 1, with or without data parallelism: bit for bit. Whole experts on separate ranks are
     summed across ranks in fp32 and rounded once, which for a token's two experts is the correctly
