@@ -17,9 +17,4 @@ BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architec
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}
 
 
-def supported_architectures() -> list[str]:
-    return sorted(BY_ARCHITECTURE)
-
-
-__all__ = ["BY_ARCHITECTURE", "BY_NAME", "FAMILIES", "Family", "Forward", "Row",
-           "supported_architectures"]
+__all__ = ["BY_ARCHITECTURE", "BY_NAME", "FAMILIES", "Family", "Forward", "Row"]

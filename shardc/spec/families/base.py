@@ -33,7 +33,6 @@ FUSED = "fused"  # dim 0 holds several column tensors end to end (Phi-3's qkv_pr
 #                  each part is cut by its own kind and the rank's pieces are concatenated
 EXPERT = "expert"  # a routed expert's tensor placed whole on one rank (plan expert_parallel);
 #                    without expert parallelism the row's own kind (column / row) splits it
-SPLITS = (COLUMN, KV_COLUMN, ROW, VOCAB, REPLICATED, FUSED, EXPERT)
 
 
 @dataclass(frozen=True)
