@@ -149,10 +149,11 @@ def test_replicated_kv_heads_and_mla_latents_do_not_shrink_with_tp(tmp_path):
     # per GPU 2 x 2 layers x max(1, 2 // tp) heads x 16 x 2 B x 2,048 tokens: tp=4 keeps one (replicated) head
     assert by_tp == {1: 2048 * 256, 2: 2048 * 128, 4: 2048 * 128}
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({
-        "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048,
+    cfg.write_text(json.dumps({  # a DeepSeek-V3-family model: MLA, 2 dense layers then 4 routed experts
+        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048,
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": None,
         "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "first_k_dense_replace": 2,
         "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
     mla = resolve_model(str(cfg))[0]
     s = search(mla, Cluster(get_gpu("h100-sxm")), dtypes=["bf16"], tps=[1, 2, 4, 8], pps=[1])

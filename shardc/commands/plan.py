@@ -143,12 +143,11 @@ Examples:
   shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --max-model-len 32768 --kv-memory 5.63GiB \\
       --target-tpot-ms 50 --explain      # reproduce vLLM's numbers for a measured KV budget
   shardc plan --model llama-3.3-70b --gpu a100-80gb --lora-adapters 8 --lora-rank 64 --draft-model llama-3.1-8b
-  shardc plan --model deepseek-v3 --gpu h200 --explain              # MLA: advisory, no --out
+  shardc plan --model deepseek-v3 --gpu h200 --dtype fp8 --explain  # MLA latent whole per GPU, EP
   shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
 """)
 @click.option("--model", "model_ref", required=True, metavar="PRESET|config.json|DIR",
-              help=f"Model preset ({', '.join(PRESETS)}; advisory: "
-              "deepseek-v3, deepseek-v2-lite), a config.json, or a checkpoint directory.")
+              help=f"Model preset ({', '.join(PRESETS)}), a config.json, or a checkpoint directory.")
 @click.option("--gpu", "gpu_name", required=True, metavar="PRESET",
               help="a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100-sxm, h200, l40s.")
 @click.option("--gpus-per-node", type=POS_INT, help="GPUs per node: the NVLink domain that TP stays inside. "
@@ -240,10 +239,10 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
           gpu_memory: float | None, hbm_bandwidth: float | None, nvlink_bandwidth: float | None,
           interconnect: str, fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool,
           as_json: bool, out_file: Path | None) -> None:
+    from ..planner.explain import explain as explain_lines
     from ..planner.formulas import Overheads, SpeedParams, Workload
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
     from ..planner.models import resolve_model
-    from ..planner.report import explain as explain_lines
     from ..planner.report import header, summary, table
     from ..planner.search import search
 
@@ -284,9 +283,6 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     else:
         click.echo(flags("\n".join(table(result))))
     rec = result.require_recommendation()
-    if out_file is not None and result.advisory:
-        raise PlanError(f"not written: {result.advisory}", key="--out",
-                        hint="shardc build compiles the families in the README's Supported models table")
     if out_file is not None:
         write_plan(result.plan_for(rec, _source_for(source, model_ref, out_file)), out_file, result, rec)
         if not as_json:

@@ -6,8 +6,8 @@ decode step. A unit fits when every stage's KV pool (what vLLM would allocate, a
 holds the demand and the CUDA context and graphs fit in the headroom vLLM leaves outside its
 budget (with a measured `kv_memory` pool: no GPU above the memory limit); the cap alone never rules
 a unit out.
-Weights come from the Layout (the families shardc builds) or from mla.py's matrices (advisory MLA models); LoRA
-adapters and a draft model are sharded like the weights.
+Weights come from the Layout of every family (weights.py), MLA ones included; LoRA adapters and a
+draft model are sharded like the weights.
 """
 
 from __future__ import annotations
@@ -18,32 +18,30 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LayoutError
+from ..spec.model import ModelSpec
 from ..spec.plan import Plan, plan_from_dict
 from .formulas import (
     ACT_BYTES,
     Cost,
     GpuMemory,
     KvFigures,
-    RankWeights,
     Speed,
     Workload,
     demand_tokens,
     demand_words,
     dollars_per_mtok,
+    experts_touched,
     gpipe_bubble,
     kv_blocks,
     kv_bytes_per_token,
     lora_bytes_per_layer,
     mla_kv_bytes_per_token,
-    plan_dict,
-    plan_name,
-    rank_weights,
     request_kv_bytes,
     ring_allreduce_s,
     sequences_at,
 )
 from .gpus import GIB
-from .mla import MlaModel, experts_touched, mla_rank_weights
+from .weights import RankWeights, plan_dict, plan_name, rank_weights
 
 if TYPE_CHECKING:
     from .search import Search
@@ -119,24 +117,27 @@ def lora_bytes(model: Any, w: Workload, layers: int) -> int:
     return layers * per
 
 
-def kv_bpt(model: Any, layers: int, tp: int, kv_bytes: int) -> int:
-    if isinstance(model, MlaModel):
-        return mla_kv_bytes_per_token(layers, model.kv_lora_rank, model.qk_rope_head_dim, kv_bytes)
+def kv_bpt(model: ModelSpec, layers: int, tp: int, kv_bytes: int) -> int:
+    """KV bytes per token on one GPU holding ``layers`` layers: K and V of its KV heads, or an MLA
+    latent (kv_lora_rank + qk_rope_head_dim per layer), whole on every GPU whatever the TP."""
+    mla = model.forward.mla
+    if mla is not None:
+        return mla_kv_bytes_per_token(layers, mla.kv_lora_rank, mla.rope, kv_bytes)
     return kv_bytes_per_token(layers, model.num_kv_heads, tp, model.head_dim, kv_bytes)
 
 
-def routing(model: Any) -> tuple[int, int]:
+def routing(model: ModelSpec) -> tuple[int, int]:
     """(experts a token is routed to, routed experts per MoE layer); (0, 0) for a dense model."""
-    if isinstance(model, MlaModel):
-        return model.num_experts_per_tok, model.n_routed_experts
     moe = model.forward.moe
     return (moe.top_k, moe.experts) if moe is not None else (0, 0)
 
 
-def attn_flops(model: Any) -> int:
-    """Attention FLOPs per layer, head and context token: q.k and p.v (MLA: against the latent)."""
-    if isinstance(model, MlaModel):
-        return 2 * model.latent_dim + 2 * model.kv_lora_rank
+def attn_flops(model: ModelSpec) -> int:
+    """Attention FLOPs per layer, head and context token: q.k and p.v. MLA decodes in vLLM's
+    absorbed form, against the latent: q.k over kv_lora_rank + rope, p.v over kv_lora_rank."""
+    mla = model.forward.mla
+    if mla is not None:
+        return 2 * (mla.kv_lora_rank + mla.rope) + 2 * mla.kv_lora_rank
     return 4 * model.head_dim
 
 
@@ -147,12 +148,7 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
         return c
     try:
         c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, tp, pp, dtype), s.source, tp, pp, dtype))
-        if isinstance(s.model, MlaModel):
-            if pp > s.model.num_layers:
-                raise LayoutError(f"pp_degree={pp} exceeds num_hidden_layers={s.model.num_layers}")
-            c.weights = mla_rank_weights(s.model, tp, pp, dtype, even_stages(s.model.num_layers, pp))
-        else:
-            c.weights = rank_weights(s.model, c.plan)
+        c.weights = rank_weights(s.model, c.plan)
     except LayoutError as exc:
         c.reasons.append(exc.message)
         return c
@@ -160,16 +156,6 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
     if not c.reasons:
         _speed(s, c)
     return c
-
-
-def even_stages(n: int, pp: int) -> list[tuple[int, int]]:
-    """The Layout's default stage split (stage_ranges): even, the remainder to the first stages."""
-    base, extra = divmod(n, pp)
-    out, start = [], 0
-    for st in range(pp):
-        out.append((start, start + base + (1 if st < extra else 0)))
-        start = out[-1][1]
-    return out
 
 
 def _memory(s: Search, c: Candidate) -> None:

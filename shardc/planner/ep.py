@@ -6,8 +6,7 @@ embeddings) and its block of the routed experts, vLLM's linear placement (rank r
 [r·E/N, (r+1)·E/N), the remainder to the first ranks), so the largest rank, rank 0, holds
 ceil(E/N) of them and sets the memory verdict. The bytes come from the family's tensor table
 through the Layout of a tp=1 probe (one layer of each kind, sparse or dense): the rows with an
-``expert`` id are counted per expert, everything else whole. MLA models (advisory) take the same
-split of mla.py's matrices.
+``expert`` id are counted per expert, everything else whole (DeepSeek-V3's MLA projections too).
 
 The KV cache is split by request (attention data parallelism): each rank keeps the KV of
 ceil(streams / N) streams, whole (every KV head, every layer; an MLA latent is whole anyway); one
@@ -33,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import LayoutError, PlanError, QuantizationError
 from ..spec.layout import build_layout, check_degrees, layer_of
@@ -46,19 +45,17 @@ from .formulas import (
     Cost,
     GpuMemory,
     KvFigures,
-    RankWeights,
     Speed,
     Workload,
     all_to_all_s,
     dollars_per_mtok,
+    experts_touched,
     kv_blocks,
-    plan_dict,
-    plan_name,
     request_kv_bytes,
     round_to_blocks,
     sequences_at,
 )
-from .mla import MlaModel, experts_touched, mla_rank_weights, routed_expert_elems
+from .weights import RankWeights, plan_dict, plan_name
 
 if TYPE_CHECKING:
     from .search import Search
@@ -96,15 +93,9 @@ class EpWeights:
         return out
 
 
-def ep_weights(model: Any, dtype: str) -> EpWeights:
-    """The split, from the Layout of a tp=1 probe (ModelSpec) or mla.py's matrices (MlaModel)."""
+def ep_weights(model: ModelSpec, dtype: str) -> EpWeights:
+    """The split, from the Layout of a tp=1 probe with one layer of each kind (sparse or dense)."""
     k, experts = routing(model)
-    if isinstance(model, MlaModel):
-        rw = mla_rank_weights(model, 1, 1, dtype, [(0, model.num_layers)])[0]
-        moe = model.moe_layers(0, model.num_layers)
-        per, lin = rw.expert_bytes // experts, moe * routed_expert_elems(model)
-        return EpWeights(dtype, experts, k, moe, model.num_layers, rw.nbytes - rw.expert_bytes,
-                         rw.read_bytes - rw.expert_bytes, rw.linear_params - k * lin, (per,) * experts, lin)
     sparse = model.forward.moe.sparse
     first = {kind: sparse.index(kind) for kind in set(sparse)}  # one probe layer of each kind
     probe = dataclasses.replace(model, num_layers=max(first.values()) + 1)
@@ -171,8 +162,7 @@ def evaluate_ep(s: Search, n: int, dtype: str, ew: EpWeights | str) -> Candidate
     c.ep_detail = ew
     try:
         c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, 1, 1, dtype, n), s.source, 1, 1, dtype, dp=n))
-        if isinstance(s.model, ModelSpec):
-            check_degrees(s.model, c.plan)
+        check_degrees(s.model, c.plan)
     except (LayoutError, PlanError) as exc:
         c.reasons.append(exc.message)
         return c

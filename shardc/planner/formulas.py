@@ -1,9 +1,8 @@
 """The planner's formulas: memory, KV-cache, speed and cost arithmetic for TP x PP x dtype.
 
 Pure arithmetic on the model config and GPU spec sheets (no torch, no I/O), so ``shardc plan``
-answers instantly. Weight bytes per GPU come from the Layout, the same records ``shardc build``
-writes, so the planner can never disagree with the shards about replicated norms, KV-head
-replication, vocab padding or quantization scales. KV math follows vLLM exactly (paged blocks of
+answers instantly. Weight bytes per GPU come from the Layout (weights.py), the same records
+``shardc build`` writes. KV math follows vLLM exactly (paged blocks of
 ``block_size`` tokens; a budget holds ``block * floor(budget / (block * bytes_per_token))``
 tokens), because vLLM refuses deployments with this arithmetic and ours must agree with it.
 The KV budget a unit would allocate follows vLLM's accounting (see ``Overheads``); the KV the
@@ -17,21 +16,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import PlanError
-from ..spec.layout import build_layout, check_degrees, layer_of, stage_ranges
 from ..spec.model import ModelSpec
-from ..spec.plan import (
-    DEFAULT_IGNORE,
-    DEFAULT_SHARD_PREFIX,
-    DP_SHARD_PREFIX,
-    QUANTIZED_DTYPES,
-    Plan,
-)
-from ..spec.tensors import tensor_table
 from .gpus import GIB, Cluster
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
@@ -250,6 +238,13 @@ def dollars_per_mtok(gpus: int, price_per_gpu_hour: float, tokens_per_s: float) 
     return gpus * price_per_gpu_hour * 1e6 / (tokens_per_s * 3600)
 
 
+def experts_touched(batch: float, active: int, routed: int) -> float:
+    """Expected share of routed experts a decode step reads: 1 - (1 - k/n)^batch (uniform routing)."""
+    if not routed:
+        return 1.0
+    return 1.0 - math.pow(1.0 - active / routed, max(batch, 1.0))
+
+
 def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedParams) -> None:
     """Nonsensical inputs end here, as one PlanError naming the field (``key``; hints quote other
     fields in backticks), before any arithmetic. The CLI maps field names to its flags."""
@@ -292,96 +287,6 @@ def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedPa
         raise bad("lora_adapters" if w.lora_adapters <= 0 else "lora_rank",
                   f"LoRA needs both a positive adapter count and rank, found {w.lora_adapters} adapters of "
                   f"rank {w.lora_rank}", "give `lora_adapters` and `lora_rank` together")
-
-
-# --- weights from the Layout ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankWeights:
-    """One GPU's weights as the Layout lists them."""
-
-    tp_rank: int
-    pp_stage: int
-    layers: tuple[int, int]
-    nbytes: int  # stored bytes: quantized weights + float32 scales + 16-bit rest
-    read_bytes: int  # streamed from HBM per decode step (all but the embedding-row lookup)
-    linear_params: int  # matmul weight elements: 2 FLOPs each per token
-    kv_heads: int  # KV heads this rank holds (one replicated head when tp > kv_heads)
-    expert_bytes: int = 0  # routed MoE experts among nbytes: a decode step reads only those routed to
-
-
-def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
-    """Every rank's weights, asked of the Layout of a probe model with one layer per stage.
-
-    Decoder layers of one model have identical tensors, so a stage's bytes are its non-layer tensors
-    plus (layers on the stage) x (its one probe layer). The probe Layout lists pp x 9 layer tensors
-    per rank instead of 80 x 9, which keeps a search of dozens of candidates far below a second;
-    tests check the result against the full Layout byte for byte.
-    """
-    check_degrees(model, plan)
-    counts = [b - a for a, b in stage_ranges(model, plan)]
-    probe_model = dataclasses.replace(model, num_layers=plan.pp)
-    probe = build_layout(probe_model, dataclasses.replace(plan, pp_layers=(1,) * plan.pp))
-    # routed experts (MoE families): a decode step reads only the experts its tokens are routed to
-    routed = {n for n, r in tensor_table(probe_model).items() if r.expert is not None} if model.forward.moe else set()
-    real = stage_ranges(model, plan)
-    out = []
-    for rl in probe.ranks:
-        n = counts[rl.pp_stage]
-        totals = {"nbytes": 0, "read": 0, "linear": 0, "expert": 0}
-        kv_heads = 0
-        for t in rl.tensors:
-            mult = n if layer_of(t.name) is not None else 1
-            embed = t.name == "model.embed_tokens.weight"
-            streamed = not embed or (model.tie_word_embeddings and plan.pp == 1)  # tied: also lm_head
-            totals["nbytes"] += mult * t.nbytes
-            totals["read"] += mult * t.nbytes if streamed else 0
-            totals["expert"] += mult * t.nbytes if t.source in routed else 0
-            if streamed and len(t.shape) == 2 and t.scale_of is None:  # packed: values, not words
-                totals["linear"] += mult * math.prod(t.shape) * (t.pack or 1)
-            if t.name.endswith("self_attn.k_proj.weight"):
-                kv_heads = t.shape[0] // model.head_dim
-        kv_heads = kv_heads or max(1, model.num_kv_heads // plan.tp)  # k stored fused (Phi-3)
-        out.append(
-            RankWeights(rl.tp_rank, rl.pp_stage, real[rl.pp_stage], totals["nbytes"], totals["read"],
-                        totals["linear"], kv_heads, totals["expert"])
-        )
-    return out
-
-
-# --- plans ------------------------------------------------------------------------------------
-
-
-def plan_name(model_name: str, tp: int, pp: int, dtype: str, ep: int = 1) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-._")[:96] or "model"
-    return f"{slug}-ep{ep}-{dtype}" if ep > 1 else f"{slug}-tp{tp}pp{pp}-{dtype}"
-
-
-def plan_dict(
-    name: str, source: str, tp: int, pp: int, dtype: str, *, kv_cache_cap_gib: float | None = None,
-    max_concurrent_sequences: int | None = None, dp: int = 1,
-) -> dict[str, Any]:
-    """A plan file's content (the schema of spec/plan.py), ready for ``plan_from_dict``/YAML.
-
-    ``dp`` > 1: an expert-parallel plan (``expert_parallel: true``, ``dp_degree: dp``; the EP group
-    is the dp x tp ranks of a stage), with the shard names that carry ``{dp_rank}``."""
-    rg: dict[str, Any] = {
-        "name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * pp * dp,
-        "nvlink_domain": "node-local",
-    }
-    if dp > 1:
-        rg["dp_degree"] = dp
-        rg["expert_parallel"] = True
-    if kv_cache_cap_gib:
-        rg["kv_cache_cap_gb"] = int(kv_cache_cap_gib) if kv_cache_cap_gib == int(kv_cache_cap_gib) else kv_cache_cap_gib
-    if max_concurrent_sequences:
-        rg["max_concurrent_sequences"] = max_concurrent_sequences
-    rg["checkpoint"] = {"shard_prefix": DEFAULT_SHARD_PREFIX if dp == 1 else DP_SHARD_PREFIX}
-    out: dict[str, Any] = {"replica_group": rg, "model": {"source": source}}
-    if dtype in QUANTIZED_DTYPES:
-        out["quantization"] = {"ignore": list(DEFAULT_IGNORE)}
-    return out
 
 
 # --- the figures of one candidate -----------------------------------------------------------
