@@ -7,9 +7,9 @@ the way one checks it on paper against vLLM's log; split from report.py, which p
 from __future__ import annotations
 
 from .candidate import Candidate, attn_flops, kv_bpt, routing
-from .ep import ep_demand_words, ep_slot, linear_block
-from .formulas import demand_words, experts_touched
-from .gpus import GB, GIB
+from .ep import ep_demand_words, linear_block
+from .formulas import SpeedParams, demand_words, experts_touched
+from .gpus import GB, GIB, GPU, gemm_flops
 from .policy import OBJECTIVE_WORDS
 from .report import gib
 from .search import Search
@@ -83,35 +83,29 @@ def _explain_ep(s: Search, c: Candidate) -> list[str]:
 
 def _explain_ep_speed(s: Search, c: Candidate) -> list[str]:
     m, g, w, sp, v, ew, n = s.model, s.cluster.gpu, s.workload, s.speed, c.speed, c.ep_detail, c.ep
-    assert v is not None and c.cost is not None and ew is not None
+    assert v is not None and c.kv is not None and ew is not None
     rw = max(c.weights, key=lambda r: r.nbytes)
     held = len(linear_block(ew.experts, n, 0))
     share = experts_touched(v.batch, ew.top_k, ew.experts)
     local = -(-v.batch // n)
     link = g.link
-    t1 = ep_slot(s, c, 1)[0]
-    k = c.cost
-    return ["", f"Decode step (roofline, approximate), batch {v.batch} over {n} GPUs ({local} streams on the "
-            f"fullest) at {w.context:,} tokens of context:",
+    return ["", f"Decode-only step (roofline, approximate), {v.batch} requests over {n} GPUs ({local} streams on "
+            f"the fullest) at {w.context:,} tokens of context:",
             f"  HBM: (non-expert {gib(rw.read_bytes - rw.expert_bytes)} + own experts {gib(rw.expert_bytes)} x "
             f"1-(1-{ew.top_k}/{ew.experts})^{v.batch} = {share:.0%} read + KV {local} x {w.context:,} x "
-            f"{c.kv.bytes_per_token:,} B) / ({g.hbm_bandwidth / GB:,.0f} GB/s x {sp.hbm_efficiency:g}) = "
+            f"{c.kv.bytes_per_token:,} B) / ({g.hbm_bandwidth / GB:,.0f} GB/s x {_w_eff(sp, c):g}, KV x "
+            f"{sp.kv_hbm_efficiency:g}) = "
             f"{v.memory_s * 1e3:.2f} ms",
             f"  compute: {local} streams x (2 x {ew.base_linear:,} + attention) + {v.batch} x {ew.top_k} x "
             f"{held}/{ew.experts} routed tokens x 2 x {ew.expert_linear:,} FLOP / "
-            f"({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) = {v.compute_s * 1e3:.2f} ms",
+            f"({gemm_flops(g, c.dtype or '') / 1e12:,.0f} TFLOP/s x {_c_eff(sp, c, g):g}) = {v.compute_s * 1e3:.2f} ms",
             f"  all-to-all: 2 (dispatch, combine) x {ew.moe_layers} MoE layers x [({n}-1)/{n} x {local} x "
             f"{ew.top_k} x {m.hidden_size:,} x 2 B / ({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + "
             f"({n}-1) x {link.latency * 1e6:g} us] = {v.allreduce_s * 1e3:.2f} ms ({link.name})",
-            f"  TPOT = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} = {v.tpot_s * 1e3:.2f} ms "
-            f"(batch 1: {t1 * 1e3:.2f} ms); not modelled: expert load imbalance, dispatch kernels, DP ranks "
-            "waiting for each other",
-            "", "Throughput and cost:",
-            f"  tokens/s per replica = {v.batch} / {v.tpot_s * 1e3:.2f} ms = {v.tokens_per_s:,.0f}",
-            f"  $/Mtok = {n} GPUs x ${w.price_per_gpu_hour:.2f}/h x 1e6 / ({v.tokens_per_s:,.0f} tok/s x 3,600 s/h)"
-            f" = ${k.dollars_per_mtok:.3f}  ({k.gpu_hours_per_mtok:.3f} GPU-hours per Mtok)",
-            f"  replicas per node = {s.cluster.gpus_per_node} // {n} = {k.replicas_per_node}; in this cluster: "
-            f"{k.replicas_in_cluster}"]
+            f"  step = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) + {v.allreduce_s * 1e3:.2f} + fixed "
+            f"{v.fixed_s * 1e3:.2f} + {sp.step_overhead_ms:g} = {v.slot_s * 1e3:.2f} ms; not modelled: expert load "
+            "imbalance, dispatch kernels, DP ranks waiting for each other",
+            *_explain_serving(s, c)]
 
 
 def _explain_llama(s: Search, c: Candidate, layers: int, kvh: int) -> list[str]:
@@ -218,43 +212,68 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     attn = (f"{attn_flops(m)} x {layers} layers x {m.num_heads // tp} heads" if m.forward.mla is not None else
             f"4 x {layers} layers x {m.num_heads // tp} heads x {m.head_dim}")
     link = g.link
-    o = ["", f"Decode step (roofline), batch {v.batch} at {w.context:,} tokens of context"
+    o = ["", f"Decode-only step (roofline), {v.batch} requests at {w.context:,} tokens of context"
          + (f", {v.microbatches} micro-batches of {b:g}" if pp > 1 else "") + f"; slowest stage {v.stage}:",
-         f"  HBM: (weights read {gib(read)}{routed} + KV {b:g} x {w.context:,} x {bpt:,} B) / "
-         f"({g.hbm_bandwidth / GB:,.0f} GB/s x {sp.hbm_efficiency:g}) = {v.memory_s * 1e3:.2f} ms",
-         f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.context:,}) FLOP / ({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) "
-         f"= {v.compute_s * 1e3:.2f} ms",
-         f"  roofline = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) = "
-         f"{max(v.memory_s, v.compute_s) * 1e3:.2f} ms",
+         f"  HBM: weights read {gib(read)}{routed} / ({g.hbm_bandwidth / GB:,.0f} GB/s x {_w_eff(sp, c):g}) + KV "
+         f"{b:g} x {w.context:,} x {bpt:,} B / (x {sp.kv_hbm_efficiency:g}) = {v.memory_s * 1e3:.2f} ms",
+         f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.context:,}) FLOP / "
+         f"({gemm_flops(g, c.dtype or '') / 1e12:,.0f} TFLOP/s {'fp8' if c.dtype == 'fp8' and gemm_flops(g, 'fp8') > g.flops else '16-bit'}"
+         f" x {_c_eff(sp, c, g):g}) = {v.compute_s * 1e3:.2f} ms",
          f"  all-reduce: 2 x {layers} layers x [2({tp}-1)/{tp} x {b:g} x {m.hidden_size:,} x 2 B / "
-         f"({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + 2({tp}-1) x {link.latency * 1e6:g} us] = "
-         f"{v.allreduce_s * 1e3:.2f} ms ({link.name})"]
+         f"({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + "
+         + (f"2 x {link.latency * 1e6:g} us] (vLLM's two-shot custom all-reduce over NVLink)"
+            if link.name.startswith("nvlink") else f"2({tp}-1) x {link.latency * 1e6:g} us] (ring)")
+         + (" + the hand-off to the next stage" if pp > 1 and v.stage < pp - 1 else "")
+         + f" = {v.allreduce_s * 1e3:.2f} ms ({link.name if cl.nodes == 1 else link.name + '/' + cl.inter_node.name})",
+         f"  fixed: {layers} layers x {sp.layer_overhead_us:g} us = {v.fixed_s * 1e3:.2f} ms",
+         f"  slot = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) + {v.allreduce_s * 1e3:.2f} + "
+         f"{v.fixed_s * 1e3:.2f} = {v.slot_s * 1e3:.2f} ms"]
     if pp > 1:
-        hop = (f"none (stage {v.stage} is the last)" if v.stage == pp - 1 else
-               f"{b:g} x {m.hidden_size:,} x 2 B over {link.name if cl.nodes == 1 else link.name + '/' + cl.inter_node.name}"
-               f" + latency = {v.handoff_s * 1e3:.3f} ms")
-        o += [f"  hand-off to the next stage: {hop}",
-              f"  slot = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} + "
-              f"{v.handoff_s * 1e3:.3f} = {v.slot_s * 1e3:.2f} ms",
-              f"  GPipe: bubble (p-1)/(m+p-1) = ({pp}-1)/({v.microbatches}+{pp}-1) = {v.bubble:.1%}; "
-              f"TPOT = (m+p-1) x slot = {v.microbatches + pp - 1} x {v.slot_s * 1e3:.2f} = {v.tpot_s * 1e3:.2f} ms"]
+        o.append(f"  GPipe: bubble (p-1)/(m+p-1) = ({pp}-1)/({v.microbatches}+{pp}-1) = {v.bubble:.1%}; "
+                 f"step = (m+p-1) x slot + {sp.step_overhead_ms:g} ms")
     else:
-        o.append(f"  TPOT = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} = "
-                 f"{v.tpot_s * 1e3:.2f} ms")
-    limit = {"tpot": f"the largest batch within the {w.target_ms:g} ms target",
-             "kv": "every sequence the KV cache holds", "max_num_seqs": f"max_num_seqs {sp.max_num_seqs}"}
-    o.append(f"  batch {v.batch} = {limit[v.limited_by]}" if c.meets_target else
-             f"  batch 1 misses the {w.target_ms:g} ms target: no batch meets it")
-    k = c.cost
-    world = tp * pp
-    o += ["", "Throughput and cost:",
-          f"  tokens/s per replica = {v.batch} / {v.tpot_s * 1e3:.2f} ms = {v.tokens_per_s:,.0f}",
-          f"  $/Mtok = {world} GPUs x ${w.price_per_gpu_hour:.2f}/h x 1e6 / ({v.tokens_per_s:,.0f} tok/s x 3,600 s/h)"
-          f" = ${k.dollars_per_mtok:.3f}  ({k.gpu_hours_per_mtok:.3f} GPU-hours per Mtok)",
-          f"  replicas per node = {cl.gpus_per_node} // {world} = {k.replicas_per_node}; in this cluster: "
-          f"{k.replicas_in_cluster}"]
+        o.append(f"  step = slot + {sp.step_overhead_ms:g} ms (scheduler, sampling)")
+    return o + _explain_serving(s, c)
+
+
+def _w_eff(sp: SpeedParams, c: Candidate) -> float:
+    return sp.w8_hbm_efficiency if c.dtype in ("int8", "fp8") else sp.hbm_efficiency
+
+
+def _c_eff(sp: SpeedParams, c: Candidate, g: GPU) -> float:
+    return sp.fp8_compute_efficiency if gemm_flops(g, c.dtype or "") > g.flops else sp.compute_efficiency
+
+
+def _explain_serving(s: Search, c: Candidate) -> list[str]:
+    w, sp, v, k, x = s.workload, s.speed, c.speed, c.cost, c.serving
+    assert v is not None and k is not None and x is not None
+    gpus = c.gpus
+    limit = {"tpot": f"the most within the {w.target_ms:g} ms TPOT target",
+             "ttft": f"the most within the {w.ttft_ms or 0:g} ms TTFT target",
+             "kv": "every request the KV cache holds", "max_num_seqs": f"max_num_seqs {sp.max_num_seqs}",
+             "concurrency": "`concurrency`"}
+    o = ["", f"Serving (isl {x.isl:,}, osl {x.osl:,}; vLLM chunked prefill, {sp.max_num_batched_tokens:,} tokens "
+         "per step):",
+         f"  concurrency {x.concurrency} = {limit[v.limited_by]}"
+         + ("" if c.meets_target else " (misses the target)"),
+         f"  prompt in ceil({x.isl:,} / {x.chunk:,}) = {x.chunks} chunk(s); steps with a chunk: "
+         f"min(1, {x.concurrency} x {x.chunks} / ({x.chunks} + {x.osl:,} - 1)) = {x.mixed_share:.1%}",
+         f"  decode step {x.decode_step_s * 1e3:.2f} ms; step with a prompt chunk {x.mixed_step_s * 1e3:.2f} ms; "
+         f"one prompt alone {x.prefill_s * 1e3:.2f} ms",
+         f"  TPOT = {x.mixed_share:.3f} x {x.mixed_step_s * 1e3:.2f} + {1 - x.mixed_share:.3f} x "
+         f"{x.decode_step_s * 1e3:.2f} = {x.tpot_s * 1e3:.2f} ms (batch 1: {v.tpot1_s * 1e3:.2f} ms)",
+         f"  TTFT = {x.chunks} x {x.mixed_step_s * 1e3:.2f} + {x.decode_step_s * 1e3:.2f} / 2 = {x.ttft_s * 1e3:.1f} ms",
+         f"  request = {x.ttft_s * 1e3:.1f} + ({x.osl:,} - 1) x {x.tpot_s * 1e3:.2f} = {x.latency_s:.2f} s; "
+         f"{x.concurrency} / {x.latency_s:.2f} s = {x.requests_per_s:.2f} requests/s",
+         "", "Throughput and cost:",
+         f"  tokens/s per replica = {x.requests_per_s:.3f} x {x.osl:,} = {x.tokens_per_s:,.0f}; per GPU / {gpus} = "
+         f"{x.tokens_per_s_per_gpu:,.0f}",
+         f"  $/Mtok = {gpus} GPUs x ${w.price_per_gpu_hour:.2f}/h x 1e6 / ({x.tokens_per_s:,.0f} tok/s x 3,600 s/h)"
+         f" = ${k.dollars_per_mtok:.3f}  ({k.gpu_hours_per_mtok:.3f} GPU-hours per Mtok)",
+         f"  replicas per node = {s.cluster.gpus_per_node} // {gpus} = {k.replicas_per_node}; in this cluster: "
+         f"{k.replicas_in_cluster}"]
     if k.replicas_for_demand is not None:
-        o.append(f"  demand: ceil({w.demand_tokens_per_s:,.0f} / {v.tokens_per_s:,.0f}) = {k.replicas_for_demand} "
+        o.append(f"  demand: ceil({w.demand_tokens_per_s:,.0f} / {x.tokens_per_s:,.0f}) = {k.replicas_for_demand} "
                  f"replicas = {k.gpus_for_demand} GPUs")
     return o
 
@@ -287,8 +306,13 @@ def _explain_choice(s: Search, c: Candidate) -> list[str]:
     o += ["", "Assumptions (named parameters):",
           "  overheads per GPU: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in ov.per_gpu(2).items())
           + " (nccl only with > 1 GPU)",
-          f"  hbm_efficiency {sp.hbm_efficiency:g}, compute_efficiency {sp.compute_efficiency:g}, "
-          f"link_efficiency {sp.link_efficiency:g}, microbatches {sp.microbatches or 'one per stage'}, "
+          f"  hbm_efficiency {sp.hbm_efficiency:g}, w8_hbm_efficiency {sp.w8_hbm_efficiency:g}, "
+          f"kv_hbm_efficiency {sp.kv_hbm_efficiency:g}, compute_efficiency {sp.compute_efficiency:g}, "
+          f"fp8_compute_efficiency {sp.fp8_compute_efficiency:g}, "
+          f"link_efficiency {sp.link_efficiency:g}, layer_overhead_us {sp.layer_overhead_us:g}, "
+          f"step_overhead_ms {sp.step_overhead_ms:g} (fitted to aiconfigurator 0.12's vLLM tables: "
+          "docs/performance.md), "
+          f"max_num_batched_tokens {sp.max_num_batched_tokens}, microbatches {sp.microbatches or 'one per stage'}, "
           f"max_num_seqs {sp.max_num_seqs}, max memory per GPU {sp.max_memory_fraction:.0%} (with `kv_memory`)"]
     return o
 

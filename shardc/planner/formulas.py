@@ -18,9 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from ..errors import PlanError
-from ..spec.model import ModelSpec
-from .gpus import GIB, Cluster
+from .gpus import GIB
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
@@ -83,11 +81,21 @@ class Overheads:
 
 @dataclass(frozen=True)
 class SpeedParams:
-    """Knobs of the decode roofline; each one is printed by ``--explain``."""
+    """Knobs of the engine-step model (serving.py); each one is printed by ``--explain``.
 
-    hbm_efficiency: float = 0.8  # share of peak HBM bandwidth that decode GEMVs reach
-    compute_efficiency: float = 0.5  # share of peak FLOP/s that batched decode GEMMs reach
-    link_efficiency: float = 0.75  # share of link bandwidth NCCL reaches (bus bandwidth)
+    The efficiencies and overheads are fitted, one set for every cell, against aiconfigurator 0.12's measured
+    vLLM kernel tables (scripts/bench_plan.py --fit; docs/performance.md "Speed model calibration"):
+    they are properties of the kernels on a GPU generation, not of one model or batch."""
+
+    hbm_efficiency: float = 0.95  # share of peak HBM bandwidth 16-bit weight GEMMs reach
+    kv_hbm_efficiency: float = 0.95  # the same for the paged-attention kernels' KV reads
+    w8_hbm_efficiency: float = 0.8  # the same for 8-bit weights (fp8, int8): their kernels stream less well
+    compute_efficiency: float = 0.62  # share of peak 16-bit FLOP/s that GEMMs and attention reach (prefill)
+    fp8_compute_efficiency: float = 0.28  # share of peak fp8 FLOP/s that fp8 GEMMs reach
+    link_efficiency: float = 0.43  # share of link bandwidth NCCL reaches (bus bandwidth)
+    layer_overhead_us: float = 45.4  # per layer and step: norms, activation, attention launch (fixed)
+    step_overhead_ms: float = 0.0  # per engine step: scheduler, sampling, logits (fixed)
+    max_num_batched_tokens: int = 8192  # vLLM's token budget per step (chunked prefill)
     microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage
     max_num_seqs: int = 256  # scheduler cap on the decode batch (vLLM's default)
     # with `kv_memory` (vLLM's kv_cache_memory_bytes, which bypasses the utilization budget), a GPU
@@ -99,9 +107,12 @@ class SpeedParams:
 class Workload:
     """What the deployment must serve, and what it costs."""
 
-    avg_context: int | None = None  # None: DEFAULT_AVG_CONTEXT for speed; the demand uses the request length
+    avg_context: int | None = None  # None: isl + osl / 2 for speed; the demand uses the request length
     max_model_len: int | None = None  # None: max_position_embeddings, as vLLM defaults it
-    concurrency: int = 1  # requests the KV cache must hold at once
+    concurrency: int | None = None  # requests in flight (and in the KV cache); None: the most that meet the targets
+    isl: int | None = None  # prompt tokens per request; None: 3/4 of avg_context (1,536)
+    osl: int | None = None  # output tokens per request; None: 1/2 of avg_context (1,024)
+    ttft_ms: float | None = None  # time-to-first-token target, a requirement when given
     allow_long_context: bool = False  # max_model_len beyond max_position_embeddings (vLLM's opt-in)
     kv_cache_cap: int | None = None  # ceiling on the KV pool per GPU; None: --kv-memory when set, else 20 GiB
     kv_memory: float | None = None  # per GPU KV budget as an engine measured it (overrides the math)
@@ -120,9 +131,35 @@ class Workload:
         return DEFAULT_TPOT_MS if self.target_tpot_ms is None else self.target_tpot_ms
 
     @property
+    def requests(self) -> int:
+        """Requests the KV demand holds at once: --concurrency, else one."""
+        return self.concurrency or 1
+
+    @property
     def context(self) -> int:
-        """Tokens per sequence for the speed model: --avg-context, else the default."""
-        return DEFAULT_AVG_CONTEXT if self.avg_context is None else self.avg_context
+        """Average tokens a decoding sequence has in its cache: --avg-context, else isl + osl / 2
+        (2,048 with the default 1,536-token prompts and 1,024-token outputs)."""
+        if self.avg_context is not None:
+            return self.avg_context
+        if self.isl is not None or self.osl is not None:
+            return self.prompt + self.output // 2
+        return DEFAULT_AVG_CONTEXT
+
+    @property
+    def prompt(self) -> int:
+        """Prompt tokens per request (isl): --isl, else 3/4 of the average context."""
+        if self.isl is not None:
+            return self.isl
+        base = self.avg_context if self.avg_context is not None else DEFAULT_AVG_CONTEXT
+        return max(1, base * 3 // 4)
+
+    @property
+    def output(self) -> int:
+        """Output tokens per request (osl): --osl, else 1/2 of the average context."""
+        if self.osl is not None:
+            return self.osl
+        base = self.avg_context if self.avg_context is not None else DEFAULT_AVG_CONTEXT
+        return max(1, base // 2)
 
     @property
     def target_set(self) -> bool:
@@ -183,15 +220,25 @@ def demand_tokens(w: Workload, max_position: int) -> int:
     tokens when given, else of the max model length; each request is paged in whole blocks.
     """
     length = w.max_model_len or max_position
-    each = w.avg_context if w.avg_context is not None else length
-    return max(round_to_blocks(length, w.block_size), w.concurrency * round_to_blocks(each, w.block_size))
+    each = request_tokens(w, length)
+    return max(round_to_blocks(length, w.block_size), w.requests * round_to_blocks(each, w.block_size))
+
+
+def request_tokens(w: Workload, length: int) -> int:
+    """KV tokens one request of the demand holds: --avg-context, else isl + osl when given (a
+    request's cache at its end), else the max model length."""
+    if w.avg_context is not None:
+        return w.avg_context
+    if w.isl is not None or w.osl is not None:
+        return w.prompt + w.output
+    return length
 
 
 def demand_words(w: Workload, max_position: int) -> str:
     """The demand in words: which requests it is, as --explain and the reasons say it."""
     length = w.max_model_len or max_position
-    each = w.avg_context if w.avg_context is not None else length
-    n, block = w.concurrency, w.block_size
+    each = request_tokens(w, length)
+    n, block = w.requests, w.block_size
     if n * round_to_blocks(each, block) > round_to_blocks(length, block):
         return f"{n} requests of {each:,} tokens"
     one = f"one {length:,}-token request"
@@ -220,6 +267,16 @@ def ring_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) ->
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
+def custom_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """vLLM's custom all-reduce over NVLink peer-to-peer (two-shot: a reduce-scatter and an
+    all-gather, each one round of direct writes to every peer): the ring's bandwidth term,
+    2(n-1)/n x bytes / bandwidth, but 2 x latency whatever n is, since every GPU talks to every
+    other at once instead of passing the data round a ring of n hops; free for n = 1."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * latency
+
+
 def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
     """One all-to-all (an EP dispatch or combine): each GPU sends (n-1)/n of its ``nbytes`` to the
     others over its own link, plus (n-1) x latency for the peer exchanges; free for n = 1."""
@@ -243,50 +300,6 @@ def experts_touched(batch: float, active: int, routed: int) -> float:
     if not routed:
         return 1.0
     return 1.0 - math.pow(1.0 - active / routed, max(batch, 1.0))
-
-
-def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedParams) -> None:
-    """Nonsensical inputs end here, as one PlanError naming the field (``key``; hints quote other
-    fields in backticks), before any arithmetic. The CLI maps field names to its flags."""
-    max_pos = model.max_position_embeddings
-
-    def bad(key: str, message: str, hint: str | None = None) -> PlanError:
-        return PlanError(message, key=key, hint=hint)
-
-    if not 0 < w.gpu_memory_utilization <= 1:
-        raise bad("gpu_memory_utilization", f"must be in (0, 1], found {w.gpu_memory_utilization:g}",
-                  "vLLM's default is 0.9")
-    if w.kv_dtype not in ("auto", *KV_DTYPE_BYTES):
-        raise bad("kv_dtype", f"unknown KV dtype {w.kv_dtype!r}", "use auto, fp16, bf16 or fp8")
-    if w.max_model_len is not None and w.max_model_len < 1:
-        raise bad("max_model_len", f"must be a positive number of tokens, found {w.max_model_len}",
-                  f"use 1 to {max_pos}")
-    if w.max_model_len is not None and w.max_model_len > max_pos and not w.allow_long_context:
-        raise bad("max_model_len", f"{w.max_model_len:,} exceeds the model's max_position_embeddings "
-                  f"{max_pos:,}", f"use `max_model_len` <= {max_pos}, or `allow_long_context` to go beyond it")
-    if w.concurrency < 1:
-        raise bad("concurrency", f"must be a positive number of requests, found {w.concurrency}",
-                  "use 1 or more")
-    if w.context > (w.max_model_len or max_pos):
-        raise bad("avg_context", f"{w.context:,} is longer than the longest request "
-                  f"({w.max_model_len or max_pos:,} tokens)", "lower `avg_context`")
-    if w.kv_memory is not None and w.kv_memory >= cluster.gpu.memory:
-        raise bad("kv_memory", f"{w.kv_memory / GIB:.2f} GiB is more than the GPU's "
-                  f"{cluster.gpu.memory / GIB:.2f} GiB", "give the KV memory of one GPU")
-    if w.cap >= cluster.gpu.memory:
-        raise bad("kv_cache_cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
-                  f"{cluster.gpu.memory / GIB:.2f} GiB", "the cap is per GPU")
-    for name, value in (("block_size", w.block_size), ("avg_context", w.context),
-                        ("target_tpot_ms", w.target_ms), ("price_per_gpu_hour", w.price_per_gpu_hour),
-                        ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes)):
-        if not value > 0:
-            raise bad(name, f"must be positive, found {value}")
-    if speed.microbatches is not None and speed.microbatches < 1:
-        raise bad("microbatches", f"must be positive, found {speed.microbatches}")
-    if (w.lora_adapters > 0) != (w.lora_rank > 0) or min(w.lora_adapters, w.lora_rank) < 0:
-        raise bad("lora_adapters" if w.lora_adapters <= 0 else "lora_rank",
-                  f"LoRA needs both a positive adapter count and rank, found {w.lora_adapters} adapters of "
-                  f"rank {w.lora_rank}", "give `lora_adapters` and `lora_rank` together")
 
 
 # --- the figures of one candidate -----------------------------------------------------------
@@ -341,19 +354,22 @@ class KvFigures:
 
 @dataclass(frozen=True)
 class Speed:
-    batch: int  # sequences decoded together
-    stage: int  # the slowest stage, whose figures follow
+    batch: int  # requests in flight (the concurrency): sequences decoded together
+    stage: int  # the slowest stage, whose decode-step figures follow
     microbatches: int
     bubble: float
-    memory_s: float  # of the slowest stage, per micro-batch pass
+    memory_s: float  # of the slowest stage, per micro-batch pass of a decode-only step
     compute_s: float
-    allreduce_s: float
-    handoff_s: float
+    allreduce_s: float  # communication: TP all-reduces + PP hand-off (EP: all-to-alls)
+    fixed_s: float  # fixed per-layer overheads of the stage (layer_overhead_us x layers)
     slot_s: float  # one micro-batch through one stage (the slowest)
-    tpot_s: float  # time per output token of every sequence: (m + p - 1) x slot
-    tokens_per_s: float
-    limited_by: str  # tpot | kv | max_num_seqs
+    tpot_s: float  # time per output token with prefill interleaved (serving.py)
+    tokens_per_s: float  # output tokens/s of the replica under the workload
+    limited_by: str  # tpot | ttft | kv | max_num_seqs | concurrency (given)
     tpot1_s: float = 0.0  # time per output token at batch 1: the latency a lone request sees
+    ttft_s: float = 0.0  # time to first token at this concurrency (serving.py)
+    requests_per_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -78,20 +78,23 @@ def table(s: Search) -> list[str]:
                              c.cost.dollars_per_mtok if c.cost else 0, c.tp, c.pp or 0))
     out = header(s) + [""]
     out.append(f"  {'candidate':<17}{'GPUs':>5}{'weights':>10}{'KV need/pool GiB':>18}{'KV B/tok':>10}{'max len':>9}{'seqs':>6}"
-               f"{'batch':>6}{'TPOT':>9}{'tok/s':>8}{'$/Mtok':>8}  memory per GPU")
+               f"{'conc':>6}{'TTFT':>9}{'TPOT':>9}{'tok/s/GPU':>10}{'$/Mtok':>8}  memory per GPU")
     for c in rows:
         assert c.memory and c.kv and c.speed and c.cost
         mark = "*" if c is s.recommended else "+" if c is s.alternative else "!" if not c.meets_target else " "
         out.append(
             f"{mark} {c.label:<17}{c.gpus:>5}{c.memory.weights / GIB:>6.2f} GiB"
-            f"{c.kv.demand_bytes / GIB:>11.2f}/{c.kv.budget / GIB:<6.2f}{c.kv.bytes_per_token:>9,}{c.kv.max_model_len:>9,}{c.kv.sequences:>6,}{c.speed.batch:>6,}"
-            f"{c.speed.tpot_s * 1e3:>7.1f}ms{c.speed.tokens_per_s:>8,.0f}{c.cost.dollars_per_mtok:>8.2f}  "
+            f"{c.kv.demand_bytes / GIB:>11.2f}/{c.kv.budget / GIB:<6.2f}{c.kv.bytes_per_token:>9,}{c.kv.max_model_len:>9,}"
+            f"{c.kv.sequences:>6,}{c.speed.batch:>6,}"
+            f"{c.speed.ttft_s * 1e3:>7.0f}ms{c.speed.tpot_s * 1e3:>7.1f}ms{c.speed.tokens_per_s_per_gpu:>10,.0f}"
+            f"{c.cost.dollars_per_mtok:>8.2f}  "
             f"{memory_bar(c)}"
         )
     if not rows:
         out.append("  (no candidate fits)")
     out += ["  KV need/pool: the demand's KV per GPU / the pool the unit allocates (vLLM's budget, at most "
-            "the cap)", "  " + BAR_LEGEND,
+            "the cap); conc: requests in flight; TTFT/TPOT/tok/s with prefill interleaved (isl "
+            f"{s.workload.prompt:,}, osl {s.workload.output:,})", "  " + BAR_LEGEND,
             "  * recommended   + fastest alternative   ! misses the TPOT target (shown at batch 1)"]
     if any(c.ep > 1 for c in s.candidates):
         out.append("  ep=N dp=N: expert parallel on N GPUs (plan: dp_degree N, tp_degree 1, expert_parallel): each "
@@ -114,15 +117,16 @@ def summary(s: Search) -> list[str]:
     assert c.speed and c.cost and c.kv
     tags = [] if s.cluster.calibrated else ["reduced calibration"]
     line = (f"recommended ({s.objective}{''.join(', ' + t for t in tags)}): {c.label} on {c.cost.gpus} "
-            f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica at "
-            f"{c.speed.tpot_s * 1e3:.1f} ms TPOT (batch {c.speed.batch}), ${c.cost.dollars_per_mtok:.2f} per million "
-            f"output tokens, max model length {c.kv.max_model_len:,}")
+            f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica "
+            f"({c.speed.tokens_per_s_per_gpu:,.0f} per GPU, {c.speed.requests_per_s:.2f} requests/s) at "
+            f"{c.speed.tpot_s * 1e3:.1f} ms TPOT, {c.speed.ttft_s * 1e3:.0f} ms TTFT (concurrency {c.speed.batch}), "
+            f"${c.cost.dollars_per_mtok:.2f} per million output tokens, max model length {c.kv.max_model_len:,}")
     out = [line]
     a = s.alternative
     if a is not None and a.speed and a.cost:
         out.append(f"fastest alternative: {a.label} on {a.cost.gpus} GPUs: {a.speed.tpot1_s * 1e3:.1f} ms TPOT at "
                    f"batch 1 (recommended: {c.speed.tpot1_s * 1e3:.1f} ms), {a.speed.tokens_per_s:,.0f} tok/s at "
-                   f"batch {a.speed.batch}, ${a.cost.dollars_per_mtok:.2f}/Mtok")
+                   f"concurrency {a.speed.batch}, ${a.cost.dollars_per_mtok:.2f}/Mtok")
     else:
         out.append(no_alternative(s))
     out += [f"warning: {x}" for x in s.warnings]

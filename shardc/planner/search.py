@@ -23,12 +23,12 @@ from ..spec.layout import MAX_TP_HINT, check_degrees, valid_tp_degrees
 from ..spec.model import ModelSpec
 from ..spec.plan import DTYPES, plan_from_dict
 from .candidate import Candidate, evaluate, kv_bpt, lora_bytes, routing
+from .checks import check_inputs
 from .ep import ep_degrees, evaluate_ep, weights_for
 from .formulas import (
     Overheads,
     SpeedParams,
     Workload,
-    check_inputs,
     demand_tokens,
     demand_words,
     min_cards,
@@ -258,8 +258,22 @@ def search(
         for d in dts:
             ew = weights_for(s, d)
             s.candidates += [evaluate_ep(s, n, d, ew) for n in ep_degrees(s)]
+    _check_ttft(s)
     recommend(s)
     return s
+
+
+def _check_ttft(s: Search) -> None:
+    """A TTFT target below one prefill of the prompt on the fastest candidate cannot be met by any
+    concurrency or unit: one PlanError naming the floor instead of a table of misses."""
+    w = s.workload
+    floors = [c.serving.prefill_s for c in s.candidates if c.fits and not c.skipped and c.serving is not None]
+    if w.ttft_ms is None or not floors or w.ttft_ms / 1e3 >= min(floors):
+        return
+    floor = min(floors) * 1e3
+    raise PlanError(f"{w.ttft_ms:g} ms is below one prefill of the {w.prompt:,}-token prompt on the fastest "
+                    f"candidate ({floor:.1f} ms)", key="ttft_ms",
+                    hint=f"use `ttft_ms` {math.ceil(floor)} or more, or a shorter `isl`")
 
 
 def _tp_problems(s: Search, tp: int, dtype: str) -> list[str]:
