@@ -85,7 +85,7 @@ def test_fleet_math_tp4_pp2():
     blocks = kv_blocks(20 * GIB, 40_960, 16)
     assert blocks * 16 == 524_288
     assert sequences_at(blocks, 2048, 16) == 256
-    c = _only(L70, 4, 2, "bf16", Workload(target_tpot_ms=1000))
+    c = _only(L70, 4, 2, "bf16", Workload(target_tpot_ms=1000, kv_cache_cap=20 * GIB))
     assert (c.kv.bytes_per_token, c.kv.tokens, c.kv.sequences) == (40_960, 524_288, 256)
     assert c.fits and c.kv.budget == 20 * GIB
 
@@ -239,7 +239,7 @@ def test_demand_sizes_replicas():
 
 
 def test_cost_objective_is_cheapest_meeting_target_and_cap():
-    s = search(L70, A100, model_name="llama-3.3-70b", objective="cost")
+    s = search(L70, A100, Workload(kv_cache_cap=20 * GIB), model_name="llama-3.3-70b", objective="cost")
     rec = s.recommended
     assert rec is not None and rec.pp == 1 and rec.meets_target and rec.kv.budget == 20 * GIB
     eligible = [c for c in s.candidates if c.fits and not c.skipped and c.meets_target]
@@ -355,7 +355,8 @@ def test_cli_out_preset_plan_validates(tmp_path):
     assert r.exit_code == 0, r.output
     plan = load_plan(out)
     assert plan.source == "hf://meta-llama/Llama-3.3-70B-Instruct"
-    assert plan.dtype == "bf16" and plan.kv_cache_cap_gb == 20
+    # no --kv-cache-cap: the plan records the unit's pool, 40,807,481,344 B = 38.00 GiB at tp=4
+    assert plan.dtype == "bf16" and plan.kv_cache_cap_gb == 38.0
     build_layout(L70, plan)
 
 
@@ -452,12 +453,13 @@ def test_fit_a100_sxm_bf16_70b_is_tp4_with_tp8_beside_it():
     rec = s.recommended  # the smallest valid TP >= 3
     assert (rec.tp, rec.pp, rec.dtype) == (4, 1, "bf16") and s.objective == "fit"
     assert rec.memory.weights == _l70_tp_bytes(4) == 35_278_831_616
-    # tp=4: memory leaves 76,488,966,144 - 35,278,831,616 - 402,653,184 = 40,807,481,344 B, so the 20 GiB
-    # cap sets the pool; the request needs 131,072 x 81,920 B = 10 GiB of it per GPU
-    assert rec.memory.kv_available == pytest.approx(40_807_481_344) and rec.kv.budget == 20 * GIB
+    # tp=4: memory leaves 76,488,966,144 - 35,278,831,616 - 402,653,184 = 40,807,481,344 B, all of it the
+    # pool (no default cap, as vLLM); the request needs 131,072 x 81,920 B = 10 GiB of it per GPU
+    assert rec.memory.kv_available == pytest.approx(40_807_481_344) == rec.kv.budget
     assert rec.kv.demand_bytes == 10 * GIB
-    assert rec.memory.used == 35_278_831_616 + OVER + 20 * GIB  # 58,230,063,104 B = 68.5%
-    assert f"{rec.memory.used_fraction:.1%}" == "68.5%"
+    # in use: weights + overheads + the pool = 35,278,831,616 + 1,476,395,008 + 40,807,481,344 B = 91.3%
+    assert rec.memory.used == 35_278_831_616 + OVER + 40_807_481_344 == 77_562_707_968
+    assert f"{rec.memory.used_fraction:.1%}" == "91.3%"
     # tp=2: the pool is 76,488,966,144 - 70,555,025,408 - 402,653,184 = 5,531,287,552 B < the 20 GiB demand
     two = next(c for c in s.candidates if c.label == "tp=2 pp=1 bf16")
     assert two.memory.kv_available == pytest.approx(5_531_287_552) and not two.fits
@@ -559,7 +561,8 @@ def test_mla_is_sized_from_its_family_layout(tmp_path):
     # = 6,291,456 x 2 layers; sparse: router 4x1024 + bias 4 + 4 experts x 3 x 256x1024 + shared 3 x 256x1024
     # = 3,936,260 x 2; embed + lm_head 2 x 1000 x 1024 = 2,048,000; final norm 1,024 -> 28,935,688
     assert param_count(model) == 28_935_688
-    s = search(model, Cluster(get_gpu("h100-sxm")), dtypes=["bf16"], tps=[1, 2, 4, 8], pps=[1], objective="cost")
+    s = search(model, Cluster(get_gpu("h100-sxm")), Workload(kv_cache_cap=20 * GIB), dtypes=["bf16"],
+               tps=[1, 2, 4, 8], pps=[1], objective="cost")
     by_tp = {c.tp: c for c in s.candidates}
     # latent per token per GPU: 4 layers x (128 + 32) x 2 B = 1,280 B at every TP (GQA math would halve it)
     assert {tp: c.kv.bytes_per_token for tp, c in by_tp.items()} == {1: 1280, 2: 1280, 4: 1280, 8: 1280}

@@ -120,7 +120,7 @@ def test_default_context_stays_tp4():
 
 def test_concurrency_and_avg_context_make_the_demand():
     l8 = load_model("llama-3.1-8b")  # 2 x 32 layers x 8 KV heads x 128 x 2 B = 131,072 B per token at tp=1
-    w = Workload(max_model_len=8192, concurrency=64, avg_context=4096)
+    w = Workload(max_model_len=8192, concurrency=64, avg_context=4096, kv_cache_cap=20 * GIB)
     s = search(l8, A100, w, dtypes=["bf16"], tps=[1, 2], pps=[1])
     one, two = s.candidates
     # max(one 8,192-token request, 64 x 4,096) = 262,144 tokens; x 131,072 B = 32 GiB at tp=1, 16 GiB at tp=2
@@ -170,7 +170,7 @@ def test_explain_and_json_show_the_demand_and_the_rejections():
     for text in ("KV demand = one 32,768-token request: 32,768 tokens = 10.00 GiB over all KV heads (sharded "
                  "by KV head)", "sharded = weights 131.42 GiB + KV demand 10.00 GiB = 141.42 GiB",
                  "replicated per GPU = overheads 1.38 GiB", "minimum = ceil(141.42 / 70.86) = 2 GPUs",
-                 "rejected tp=1 pp=1 bf16: does not fit", "KV pool = min(cap 20.00 GiB, available 5.15 GiB) = "
+                 "rejected tp=1 pp=1 bf16: does not fit", "KV pool = min(no cap, available 5.15 GiB) = "
                  "5.15 GiB", "recommended (fit): tp=2 pp=1 bf16 on 2 GPUs"):
         assert text in r.stdout, text
     r = _run(*args, "--json")

@@ -49,7 +49,7 @@ def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedPa
     if w.kv_memory is not None and w.kv_memory >= cluster.gpu.memory:
         raise bad("kv_memory", f"{w.kv_memory / GIB:.2f} GiB is more than the GPU's "
                   f"{cluster.gpu.memory / GIB:.2f} GiB", "give the KV memory of one GPU")
-    if w.cap >= cluster.gpu.memory:
+    if w.capped and w.cap >= cluster.gpu.memory:
         raise bad("kv_cache_cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
                   f"{cluster.gpu.memory / GIB:.2f} GiB", "the cap is per GPU")
     for name, value in (("block_size", w.block_size), ("avg_context", w.context),

@@ -159,7 +159,8 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
     if w.kv_memory is not None:
         o.append(f"  KV pool = `kv_memory` {gib(w.kv_memory)} (as the serving engine measured it)")
     else:
-        o.append(f"  KV pool = min(cap {gib(w.cap)}, available {gib(mem.kv_available)}) = {gib(mem.kv_budget)} "
+        cap = f"cap {gib(w.cap)}" if w.capped else "no cap"
+        o.append(f"  KV pool = min({cap}, available {gib(mem.kv_available)}) = {gib(mem.kv_budget)} "
                  "(what the unit allocates; the cap is a ceiling, not a reservation)")
     o.append(f"  KV demand = {words}: {kv.demand_tokens:,} tokens x {mem.kv_bytes_per_token:,} B = "
              f"{gib(mem.kv_demand)} per GPU -> " + ("fits the pool" if kv.tokens >= kv.demand_tokens else

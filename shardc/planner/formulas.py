@@ -22,7 +22,9 @@ from .gpus import GIB
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
-DEFAULT_KV_CAP = 20 * GIB  # the serving design's ceiling on the KV pool per GPU shard
+# No default ceiling on the KV pool (#33): vLLM allocates what its budget leaves, and a 20 GiB
+# ceiling held the batch below what the targets allowed; --kv-cache-cap still sets one.
+DEFAULT_KV_CAP = math.inf
 DEFAULT_AVG_CONTEXT = 2048  # tokens per sequence for the speed model when --avg-context is not given
 DEFAULT_TPOT_MS = 25.0  # sizes the batch when no target is given; a requirement only when given
 LORA_BYTES = 2  # adapters are served 16-bit
@@ -114,7 +116,7 @@ class Workload:
     osl: int | None = None  # output tokens per request; None: 1/2 of avg_context (1,024)
     ttft_ms: float | None = None  # time-to-first-token target, a requirement when given
     allow_long_context: bool = False  # max_model_len beyond max_position_embeddings (vLLM's opt-in)
-    kv_cache_cap: int | None = None  # ceiling on the KV pool per GPU; None: --kv-memory when set, else 20 GiB
+    kv_cache_cap: int | None = None  # ceiling on the KV pool per GPU; None: --kv-memory when set, else none
     kv_memory: float | None = None  # per GPU KV budget as an engine measured it (overrides the math)
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -170,6 +172,11 @@ class Workload:
         if self.kv_cache_cap is not None:
             return self.kv_cache_cap
         return self.kv_memory if self.kv_memory is not None else DEFAULT_KV_CAP
+
+    @property
+    def capped(self) -> bool:
+        """A ceiling on the pool was given (--kv-cache-cap, or a measured --kv-memory)."""
+        return math.isfinite(self.cap)
 
     @property
     def kv_bytes(self) -> int:

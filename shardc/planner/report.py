@@ -62,9 +62,13 @@ def header(s: Search) -> list[str]:
         + (f", {cl.inter_node.name} between nodes" if cl.nodes > 1 else ""),
         f"fabric  {cl.fabric()}",
         f"serve   KV demand {demand_words(w, m.max_position_embeddings)} "
-        f"({demand_tokens(w, m.max_position_embeddings):,} tokens), KV cap {gib(w.cap)}/GPU (a ceiling on the "
-        f"pool), avg context {w.context:,}, {budget}, block {w.block_size}, "
+        f"({demand_tokens(w, m.max_position_embeddings):,} tokens), "
+        + (f"KV cap {gib(w.cap)}/GPU (a ceiling on the pool)" if w.capped else "no KV cap (the pool is what "
+           "vLLM's budget leaves)")
+        + f", isl {w.prompt:,}, osl {w.output:,}, avg context {w.context:,}, {budget}, block {w.block_size}, "
         f"KV {kv}, TPOT <= {w.target_ms:g} ms{'' if w.target_set else ' (default: sizes the batch only)'}, "
+        + (f"TTFT <= {w.ttft_ms:g} ms, " if w.ttft_ms is not None else "")
+        + (f"concurrency {w.concurrency}, " if w.concurrency is not None else "") +
         f"${w.price_per_gpu_hour:.2f}/GPU-hour" + "".join(f", {e}" for e in extras),
         f"choose  objective {s.objective}: {OBJECTIVE_WORDS[s.objective]}",
     ]

@@ -116,7 +116,8 @@ class Search:
         assert cand.pp is not None and cand.dtype is not None and cand.speed is not None
         data = plan_dict(
             plan_name(self.model_name, cand.tp, cand.pp, cand.dtype, cand.ep), source or self.source, cand.tp,
-            cand.pp, cand.dtype, kv_cache_cap_gib=round(self.workload.cap / GIB, 2),
+            cand.pp, cand.dtype, kv_cache_cap_gib=math.floor((self.workload.cap if self.workload.capped else
+                                                             cand.kv.budget) / GIB * 100) / 100,
             max_concurrent_sequences=cand.speed.batch, dp=cand.dp,
         )
         plan_from_dict(data)
@@ -167,7 +168,7 @@ class Search:
                 "fabric": {"link": gpu.link.name, "tp_limit": cl.tp_limit, "calibrated": cl.calibrated,
                            "description": cl.fabric()},
             },
-            "workload": {**dataclasses.asdict(self.workload), "cap": self.workload.cap,
+            "workload": {**dataclasses.asdict(self.workload), "cap": self.workload.cap if self.workload.capped else None,
                          "target_ms": self.workload.target_ms,
                          "context": self.workload.context, "draft_params": self.draft_params},
             "parameters": {"overheads": dataclasses.asdict(self.overheads),
