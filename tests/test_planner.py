@@ -171,7 +171,8 @@ def test_decode_step_is_the_roofline_plus_allreduce_and_fixed_costs():
     c = _only(L70, 4, 1, "bf16")
     v, g, sp = c.speed, A100.gpu, SpeedParams()
     rw = c.weights[0]
-    mem = (rw.read_bytes + v.batch * 2048 * 81_920) / (g.hbm_bandwidth * sp.hbm_efficiency)
+    mem = rw.read_bytes / (g.hbm_bandwidth * sp.hbm_efficiency) + v.batch * 2048 * 81_920 / (
+        g.hbm_bandwidth * sp.kv_hbm_efficiency)  # weights at the GEMMs' rate, the KV at paged attention's
     ar = 2 * 80 * custom_allreduce_s(4, v.batch * 8192 * 2, g.link.bandwidth * sp.link_efficiency, g.link.latency)
     assert v.memory_s == pytest.approx(mem) and v.allreduce_s == pytest.approx(ar)
     assert v.fixed_s == pytest.approx(80 * sp.layer_overhead_us * 1e-6)

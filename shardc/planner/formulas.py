@@ -89,13 +89,13 @@ class SpeedParams:
     vLLM kernel tables (scripts/bench_plan.py --fit; docs/performance.md "Speed model calibration"):
     they are properties of the kernels on a GPU generation, not of one model or batch."""
 
-    hbm_efficiency: float = 0.95  # share of peak HBM bandwidth 16-bit weight GEMMs reach
-    kv_hbm_efficiency: float = 0.95  # the same for the paged-attention kernels' KV reads
-    w8_hbm_efficiency: float = 0.8  # the same for 8-bit weights (fp8, int8): their kernels stream less well
-    compute_efficiency: float = 0.62  # share of peak 16-bit FLOP/s that GEMMs and attention reach (prefill)
-    fp8_compute_efficiency: float = 0.28  # share of peak fp8 FLOP/s that fp8 GEMMs reach
+    hbm_efficiency: float = 0.93  # share of peak HBM bandwidth 16-bit weight GEMMs reach
+    kv_hbm_efficiency: float = 0.68  # the same for the paged-attention kernels' KV reads
+    w8_hbm_efficiency: float = 0.78  # the same for 8-bit weights (fp8, int8): their kernels stream less well
+    compute_efficiency: float = 0.79  # share of peak 16-bit FLOP/s that GEMMs and attention reach (prefill)
+    fp8_compute_efficiency: float = 0.43  # share of peak fp8 FLOP/s that fp8 GEMMs reach
     link_efficiency: float = 0.43  # share of link bandwidth NCCL reaches (bus bandwidth)
-    layer_overhead_us: float = 45.4  # per layer and step: norms, activation, attention launch (fixed)
+    layer_overhead_us: float = 45.3  # per layer and step: norms, activation, attention launch (fixed)
     step_overhead_ms: float = 0.0  # per engine step: scheduler, sampling, logits (fixed)
     max_num_batched_tokens: int = 8192  # vLLM's token budget per step (chunked prefill)
     microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage
