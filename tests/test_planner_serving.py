@@ -103,6 +103,8 @@ def test_emit_vllm_and_k8s_agree_with_the_plan(tmp_path):
     assert any("--tensor-parallel-size: the deployment has 2, the plan 4" in x for x in lines)
     assert any("--quantization: the deployment has fp8, the plan none" in x for x in lines)
     assert any("nvidia.com/gpu: the deployment requests 2, the plan needs 4" in x for x in lines)
+    r = _run(*L8, *WORKLOAD, "--check", str(tmp_path / "missing.yaml"))
+    assert r.exit_code == 2 and r.stderr.startswith("error: --check: cannot read")
     args_file = tmp_path / "args.yaml"  # bare vLLM arguments
     args_file.write_text(yaml.safe_dump(["--tensor-parallel-size", "4", "--max-model-len", "99999"]))
     r = _run(*L8, *WORKLOAD, "--dtype", "bf16", "--tp", "4", "--check", str(args_file))

@@ -20,6 +20,10 @@ def emit_config(result: Any, kind: str, manifest_uri: str) -> None:
     from ..planner.deploy import pod_name, pod_spec, vllm_command
 
     rec = result.require_recommendation()
+    if rec.dtype == "int8":  # vLLM quantizes fp8 online, not int8: it must load the quantized weights
+        click.echo("warning: vLLM has no online int8 weight-only mode: serve `shardc export` of the int8 "
+                   "build (its config.json carries the compressed-tensors quantization_config) in place of "
+                   f"{result.source}", err=True)
     if kind == "vllm":
         click.echo(vllm_command(result, rec))
         return
@@ -39,7 +43,11 @@ def check(result: Any, path: Path) -> None:
     from ..planner.deploy import check_deployment
     from ..spec.readfile import read_regular_file
 
-    data = read_regular_file(path, limit=1 << 20, what="deployment file", error=PlanError)
+    try:
+        data = read_regular_file(path, limit=1 << 20, what="deployment file", error=PlanError)
+    except PlanError as exc:
+        exc.key = "--check"
+        raise
     try:
         docs = [d for d in yaml.safe_load_all(data) if d is not None]
     except yaml.YAMLError as exc:
