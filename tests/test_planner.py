@@ -182,47 +182,6 @@ def test_decode_step_is_the_roofline_plus_allreduce_and_fixed_costs():
     assert c.cost.dollars_per_mtok == pytest.approx(dollars_per_mtok(4, 2.80, v.tokens_per_s))
 
 
-def test_serving_interleaves_prefill_with_decode():
-    """isl 1,536 / osl 1,024 at concurrency 64 (A100-80GB, 70B bf16 tp=4): the prompt fits one step
-    (8,192-token budget), so a request has 1 prefill step and 1,023 decode steps, and a share
-    64 x 1 / (1 + 1,023) = 1/16 of all steps carries a prompt; TPOT is their mean, TTFT one mixed
-    step plus half a decode step; tokens/s = 64 / (TTFT + 1,023 x TPOT) x 1,024."""
-    w = Workload(isl=1536, osl=1024, concurrency=64, max_model_len=2560, target_tpot_ms=1000)
-    c = _only(L70, 4, 1, "bf16", w)
-    x = c.serving
-    assert (x.concurrency, x.chunk, x.chunks) == (64, 1536, 1) and x.mixed_share == pytest.approx(1 / 16)
-    assert x.mixed_step_s > 3 * x.decode_step_s  # the prompt's 1,536 tokens are compute-bound
-    assert x.tpot_s == pytest.approx(x.mixed_step_s / 16 + x.decode_step_s * 15 / 16)
-    assert x.ttft_s == pytest.approx(x.mixed_step_s + x.decode_step_s / 2)
-    latency = x.ttft_s + 1023 * x.tpot_s
-    assert x.tokens_per_s == pytest.approx(64 / latency * 1024) and c.speed.tokens_per_s == x.tokens_per_s
-    assert x.tokens_per_s_per_gpu == pytest.approx(x.tokens_per_s / 4)
-    assert x.requests_per_s == pytest.approx(64 / latency)
-    # without the interference the TPOT would be the decode step: prefill costs every running sequence
-    assert x.tpot_s > x.decode_step_s
-    # a longer prompt than the budget left beside the decodes: chunked, 8,192 - 3 = 8,189 per step
-    long = _only(L70, 4, 1, "bf16", dataclasses.replace(w, isl=20_000, concurrency=4, max_model_len=32_768))
-    assert (long.serving.chunk, long.serving.chunks) == (8189, 3)
-
-
-def test_concurrency_is_the_most_that_meets_the_targets():
-    w = Workload(isl=1536, osl=1024, max_model_len=2560, target_tpot_ms=30)
-    c = _only(L70, 4, 1, "bf16", w)
-    n = c.serving.concurrency
-    assert c.speed.limited_by == "tpot" and c.serving.tpot_s <= 0.030
-    more = _only(L70, 4, 1, "bf16", dataclasses.replace(w, concurrency=n + 1, target_tpot_ms=1000))
-    assert more.serving.tpot_s > 0.030
-    looser = _only(L70, 4, 1, "bf16", dataclasses.replace(w, target_tpot_ms=50))
-    assert looser.serving.concurrency > n  # a looser target is a larger batch, not the KV cap's
-    free = dataclasses.replace(w, target_tpot_ms=1000)
-    top = _only(L70, 4, 1, "bf16", free).serving  # the KV cache's concurrency, TTFT unbounded
-    one = _only(L70, 4, 1, "bf16", dataclasses.replace(free, concurrency=1)).serving
-    mid = (one.ttft_s + top.ttft_s) / 2 * 1e3  # TTFT grows with the decodes sharing its steps
-    ttft = _only(L70, 4, 1, "bf16", dataclasses.replace(free, ttft_ms=mid))
-    assert ttft.speed.limited_by == "ttft" and ttft.serving.ttft_s * 1e3 <= mid
-    assert one.concurrency <= ttft.serving.concurrency < top.concurrency
-
-
 def test_pipeline_step_includes_the_gpipe_bubble():
     c = _only(L70, 4, 2, "bf16", Workload(target_tpot_ms=1000))
     v, sp = c.speed, SpeedParams()

@@ -5,6 +5,7 @@ The speed formulas themselves are worked by hand in test_planner.py; these check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -13,13 +14,67 @@ import yaml
 from click.testing import CliRunner
 
 from shardc.cli import main
+from shardc.planner.formulas import Workload
+from shardc.planner.gpus import Cluster, get_gpu
+from shardc.planner.search import search
+from shardc.spec.model import load_model
 
 L8 = ("--model", "llama-3.1-8b", "--gpu", "h100-sxm")
 WORKLOAD = ("--isl", "1536", "--osl", "1024", "--max-model-len", "2560")
 
 
+L70 = load_model("llama-3.3-70b")
+A100 = Cluster(get_gpu("a100-80gb"))
+
+
 def _run(*args: str):
     return CliRunner().invoke(main, ["plan", *args])
+
+
+def _only(model, tp, pp, dtype, workload):
+    (c,) = search(model, A100, workload, tps=[tp], pps=[pp], dtypes=[dtype]).candidates
+    return c
+
+
+def test_serving_interleaves_prefill_with_decode():
+    """isl 1,536 / osl 1,024 at concurrency 64 (A100-80GB, 70B bf16 tp=4): the prompt fits one step
+    (8,192-token budget), so a request has 1 prefill step and 1,023 decode steps, and a share
+    64 x 1 / (1 + 1,023) = 1/16 of all steps carries a prompt; TPOT is their mean, TTFT one mixed
+    step plus half a decode step; tokens/s = 64 / (TTFT + 1,023 x TPOT) x 1,024."""
+    w = Workload(isl=1536, osl=1024, concurrency=64, max_model_len=2560, target_tpot_ms=1000)
+    c = _only(L70, 4, 1, "bf16", w)
+    x = c.serving
+    assert (x.concurrency, x.chunk, x.chunks) == (64, 1536, 1) and x.mixed_share == pytest.approx(1 / 16)
+    assert x.mixed_step_s > 3 * x.decode_step_s  # the prompt's 1,536 tokens are compute-bound
+    assert x.tpot_s == pytest.approx(x.mixed_step_s / 16 + x.decode_step_s * 15 / 16)
+    assert x.ttft_s == pytest.approx(x.mixed_step_s + x.decode_step_s / 2)
+    latency = x.ttft_s + 1023 * x.tpot_s
+    assert x.tokens_per_s == pytest.approx(64 / latency * 1024) and c.speed.tokens_per_s == x.tokens_per_s
+    assert x.tokens_per_s_per_gpu == pytest.approx(x.tokens_per_s / 4)
+    assert x.requests_per_s == pytest.approx(64 / latency)
+    # without the interference the TPOT would be the decode step: prefill costs every running sequence
+    assert x.tpot_s > x.decode_step_s
+    # a longer prompt than the budget left beside the decodes: chunked, 8,192 - 3 = 8,189 per step
+    long = _only(L70, 4, 1, "bf16", dataclasses.replace(w, isl=20_000, concurrency=4, max_model_len=32_768))
+    assert (long.serving.chunk, long.serving.chunks) == (8189, 3)
+
+
+def test_concurrency_is_the_most_that_meets_the_targets():
+    w = Workload(isl=1536, osl=1024, max_model_len=2560, target_tpot_ms=30)
+    c = _only(L70, 4, 1, "bf16", w)
+    n = c.serving.concurrency
+    assert c.speed.limited_by == "tpot" and c.serving.tpot_s <= 0.030
+    more = _only(L70, 4, 1, "bf16", dataclasses.replace(w, concurrency=n + 1, target_tpot_ms=1000))
+    assert more.serving.tpot_s > 0.030
+    looser = _only(L70, 4, 1, "bf16", dataclasses.replace(w, target_tpot_ms=50))
+    assert looser.serving.concurrency > n  # a looser target is a larger batch, not the KV cap's
+    free = dataclasses.replace(w, target_tpot_ms=1000)
+    top = _only(L70, 4, 1, "bf16", free).serving  # the KV cache's concurrency, TTFT unbounded
+    one = _only(L70, 4, 1, "bf16", dataclasses.replace(free, concurrency=1)).serving
+    mid = (one.ttft_s + top.ttft_s) / 2 * 1e3  # TTFT grows with the decodes sharing its steps
+    ttft = _only(L70, 4, 1, "bf16", dataclasses.replace(free, ttft_ms=mid))
+    assert ttft.speed.limited_by == "ttft" and ttft.serving.ttft_s * 1e3 <= mid
+    assert one.concurrency <= ttft.serving.concurrency < top.concurrency
 
 
 def test_json_carries_the_serving_figures_of_every_candidate():
@@ -118,3 +173,14 @@ def test_emit_for_an_expert_parallel_pick():
     pod = yaml.safe_load(_run("--model", "mixtral-8x7b", "--gpu", "a100-40gb", "--dtype", "bf16",
                               "--emit", "k8s").stdout)
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4  # tp 1 x pp 1 x dp 4
+
+
+def test_nvlink_all_reduce_is_two_shot_not_a_ring():
+    """vLLM's custom all-reduce on NVLink pays 2 latencies whatever the TP (a ring 2(n-1)); the
+    bandwidth term is the ring's 2(n-1)/n x bytes / bandwidth (docs/performance.md)."""
+    from shardc.planner.formulas import custom_allreduce_s, ring_allreduce_s
+
+    assert custom_allreduce_s(8, 0, 1e9, 2e-6) == pytest.approx(4e-6)
+    assert ring_allreduce_s(8, 0, 1e9, 2e-6) == pytest.approx(28e-6)
+    assert custom_allreduce_s(4, 1e6, 1e9, 0) == ring_allreduce_s(4, 1e6, 1e9, 0) == pytest.approx(1.5e-3)
+    assert custom_allreduce_s(1, 1e6, 1e9, 2e-6) == 0.0

@@ -18,7 +18,8 @@ all-to-all stays on the fabric inside a node, so EP beyond 8 GPUs is only tried 
 NVLink domain (``--gpus-per-node`` above 8, an NVL72 say). policy.py takes the smallest N that
 fits (and leaves no GPU above 95 %); if none does, the dense TP/PP path.
 
-Speed (approximate, the dense decode roofline with EP's reads): per step a GPU streams its
+Speed (approximate; ``ep_slot`` is one engine step, serving.py schedules the workload on it as
+for a dense unit): per step a GPU streams its
 non-expert weights and, of its own experts, the share a batch of B tokens routes to, 1 - (1 -
 k/E)^B (uniform routing: at B = 1, k of E experts per token spread over N GPUs, k/N experts each),
 plus the KV of its ceil(B / N) streams; compute is its streams' dense and attention FLOPs plus B·k/N
