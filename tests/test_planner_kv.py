@@ -120,7 +120,7 @@ def test_default_context_stays_tp4():
 
 def test_concurrency_and_avg_context_make_the_demand():
     l8 = load_model("llama-3.1-8b")  # 2 x 32 layers x 8 KV heads x 128 x 2 B = 131,072 B per token at tp=1
-    w = Workload(max_model_len=8192, concurrency=64, avg_context=4096)
+    w = Workload(max_model_len=8192, concurrency=64, avg_context=4096, kv_cache_cap=20 * GIB)
     s = search(l8, A100, w, dtypes=["bf16"], tps=[1, 2], pps=[1])
     one, two = s.candidates
     # max(one 8,192-token request, 64 x 4,096) = 262,144 tokens; x 131,072 B = 32 GiB at tp=1, 16 GiB at tp=2
@@ -149,10 +149,11 @@ def test_replicated_kv_heads_and_mla_latents_do_not_shrink_with_tp(tmp_path):
     # per GPU 2 x 2 layers x max(1, 2 // tp) heads x 16 x 2 B x 2,048 tokens: tp=4 keeps one (replicated) head
     assert by_tp == {1: 2048 * 256, 2: 2048 * 128, 4: 2048 * 128}
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({
-        "architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048,
+    cfg.write_text(json.dumps({  # a DeepSeek-V3-family model: MLA, 2 dense layers then 4 routed experts
+        "architectures": ["DeepseekV3ForCausalLM"], "hidden_size": 1024, "intermediate_size": 2048,
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": None,
         "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "first_k_dense_replace": 2,
         "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
     mla = resolve_model(str(cfg))[0]
     s = search(mla, Cluster(get_gpu("h100-sxm")), dtypes=["bf16"], tps=[1, 2, 4, 8], pps=[1])
@@ -169,7 +170,7 @@ def test_explain_and_json_show_the_demand_and_the_rejections():
     for text in ("KV demand = one 32,768-token request: 32,768 tokens = 10.00 GiB over all KV heads (sharded "
                  "by KV head)", "sharded = weights 131.42 GiB + KV demand 10.00 GiB = 141.42 GiB",
                  "replicated per GPU = overheads 1.38 GiB", "minimum = ceil(141.42 / 70.86) = 2 GPUs",
-                 "rejected tp=1 pp=1 bf16: does not fit", "KV pool = min(cap 20.00 GiB, available 5.15 GiB) = "
+                 "rejected tp=1 pp=1 bf16: does not fit", "KV pool = min(no cap, available 5.15 GiB) = "
                  "5.15 GiB", "recommended (fit): tp=2 pp=1 bf16 on 2 GPUs"):
         assert text in r.stdout, text
     r = _run(*args, "--json")

@@ -36,10 +36,11 @@ from click.testing import CliRunner
 
 from shardc.cli import main
 from shardc.planner.ep import EpWeights, ep_degrees, ep_weights, linear_block
-from shardc.planner.formulas import Workload, plan_dict
+from shardc.planner.formulas import Workload
 from shardc.planner.gpus import GIB, Cluster, get_gpu
 from shardc.planner.models import resolve_model
 from shardc.planner.search import search
+from shardc.planner.weights import plan_dict
 from shardc.spec.layout import build_layout
 from shardc.spec.model import load_model, model_from_config
 from shardc.spec.plan import load_plan, plan_from_dict
@@ -167,7 +168,7 @@ def test_qwen3_235b_and_the_ep_domain():
     assert rack.recommended.ep == min(fitting)
 
 
-def test_deepseek_v3_ep_is_advisory_with_the_latent_whole():
+def test_deepseek_v3_ep_from_its_layout_with_the_latent_whole():
     model = resolve_model("deepseek-v3")[0]
     s = search(model, Cluster(get_gpu("h200")), dtypes=["fp8"])
     eps = _eps(s)
@@ -179,7 +180,7 @@ def test_deepseek_v3_ep_is_advisory_with_the_latent_whole():
     assert ew.expert_bytes == (per,) * 256 and ew.moe_layers == 58
     assert eps[8].memory.weights - eps[4].memory.weights == -32 * per  # 32 experts per GPU at 8, 64 at 4
     assert eps[8].kv.bytes_per_token == 61 * (512 + 64) * 2 == 70_272  # the latent, whole on every GPU
-    assert s.recommended is eps[8] and s.advisory
+    assert s.recommended is eps[8] and s.to_json()["plan"]["replica_group"]["dp_degree"] == 8
 
 
 def test_json_carries_ep_and_dp_for_every_candidate():
@@ -225,9 +226,11 @@ def test_out_writes_an_ep_plan(tmp_path):
     assert plan.shard_name(0, 0, 3) == "model-dp03-tp00-pp00.safetensors"
     assert plan.source == "hf://mistralai/Mixtral-8x7B-Instruct-v0.1"
     assert "on 4 x a100-40gb, ep=4 dp=4 bf16" in out.read_text()
-    # an MLA model's EP unit stays advisory: no plan is written
+    # an MLA model's EP unit is a plan like any other (DeepSeek-V3 builds from its family)
     r = _run("--model", "deepseek-v3", "--gpu", "h200", "--dtype", "fp8", "--out", str(tmp_path / "v3.yaml"))
-    assert r.exit_code == 2 and not (tmp_path / "v3.yaml").exists()
+    assert r.exit_code == 0, r.output
+    v3 = load_plan(tmp_path / "v3.yaml")
+    assert (v3.tp, v3.dp, v3.expert_parallel, v3.source) == (1, 8, True, "hf://deepseek-ai/DeepSeek-V3")
 
 
 def test_out_ep_plan_passes_build_dry_run(tmp_path):

@@ -31,6 +31,7 @@ FLAGS = {
     "gpu_memory": "--gpu-memory", "hbm_bandwidth": "--hbm-bandwidth", "interconnect": "--interconnect",
     "fabric": "--fabric", "microbatches": "--param microbatches", "tp": "--tp", "pp": "--pp",
     "concurrency": "--concurrency", "allow_long_context": "--param allow_long_context=1",
+    "isl": "--isl", "osl": "--osl", "ttft_ms": "--ttft-ms",
 }
 _FIELD = re.compile(r"`([a-z_]+)`")
 DEFAULT_GPUS_PER_NODE = 8  # one node of eight, as the presets' servers come
@@ -125,7 +126,7 @@ def _param(text: str) -> tuple[str, float]:
     number = float(value)
     if number <= 0 or (name == "max_memory_fraction" and number > 1):
         raise ValueError(f"{name} must be positive" + (" and at most 1" if name == "max_memory_fraction" else ""))
-    return name, int(number) if name in ("microbatches", "max_num_seqs") else number
+    return name, int(number) if name in ("microbatches", "max_num_seqs", "max_num_batched_tokens") else number
 
 
 PARAM = _Flag("NAME=VALUE", None, _param)
@@ -143,12 +144,11 @@ Examples:
   shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --max-model-len 32768 --kv-memory 5.63GiB \\
       --target-tpot-ms 50 --explain      # reproduce vLLM's numbers for a measured KV budget
   shardc plan --model llama-3.3-70b --gpu a100-80gb --lora-adapters 8 --lora-rank 64 --draft-model llama-3.1-8b
-  shardc plan --model deepseek-v3 --gpu h200 --explain              # MLA: advisory, no --out
+  shardc plan --model deepseek-v3 --gpu h200 --dtype fp8 --explain  # MLA latent whole per GPU, EP
   shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
 """)
 @click.option("--model", "model_ref", required=True, metavar="PRESET|config.json|DIR",
-              help=f"Model preset ({', '.join(PRESETS)}; advisory: "
-              "deepseek-v3, deepseek-v2-lite), a config.json, or a checkpoint directory.")
+              help=f"Model preset ({', '.join(PRESETS)}), a config.json, or a checkpoint directory.")
 @click.option("--gpu", "gpu_name", required=True, metavar="PRESET",
               help="a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100-sxm, h200, l40s.")
 @click.option("--gpus-per-node", type=POS_INT, help="GPUs per node: the NVLink domain that TP stays inside. "
@@ -165,9 +165,13 @@ Examples:
               help="KV-cache dtype; auto = 16-bit.")
 @click.option("--max-model-len", type=POS_INT, help="Longest request; one of them must fit in the KV cache "
               "(vLLM's check). [default: the model's max_position_embeddings, as vLLM's]")
-@click.option("--concurrency", type=POS_INT, default=1, show_default=True,
-              help="Requests the KV cache must hold at once: of --avg-context tokens when given, else of "
-              "--max-model-len.")
+@click.option("--concurrency", type=POS_INT,
+              help="Requests in flight: the speed figures are at this concurrency and the KV cache must hold "
+              "them (of --avg-context tokens when given, else isl + osl with --isl/--osl, else --max-model-len). "
+              "[default: the most that meet the TPOT/TTFT targets; the KV demand is one request]")
+@click.option("--isl", type=POS_INT, help="Prompt tokens per request (prefill). [default: 1536]")
+@click.option("--osl", type=POS_INT, help="Output tokens per request (decode). [default: 1024]")
+@click.option("--ttft-ms", type=POS_FLOAT, help="Time-to-first-token target, a requirement when given.")
 @click.option("--avg-context", type=POS_INT,
               help="Average tokens per request: sizes the --concurrency demand, the batch and the KV reads. "
               "[default: 2048 for speed; the demand uses --max-model-len]")
@@ -200,22 +204,33 @@ Examples:
               "nvlink4, pcie4, pcie5 (TP up to 4), nvlink-bridge (pairs), xgmi. Sets the TP limit.")
 @click.option("--param", "params", type=PARAM, multiple=True, metavar="NAME=VALUE",
               help="Override a named assumption: activations, cuda_context, nccl, cuda_graphs (sizes); "
-              "hbm_efficiency, compute_efficiency, link_efficiency, microbatches, max_num_seqs, "
-              "max_memory_fraction; allow_long_context=1 allows --max-model-len beyond the model's.")
+              "hbm_efficiency, compute_efficiency, link_efficiency, layer_overhead_us, step_overhead_ms, "
+              "max_num_batched_tokens, microbatches, max_num_seqs, max_memory_fraction; allow_long_context=1 allows --max-model-len beyond the model's.")
 @click.option("--explain", is_flag=True, help="Print the arithmetic line by line with the numbers substituted.")
 @click.option("--json", "as_json", is_flag=True, help="Every figure of every candidate as JSON.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the recommended plan here (a plan file for `shardc build`).")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Draw tokens/s per GPU vs TPOT of every feasible candidate (Pareto front, the pick) and "
+              "memory per GPU into this .svg or .png (needs matplotlib: the plot extra).")
+@click.option("--emit", type=_Flag("vllm|k8s", "launch config (vllm, k8s)", _choice("vllm", "k8s")),
+              metavar="vllm|k8s", help="Print the pick's `vllm serve` command, or a Kubernetes pod for it.")
+@click.option("--manifest-uri", default="s3://CHANGE-ME/manifest.json", show_default=True,
+              help="With --emit k8s: where the build's manifest lives (shardc pull's --manifest).")
+@click.option("--check", "check_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Read a pod spec or `vllm serve` arguments (YAML) and list where they disagree with the "
+              "pick, one line each (exit 1).")
 def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
-             kv_dtype: str, max_model_len: int | None, concurrency: int, avg_context: int | None,
-             kv_cache_cap: float | None,
+             kv_dtype: str, max_model_len: int | None, concurrency: int | None, isl: int | None,
+             osl: int | None, ttft_ms: float | None, avg_context: int | None, kv_cache_cap: float | None,
              kv_memory: float | None, gpu_memory_utilization: float, block_size: int,
              price_per_gpu_hour: float, target_tpot_ms: float | None, demand_tokens_per_s: float | None,
              lora_adapters: int | None, lora_rank: int | None, draft_model: str | None,
              tps: tuple[int, ...], pps: tuple[int, ...], gpu_memory: float | None,
              hbm_bandwidth: float | None, nvlink_bandwidth: float | None, interconnect: str,
              fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool, as_json: bool,
-             out_file: Path | None) -> None:
+             out_file: Path | None, plot_file: Path | None, emit: str | None, manifest_uri: str,
+             check_file: Path | None) -> None:
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick.
 
     The default objective (fit) recommends the smallest unit that holds the model and the KV
@@ -232,18 +247,19 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int
 
 
 def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
-          kv_dtype: str, max_model_len: int | None, concurrency: int, avg_context: int | None,
-             kv_cache_cap: float | None,
+          kv_dtype: str, max_model_len: int | None, concurrency: int | None, isl: int | None,
+          osl: int | None, ttft_ms: float | None, avg_context: int | None, kv_cache_cap: float | None,
           kv_memory: float | None, gpu_memory_utilization: float, block_size: int, price_per_gpu_hour: float,
           target_tpot_ms: float | None, demand_tokens_per_s: float | None, lora_adapters: int | None,
           lora_rank: int | None, draft_model: str | None, tps: tuple[int, ...], pps: tuple[int, ...],
           gpu_memory: float | None, hbm_bandwidth: float | None, nvlink_bandwidth: float | None,
           interconnect: str, fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool,
-          as_json: bool, out_file: Path | None) -> None:
+          as_json: bool, out_file: Path | None, plot_file: Path | None = None, emit: str | None = None,
+          manifest_uri: str = "", check_file: Path | None = None) -> None:
+    from ..planner.explain import explain as explain_lines
     from ..planner.formulas import Overheads, SpeedParams, Workload
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
     from ..planner.models import resolve_model
-    from ..planner.report import explain as explain_lines
     from ..planner.report import header, summary, table
     from ..planner.search import search
 
@@ -262,7 +278,8 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     cluster = Cluster(gpu, node_gpus(gpus, gpus_per_node), nodes, get_interconnect(interconnect))
     named = dict(params)
     workload = Workload(
-        avg_context=avg_context, max_model_len=max_model_len, concurrency=concurrency,
+        avg_context=avg_context, max_model_len=max_model_len, concurrency=concurrency, isl=isl, osl=osl,
+        ttft_ms=ttft_ms,
         allow_long_context=bool(named.pop("allow_long_context", 0)),
         kv_cache_cap=int(kv_cache_cap) if kv_cache_cap else None, kv_memory=kv_memory,
         gpu_memory_utilization=gpu_memory_utilization, block_size=block_size, kv_dtype=kv_dtype,
@@ -274,6 +291,14 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     result = search(model, cluster, workload, dtypes=None if dtype == "auto" else [dtype], tps=tps or None,
                     pps=pps or None, overheads=over, speed=speed, model_name=name, source=source,
                     objective=objective, draft=draft)
+    if check_file is not None or emit is not None:
+        from .plan_emit import check, emit_config
+
+        if check_file is not None:
+            check(result, check_file)
+        else:
+            emit_config(result, emit or "", manifest_uri)
+        return
     if as_json:
         _echo_json(result)
     elif explain:
@@ -284,9 +309,10 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     else:
         click.echo(flags("\n".join(table(result))))
     rec = result.require_recommendation()
-    if out_file is not None and result.advisory:
-        raise PlanError(f"not written: {result.advisory}", key="--out",
-                        hint="shardc build compiles the families in the README's Supported models table")
+    if plot_file is not None:
+        from .plan_emit import plot
+
+        plot(result, plot_file, quiet=as_json)
     if out_file is not None:
         write_plan(result.plan_for(rec, _source_for(source, model_ref, out_file)), out_file, result, rec)
         if not as_json:

@@ -6,8 +6,8 @@ decode step. A unit fits when every stage's KV pool (what vLLM would allocate, a
 holds the demand and the CUDA context and graphs fit in the headroom vLLM leaves outside its
 budget (with a measured `kv_memory` pool: no GPU above the memory limit); the cap alone never rules
 a unit out.
-Weights come from the Layout (the families shardc builds) or from mla.py's matrices (advisory MLA models); LoRA
-adapters and a draft model are sharded like the weights.
+Weights come from the Layout of every family (weights.py), MLA ones included; LoRA adapters and a
+draft model are sharded like the weights.
 """
 
 from __future__ import annotations
@@ -18,32 +18,32 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LayoutError
+from ..spec.model import ModelSpec
 from ..spec.plan import Plan, plan_from_dict
 from .formulas import (
     ACT_BYTES,
     Cost,
     GpuMemory,
     KvFigures,
-    RankWeights,
     Speed,
     Workload,
+    custom_allreduce_s,
     demand_tokens,
     demand_words,
     dollars_per_mtok,
+    experts_touched,
     gpipe_bubble,
     kv_blocks,
     kv_bytes_per_token,
     lora_bytes_per_layer,
     mla_kv_bytes_per_token,
-    plan_dict,
-    plan_name,
-    rank_weights,
     request_kv_bytes,
     ring_allreduce_s,
     sequences_at,
 )
-from .gpus import GIB
-from .mla import MlaModel, experts_touched, mla_rank_weights
+from .gpus import GIB, rates
+from .serving import Serving, Step, choose, serving_at
+from .weights import RankWeights, plan_dict, plan_name, rank_weights
 
 if TYPE_CHECKING:
     from .search import Search
@@ -67,6 +67,7 @@ class Candidate:
     ep: int = 1  # expert-parallel degree: > 1 is an EP unit (tp 1, dp = ep GPUs, experts spread over them)
     dp: int = 1  # attention data-parallel groups (the plan's dp_degree)
     ep_detail: Any = None  # ep.EpWeights of an EP unit: what --explain restates
+    serving: Serving | None = None  # the workload's figures at the chosen concurrency
 
     @property
     def gpus(self) -> int:
@@ -102,6 +103,10 @@ class Candidate:
         for name in ("memory", "kv", "speed", "cost"):
             part = getattr(self, name)
             out[name] = dataclasses.asdict(part) if part is not None else None
+        v = self.serving
+        for key in ("ttft_ms", "tpot_ms", "tokens_per_s_per_gpu", "requests_per_s", "concurrency"):
+            out[key] = v.to_json()[key] if v is not None else None
+        out["serving"] = v.to_json() if v is not None else None
         if self.memory is not None:
             m = self.memory
             out["memory"].update(usable=m.usable, overhead=m.overhead, used=m.used, used_fraction=m.used_fraction)
@@ -119,24 +124,27 @@ def lora_bytes(model: Any, w: Workload, layers: int) -> int:
     return layers * per
 
 
-def kv_bpt(model: Any, layers: int, tp: int, kv_bytes: int) -> int:
-    if isinstance(model, MlaModel):
-        return mla_kv_bytes_per_token(layers, model.kv_lora_rank, model.qk_rope_head_dim, kv_bytes)
+def kv_bpt(model: ModelSpec, layers: int, tp: int, kv_bytes: int) -> int:
+    """KV bytes per token on one GPU holding ``layers`` layers: K and V of its KV heads, or an MLA
+    latent (kv_lora_rank + qk_rope_head_dim per layer), whole on every GPU whatever the TP."""
+    mla = model.forward.mla
+    if mla is not None:
+        return mla_kv_bytes_per_token(layers, mla.kv_lora_rank, mla.rope, kv_bytes)
     return kv_bytes_per_token(layers, model.num_kv_heads, tp, model.head_dim, kv_bytes)
 
 
-def routing(model: Any) -> tuple[int, int]:
+def routing(model: ModelSpec) -> tuple[int, int]:
     """(experts a token is routed to, routed experts per MoE layer); (0, 0) for a dense model."""
-    if isinstance(model, MlaModel):
-        return model.num_experts_per_tok, model.n_routed_experts
     moe = model.forward.moe
     return (moe.top_k, moe.experts) if moe is not None else (0, 0)
 
 
-def attn_flops(model: Any) -> int:
-    """Attention FLOPs per layer, head and context token: q.k and p.v (MLA: against the latent)."""
-    if isinstance(model, MlaModel):
-        return 2 * model.latent_dim + 2 * model.kv_lora_rank
+def attn_flops(model: ModelSpec) -> int:
+    """Attention FLOPs per layer, head and context token: q.k and p.v. MLA decodes in vLLM's
+    absorbed form, against the latent: q.k over kv_lora_rank + rope, p.v over kv_lora_rank."""
+    mla = model.forward.mla
+    if mla is not None:
+        return 2 * (mla.kv_lora_rank + mla.rope) + 2 * mla.kv_lora_rank
     return 4 * model.head_dim
 
 
@@ -147,12 +155,7 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
         return c
     try:
         c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, tp, pp, dtype), s.source, tp, pp, dtype))
-        if isinstance(s.model, MlaModel):
-            if pp > s.model.num_layers:
-                raise LayoutError(f"pp_degree={pp} exceeds num_hidden_layers={s.model.num_layers}")
-            c.weights = mla_rank_weights(s.model, tp, pp, dtype, even_stages(s.model.num_layers, pp))
-        else:
-            c.weights = rank_weights(s.model, c.plan)
+        c.weights = rank_weights(s.model, c.plan)
     except LayoutError as exc:
         c.reasons.append(exc.message)
         return c
@@ -160,16 +163,6 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
     if not c.reasons:
         _speed(s, c)
     return c
-
-
-def even_stages(n: int, pp: int) -> list[tuple[int, int]]:
-    """The Layout's default stage split (stage_ranges): even, the remainder to the first stages."""
-    base, extra = divmod(n, pp)
-    out, start = [], 0
-    for st in range(pp):
-        out.append((start, start + base + (1 if st < extra else 0)))
-        start = out[-1][1]
-    return out
 
 
 def _memory(s: Search, c: Candidate) -> None:
@@ -239,62 +232,68 @@ def memory_reasons(s: Search, c: Candidate, stages: list[GpuMemory], fullest: Gp
 
 
 def _speed(s: Search, c: Candidate) -> None:
-    """Decode roofline per micro-batch slot, GPipe schedule, then the batch that meets the TPOT target."""
+    """The engine-step model of a TP x PP unit (GPipe over the stages), then the workload (serving.py)."""
     model, gpu, sp, w, cl = s.model, s.cluster.gpu, s.speed, s.workload, s.cluster
     tp, pp = c.tp, c.pp or 1
     link = gpu.link
-    hbm, flops = gpu.hbm_bandwidth * sp.hbm_efficiency, gpu.flops * sp.compute_efficiency
+    hbm_w, hbm_kv, flops = rates(gpu, c.dtype or "", sp)
     heads, attn = model.num_heads // tp, attn_flops(model)
     stages = [max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.read_bytes) for st in range(pp)]
+    allreduce = custom_allreduce_s if link.name.startswith("nvlink") else ring_allreduce_s
 
-    def slot(b: float) -> tuple[float, ...]:
-        worst: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0, 0)
+    def slot(d: float, p: float, plen: int) -> tuple[Step, int]:
+        """One micro-batch of ``d`` decoding sequences and ``p`` prompt tokens through the slowest stage."""
+        worst, where = Step(0.0, 0.0, 0.0, 0.0, 0.0), 0
         for st, rw in enumerate(stages):
             layers = rw.layers[1] - rw.layers[0]
             bpt = kv_bpt(model, layers, tp, w.kv_bytes)
             read = rw.read_bytes
             if rw.expert_bytes:  # MoE: a step reads the routed experts its tokens picked
-                share = experts_touched(b, *routing(model))
-                read -= rw.expert_bytes * (1 - share)
-            mem = (read + b * w.context * bpt) / hbm
-            comp = b * (2 * rw.linear_params + layers * heads * attn * w.context) / flops
-            ar = 2 * layers * ring_allreduce_s(tp, b * model.hidden_size * ACT_BYTES,
-                                               link.bandwidth * sp.link_efficiency, link.latency)
-            ho = 0.0
+                read -= rw.expert_bytes * (1 - experts_touched(d + p, *routing(model)))
+            mem = read / hbm_w + d * w.context * bpt / hbm_kv
+            comp = ((d + p) * 2 * rw.linear_params + layers * heads * attn * (d * w.context + p * plen / 2)) / flops
+            comm = 2 * layers * allreduce(tp, (d + p) * model.hidden_size * ACT_BYTES,
+                                          link.bandwidth * sp.link_efficiency, link.latency)
             if st < pp - 1:
                 hop = link if cl.node_of(st * tp) == cl.node_of((st + 1) * tp) else cl.inter_node
-                ho = b * model.hidden_size * ACT_BYTES / (hop.bandwidth * sp.link_efficiency) + hop.latency
-            total = max(mem, comp) + ar + ho
-            if total > worst[0]:
-                worst = (total, mem, comp, ar, ho, st)
-        return worst
+                comm += (d + p) * model.hidden_size * ACT_BYTES / (hop.bandwidth * sp.link_efficiency) + hop.latency
+            fixed = layers * sp.layer_overhead_us * 1e-6
+            one = Step(max(mem, comp) + comm + fixed, mem, comp, comm, fixed)
+            if one.total > worst.total:
+                worst, where = one, st
+        return worst, where
 
-    def at(batch: int) -> Speed:
-        m = min(sp.microbatches or pp, batch)
-        t, mem, comp, ar, ho, st = slot(batch / m)
-        tpot = (m + pp - 1) * t
-        return Speed(batch, int(st), m, gpipe_bubble(pp, m), mem, comp, ar, ho, t, tpot, batch / tpot, "")
+    def micro(n: float) -> int:
+        return max(1, min(sp.microbatches or pp, math.ceil(n)))
+
+    def step(d: float, p: float, plen: int) -> Step:
+        m = micro(d + (1 if p else 0))
+        t, _ = slot(d / m, p / m, plen)
+        return Step((m + pp - 1) * t.total + sp.step_overhead_ms * 1e-3, t.memory, t.compute, t.comm, t.fixed)
 
     kv = c.kv
     assert kv is not None
     cap = min(kv.sequences, sp.max_num_seqs)
-    target = w.target_ms / 1e3
-    lo, hi = 1, cap
-    if at(cap).tpot_s <= target:
-        lo = cap
-    else:
-        while lo < hi:  # the largest batch that meets the target; TPOT grows with the batch
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if at(mid).tpot_s <= target else (lo, mid - 1)
-    best = at(lo)
-    limited = "tpot" if lo < cap else ("kv" if kv.sequences <= sp.max_num_seqs else "max_num_seqs")
-    c.speed = dataclasses.replace(best, limited_by=limited, tpot1_s=at(1).tpot_s)
-    c.meets_target = best.tpot_s <= target
-    world = tp * pp
+    v, limited, ok = choose(step, cap, w, sp, c.gpus)
+    if limited == "cap":
+        limited = "kv" if kv.sequences <= sp.max_num_seqs else "max_num_seqs"
+    m = micro(v.concurrency)
+    t, st = slot(v.concurrency / m, 0.0, v.isl)
+    c.serving = v
+    c.speed = Speed(v.concurrency, st, m, gpipe_bubble(pp, m), t.memory, t.compute, t.comm, t.fixed, t.total,
+                    v.tpot_s, v.tokens_per_s, limited, serving_at(step, 1, w, sp, c.gpus).tpot_s, v.ttft_s,
+                    v.requests_per_s, v.tokens_per_s_per_gpu)
+    c.meets_target = ok
+    c.cost = unit_cost(s, c.gpus, v.tokens_per_s)
+
+
+def unit_cost(s: Search, world: int, tokens_per_s: float) -> Cost:
+    """$/Mtok at the unit's serving throughput, and how many units a node, the cluster and the demand take."""
+    w, cl = s.workload, s.cluster
     gpn, nodes = cl.gpus_per_node, cl.nodes
     per_node = gpn // world if world <= gpn else 0
     in_cluster = per_node * nodes if per_node else nodes // -(-world // gpn)
-    need = math.ceil(w.demand_tokens_per_s / best.tokens_per_s) if w.demand_tokens_per_s else None
-    c.cost = Cost(world, dollars_per_mtok(world, w.price_per_gpu_hour, best.tokens_per_s),
-                  world * 1e6 / (best.tokens_per_s * 3600), per_node, in_cluster, need,
-                  need * world if need is not None else None)
+    need = math.ceil(w.demand_tokens_per_s / tokens_per_s) if w.demand_tokens_per_s else None
+    return Cost(world, dollars_per_mtok(world, w.price_per_gpu_hour, tokens_per_s),
+                world * 1e6 / (tokens_per_s * 3600), per_node, in_cluster, need,
+                need * world if need is not None else None)

@@ -6,8 +6,7 @@ embeddings) and its block of the routed experts, vLLM's linear placement (rank r
 [r·E/N, (r+1)·E/N), the remainder to the first ranks), so the largest rank, rank 0, holds
 ceil(E/N) of them and sets the memory verdict. The bytes come from the family's tensor table
 through the Layout of a tp=1 probe (one layer of each kind, sparse or dense): the rows with an
-``expert`` id are counted per expert, everything else whole. MLA models (advisory) take the same
-split of mla.py's matrices.
+``expert`` id are counted per expert, everything else whole (DeepSeek-V3's MLA projections too).
 
 The KV cache is split by request (attention data parallelism): each rank keeps the KV of
 ceil(streams / N) streams, whole (every KV head, every layer; an MLA latent is whole anyway); one
@@ -19,7 +18,8 @@ all-to-all stays on the fabric inside a node, so EP beyond 8 GPUs is only tried 
 NVLink domain (``--gpus-per-node`` above 8, an NVL72 say). policy.py takes the smallest N that
 fits (and leaves no GPU above 95 %); if none does, the dense TP/PP path.
 
-Speed (approximate, the dense decode roofline with EP's reads): per step a GPU streams its
+Speed (approximate; ``ep_slot`` is one engine step, serving.py schedules the workload on it as
+for a dense unit): per step a GPU streams its
 non-expert weights and, of its own experts, the share a batch of B tokens routes to, 1 - (1 -
 k/E)^B (uniform routing: at B = 1, k of E experts per token spread over N GPUs, k/N experts each),
 plus the KV of its ceil(B / N) streams; compute is its streams' dense and attention FLOPs plus B·k/N
@@ -33,32 +33,31 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import LayoutError, PlanError, QuantizationError
 from ..spec.layout import build_layout, check_degrees, layer_of
 from ..spec.model import ModelSpec
 from ..spec.plan import plan_from_dict
 from ..spec.tensors import STACKED, tensor_table
-from .candidate import Candidate, attn_flops, kv_bpt, lora_bytes, memory_reasons, routing
+from .candidate import Candidate, attn_flops, kv_bpt, lora_bytes, memory_reasons, routing, unit_cost
 from .formulas import (
     ACT_BYTES,
-    Cost,
     GpuMemory,
     KvFigures,
-    RankWeights,
     Speed,
     Workload,
     all_to_all_s,
-    dollars_per_mtok,
+    experts_touched,
     kv_blocks,
-    plan_dict,
-    plan_name,
     request_kv_bytes,
+    request_tokens,
     round_to_blocks,
     sequences_at,
 )
-from .mla import MlaModel, experts_touched, mla_rank_weights, routed_expert_elems
+from .gpus import rates
+from .serving import Step, choose, serving_at
+from .weights import RankWeights, plan_dict, plan_name
 
 if TYPE_CHECKING:
     from .search import Search
@@ -96,15 +95,9 @@ class EpWeights:
         return out
 
 
-def ep_weights(model: Any, dtype: str) -> EpWeights:
-    """The split, from the Layout of a tp=1 probe (ModelSpec) or mla.py's matrices (MlaModel)."""
+def ep_weights(model: ModelSpec, dtype: str) -> EpWeights:
+    """The split, from the Layout of a tp=1 probe with one layer of each kind (sparse or dense)."""
     k, experts = routing(model)
-    if isinstance(model, MlaModel):
-        rw = mla_rank_weights(model, 1, 1, dtype, [(0, model.num_layers)])[0]
-        moe = model.moe_layers(0, model.num_layers)
-        per, lin = rw.expert_bytes // experts, moe * routed_expert_elems(model)
-        return EpWeights(dtype, experts, k, moe, model.num_layers, rw.nbytes - rw.expert_bytes,
-                         rw.read_bytes - rw.expert_bytes, rw.linear_params - k * lin, (per,) * experts, lin)
     sparse = model.forward.moe.sparse
     first = {kind: sparse.index(kind) for kind in set(sparse)}  # one probe layer of each kind
     probe = dataclasses.replace(model, num_layers=max(first.values()) + 1)
@@ -153,19 +146,19 @@ def ep_demand_tokens(w: Workload, max_position: int, n: int) -> int:
     """KV tokens one EP rank must hold: one request of the max model length (a stream's KV never
     splits), or the ceil(concurrency / n) requests that rank serves, each paged in whole blocks."""
     length = w.max_model_len or max_position
-    each = w.avg_context if w.avg_context is not None else length
-    streams = -(-w.concurrency // n)
+    each = request_tokens(w, length)
+    streams = -(-w.requests // n)
     return max(round_to_blocks(length, w.block_size), streams * round_to_blocks(each, w.block_size))
 
 
 def ep_demand_words(w: Workload, max_position: int, n: int) -> str:
     length = w.max_model_len or max_position
-    each = w.avg_context if w.avg_context is not None else length
-    streams = -(-w.concurrency // n)
+    each = request_tokens(w, length)
+    streams = -(-w.requests // n)
     if streams * round_to_blocks(each, w.block_size) > round_to_blocks(length, w.block_size):
-        return f"ceil({w.concurrency} / {n}) = {streams} requests of {each:,} tokens on each GPU"
+        return f"ceil({w.requests} / {n}) = {streams} requests of {each:,} tokens on each GPU"
     one = f"one {length:,}-token request on one GPU"
-    return one if streams == 1 else f"{one}, which covers ceil({w.concurrency} / {n}) = {streams} x {each:,} tokens"
+    return one if streams == 1 else f"{one}, which covers ceil({w.requests} / {n}) = {streams} x {each:,} tokens"
 
 
 def evaluate_ep(s: Search, n: int, dtype: str, ew: EpWeights | str) -> Candidate:
@@ -177,8 +170,7 @@ def evaluate_ep(s: Search, n: int, dtype: str, ew: EpWeights | str) -> Candidate
     c.ep_detail = ew
     try:
         c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, 1, 1, dtype, n), s.source, 1, 1, dtype, dp=n))
-        if isinstance(s.model, ModelSpec):
-            check_degrees(s.model, c.plan)
+        check_degrees(s.model, c.plan)
     except (LayoutError, PlanError) as exc:
         c.reasons.append(exc.message)
         return c
@@ -219,54 +211,45 @@ def _memory(s: Search, c: Candidate) -> None:
                    words=ep_demand_words(w, model.max_position_embeddings, n), limit_always=True)
 
 
-def ep_slot(s: Search, c: Candidate, batch: float) -> tuple[float, float, float, float]:
-    """(step, HBM, compute, all-to-all) seconds of one decode step of ``batch`` sequences over the unit."""
+def ep_slot(s: Search, c: Candidate, d: float, p: float = 0.0, plen: int = 0) -> Step:
+    """One engine step of the unit with ``d`` decoding sequences and ``p`` prompt tokens (spread over
+    the DP ranks): the fullest rank's HBM reads, FLOPs, all-to-alls and fixed overheads."""
     model, gpu, sp, w = s.model, s.cluster.gpu, s.speed, s.workload
     ew, n = c.ep_detail, c.ep
     rw = max(c.weights, key=lambda r: r.nbytes)
     held = len(linear_block(ew.experts, n, 0))
-    hbm, flops = gpu.hbm_bandwidth * sp.hbm_efficiency, gpu.flops * sp.compute_efficiency
-    local = math.ceil(batch / n)  # streams on the fullest rank
+    hbm_w, hbm_kv, flops = rates(gpu, c.dtype or "", sp)
+    local, local_p = math.ceil(d / n), p / n  # streams and prompt tokens on the fullest rank
     bpt = kv_bpt(model, model.num_layers, 1, w.kv_bytes)
-    share = experts_touched(batch, ew.top_k, ew.experts)
+    share = experts_touched(d + p, ew.top_k, ew.experts)
     read = rw.read_bytes - rw.expert_bytes * (1 - share)
-    mem = (read + local * w.context * bpt) / hbm
-    routed = batch * ew.top_k * held / ew.experts  # token-expert pairs this rank computes
-    comp = (local * (2 * ew.base_linear + model.num_layers * model.num_heads * attn_flops(model) * w.context)
-            + routed * 2 * ew.expert_linear) / flops
+    mem = read / hbm_w + local * w.context * bpt / hbm_kv
+    routed = (d + p) * ew.top_k * held / ew.experts  # token-expert pairs this rank computes
+    attn = model.num_layers * model.num_heads * attn_flops(model) * (local * w.context + local_p * plen / 2)
+    comp = ((local + local_p) * 2 * ew.base_linear + attn + routed * 2 * ew.expert_linear) / flops
     link = gpu.link
-    a2a = 2 * ew.moe_layers * all_to_all_s(n, local * ew.top_k * model.hidden_size * ACT_BYTES,
+    a2a = 2 * ew.moe_layers * all_to_all_s(n, (local + local_p) * ew.top_k * model.hidden_size * ACT_BYTES,
                                            link.bandwidth * sp.link_efficiency, link.latency)
-    return max(mem, comp) + a2a, mem, comp, a2a
+    fixed = model.num_layers * sp.layer_overhead_us * 1e-6
+    return Step(max(mem, comp) + a2a + fixed + sp.step_overhead_ms * 1e-3, mem, comp, a2a, fixed)
 
 
 def _speed(s: Search, c: Candidate) -> None:
-    sp, w, cl, n = s.speed, s.workload, s.cluster, c.ep
+    sp, w, n = s.speed, s.workload, c.ep
 
-    def at(batch: int) -> Speed:
-        t, mem, comp, a2a = ep_slot(s, c, batch)
-        return Speed(batch, 0, 1, 0.0, mem, comp, a2a, 0.0, t, t, batch / t, "")
+    def step(d: float, p: float, plen: int) -> Step:
+        return ep_slot(s, c, d, p, plen)
 
     kv = c.kv
     assert kv is not None
     most = n * sp.max_num_seqs  # every DP rank schedules its own max_num_seqs
-    cap = min(kv.sequences, most)
-    target = w.target_ms / 1e3
-    lo, hi = 1, max(cap, 1)
-    if at(hi).tpot_s <= target:
-        lo = hi
-    else:
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if at(mid).tpot_s <= target else (lo, mid - 1)
-    best = at(lo)
-    limited = "tpot" if lo < cap else ("kv" if kv.sequences <= most else "max_num_seqs")
-    c.speed = dataclasses.replace(best, limited_by=limited, tpot1_s=at(1).tpot_s)
-    c.meets_target = best.tpot_s <= target
-    gpn, nodes = cl.gpus_per_node, cl.nodes
-    per_node = gpn // n if n <= gpn else 0
-    in_cluster = per_node * nodes if per_node else nodes // -(-n // gpn)
-    need = math.ceil(w.demand_tokens_per_s / best.tokens_per_s) if w.demand_tokens_per_s else None
-    c.cost = Cost(n, dollars_per_mtok(n, w.price_per_gpu_hour, best.tokens_per_s),
-                  n * 1e6 / (best.tokens_per_s * 3600), per_node, in_cluster, need,
-                  need * n if need is not None else None)
+    v, limited, ok = choose(step, min(kv.sequences, most), w, sp, n)
+    if limited == "cap":
+        limited = "kv" if kv.sequences <= most else "max_num_seqs"
+    t = ep_slot(s, c, v.concurrency, 0.0, v.isl)
+    c.serving = v
+    c.speed = Speed(v.concurrency, 0, 1, 0.0, t.memory, t.compute, t.comm, t.fixed, t.total, v.tpot_s,
+                    v.tokens_per_s, limited, serving_at(step, 1, w, sp, n).tpot_s, v.ttft_s, v.requests_per_s,
+                    v.tokens_per_s_per_gpu)
+    c.meets_target = ok
+    c.cost = unit_cost(s, n, v.tokens_per_s)

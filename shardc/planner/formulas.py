@@ -1,9 +1,8 @@
 """The planner's formulas: memory, KV-cache, speed and cost arithmetic for TP x PP x dtype.
 
 Pure arithmetic on the model config and GPU spec sheets (no torch, no I/O), so ``shardc plan``
-answers instantly. Weight bytes per GPU come from the Layout, the same records ``shardc build``
-writes, so the planner can never disagree with the shards about replicated norms, KV-head
-replication, vocab padding or quantization scales. KV math follows vLLM exactly (paged blocks of
+answers instantly. Weight bytes per GPU come from the Layout (weights.py), the same records
+``shardc build`` writes. KV math follows vLLM exactly (paged blocks of
 ``block_size`` tokens; a budget holds ``block * floor(budget / (block * bytes_per_token))``
 tokens), because vLLM refuses deployments with this arithmetic and ours must agree with it.
 The KV budget a unit would allocate follows vLLM's accounting (see ``Overheads``); the KV the
@@ -17,26 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
-from typing import Any
 
-from ..errors import PlanError
-from ..spec.layout import build_layout, check_degrees, layer_of, stage_ranges
-from ..spec.model import ModelSpec
-from ..spec.plan import (
-    DEFAULT_IGNORE,
-    DEFAULT_SHARD_PREFIX,
-    DP_SHARD_PREFIX,
-    QUANTIZED_DTYPES,
-    Plan,
-)
-from ..spec.tensors import STACKED, tensor_table
-from .gpus import GIB, Cluster
+from .gpus import GIB
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
-DEFAULT_KV_CAP = 20 * GIB  # the serving design's ceiling on the KV pool per GPU shard
+# No default ceiling on the KV pool (#33): vLLM allocates what its budget leaves, and a 20 GiB
+# ceiling held the batch below what the targets allowed; --kv-cache-cap still sets one.
+DEFAULT_KV_CAP = math.inf
 DEFAULT_AVG_CONTEXT = 2048  # tokens per sequence for the speed model when --avg-context is not given
 DEFAULT_TPOT_MS = 25.0  # sizes the batch when no target is given; a requirement only when given
 LORA_BYTES = 2  # adapters are served 16-bit
@@ -95,11 +83,21 @@ class Overheads:
 
 @dataclass(frozen=True)
 class SpeedParams:
-    """Knobs of the decode roofline; each one is printed by ``--explain``."""
+    """Knobs of the engine-step model (serving.py); each one is printed by ``--explain``.
 
-    hbm_efficiency: float = 0.8  # share of peak HBM bandwidth that decode GEMVs reach
-    compute_efficiency: float = 0.5  # share of peak FLOP/s that batched decode GEMMs reach
-    link_efficiency: float = 0.75  # share of link bandwidth NCCL reaches (bus bandwidth)
+    The efficiencies and overheads are fitted, one set for every cell, against aiconfigurator 0.12's measured
+    vLLM kernel tables (scripts/bench_plan.py --fit; docs/performance.md "Speed model calibration"):
+    they are properties of the kernels on a GPU generation, not of one model or batch."""
+
+    hbm_efficiency: float = 0.93  # share of peak HBM bandwidth 16-bit weight GEMMs reach
+    kv_hbm_efficiency: float = 0.68  # the same for the paged-attention kernels' KV reads
+    w8_hbm_efficiency: float = 0.78  # the same for 8-bit weights (fp8, int8): their kernels stream less well
+    compute_efficiency: float = 0.79  # share of peak 16-bit FLOP/s that GEMMs and attention reach (prefill)
+    fp8_compute_efficiency: float = 0.43  # share of peak fp8 FLOP/s that fp8 GEMMs reach
+    link_efficiency: float = 0.43  # share of link bandwidth NCCL reaches (bus bandwidth)
+    layer_overhead_us: float = 45.3  # per layer and step: norms, activation, attention launch (fixed)
+    step_overhead_ms: float = 0.0  # per engine step: scheduler, sampling, logits (fixed)
+    max_num_batched_tokens: int = 8192  # vLLM's token budget per step (chunked prefill)
     microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage
     max_num_seqs: int = 256  # scheduler cap on the decode batch (vLLM's default)
     # with `kv_memory` (vLLM's kv_cache_memory_bytes, which bypasses the utilization budget), a GPU
@@ -111,11 +109,14 @@ class SpeedParams:
 class Workload:
     """What the deployment must serve, and what it costs."""
 
-    avg_context: int | None = None  # None: DEFAULT_AVG_CONTEXT for speed; the demand uses the request length
+    avg_context: int | None = None  # None: isl + osl / 2 for speed; the demand uses the request length
     max_model_len: int | None = None  # None: max_position_embeddings, as vLLM defaults it
-    concurrency: int = 1  # requests the KV cache must hold at once
+    concurrency: int | None = None  # requests in flight (and in the KV cache); None: the most that meet the targets
+    isl: int | None = None  # prompt tokens per request; None: 3/4 of avg_context (1,536)
+    osl: int | None = None  # output tokens per request; None: 1/2 of avg_context (1,024)
+    ttft_ms: float | None = None  # time-to-first-token target, a requirement when given
     allow_long_context: bool = False  # max_model_len beyond max_position_embeddings (vLLM's opt-in)
-    kv_cache_cap: int | None = None  # ceiling on the KV pool per GPU; None: --kv-memory when set, else 20 GiB
+    kv_cache_cap: int | None = None  # ceiling on the KV pool per GPU; None: --kv-memory when set, else none
     kv_memory: float | None = None  # per GPU KV budget as an engine measured it (overrides the math)
     gpu_memory_utilization: float = 0.9
     block_size: int = 16
@@ -132,9 +133,35 @@ class Workload:
         return DEFAULT_TPOT_MS if self.target_tpot_ms is None else self.target_tpot_ms
 
     @property
+    def requests(self) -> int:
+        """Requests the KV demand holds at once: --concurrency, else one."""
+        return self.concurrency or 1
+
+    @property
     def context(self) -> int:
-        """Tokens per sequence for the speed model: --avg-context, else the default."""
-        return DEFAULT_AVG_CONTEXT if self.avg_context is None else self.avg_context
+        """Average tokens a decoding sequence has in its cache: --avg-context, else isl + osl / 2
+        (2,048 with the default 1,536-token prompts and 1,024-token outputs)."""
+        if self.avg_context is not None:
+            return self.avg_context
+        if self.isl is not None or self.osl is not None:
+            return self.prompt + self.output // 2
+        return DEFAULT_AVG_CONTEXT
+
+    @property
+    def prompt(self) -> int:
+        """Prompt tokens per request (isl): --isl, else 3/4 of the average context."""
+        if self.isl is not None:
+            return self.isl
+        base = self.avg_context if self.avg_context is not None else DEFAULT_AVG_CONTEXT
+        return max(1, base * 3 // 4)
+
+    @property
+    def output(self) -> int:
+        """Output tokens per request (osl): --osl, else 1/2 of the average context."""
+        if self.osl is not None:
+            return self.osl
+        base = self.avg_context if self.avg_context is not None else DEFAULT_AVG_CONTEXT
+        return max(1, base // 2)
 
     @property
     def target_set(self) -> bool:
@@ -145,6 +172,11 @@ class Workload:
         if self.kv_cache_cap is not None:
             return self.kv_cache_cap
         return self.kv_memory if self.kv_memory is not None else DEFAULT_KV_CAP
+
+    @property
+    def capped(self) -> bool:
+        """A ceiling on the pool was given (--kv-cache-cap, or a measured --kv-memory)."""
+        return math.isfinite(self.cap)
 
     @property
     def kv_bytes(self) -> int:
@@ -195,15 +227,25 @@ def demand_tokens(w: Workload, max_position: int) -> int:
     tokens when given, else of the max model length; each request is paged in whole blocks.
     """
     length = w.max_model_len or max_position
-    each = w.avg_context if w.avg_context is not None else length
-    return max(round_to_blocks(length, w.block_size), w.concurrency * round_to_blocks(each, w.block_size))
+    each = request_tokens(w, length)
+    return max(round_to_blocks(length, w.block_size), w.requests * round_to_blocks(each, w.block_size))
+
+
+def request_tokens(w: Workload, length: int) -> int:
+    """KV tokens one request of the demand holds: --avg-context, else isl + osl when given (a
+    request's cache at its end), else the max model length."""
+    if w.avg_context is not None:
+        return w.avg_context
+    if w.isl is not None or w.osl is not None:
+        return w.prompt + w.output
+    return length
 
 
 def demand_words(w: Workload, max_position: int) -> str:
     """The demand in words: which requests it is, as --explain and the reasons say it."""
     length = w.max_model_len or max_position
-    each = w.avg_context if w.avg_context is not None else length
-    n, block = w.concurrency, w.block_size
+    each = request_tokens(w, length)
+    n, block = w.requests, w.block_size
     if n * round_to_blocks(each, block) > round_to_blocks(length, block):
         return f"{n} requests of {each:,} tokens"
     one = f"one {length:,}-token request"
@@ -232,6 +274,16 @@ def ring_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) ->
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
 
 
+def custom_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+    """vLLM's custom all-reduce over NVLink peer-to-peer (two-shot: a reduce-scatter and an
+    all-gather, each one round of direct writes to every peer): the ring's bandwidth term,
+    2(n-1)/n x bytes / bandwidth, but 2 x latency whatever n is, since every GPU talks to every
+    other at once instead of passing the data round a ring of n hops; free for n = 1."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bandwidth + 2 * latency
+
+
 def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
     """One all-to-all (an EP dispatch or combine): each GPU sends (n-1)/n of its ``nbytes`` to the
     others over its own link, plus (n-1) x latency for the peer exchanges; free for n = 1."""
@@ -250,140 +302,11 @@ def dollars_per_mtok(gpus: int, price_per_gpu_hour: float, tokens_per_s: float) 
     return gpus * price_per_gpu_hour * 1e6 / (tokens_per_s * 3600)
 
 
-def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedParams) -> None:
-    """Nonsensical inputs end here, as one PlanError naming the field (``key``; hints quote other
-    fields in backticks), before any arithmetic. The CLI maps field names to its flags."""
-    max_pos = model.max_position_embeddings
-
-    def bad(key: str, message: str, hint: str | None = None) -> PlanError:
-        return PlanError(message, key=key, hint=hint)
-
-    if not 0 < w.gpu_memory_utilization <= 1:
-        raise bad("gpu_memory_utilization", f"must be in (0, 1], found {w.gpu_memory_utilization:g}",
-                  "vLLM's default is 0.9")
-    if w.kv_dtype not in ("auto", *KV_DTYPE_BYTES):
-        raise bad("kv_dtype", f"unknown KV dtype {w.kv_dtype!r}", "use auto, fp16, bf16 or fp8")
-    if w.max_model_len is not None and w.max_model_len < 1:
-        raise bad("max_model_len", f"must be a positive number of tokens, found {w.max_model_len}",
-                  f"use 1 to {max_pos}")
-    if w.max_model_len is not None and w.max_model_len > max_pos and not w.allow_long_context:
-        raise bad("max_model_len", f"{w.max_model_len:,} exceeds the model's max_position_embeddings "
-                  f"{max_pos:,}", f"use `max_model_len` <= {max_pos}, or `allow_long_context` to go beyond it")
-    if w.concurrency < 1:
-        raise bad("concurrency", f"must be a positive number of requests, found {w.concurrency}",
-                  "use 1 or more")
-    if w.context > (w.max_model_len or max_pos):
-        raise bad("avg_context", f"{w.context:,} is longer than the longest request "
-                  f"({w.max_model_len or max_pos:,} tokens)", "lower `avg_context`")
-    if w.kv_memory is not None and w.kv_memory >= cluster.gpu.memory:
-        raise bad("kv_memory", f"{w.kv_memory / GIB:.2f} GiB is more than the GPU's "
-                  f"{cluster.gpu.memory / GIB:.2f} GiB", "give the KV memory of one GPU")
-    if w.cap >= cluster.gpu.memory:
-        raise bad("kv_cache_cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
-                  f"{cluster.gpu.memory / GIB:.2f} GiB", "the cap is per GPU")
-    for name, value in (("block_size", w.block_size), ("avg_context", w.context),
-                        ("target_tpot_ms", w.target_ms), ("price_per_gpu_hour", w.price_per_gpu_hour),
-                        ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes)):
-        if not value > 0:
-            raise bad(name, f"must be positive, found {value}")
-    if speed.microbatches is not None and speed.microbatches < 1:
-        raise bad("microbatches", f"must be positive, found {speed.microbatches}")
-    if (w.lora_adapters > 0) != (w.lora_rank > 0) or min(w.lora_adapters, w.lora_rank) < 0:
-        raise bad("lora_adapters" if w.lora_adapters <= 0 else "lora_rank",
-                  f"LoRA needs both a positive adapter count and rank, found {w.lora_adapters} adapters of "
-                  f"rank {w.lora_rank}", "give `lora_adapters` and `lora_rank` together")
-
-
-# --- weights from the Layout ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RankWeights:
-    """One GPU's weights as the Layout lists them."""
-
-    tp_rank: int
-    pp_stage: int
-    layers: tuple[int, int]
-    nbytes: int  # stored bytes: quantized weights + float32 scales + 16-bit rest
-    read_bytes: int  # streamed from HBM per decode step (all but the embedding-row lookup)
-    linear_params: int  # matmul weight elements: 2 FLOPs each per token
-    kv_heads: int  # KV heads this rank holds (one replicated head when tp > kv_heads)
-    expert_bytes: int = 0  # routed MoE experts among nbytes: a decode step reads only those routed to
-
-
-def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
-    """Every rank's weights, asked of the Layout of a probe model with one layer per stage.
-
-    Decoder layers of one model have identical tensors, so a stage's bytes are its non-layer tensors
-    plus (layers on the stage) x (its one probe layer). The probe Layout lists pp x 9 layer tensors
-    per rank instead of 80 x 9, which keeps a search of dozens of candidates far below a second;
-    tests check the result against the full Layout byte for byte.
-    """
-    check_degrees(model, plan)
-    counts = [b - a for a, b in stage_ranges(model, plan)]
-    probe_model = dataclasses.replace(model, num_layers=plan.pp)
-    probe = build_layout(probe_model, dataclasses.replace(plan, pp_layers=(1,) * plan.pp))
-    # routed experts (MoE families): a decode step reads only the experts its tokens are routed to
-    routed = {n for n, r in tensor_table(probe_model).items() if r.expert is not None or r.split == STACKED} \
-        if model.forward.moe else set()
-    real = stage_ranges(model, plan)
-    out = []
-    for rl in probe.ranks:
-        n = counts[rl.pp_stage]
-        totals = {"nbytes": 0, "read": 0, "linear": 0, "expert": 0}
-        kv_heads = 0
-        for t in rl.tensors:
-            mult = n if layer_of(t.name) is not None else 1
-            embed = t.name == "model.embed_tokens.weight"
-            streamed = not embed or (model.tie_word_embeddings and plan.pp == 1)  # tied: also lm_head
-            totals["nbytes"] += mult * t.nbytes
-            totals["read"] += mult * t.nbytes if streamed else 0
-            totals["expert"] += mult * t.nbytes if t.source in routed else 0
-            # matrices (stacked experts: E of them); packed: values, not words
-            if streamed and (len(t.shape) == 2 or t.split == STACKED and len(t.shape) == 3) and t.scale_of is None:
-                totals["linear"] += mult * math.prod(t.shape) * (t.pack or 1)
-            if t.name.endswith("self_attn.k_proj.weight"):
-                kv_heads = t.shape[0] // model.head_dim
-        kv_heads = kv_heads or max(1, model.num_kv_heads // plan.tp)  # k stored fused (Phi-3)
-        out.append(
-            RankWeights(rl.tp_rank, rl.pp_stage, real[rl.pp_stage], totals["nbytes"], totals["read"],
-                        totals["linear"], kv_heads, totals["expert"])
-        )
-    return out
-
-
-# --- plans ------------------------------------------------------------------------------------
-
-
-def plan_name(model_name: str, tp: int, pp: int, dtype: str, ep: int = 1) -> str:
-    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-._")[:96] or "model"
-    return f"{slug}-ep{ep}-{dtype}" if ep > 1 else f"{slug}-tp{tp}pp{pp}-{dtype}"
-
-
-def plan_dict(
-    name: str, source: str, tp: int, pp: int, dtype: str, *, kv_cache_cap_gib: float | None = None,
-    max_concurrent_sequences: int | None = None, dp: int = 1,
-) -> dict[str, Any]:
-    """A plan file's content (the schema of spec/plan.py), ready for ``plan_from_dict``/YAML.
-
-    ``dp`` > 1: an expert-parallel plan (``expert_parallel: true``, ``dp_degree: dp``; the EP group
-    is the dp x tp ranks of a stage), with the shard names that carry ``{dp_rank}``."""
-    rg: dict[str, Any] = {
-        "name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * pp * dp,
-        "nvlink_domain": "node-local",
-    }
-    if dp > 1:
-        rg["dp_degree"] = dp
-        rg["expert_parallel"] = True
-    if kv_cache_cap_gib:
-        rg["kv_cache_cap_gb"] = int(kv_cache_cap_gib) if kv_cache_cap_gib == int(kv_cache_cap_gib) else kv_cache_cap_gib
-    if max_concurrent_sequences:
-        rg["max_concurrent_sequences"] = max_concurrent_sequences
-    rg["checkpoint"] = {"shard_prefix": DEFAULT_SHARD_PREFIX if dp == 1 else DP_SHARD_PREFIX}
-    out: dict[str, Any] = {"replica_group": rg, "model": {"source": source}}
-    if dtype in QUANTIZED_DTYPES:
-        out["quantization"] = {"ignore": list(DEFAULT_IGNORE)}
-    return out
+def experts_touched(batch: float, active: int, routed: int) -> float:
+    """Expected share of routed experts a decode step reads: 1 - (1 - k/n)^batch (uniform routing)."""
+    if not routed:
+        return 1.0
+    return 1.0 - math.pow(1.0 - active / routed, max(batch, 1.0))
 
 
 # --- the figures of one candidate -----------------------------------------------------------
@@ -438,19 +361,22 @@ class KvFigures:
 
 @dataclass(frozen=True)
 class Speed:
-    batch: int  # sequences decoded together
-    stage: int  # the slowest stage, whose figures follow
+    batch: int  # requests in flight (the concurrency): sequences decoded together
+    stage: int  # the slowest stage, whose decode-step figures follow
     microbatches: int
     bubble: float
-    memory_s: float  # of the slowest stage, per micro-batch pass
+    memory_s: float  # of the slowest stage, per micro-batch pass of a decode-only step
     compute_s: float
-    allreduce_s: float
-    handoff_s: float
+    allreduce_s: float  # communication: TP all-reduces + PP hand-off (EP: all-to-alls)
+    fixed_s: float  # fixed per-layer overheads of the stage (layer_overhead_us x layers)
     slot_s: float  # one micro-batch through one stage (the slowest)
-    tpot_s: float  # time per output token of every sequence: (m + p - 1) x slot
-    tokens_per_s: float
-    limited_by: str  # tpot | kv | max_num_seqs
+    tpot_s: float  # time per output token with prefill interleaved (serving.py)
+    tokens_per_s: float  # output tokens/s of the replica under the workload
+    limited_by: str  # tpot | ttft | kv | max_num_seqs | concurrency (given)
     tpot1_s: float = 0.0  # time per output token at batch 1: the latency a lone request sees
+    ttft_s: float = 0.0  # time to first token at this concurrency (serving.py)
+    requests_per_s: float = 0.0
+    tokens_per_s_per_gpu: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -94,6 +94,29 @@ GPUS: dict[str, GPU] = {
         _gpu("l40s", 47_576_711_168, 864, 362, "pcie4", "L40S 48GB GDDR6 (PCIe, no NVLink)"),
     )
 }
+# FP8 tensor cores (Hopper, Ada): vLLM runs an fp8 checkpoint's GEMMs in fp8 (W8A8, dynamic
+# per-token activation scales), at twice the 16-bit rate (data sheets, dense). Others: 16-bit.
+FP8_TFLOPS = {"h100-sxm": 1979, "h200": 1979, "l40s": 733}
+
+
+def gemm_flops(gpu: GPU, dtype: str) -> float:
+    """Dense tensor-core FLOP/s a unit's GEMMs run at: fp8 weights on an fp8-capable GPU compute in
+    fp8; int8 (weight-only) and 16-bit weights compute in 16-bit."""
+    if dtype == "fp8" and gpu.name in FP8_TFLOPS:
+        return FP8_TFLOPS[gpu.name] * 1e12
+    return gpu.flops
+
+
+def rates(gpu: GPU, dtype: str, sp: Any) -> tuple[float, float, float]:
+    """(weight-read bytes/s, KV-read bytes/s, GEMM FLOP/s) a unit of ``dtype`` reaches, with the
+    efficiencies of ``sp`` (formulas.SpeedParams): 8-bit weights stream at w8_hbm_efficiency, fp8
+    GEMMs on fp8 tensor cores run at fp8_compute_efficiency of the fp8 peak."""
+    weights = gpu.hbm_bandwidth * (sp.w8_hbm_efficiency if dtype in ("int8", "fp8") else sp.hbm_efficiency)
+    fp8 = dtype == "fp8" and gpu.name in FP8_TFLOPS
+    flops = gemm_flops(gpu, dtype) * (sp.fp8_compute_efficiency if fp8 else sp.compute_efficiency)
+    return weights, gpu.hbm_bandwidth * sp.kv_hbm_efficiency, flops
+
+
 GPU_ALIASES = {
     "a100": "a100-80gb", "a100-sxm": "a100-80gb", "a100-80gb-sxm": "a100-80gb",
     "a100-40gb-sxm": "a100-40gb", "h100": "h100-sxm", "h100-80gb": "h100-sxm", "h200-sxm": "h200",

@@ -1,4 +1,5 @@
-"""Human-readable planner output: the candidate table with a per-GPU memory bar, and ``--explain``.
+"""Human-readable planner output: the header, the candidate table with a per-GPU memory bar, the
+summary; ``--explain``'s arithmetic lives in explain.py.
 
 Pure formatting of a ``Search`` (no arithmetic of its own beyond restating the planner's figures),
 so the numbers printed are the numbers decided on. ``--explain`` writes the arithmetic out line by
@@ -7,11 +8,9 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 
 from __future__ import annotations
 
-from .candidate import Candidate, attn_flops, kv_bpt, routing
-from .ep import ep_demand_words, ep_slot, linear_block
+from .candidate import Candidate, routing
 from .formulas import demand_tokens, demand_words
 from .gpus import GB, GIB
-from .mla import MlaModel, experts_touched
 from .policy import OBJECTIVE_WORDS
 from .search import Search, default_dtypes
 
@@ -46,7 +45,8 @@ def header(s: Search) -> list[str]:
     m, g, w, cl = s.model, s.cluster.gpu, s.workload, s.cluster
     kv = f"{w.kv_dtype if w.kv_dtype != 'auto' else default_dtypes(m)[0]} ({w.kv_bytes} B/value)"
     budget = f"`kv_memory` {gib(w.kv_memory)}" if w.kv_memory is not None else f"utilization {w.gpu_memory_utilization:g}"
-    attn = (f"MLA latent {m.kv_lora_rank} + rope {m.qk_rope_head_dim}" if isinstance(m, MlaModel) else
+    mla = m.forward.mla
+    attn = (f"MLA latent {mla.kv_lora_rank} + rope {mla.rope}" if mla is not None else
             f"{m.num_kv_heads} KV heads x {m.head_dim}")
     k, experts = routing(m)
     moe = f", {experts} routed experts (top {k})" if experts else ""
@@ -62,14 +62,16 @@ def header(s: Search) -> list[str]:
         + (f", {cl.inter_node.name} between nodes" if cl.nodes > 1 else ""),
         f"fabric  {cl.fabric()}",
         f"serve   KV demand {demand_words(w, m.max_position_embeddings)} "
-        f"({demand_tokens(w, m.max_position_embeddings):,} tokens), KV cap {gib(w.cap)}/GPU (a ceiling on the "
-        f"pool), avg context {w.context:,}, {budget}, block {w.block_size}, "
+        f"({demand_tokens(w, m.max_position_embeddings):,} tokens), "
+        + (f"KV cap {gib(w.cap)}/GPU (a ceiling on the pool)" if w.capped else "no KV cap (the pool is what "
+           "vLLM's budget leaves)")
+        + f", isl {w.prompt:,}, osl {w.output:,}, avg context {w.context:,}, {budget}, block {w.block_size}, "
         f"KV {kv}, TPOT <= {w.target_ms:g} ms{'' if w.target_set else ' (default: sizes the batch only)'}, "
+        + (f"TTFT <= {w.ttft_ms:g} ms, " if w.ttft_ms is not None else "")
+        + (f"concurrency {w.concurrency}, " if w.concurrency is not None else "") +
         f"${w.price_per_gpu_hour:.2f}/GPU-hour" + "".join(f", {e}" for e in extras),
         f"choose  objective {s.objective}: {OBJECTIVE_WORDS[s.objective]}",
     ]
-    if s.advisory:
-        out.append(f"ADVISORY {s.advisory}")
     return out
 
 
@@ -80,20 +82,23 @@ def table(s: Search) -> list[str]:
                              c.cost.dollars_per_mtok if c.cost else 0, c.tp, c.pp or 0))
     out = header(s) + [""]
     out.append(f"  {'candidate':<17}{'GPUs':>5}{'weights':>10}{'KV need/pool GiB':>18}{'KV B/tok':>10}{'max len':>9}{'seqs':>6}"
-               f"{'batch':>6}{'TPOT':>9}{'tok/s':>8}{'$/Mtok':>8}  memory per GPU")
+               f"{'conc':>6}{'TTFT':>9}{'TPOT':>9}{'tok/s/GPU':>10}{'$/Mtok':>8}  memory per GPU")
     for c in rows:
         assert c.memory and c.kv and c.speed and c.cost
         mark = "*" if c is s.recommended else "+" if c is s.alternative else "!" if not c.meets_target else " "
         out.append(
             f"{mark} {c.label:<17}{c.gpus:>5}{c.memory.weights / GIB:>6.2f} GiB"
-            f"{c.kv.demand_bytes / GIB:>11.2f}/{c.kv.budget / GIB:<6.2f}{c.kv.bytes_per_token:>9,}{c.kv.max_model_len:>9,}{c.kv.sequences:>6,}{c.speed.batch:>6,}"
-            f"{c.speed.tpot_s * 1e3:>7.1f}ms{c.speed.tokens_per_s:>8,.0f}{c.cost.dollars_per_mtok:>8.2f}  "
+            f"{c.kv.demand_bytes / GIB:>11.2f}/{c.kv.budget / GIB:<6.2f}{c.kv.bytes_per_token:>9,}{c.kv.max_model_len:>9,}"
+            f"{c.kv.sequences:>6,}{c.speed.batch:>6,}"
+            f"{c.speed.ttft_s * 1e3:>7.0f}ms{c.speed.tpot_s * 1e3:>7.1f}ms{c.speed.tokens_per_s_per_gpu:>10,.0f}"
+            f"{c.cost.dollars_per_mtok:>8.2f}  "
             f"{memory_bar(c)}"
         )
     if not rows:
         out.append("  (no candidate fits)")
     out += ["  KV need/pool: the demand's KV per GPU / the pool the unit allocates (vLLM's budget, at most "
-            "the cap)", "  " + BAR_LEGEND,
+            "the cap); conc: requests in flight; TTFT/TPOT/tok/s with prefill interleaved (isl "
+            f"{s.workload.prompt:,}, osl {s.workload.output:,})", "  " + BAR_LEGEND,
             "  * recommended   + fastest alternative   ! misses the TPOT target (shown at batch 1)"]
     if any(c.ep > 1 for c in s.candidates):
         out.append("  ep=N dp=N: expert parallel on N GPUs (plan: dp_degree N, tp_degree 1, expert_parallel): each "
@@ -114,17 +119,18 @@ def summary(s: Search) -> list[str]:
     if c is None:
         return ["no recommendation (see the reasons above)"]
     assert c.speed and c.cost and c.kv
-    tags = ([] if s.cluster.calibrated else ["reduced calibration"]) + (["advisory"] if s.advisory else [])
+    tags = [] if s.cluster.calibrated else ["reduced calibration"]
     line = (f"recommended ({s.objective}{''.join(', ' + t for t in tags)}): {c.label} on {c.cost.gpus} "
-            f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica at "
-            f"{c.speed.tpot_s * 1e3:.1f} ms TPOT (batch {c.speed.batch}), ${c.cost.dollars_per_mtok:.2f} per million "
-            f"output tokens, max model length {c.kv.max_model_len:,}")
+            f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica "
+            f"({c.speed.tokens_per_s_per_gpu:,.0f} per GPU, {c.speed.requests_per_s:.2f} requests/s) at "
+            f"{c.speed.tpot_s * 1e3:.1f} ms TPOT, {c.speed.ttft_s * 1e3:.0f} ms TTFT (concurrency {c.speed.batch}), "
+            f"${c.cost.dollars_per_mtok:.2f} per million output tokens, max model length {c.kv.max_model_len:,}")
     out = [line]
     a = s.alternative
     if a is not None and a.speed and a.cost:
         out.append(f"fastest alternative: {a.label} on {a.cost.gpus} GPUs: {a.speed.tpot1_s * 1e3:.1f} ms TPOT at "
                    f"batch 1 (recommended: {c.speed.tpot1_s * 1e3:.1f} ms), {a.speed.tokens_per_s:,.0f} tok/s at "
-                   f"batch {a.speed.batch}, ${a.cost.dollars_per_mtok:.2f}/Mtok")
+                   f"concurrency {a.speed.batch}, ${a.cost.dollars_per_mtok:.2f}/Mtok")
     else:
         out.append(no_alternative(s))
     out += [f"warning: {x}" for x in s.warnings]
@@ -145,328 +151,3 @@ def no_alternative(s: Search) -> str:
         return "fastest alternative: none (no single-node TP unit with more GPUs fits)"
     return (f"fastest alternative: none: no single-node TP unit with more GPUs is faster than the pick "
             f"({c.speed.tpot1_s * 1e3:.1f} ms TPOT at batch 1)")
-
-
-def explain(s: Search, c: Candidate) -> list[str]:
-    """The arithmetic for one candidate, line by line, with the numbers substituted."""
-    m, g = s.model, s.cluster.gpu
-    assert c.pp is not None and c.memory is not None and c.kv is not None
-    tp, mem = c.tp, c.memory
-    kvh = max(1, m.num_kv_heads // tp)
-    stage_w = [r for r in c.weights if r.pp_stage == mem.stage][0]
-    layers = stage_w.layers[1] - stage_w.layers[0]
-    o: list[str] = [f"== {s.model_name} as {c.label} on {c.gpus} x {g.name} =="]
-    if c.ep > 1:
-        o += _explain_ep(s, c)
-    elif isinstance(m, MlaModel):
-        o += _explain_mla(s, c, layers)
-    else:
-        o += _explain_llama(s, c, layers, kvh)
-    o += _explain_memory(s, c)
-    if c.reasons:
-        o += ["", f"Verdict: infeasible: {'; '.join(c.reasons)}"]
-        return o
-    o += (_explain_ep_speed(s, c) if c.ep > 1 else _explain_speed(s, c)) + _explain_choice(s, c)
-    return o
-
-
-def _explain_mla(s: Search, c: Candidate, layers: int) -> list[str]:
-    m, w, mem = s.model, s.workload, c.memory
-    assert isinstance(m, MlaModel) and mem is not None and c.kv is not None
-    q = f"q_a {m.q_lora_rank:,} + q_b" if m.q_lora_rank else "q"
-    moe = (f"; MoE layers {m.n_routed_experts} routed + {m.n_shared_experts} shared experts of "
-           f"{m.moe_intermediate_size:,} (top {m.num_experts_per_tok}) from layer {m.first_k_dense_replace}"
-           if m.n_routed_experts else "")
-    return ["", f"Parameters (from config.json shapes; {m.architecture}, advisory estimate):",
-            f"  per layer MLA {q}, kv_a {m.latent_dim:,}x{m.hidden_size:,}, kv_b, o; dense MLP {m.intermediate_size:,}"
-            f"{moe} = {s.params:,} parameters",
-            "", "Weights per GPU (vLLM's split: column/row parallel over tp; q_a, kv_a, norms and router "
-            "replicated; experts split by tp):",
-            f"  = {mem.weights:,} B = {gib(mem.weights)}",
-            "", "KV cache per token per GPU (MLA latent, whole on every TP rank: not divided by tp):",
-            f"  {layers} layers x ({m.kv_lora_rank} kv_lora_rank + {m.qk_rope_head_dim} qk_rope_head_dim) x "
-            f"{w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
-            f"  one {c.kv.request_len:,}-token request: {c.kv.bytes_per_token:,} B x ceil({c.kv.request_len:,} / "
-            f"{w.block_size}) x {w.block_size} = {c.kv.request_bytes:,} B = {gib(c.kv.request_bytes)}"]
-
-
-def _explain_ep(s: Search, c: Candidate) -> list[str]:
-    m, w, mem, kv, ew, n = s.model, s.workload, c.memory, c.kv, c.ep_detail, c.ep
-    assert mem is not None and kv is not None and ew is not None
-    held = linear_block(ew.experts, n, 0)
-    each = ew.expert_bytes[0]
-    o = ["", f"Expert parallelism: {n} GPUs, plan dp_degree {n}, tp_degree 1, expert_parallel "
-         f"({'advisory: MLA is not buildable yet' if s.advisory else 'the experts placed whole'}):",
-         f"  non-expert weights (attention, norms, router, shared/dense MLPs, embeddings), whole on every GPU: "
-         f"{gib(ew.base_bytes)}",
-         f"  routed experts: {ew.experts} per MoE layer x {ew.moe_layers} MoE layers, one expert "
-         f"{gib(each)} over its layers; vLLM's linear placement gives rank 0 experts {held.start}-{held.stop - 1} "
-         f"(ceil({ew.experts} / {n}) = {len(held)}, the largest share)",
-         f"  per GPU = {gib(ew.base_bytes)} + {len(held)} x {gib(each)} = {mem.weights:,} B = {gib(mem.weights)}",
-         "", "KV cache per token per GPU (split by request, not by head: every KV head of every layer"
-         + (", the MLA latent" if isinstance(m, MlaModel) else "") + "):",
-         f"  {kv.bytes_per_token:,} B; demand on each GPU: "
-         f"{ep_demand_words(w, m.max_position_embeddings, n)} ({kv.demand_tokens:,} tokens)",
-         f"  one {kv.request_len:,}-token request: {kv.bytes_per_token:,} B x ceil({kv.request_len:,} / "
-         f"{w.block_size}) x {w.block_size} = {kv.request_bytes:,} B = {gib(kv.request_bytes)} (one stream's KV "
-         "never splits)"]
-    return o
-
-
-def _explain_ep_speed(s: Search, c: Candidate) -> list[str]:
-    m, g, w, sp, v, ew, n = s.model, s.cluster.gpu, s.workload, s.speed, c.speed, c.ep_detail, c.ep
-    assert v is not None and c.cost is not None and ew is not None
-    rw = max(c.weights, key=lambda r: r.nbytes)
-    held = len(linear_block(ew.experts, n, 0))
-    share = experts_touched(v.batch, ew.top_k, ew.experts)
-    local = -(-v.batch // n)
-    link = g.link
-    t1 = ep_slot(s, c, 1)[0]
-    k = c.cost
-    return ["", f"Decode step (roofline, approximate), batch {v.batch} over {n} GPUs ({local} streams on the "
-            f"fullest) at {w.context:,} tokens of context:",
-            f"  HBM: (non-expert {gib(rw.read_bytes - rw.expert_bytes)} + own experts {gib(rw.expert_bytes)} x "
-            f"1-(1-{ew.top_k}/{ew.experts})^{v.batch} = {share:.0%} read + KV {local} x {w.context:,} x "
-            f"{c.kv.bytes_per_token:,} B) / ({g.hbm_bandwidth / GB:,.0f} GB/s x {sp.hbm_efficiency:g}) = "
-            f"{v.memory_s * 1e3:.2f} ms",
-            f"  compute: {local} streams x (2 x {ew.base_linear:,} + attention) + {v.batch} x {ew.top_k} x "
-            f"{held}/{ew.experts} routed tokens x 2 x {ew.expert_linear:,} FLOP / "
-            f"({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) = {v.compute_s * 1e3:.2f} ms",
-            f"  all-to-all: 2 (dispatch, combine) x {ew.moe_layers} MoE layers x [({n}-1)/{n} x {local} x "
-            f"{ew.top_k} x {m.hidden_size:,} x 2 B / ({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + "
-            f"({n}-1) x {link.latency * 1e6:g} us] = {v.allreduce_s * 1e3:.2f} ms ({link.name})",
-            f"  TPOT = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} = {v.tpot_s * 1e3:.2f} ms "
-            f"(batch 1: {t1 * 1e3:.2f} ms); not modelled: expert load imbalance, dispatch kernels, DP ranks "
-            "waiting for each other",
-            "", "Throughput and cost:",
-            f"  tokens/s per replica = {v.batch} / {v.tpot_s * 1e3:.2f} ms = {v.tokens_per_s:,.0f}",
-            f"  $/Mtok = {n} GPUs x ${w.price_per_gpu_hour:.2f}/h x 1e6 / ({v.tokens_per_s:,.0f} tok/s x 3,600 s/h)"
-            f" = ${k.dollars_per_mtok:.3f}  ({k.gpu_hours_per_mtok:.3f} GPU-hours per Mtok)",
-            f"  replicas per node = {s.cluster.gpus_per_node} // {n} = {k.replicas_per_node}; in this cluster: "
-            f"{k.replicas_in_cluster}"]
-
-
-def _explain_llama(s: Search, c: Candidate, layers: int, kvh: int) -> list[str]:
-    m, w, tp, mem, kv = s.model, s.workload, c.tp, c.memory, c.kv
-    assert mem is not None and kv is not None
-    h, hd, inter, q, kvo = m.hidden_size, m.head_dim, m.intermediate_size, m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    stage_w = [r for r in c.weights if r.pp_stage == mem.stage][0]
-    o: list[str] = []
-    o += ["", "Parameters (from config.json):",
-          f"  embed_tokens {m.vocab_size:,} x {h:,}; per layer q {q:,}x{h:,}, k and v {kvo:,}x{h:,}, "
-          f"o {h:,}x{q:,}, gate and up {inter:,}x{h:,}, down {h:,}x{inter:,}, 2 norms {h:,}"
-          + (", biases" if m.qkv_bias or m.o_bias or m.mlp_bias else ""),
-          f"  x {m.num_layers} layers + final norm {h:,} + "
-          + ("lm_head tied to embed_tokens" if m.tie_word_embeddings else f"lm_head {m.vocab_size:,} x {h:,}")
-          + f" = {s.params:,} parameters"]
-    quant = (f"{c.dtype} projections at 1 B/param + a float32 scale per output row; embeddings, lm_head "
-             "and norms 16-bit" if c.dtype in ("int8", "fp8") else f"every tensor {c.dtype}, 2 B/param")
-    o += ["", f"Weights per GPU (the Layout of this plan; fullest GPU: stage {mem.stage}, layers "
-          f"{stage_w.layers[0]}-{stage_w.layers[1] - 1}):",
-          f"  {quant}; q/k/v/gate/up split by rows, o/down by columns over tp={tp}; norms replicated",
-          f"  KV heads per rank max(1, {m.num_kv_heads} // {tp}) = {kvh}"
-          + (" (replicated: tp > kv_heads)" if tp > m.num_kv_heads else "")
-          + f"; vocab rows per rank ceil({m.vocab_size:,} / {tp}) = {-(-m.vocab_size // tp):,}",
-          f"  = {mem.weights:,} B = {gib(mem.weights)}"]
-    o += ["", "KV cache per token per GPU:",
-          f"  2 (K and V) x {layers} layers x max(1, {m.num_kv_heads} // {tp}) KV heads x {hd} head_dim x "
-          f"{w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
-          f"  one {kv.request_len:,}-token request: {kv.bytes_per_token:,} B x ceil({kv.request_len:,} / "
-          f"{w.block_size}) x {w.block_size} = {kv.request_bytes:,} B = {gib(kv.request_bytes)}"]
-    return o
-
-
-def _explain_memory(s: Search, c: Candidate) -> list[str]:
-    m, g, w, sp, mem, kv = s.model, s.cluster.gpu, s.workload, s.speed, c.memory, c.kv
-    assert mem is not None and kv is not None
-    o: list[str] = []
-    inside = {k: v for k, v in mem.overheads.items() if k in ("activations", "nccl")}
-    head = {k: v for k, v in mem.overheads.items() if k not in inside}
-    words = demand_words(w, m.max_position_embeddings)
-    o += ["", "Memory per GPU (vLLM's accounting: KV = total x utilization - weights - profiled activations "
-          "- NCCL; the CUDA context and graphs sit in the headroom):",
-          f"  usable = {gib(g.memory)} (as CUDA reports it) x {w.gpu_memory_utilization:g} = {gib(mem.usable)}",
-          "  overheads in vLLM's budget = " + " + ".join(f"{k} {v / GIB:.2f}" for k, v in inside.items())
-          + f" = {gib(mem.in_budget)}; in the headroom = "
-          + " + ".join(f"{k} {v / GIB:.2f}" for k, v in head.items()) + f" = {gib(sum(head.values()))}",
-          f"  KV available = {mem.usable / GIB:.2f} - {mem.weights / GIB:.2f}"
-          + (f" - {mem.extra / GIB:.2f} (LoRA/draft)" if mem.extra else "")
-          + f" - {mem.in_budget / GIB:.2f} = {gib(mem.kv_available)}"]
-    if mem.extra:
-        o.insert(-2, _extra_line(s, c))
-    if w.kv_memory is not None:
-        o.append(f"  KV pool = `kv_memory` {gib(w.kv_memory)} (as the serving engine measured it)")
-    else:
-        o.append(f"  KV pool = min(cap {gib(w.cap)}, available {gib(mem.kv_available)}) = {gib(mem.kv_budget)} "
-                 "(what the unit allocates; the cap is a ceiling, not a reservation)")
-    o.append(f"  KV demand = {words}: {kv.demand_tokens:,} tokens x {mem.kv_bytes_per_token:,} B = "
-             f"{gib(mem.kv_demand)} per GPU -> " + ("fits the pool" if kv.tokens >= kv.demand_tokens else
-                                                  "more than the pool holds"))
-    o.append(f"  in use = {mem.weights / GIB:.2f} + " + (f"{mem.extra / GIB:.2f} + " if mem.extra else "")
-             + f"{mem.overhead / GIB:.2f} + {max(mem.kv_budget, 0) / GIB:.2f} = "
-             f"{gib(mem.used)} = {mem.used_fraction:.1%} of {gib(g.memory)} "
-             + (f"(limit {sp.max_memory_fraction:.0%}: a measured pool bypasses vLLM's budget)" if w.kv_memory is not None
-                else f"(CUDA context and graphs {s.overheads.outside(c.gpus) / GIB:.2f} GiB in the "
-                f"{g.memory * (1 - w.gpu_memory_utilization) / GIB:.2f} GiB headroom: vLLM starts when they fit)"))
-    o += ["", "KV capacity (vLLM's block rounding):",
-          f"  blocks = floor({gib(kv.budget)} / ({w.block_size} x {kv.bytes_per_token:,} B)) = {kv.blocks:,}"
-          f" -> {kv.tokens:,} tokens",
-          f"  max model length = {w.block_size} x {kv.blocks:,} = {kv.tokens:,}, capped at "
-          f"{max(kv.request_len, m.max_position_embeddings):,} -> {kv.max_model_len:,}",
-          f"  sequences at {w.context:,} tokens = floor({kv.blocks:,} / ceil({w.context:,} / "
-          f"{w.block_size})) = {kv.sequences:,}"]
-    return o
-
-
-def _extra_line(s: Search, c: Candidate) -> str:
-    m, w, mem = s.model, s.workload, c.memory
-    assert mem is not None and c.pp is not None
-    parts = []
-    if w.lora_adapters:
-        q, kvo = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-        rw = next(r for r in c.weights if r.pp_stage == mem.stage)
-        parts.append(f"LoRA {w.lora_adapters} x rank {w.lora_rank} x {rw.layers[1] - rw.layers[0]} layers x "
-                     f"(7 x {m.hidden_size:,} + 2 x {q:,} + "
-                     f"2 x {kvo:,} + 3 x {m.intermediate_size:,}) x 2 B / tp={c.tp}")
-    if s.draft_params:
-        parts.append(f"draft {s.draft_params:,} params x 2 B / {c.tp * c.pp} GPUs")
-    return f"  LoRA/draft (sharded like the weights) = {' + '.join(parts)} = {gib(mem.extra)}"
-
-
-def _explain_speed(s: Search, c: Candidate) -> list[str]:
-    m, g, w, sp, cl = s.model, s.cluster.gpu, s.workload, s.speed, s.cluster
-    assert c.speed and c.cost and c.pp
-    v, tp, pp = c.speed, c.tp, c.pp
-    rw = max((r for r in c.weights if r.pp_stage == v.stage), key=lambda r: r.read_bytes)
-    layers = rw.layers[1] - rw.layers[0]
-    b = v.batch / v.microbatches
-    bpt = kv_bpt(m, layers, tp, w.kv_bytes)
-    read, routed = rw.read_bytes, ""
-    if rw.expert_bytes:
-        k, experts = routing(m)
-        share = experts_touched(b, k, experts)
-        read -= rw.expert_bytes * (1 - share)
-        routed = f" (routed experts {gib(rw.expert_bytes)} x 1-(1-{k}/{experts})^{b:g} = {share:.0%} read)"
-    attn = (f"{attn_flops(m)} x {layers} layers x {m.num_heads // tp} heads" if isinstance(m, MlaModel) else
-            f"4 x {layers} layers x {m.num_heads // tp} heads x {m.head_dim}")
-    link = g.link
-    o = ["", f"Decode step (roofline), batch {v.batch} at {w.context:,} tokens of context"
-         + (f", {v.microbatches} micro-batches of {b:g}" if pp > 1 else "") + f"; slowest stage {v.stage}:",
-         f"  HBM: (weights read {gib(read)}{routed} + KV {b:g} x {w.context:,} x {bpt:,} B) / "
-         f"({g.hbm_bandwidth / GB:,.0f} GB/s x {sp.hbm_efficiency:g}) = {v.memory_s * 1e3:.2f} ms",
-         f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.context:,}) FLOP / ({g.flops / 1e12:,.0f} TFLOP/s x {sp.compute_efficiency:g}) "
-         f"= {v.compute_s * 1e3:.2f} ms",
-         f"  roofline = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) = "
-         f"{max(v.memory_s, v.compute_s) * 1e3:.2f} ms",
-         f"  all-reduce: 2 x {layers} layers x [2({tp}-1)/{tp} x {b:g} x {m.hidden_size:,} x 2 B / "
-         f"({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + 2({tp}-1) x {link.latency * 1e6:g} us] = "
-         f"{v.allreduce_s * 1e3:.2f} ms ({link.name})"]
-    if pp > 1:
-        hop = (f"none (stage {v.stage} is the last)" if v.stage == pp - 1 else
-               f"{b:g} x {m.hidden_size:,} x 2 B over {link.name if cl.nodes == 1 else link.name + '/' + cl.inter_node.name}"
-               f" + latency = {v.handoff_s * 1e3:.3f} ms")
-        o += [f"  hand-off to the next stage: {hop}",
-              f"  slot = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} + "
-              f"{v.handoff_s * 1e3:.3f} = {v.slot_s * 1e3:.2f} ms",
-              f"  GPipe: bubble (p-1)/(m+p-1) = ({pp}-1)/({v.microbatches}+{pp}-1) = {v.bubble:.1%}; "
-              f"TPOT = (m+p-1) x slot = {v.microbatches + pp - 1} x {v.slot_s * 1e3:.2f} = {v.tpot_s * 1e3:.2f} ms"]
-    else:
-        o.append(f"  TPOT = {max(v.memory_s, v.compute_s) * 1e3:.2f} + {v.allreduce_s * 1e3:.2f} = "
-                 f"{v.tpot_s * 1e3:.2f} ms")
-    limit = {"tpot": f"the largest batch within the {w.target_ms:g} ms target",
-             "kv": "every sequence the KV cache holds", "max_num_seqs": f"max_num_seqs {sp.max_num_seqs}"}
-    o.append(f"  batch {v.batch} = {limit[v.limited_by]}" if c.meets_target else
-             f"  batch 1 misses the {w.target_ms:g} ms target: no batch meets it")
-    k = c.cost
-    world = tp * pp
-    o += ["", "Throughput and cost:",
-          f"  tokens/s per replica = {v.batch} / {v.tpot_s * 1e3:.2f} ms = {v.tokens_per_s:,.0f}",
-          f"  $/Mtok = {world} GPUs x ${w.price_per_gpu_hour:.2f}/h x 1e6 / ({v.tokens_per_s:,.0f} tok/s x 3,600 s/h)"
-          f" = ${k.dollars_per_mtok:.3f}  ({k.gpu_hours_per_mtok:.3f} GPU-hours per Mtok)",
-          f"  replicas per node = {cl.gpus_per_node} // {world} = {k.replicas_per_node}; in this cluster: "
-          f"{k.replicas_in_cluster}"]
-    if k.replicas_for_demand is not None:
-        o.append(f"  demand: ceil({w.demand_tokens_per_s:,.0f} / {v.tokens_per_s:,.0f}) = {k.replicas_for_demand} "
-                 f"replicas = {k.gpus_for_demand} GPUs")
-    return o
-
-
-def _explain_choice(s: Search, c: Candidate) -> list[str]:
-    o = ["", f"Choice (objective {s.objective}: {OBJECTIVE_WORDS[s.objective]}):"]
-    if s.objective == "fit":
-        o += _explain_fit(s)
-    elif s.objective == "cost":
-        eligible = [x for x in s.candidates if x.fits and not x.skipped and x.meets_target]
-        others = sorted((x for x in eligible if x is not c), key=lambda x: x.cost.dollars_per_mtok if x.cost else 0)
-        o.append(f"  cheapest $/Mtok of {len(eligible)} candidates that fit the KV cap and meet the TPOT target "
-                 "(ties go to the smaller TP group, then bf16/fp16, int8, fp8)")
-        o += [f"  next: {x.label} ${x.cost.dollars_per_mtok:.3f}" for x in others[:3] if x.cost]
-    else:
-        ranked = sorted((x for x in s.candidates if x.fits and not x.skipped and x.speed),
-                        key=lambda x: (x.speed.tpot1_s, x.tp * (x.pp or 1)))
-        o += [f"  {x.label}: {x.speed.tpot1_s * 1e3:.2f} ms at batch 1" for x in ranked[:4]]
-    if c is not s.recommended:
-        o.append(f"  {c.label} is not the recommendation: status {c.status}")
-    a = s.alternative
-    if a is not None and a.speed:
-        o.append(f"  fastest alternative (single-node TP unit with more GPUs, lowest TPOT at batch 1): {a.label}, "
-                 f"{a.speed.tpot1_s * 1e3:.2f} ms")
-    o += [f"  warning: {x}" for x in s.warnings]
-    skipped = [x for x in s.candidates if x.skipped]
-    if skipped:
-        o.append(f"  {len(skipped)} pipeline candidates not considered: {skipped[0].skipped}")
-    sp, ov = s.speed, s.overheads
-    o += ["", "Assumptions (named parameters):",
-          "  overheads per GPU: " + ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in ov.per_gpu(2).items())
-          + " (nccl only with > 1 GPU)",
-          f"  hbm_efficiency {sp.hbm_efficiency:g}, compute_efficiency {sp.compute_efficiency:g}, "
-          f"link_efficiency {sp.link_efficiency:g}, microbatches {sp.microbatches or 'one per stage'}, "
-          f"max_num_seqs {sp.max_num_seqs}, max memory per GPU {sp.max_memory_fraction:.0%} (with `kv_memory`)"]
-    return o
-
-
-def _explain_fit(s: Search) -> list[str]:
-    """Rules 1-4 with the numbers substituted, per dtype walked: the demand, the sharded and
-    replicated parts, the minimum, each step, and why each smaller unit was rejected."""
-    o: list[str] = []
-    measured = s.workload.kv_memory is not None
-    for t in s.trails:
-        if measured:
-            o.append(f"  {t.dtype}: KV demand = {t.demand}: {t.demand_tokens:,} tokens, inside the measured "
-                     f"`kv_memory` pool of {gib(t.kv_replicated)} on every GPU (replicated)")
-        else:
-            kv_where = ("replicated: an MLA latent is whole on every GPU" if t.kv_replicated else
-                        "sharded by KV head")
-            o.append(f"  {t.dtype}: KV demand = {t.demand}: {t.demand_tokens:,} tokens = "
-                     f"{gib(t.kv_demand or t.kv_replicated)} over all KV heads ({kv_where})")
-        parts = f"weights {gib(t.weights)}" + (f" + LoRA {gib(t.lora)}" if t.lora else "") + (
-            f" + draft {gib(t.draft)}" if t.draft else "") + (f" + KV demand {gib(t.kv_demand)}" if t.kv_demand else "")
-        o.append(f"    sharded = {parts} = {gib(t.sharded)}")
-        o.append(f"    replicated per GPU = overheads {gib(t.replicated)} (activations, NCCL, CUDA context and "
-                 f"graphs)" + (f" + KV demand {gib(t.kv_replicated)}" if t.kv_replicated else ""))
-        if measured:
-            o.append(f"    room per card = {t.limit / GIB:.2f} at the limit - {t.replicated / GIB:.2f} - "
-                     f"{t.kv_replicated / GIB:.2f} = {gib(t.room)} ({gib(t.one_card_room)} on one card, no NCCL)")
-        else:
-            o.append(f"    room per card = {t.usable / GIB:.2f} usable - {t.in_budget / GIB:.2f} in vLLM's budget"
-                     + (f" - {t.kv_replicated / GIB:.2f}" if t.kv_replicated else "") + f" = {gib(t.room)} "
-                     f"({gib(t.one_card_room)} on one card, no NCCL); CUDA context and graphs "
-                     f"{t.outside / GIB:.2f} GiB in the {t.headroom / GIB:.2f} GiB headroom")
-        if t.minimum is None:
-            o.append("    the replicated part alone fills a card")
-        else:
-            o.append(f"    one card: {gib(t.sharded)} <= {gib(t.one_card_room)}? "
-                     + ("yes -> minimum 1" if t.minimum == 1 else
-                        f"no -> minimum = ceil({t.sharded / GIB:.2f} / {t.room / GIB:.2f}) = {t.minimum} GPUs"))
-            o.append(f"    valid TP (divides the heads, <= the fabric limit {t.tp_limit}): "
-                     f"{', '.join(map(str, t.valid_tps)) or 'none'}")
-        if t.ep_ladder:
-            o.append(f"    EP ladder (powers of two up to min({routing(s.model)[1]} experts, the "
-                     f"{s.cluster.tp_limit}-GPU EP domain of the fabric); the smallest that fits within "
-                     f"{s.speed.max_memory_fraction:.0%} wins, else the dense TP/PP path):")
-            o += [f"      {label}: weights {gib(wb)} per GPU, in use {gib(used)}: {verdict}"
-                  for label, wb, used, verdict in t.ep_ladder]
-        o += [f"    {label}: {verdict}" for label, verdict in t.steps]
-        o += [f"    rejected {label}: {why}" for label, why in t.rejected if label not in dict(t.steps)]
-        o.append(f"    -> {t.chosen}" if t.chosen else "    -> no unit of this dtype")
-    return o

@@ -20,33 +20,30 @@ from typing import Any
 
 from ..errors import LayoutError, PlanError
 from ..spec.layout import MAX_TP_HINT, check_degrees, valid_tp_degrees
-from ..spec.model import ARCHITECTURES, ModelSpec
+from ..spec.model import ModelSpec
 from ..spec.plan import DTYPES, plan_from_dict
 from .candidate import Candidate, evaluate, kv_bpt, lora_bytes, routing
+from .checks import check_inputs
 from .ep import ep_degrees, evaluate_ep, weights_for
 from .formulas import (
     Overheads,
     SpeedParams,
     Workload,
-    check_inputs,
     demand_tokens,
     demand_words,
     min_cards,
-    plan_dict,
-    plan_name,
-    rank_weights,
 )
 from .gpus import GIB, Cluster
-from .mla import MlaModel, mla_rank_weights, mla_tp_problems
 from .models import param_count
 from .policy import OBJECTIVES, FitTrail, recommend
+from .weights import plan_dict, plan_name, rank_weights
 
 
 @dataclass
 class Search:
     """The inputs, every candidate with its figures or reasons, and the recommendation."""
 
-    model: Any  # a ModelSpec (a family shardc builds) or an MlaModel (advisory)
+    model: ModelSpec  # a family shardc builds: every figure comes from its Layout
     model_name: str
     source: str
     cluster: Cluster
@@ -62,18 +59,6 @@ class Search:
     alternative: Candidate | None = None  # the fastest single-node TP unit with more cards
     warnings: list[str] = field(default_factory=list)
     trails: list[FitTrail] = field(default_factory=list)
-
-    @property
-    def advisory(self) -> str | None:
-        """Why no plan file can be written for this model (None: `shardc build` compiles it)."""
-        if isinstance(self.model, ModelSpec):
-            return None
-        if self.model.architecture in ARCHITECTURES:  # DeepSeek-V3: built, but sized here from MLA arithmetic
-            return (f"{self.model_name} ({self.model.architecture}) is sized by the planner's MLA estimate, "
-                    "not from its family's tensor table: these figures are advisory and no plan file is "
-                    "written (shardc build compiles the family: write the plan by hand)")
-        return (f"{self.model_name} ({self.model.architecture}) is not in a family shardc builds: `shardc build` cannot "
-                "compile it, so these figures are an advisory estimate")
 
     def fitting(self) -> list[Candidate]:
         return [c for c in self.candidates if c.fits]
@@ -123,20 +108,16 @@ class Search:
         )
 
     def valid_tps(self, limit: int | None = None) -> list[int]:
-        """TP degrees the model's heads and widths allow (the Layout's rule; mla.py's for MLA), up to ``limit``."""
-        if isinstance(self.model, MlaModel):
-            return [t for t in range(1, (limit or MAX_TP_HINT) + 1) if not mla_tp_problems(self.model, t)]
+        """TP degrees the model's heads and widths allow (the Layout's rule), up to ``limit``."""
         return valid_tp_degrees(self.model, limit or MAX_TP_HINT)
 
     def plan_for(self, cand: Candidate, source: str | None = None) -> dict[str, Any]:
         """The plan file for a fitting candidate; plan_from_dict validates it before it is returned."""
         assert cand.pp is not None and cand.dtype is not None and cand.speed is not None
-        if self.advisory:
-            raise PlanError(f"no plan file: {self.advisory}", key="model",
-                            hint="shardc build compiles the families in the README's Supported models table")
         data = plan_dict(
             plan_name(self.model_name, cand.tp, cand.pp, cand.dtype, cand.ep), source or self.source, cand.tp,
-            cand.pp, cand.dtype, kv_cache_cap_gib=round(self.workload.cap / GIB, 2),
+            cand.pp, cand.dtype, kv_cache_cap_gib=math.floor((self.workload.cap if self.workload.capped else
+                                                             cand.kv.budget) / GIB * 100) / 100,
             max_concurrent_sequences=cand.speed.batch, dp=cand.dp,
         )
         plan_from_dict(data)
@@ -152,14 +133,11 @@ class Search:
         measured pool (`kv_memory`) the room is what the 95% limit leaves after every overhead.
         """
         w, sp, gpu, ov = self.workload, self.speed, self.cluster.gpu, self.overheads
-        if isinstance(self.model, MlaModel):
-            weights = mla_rank_weights(self.model, 1, 1, dtype, [(0, self.model.num_layers)])[0].nbytes
-        else:
-            weights = rank_weights(self.model, plan_from_dict(plan_dict("probe", "src", 1, 1, dtype)))[0].nbytes
+        weights = rank_weights(self.model, plan_from_dict(plan_dict("probe", "src", 1, 1, dtype)))[0].nbytes
         lora = lora_bytes(self.model, w, self.model.num_layers)
         need = demand_tokens(w, self.model.max_position_embeddings)
         kv = need * kv_bpt(self.model, self.model.num_layers, 1, w.kv_bytes)
-        kv_sharded, kv_rep = (0, kv) if isinstance(self.model, MlaModel) else (kv, 0)
+        kv_sharded, kv_rep = (0, kv) if self.model.forward.mla is not None else (kv, 0)
         if w.kv_memory is not None:  # the measured pool is a fixed block on every GPU; the demand is in it
             kv_sharded, kv_rep = 0, int(w.kv_memory)
         usable, limit = gpu.memory * w.gpu_memory_utilization, gpu.memory * sp.max_memory_fraction
@@ -190,7 +168,7 @@ class Search:
                 "fabric": {"link": gpu.link.name, "tp_limit": cl.tp_limit, "calibrated": cl.calibrated,
                            "description": cl.fabric()},
             },
-            "workload": {**dataclasses.asdict(self.workload), "cap": self.workload.cap,
+            "workload": {**dataclasses.asdict(self.workload), "cap": self.workload.cap if self.workload.capped else None,
                          "target_ms": self.workload.target_ms,
                          "context": self.workload.context, "draft_params": self.draft_params},
             "parameters": {"overheads": dataclasses.asdict(self.overheads),
@@ -202,8 +180,7 @@ class Search:
             "alternative": self.candidates.index(alt) if alt is not None else None,
             "fit": [t.to_json() for t in self.trails],
             "warnings": list(self.warnings),
-            "advisory": self.advisory,
-            "plan": self.plan_for(rec) if rec is not None and not self.advisory else None,
+            "plan": self.plan_for(rec) if rec is not None else None,
         }
 
 
@@ -237,8 +214,9 @@ def search(
     for d in dts:
         if d not in DTYPES:
             raise PlanError(f"unknown dtype {d!r}", key="dtype", hint=f"use auto or one of {', '.join(DTYPES)}")
-    if w.lora_adapters and isinstance(model, MlaModel):
-        raise PlanError("LoRA memory is modelled for the projections of the families shardc builds only", key="lora_adapters")
+    if w.lora_adapters and model.forward.mla is not None:
+        raise PlanError("LoRA memory is modelled for q/k/v/o and MLP projections, not MLA's latent ones",
+                        key="lora_adapters", hint="plan without `lora_adapters`")
     s = Search(model, model_name, source or model_name, cluster, w, ov, sp, dts, param_count(model), [],
                objective=objective, draft_params=param_count(draft) if draft is not None else 0)
     total, gpn, limit = cluster.total_gpus, cluster.gpus_per_node, cluster.tp_limit
@@ -281,13 +259,25 @@ def search(
         for d in dts:
             ew = weights_for(s, d)
             s.candidates += [evaluate_ep(s, n, d, ew) for n in ep_degrees(s)]
+    _check_ttft(s)
     recommend(s)
     return s
 
 
+def _check_ttft(s: Search) -> None:
+    """A TTFT target below one prefill of the prompt on the fastest candidate cannot be met by any
+    concurrency or unit: one PlanError naming the floor instead of a table of misses."""
+    w = s.workload
+    floors = [c.serving.prefill_s for c in s.candidates if c.fits and not c.skipped and c.serving is not None]
+    if w.ttft_ms is None or not floors or w.ttft_ms / 1e3 >= min(floors):
+        return
+    floor = min(floors) * 1e3
+    raise PlanError(f"{w.ttft_ms:g} ms is below one prefill of the {w.prompt:,}-token prompt on the fastest "
+                    f"candidate ({floor:.1f} ms)", key="ttft_ms",
+                    hint=f"use `ttft_ms` {math.ceil(floor)} or more, or a shorter `isl`")
+
+
 def _tp_problems(s: Search, tp: int, dtype: str) -> list[str]:
-    if isinstance(s.model, MlaModel):
-        return mla_tp_problems(s.model, tp)
     try:
         check_degrees(s.model, plan_from_dict(plan_dict("probe", s.source, tp, 1, dtype)))
     except LayoutError as exc:

@@ -1,0 +1,207 @@
+"""Launch configurations of a pick that cannot disagree with the plan: vLLM's arguments, a Kubernetes
+pod fragment, and the check of an existing one.
+
+Every number comes from the candidate the planner worked out (tensor/pipeline/data-parallel sizes,
+the max model length its KV pool holds, the utilization its budget assumed, the KV dtype, the
+concurrency its speed figures are at), so `shardc plan --emit` and `--check` read the same figures
+as the table. Pure data: the CLI turns the pod into YAML (PyYAML) and prints.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from typing import TYPE_CHECKING, Any
+
+from .gpus import GIB
+
+if TYPE_CHECKING:
+    from .candidate import Candidate
+    from .search import Search
+
+SHM_PER_GPU = 2 * GIB  # /dev/shm per GPU: NCCL's shared-memory transport and vLLM's broadcast queue
+HOST_BASE = 16 * GIB  # host memory besides the shards: Python, CUDA host allocations, the tokenizer
+DEFAULT_IMAGE = "vllm/vllm-openai:latest"
+DASHES = "-" * 2  # vLLM's option prefix (vLLM's options, not shardc's flags)
+
+
+def model_ref(source: str) -> str:
+    """What `vllm serve` takes: a hub repo id for hf://org/repo[@rev], else the path."""
+    if source.startswith("hf://"):
+        return source[len("hf://"):].split("@")[0]
+    return source
+
+
+def max_model_len(s: Search, c: Candidate) -> int:
+    """The longest request the unit's KV pool holds, at most the length asked for (or the model's)."""
+    assert c.kv is not None
+    return min(c.kv.max_model_len, c.kv.request_len)
+
+
+def vllm_options(s: Search, c: Candidate) -> dict[str, str | None]:
+    """vLLM's options for the pick, by vLLM's option name (None: a switch); an EP pick is data
+    parallel with expert parallelism, each DP rank scheduling its share of the sequences."""
+    assert c.speed is not None and c.pp is not None
+    w, sp = s.workload, s.speed
+    opts: dict[str, str | None] = {}
+    if c.ep > 1:
+        opts.update({"tensor-parallel-size": "1", "data-parallel-size": str(c.dp), "enable-expert-parallel": None})
+        seqs = math.ceil(c.speed.batch / c.dp)
+    else:
+        opts.update({"tensor-parallel-size": str(c.tp), "pipeline-parallel-size": str(c.pp)})
+        seqs = c.speed.batch
+    opts.update({"max-model-len": str(max_model_len(s, c)),
+                 "gpu-memory-utilization": f"{w.gpu_memory_utilization:g}",
+                 "kv-cache-dtype": w.kv_dtype if w.kv_dtype == "fp8" else "auto",
+                 "max-num-seqs": str(max(seqs, 1)), "max-num-batched-tokens": str(sp.max_num_batched_tokens),
+                 "block-size": str(w.block_size)})
+    if c.dtype == "fp8":
+        opts["quantization"] = "fp8"
+    return opts
+
+
+def vllm_args(s: Search, c: Candidate) -> list[str]:
+    """`vllm serve` arguments for the pick: the model, then every option."""
+    args = [model_ref(s.source)]
+    for name, value in vllm_options(s, c).items():
+        args += [DASHES + name] if value is None else [DASHES + name, value]
+    return args
+
+
+def vllm_command(s: Search, c: Candidate) -> str:
+    return "vllm serve " + " ".join(shlex.quote(a) for a in vllm_args(s, c))
+
+
+def pod_name(c: Candidate) -> str:
+    assert c.plan is not None
+    return c.plan.name.lower()[:63].strip("-.") or "shardc"
+
+
+def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> dict[str, Any]:
+    """A pod holding one replica: its GPUs (tp x pp x dp), /dev/shm and host memory sized from the
+    plan, and an init container running ``init`` (the CLI's `shardc pull` of the replica's ranks
+    (0 to gpus - 1) into /models/<name>, then `shardc verify` on the GPUs)."""
+    assert c.memory is not None
+    gpus, name = c.gpus, pod_name(c)
+    shards = sum(r.nbytes for r in c.weights)  # every rank's shard: host memory while they load
+    memory = math.ceil((shards + HOST_BASE) / GIB)
+    shm = math.ceil(gpus * SHM_PER_GPU / GIB)
+    resources = {"nvidia.com/gpu": gpus, "memory": f"{memory}Gi"}
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "vllm", "shardc/plan": name}},
+        "spec": {
+            "initContainers": [{"name": "shardc-pull", "image": image, "command": ["sh", "-c", init],
+                                "resources": {"limits": {"nvidia.com/gpu": gpus}},
+                                "volumeMounts": [{"name": "models", "mountPath": "/models"}]}],
+            "containers": [{"name": "vllm", "image": image, "command": ["vllm", "serve"],
+                            "args": vllm_args(s, c) + [DASHES + "served-model-name", s.model_name],
+                            "env": [{"name": "SHARDC_MODEL_DIR", "value": f"/models/{name}"}],
+                            "resources": {"limits": dict(resources), "requests": dict(resources)},
+                            "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                                             {"name": "models", "mountPath": "/models"}]}],
+            "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm}Gi"}},
+                        {"name": "models", "emptyDir": {}}],
+        },
+    }
+
+
+# --- --check: an existing deployment against the plan -------------------------------------------
+
+_FLAG = re.compile(r"^-{2}([a-z0-9-]+)(?:=(.*))?$")
+
+
+def _flags(tokens: list[str]) -> dict[str, str]:
+    """`--name value` / `--name=value` / `--switch` tokens as a dict (a switch maps to "true")."""
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(tokens):
+        m = _FLAG.match(tokens[i])
+        if m:
+            if m.group(2) is not None:
+                out[m.group(1)] = m.group(2)
+            elif i + 1 < len(tokens) and not tokens[i + 1].startswith(DASHES):
+                out[m.group(1)] = tokens[i + 1]
+                i += 1
+            else:
+                out[m.group(1)] = "true"
+        i += 1
+    return out
+
+
+def _containers(doc: Any) -> list[dict[str, Any]]:
+    """Containers of a Pod, a Deployment/StatefulSet/Job (spec.template.spec) or a bare pod spec."""
+    spec = doc.get("spec", doc) if isinstance(doc, dict) else {}
+    if isinstance(spec, dict) and isinstance(spec.get("template"), dict):
+        spec = spec["template"].get("spec", {})
+    found = spec.get("containers") if isinstance(spec, dict) else None
+    return [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
+
+
+def read_deployment(doc: Any) -> tuple[dict[str, str], dict[str, Any]]:
+    """(vLLM flags, pod facts) of a deployment: a pod spec whose container runs `vllm serve`, or a
+    `vllm serve ...` command line (a string or a list of arguments)."""
+    facts: dict[str, Any] = {}
+    if isinstance(doc, str):
+        return _flags(shlex.split(doc)), facts
+    if isinstance(doc, list):
+        return _flags([str(x) for x in doc]), facts
+    tokens: list[str] = []
+    for ct in _containers(doc):
+        words = [str(x) for x in (ct.get("command") or []) + (ct.get("args") or [])]
+        if any("vllm" in w or w.startswith(DASHES + "tensor-parallel") for w in words):
+            tokens = [t for w in words for t in (shlex.split(w) if " " in w else [w])]
+            limits = (ct.get("resources") or {}).get("limits") or {}
+            if "nvidia.com/gpu" in limits:
+                facts["gpus"] = int(limits["nvidia.com/gpu"])
+            break
+    spec = doc.get("spec", doc) if isinstance(doc, dict) else {}
+    if isinstance(spec, dict) and isinstance(spec.get("template"), dict):
+        spec = spec["template"].get("spec", {})
+    for vol in (spec.get("volumes") or []) if isinstance(spec, dict) else []:
+        ed = vol.get("emptyDir") if isinstance(vol, dict) else None
+        if isinstance(ed, dict) and ed.get("medium") == "Memory":
+            facts["shm"] = ed.get("sizeLimit")
+    return _flags(tokens), facts
+
+
+def _gib(size: Any) -> float | None:
+    m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*(Gi|G|Mi|M|Ti|T)?\s*$", str(size))
+    if not m:
+        return None
+    scale = {"Gi": 1, "G": 1e9 / GIB, "Mi": 1 / 1024, "M": 1e6 / GIB, "Ti": 1024, "T": 1e12 / GIB, None: 1 / GIB}
+    return float(m.group(1)) * scale[m.group(2)]
+
+
+def check_deployment(s: Search, c: Candidate, doc: Any) -> list[str]:
+    """One line per place where the deployment disagrees with the plan (empty: they agree)."""
+    flags, facts = read_deployment(doc)
+    if not flags and "gpus" not in facts:
+        return ["no `vllm serve` arguments found (a pod spec whose container runs vllm serve, or the "
+                "command line itself)"]
+    want = {k: "true" if v is None else v for k, v in vllm_options(s, c).items()}
+    defaults = {"pipeline-parallel-size": "1", "tensor-parallel-size": "1", "data-parallel-size": "1",
+                "kv-cache-dtype": "auto", "gpu-memory-utilization": "0.9"}
+    out = []
+    for key in ("tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size", "kv-cache-dtype",
+                "gpu-memory-utilization", "enable-expert-parallel", "quantization"):
+        plan, got = want.get(key, defaults.get(key)), flags.get(key, defaults.get(key))
+        if key == "gpu-memory-utilization" and plan and got and math.isclose(float(plan), float(got)):
+            continue
+        if plan != got:
+            out.append(f"{DASHES}{key}: the deployment has {got or 'none'}, the plan {plan or 'none'}")
+    if "max-model-len" in flags and int(flags["max-model-len"]) > int(want["max-model-len"]):
+        out.append(f"{DASHES}max-model-len: the deployment asks {flags['max-model-len']}, the plan's KV pool holds "
+                   f"{want['max-model-len']}")
+    if "max-num-seqs" in flags and int(flags["max-num-seqs"]) < int(want["max-num-seqs"]):
+        out.append(f"{DASHES}max-num-seqs: the deployment allows {flags['max-num-seqs']}, the plan's figures are at "
+                   f"{want['max-num-seqs']}")
+    if "gpus" in facts and facts["gpus"] != c.gpus:
+        out.append(f"nvidia.com/gpu: the deployment requests {facts['gpus']}, the plan needs {c.gpus} "
+                   f"(tp {c.tp} x pp {c.pp} x dp {c.dp})")
+    shm = _gib(facts["shm"]) if facts.get("shm") is not None else None
+    if shm is not None and shm < c.gpus * SHM_PER_GPU / GIB:
+        out.append(f"/dev/shm: the deployment gives {facts['shm']}, the plan sizes "
+                   f"{math.ceil(c.gpus * SHM_PER_GPU / GIB)}Gi ({SHM_PER_GPU // GIB} GiB per GPU)")
+    return out

@@ -1,0 +1,141 @@
+"""Weights per GPU from the Layout, and the plan files the planner asks the Layout about.
+
+Every family is sized the same way: the bytes each rank holds are the ``TensorSpec`` records the
+Layout lists for a plan, the records ``shardc build`` writes, so the planner cannot disagree with
+the shards about replicated norms, KV-head replicas, vocabulary padding, quantization scales, MLA's
+replicated low-rank projections (DeepSeek-V3's ``q_a_proj`` / ``kv_a_proj_with_mqa``) or a router
+kept in fp32. Asking for the full Layout of every candidate would list 61 x 800 tensors for
+DeepSeek-V3; a probe model with one layer of each kind per stage answers the same question.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ..spec.layout import build_layout, check_degrees, layer_of, stage_ranges
+from ..spec.model import ModelSpec
+from ..spec.plan import (
+    DEFAULT_IGNORE,
+    DEFAULT_SHARD_PREFIX,
+    DP_SHARD_PREFIX,
+    QUANTIZED_DTYPES,
+    Plan,
+)
+from ..spec.tensors import STACKED, tensor_table
+
+
+@dataclass(frozen=True)
+class RankWeights:
+    """One GPU's weights as the Layout lists them."""
+
+    tp_rank: int
+    pp_stage: int
+    layers: tuple[int, int]
+    nbytes: int  # stored bytes: quantized weights + float32 scales + 16-bit rest
+    read_bytes: int  # streamed from HBM per decode step (all but the embedding-row lookup)
+    linear_params: int  # matmul weight elements: 2 FLOPs each per token
+    kv_heads: int  # KV heads this rank holds (one replicated head when tp > kv_heads)
+    expert_bytes: int = 0  # routed MoE experts among nbytes: a decode step reads only those routed to
+
+
+def layer_kinds(model: ModelSpec) -> tuple[Any, ...]:
+    """Per layer, what decides its tensors: sparse (routed experts) or dense for a MoE family whose
+    layers differ (DeepSeek-V3's first_k_dense_replace, Qwen2-MoE's decoder_sparse_step); one kind
+    otherwise. Only families that read a ``sparse`` option mix layer kinds."""
+    sparse = model.options.get("sparse") if model.options else None
+    return tuple(sparse) if sparse is not None else (None,) * model.num_layers
+
+
+def probe_model(model: ModelSpec, kinds: list[Any]) -> ModelSpec:
+    """``model`` with one layer per entry of ``kinds``, each of that kind."""
+    options = dict(model.options)
+    if "sparse" in options:
+        options["sparse"] = tuple(kinds)
+    return dataclasses.replace(model, num_layers=len(kinds), options=options)
+
+
+def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
+    """Every rank's weights, asked of the Layout of a probe model with one layer of each kind per stage.
+
+    Decoder layers of one kind have identical tensors, so a stage's bytes are its non-layer tensors
+    plus, per kind, (layers of that kind on the stage) x (its probe layer). The probe Layout lists a
+    handful of layer tensors per rank instead of 80 x 9 (or DeepSeek-V3's 61 x 800), which keeps a
+    search of dozens of candidates far below a second; tests check the result against the full Layout
+    byte for byte.
+    """
+    check_degrees(model, plan)
+    real = stage_ranges(model, plan)
+    kinds = layer_kinds(model)
+    probe_kinds: list[Any] = []
+    per_stage: list[int] = []
+    mult: list[int] = []  # probe layer -> layers it stands for
+    for a, b in real:
+        present = sorted(set(kinds[a:b]), key=repr)
+        probe_kinds += present
+        per_stage.append(len(present))
+        mult += [kinds[a:b].count(k) for k in present]
+    probe = probe_model(model, probe_kinds)
+    layout = build_layout(probe, dataclasses.replace(plan, pp_layers=tuple(per_stage)))
+    routed = ({n for n, r in tensor_table(probe).items() if r.expert is not None or r.split == STACKED}
+              if model.forward.moe else set())
+    out = []
+    for rl in layout.ranks:
+        totals = {"nbytes": 0, "read": 0, "linear": 0, "expert": 0}
+        kv_heads = 0
+        for t in rl.tensors:
+            layer = layer_of(t.name)
+            n = mult[layer] if layer is not None else 1
+            embed = t.name == "model.embed_tokens.weight"
+            streamed = not embed or (model.tie_word_embeddings and plan.pp == 1)  # tied: also lm_head
+            totals["nbytes"] += n * t.nbytes
+            totals["read"] += n * t.nbytes if streamed else 0
+            totals["expert"] += n * t.nbytes if t.source in routed else 0
+            # matrices (stacked experts: E of them); packed: values, not words
+            if streamed and (len(t.shape) == 2 or t.split == STACKED and len(t.shape) == 3) and t.scale_of is None:
+                totals["linear"] += n * math.prod(t.shape) * (t.pack or 1)
+            if t.name.endswith("self_attn.k_proj.weight"):
+                kv_heads = t.shape[0] // model.head_dim
+        kv_heads = kv_heads or max(1, model.num_kv_heads // plan.tp)  # k stored fused (Phi-3), or MLA
+        out.append(
+            RankWeights(rl.tp_rank, rl.pp_stage, real[rl.pp_stage], totals["nbytes"], totals["read"],
+                        totals["linear"], kv_heads, totals["expert"])
+        )
+    return out
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+
+def plan_name(model_name: str, tp: int, pp: int, dtype: str, ep: int = 1) -> str:
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "-", model_name).strip("-._")[:96] or "model"
+    return f"{slug}-ep{ep}-{dtype}" if ep > 1 else f"{slug}-tp{tp}pp{pp}-{dtype}"
+
+
+def plan_dict(
+    name: str, source: str, tp: int, pp: int, dtype: str, *, kv_cache_cap_gib: float | None = None,
+    max_concurrent_sequences: int | None = None, dp: int = 1,
+) -> dict[str, Any]:
+    """A plan file's content (the schema of spec/plan.py), ready for ``plan_from_dict``/YAML.
+
+    ``dp`` > 1: an expert-parallel plan (``expert_parallel: true``, ``dp_degree: dp``; the EP group
+    is the dp x tp ranks of a stage), with the shard names that carry ``{dp_rank}``."""
+    rg: dict[str, Any] = {
+        "name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * pp * dp,
+        "nvlink_domain": "node-local",
+    }
+    if dp > 1:
+        rg["dp_degree"] = dp
+        rg["expert_parallel"] = True
+    if kv_cache_cap_gib:
+        rg["kv_cache_cap_gb"] = int(kv_cache_cap_gib) if kv_cache_cap_gib == int(kv_cache_cap_gib) else kv_cache_cap_gib
+    if max_concurrent_sequences:
+        rg["max_concurrent_sequences"] = max_concurrent_sequences
+    rg["checkpoint"] = {"shard_prefix": DEFAULT_SHARD_PREFIX if dp == 1 else DP_SHARD_PREFIX}
+    out: dict[str, Any] = {"replica_group": rg, "model": {"source": source}}
+    if dtype in QUANTIZED_DTYPES:
+        out["quantization"] = {"ignore": list(DEFAULT_IGNORE)}
+    return out
