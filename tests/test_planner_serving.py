@@ -122,8 +122,13 @@ def test_plot_renders_the_front_and_the_pick(tmp_path):
     svg = out.read_text()
     assert out.stat().st_size > 10_000 and svg.lstrip().startswith(("<?xml", "<svg"))
     for text in ("Pareto front", "recommended: tp=1 pp=1", "output tokens/s per GPU", "memory per GPU",
-                 "weights", "KV pool"):
+                 "weights", "KV pool", "candidate at concurrency 1, 2, 4"):
         assert text in svg, text
+    # the front over every candidate's concurrency sweep, worked by hand: (TPOT ms, tok/s/GPU)
+    from shardc.planner.plot import pareto
+
+    pts = [(10, 100, "a"), (12, 90, "b"), (12, 150, "a"), (20, 140, "b"), (30, 400, "b"), (25, 300, "c")]
+    assert pareto(pts) == [(10, 100, "a"), (12, 150, "a"), (25, 300, "c"), (30, 400, "b")]
     r = _run(*L8, *WORKLOAD, "--plot", str(tmp_path / "plan.gif"))
     assert r.exit_code == 2 and "error: --plot:" in r.stderr
 

@@ -42,7 +42,7 @@ from .formulas import (
     sequences_at,
 )
 from .gpus import GIB, rates
-from .serving import Serving, Step, choose, serving_at
+from .serving import Serving, Step, choose, serving_at, sweep
 from .weights import RankWeights, plan_dict, plan_name, rank_weights
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class Candidate:
     dp: int = 1  # attention data-parallel groups (the plan's dp_degree)
     ep_detail: Any = None  # ep.EpWeights of an EP unit: what --explain restates
     serving: Serving | None = None  # the workload's figures at the chosen concurrency
+    curve: tuple[Serving, ...] = ()  # the figures at concurrency 1, 2, 4, ... the cap (--plot)
 
     @property
     def gpus(self) -> int:
@@ -275,6 +276,7 @@ def _speed(s: Search, c: Candidate) -> None:
     assert kv is not None
     cap = min(kv.sequences, sp.max_num_seqs)
     v, limited, ok = choose(step, cap, w, sp, c.gpus)
+    c.curve = sweep(step, cap, w, sp, c.gpus)
     if limited == "cap":
         limited = "kv" if kv.sequences <= sp.max_num_seqs else "max_num_seqs"
     m = micro(v.concurrency)

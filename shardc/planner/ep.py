@@ -56,7 +56,7 @@ from .formulas import (
     sequences_at,
 )
 from .gpus import rates
-from .serving import Step, choose, serving_at
+from .serving import Step, choose, serving_at, sweep
 from .weights import RankWeights, plan_dict, plan_name
 
 if TYPE_CHECKING:
@@ -244,6 +244,7 @@ def _speed(s: Search, c: Candidate) -> None:
     assert kv is not None
     most = n * sp.max_num_seqs  # every DP rank schedules its own max_num_seqs
     v, limited, ok = choose(step, min(kv.sequences, most), w, sp, n)
+    c.curve = sweep(step, min(kv.sequences, most), w, sp, n)
     if limited == "cap":
         limited = "kv" if kv.sequences <= most else "max_num_seqs"
     t = ep_slot(s, c, v.concurrency, 0.0, v.isl)

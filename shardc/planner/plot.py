@@ -1,8 +1,10 @@
 """`shardc plan --plot`: the candidates as a picture, rendered by matplotlib (the `plot` extra).
 
-Left: tokens/s per GPU against TPOT for every feasible candidate, at the concurrency the planner
-chose for it; the Pareto front (no other candidate is both faster per token and more productive
-per GPU) drawn as a line, the recommendation and the fastest alternative labelled. Right: per-GPU
+Left: tokens/s per GPU against TPOT for every feasible candidate, each swept over concurrency 1,
+2, 4, ... up to what its KV cache holds (a thin curve), the point the planner chose for it marked;
+the Pareto front over all those points (no other point is both faster per token and more
+productive per GPU) drawn as a line with the candidates on it named, the recommendation and the
+fastest alternative labelled, the TPOT target dashed. Right: per-GPU
 memory of each candidate, stacked (weights, KV pool, overheads, free), as the table's bars draw it.
 Returns the bytes (SVG with text kept as text, or PNG); the CLI writes them atomically.
 """
@@ -22,13 +24,20 @@ if TYPE_CHECKING:
 FORMATS = ("svg", "png")
 
 
-def pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Candidates no other beats on both TPOT (lower) and tokens/s per GPU (higher), by TPOT."""
-    front = []
-    for c in sorted(cands, key=lambda c: (c.speed.tpot_s, -c.speed.tokens_per_s_per_gpu)):  # type: ignore[union-attr]
-        if not front or c.speed.tokens_per_s_per_gpu > front[-1].speed.tokens_per_s_per_gpu:  # type: ignore[union-attr]
-            front.append(c)
+def pareto(points: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """(TPOT, tokens/s per GPU, label) points no other beats on both (lower TPOT, higher
+    tokens/s per GPU), by TPOT."""
+    front: list[tuple[float, float, str]] = []
+    for p in sorted(points, key=lambda p: (p[0], -p[1])):
+        if not front or p[1] > front[-1][1]:
+            front.append(p)
     return front
+
+
+def _points(c: Candidate) -> list[tuple[float, float, str]]:
+    """The candidate's concurrency sweep as (TPOT ms, tokens/s per GPU, label) points."""
+    curve = c.curve or ((c.serving,) if c.serving is not None else ())
+    return [(v.tpot_s * 1e3, v.tokens_per_s_per_gpu, c.label) for v in curve]
 
 
 def render(s: Search, fmt: str) -> bytes:
@@ -40,6 +49,7 @@ def render(s: Search, fmt: str) -> bytes:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         raise PlanError("matplotlib is not installed", key="plot",
                         hint="pip install 'shardc[plot]'") from None
@@ -49,17 +59,30 @@ def render(s: Search, fmt: str) -> bytes:
     matplotlib.rcParams["svg.fonttype"] = "none"  # labels stay text in the SVG
     matplotlib.rcParams["svg.hashsalt"] = "shardc"  # the same figures give the same bytes
     fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
-    xs = [c.speed.tpot_s * 1e3 for c in cands]  # type: ignore[union-attr]
-    ys = [c.speed.tokens_per_s_per_gpu for c in cands]  # type: ignore[union-attr]
-    ax.scatter(xs, ys, color="#7f8c8d", s=24, label="feasible candidate")
-    front = pareto(cands)
-    ax.plot([c.speed.tpot_s * 1e3 for c in front], [c.speed.tokens_per_s_per_gpu for c in front],  # type: ignore[union-attr]
-            color="#2c7fb8", marker="o", label="Pareto front")
+    # each candidate's concurrency sweep (1, 2, 4, ... its KV limit) as a thin curve: what it
+    # trades in TPOT for tokens/s per GPU; the Pareto front over every point of every curve
+    everything = []
+    for c in cands:
+        pts = _points(c)
+        everything += pts
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="#bdbdbd", linewidth=0.8, marker=".",
+                markersize=4, zorder=1)
+    ax.plot([], [], color="#bdbdbd", linewidth=0.8, marker=".", label="candidate at concurrency 1, 2, 4, ...")
+    front = pareto(everything)
+    ax.plot([p[0] for p in front], [p[1] for p in front], color="#2c7fb8", linewidth=2, label="Pareto front", zorder=2)
+    for i, (x, y, label) in enumerate(front):  # each candidate named where its run on the front ends
+        if i == len(front) - 1 or front[i + 1][2] != label:
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, -12), fontsize=7, color="#2c7fb8")
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks([t for t in (5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500)
+                   if min(p[0] for p in everything) * 0.8 <= t <= max(p[0] for p in everything) * 1.25])
     for c, tag, color in ((s.alternative, "fastest alternative", "#e6550d"), (s.recommended, "recommended", "#31a354")):
         if c is None or c.speed is None:
             continue
         x, y = c.speed.tpot_s * 1e3, c.speed.tokens_per_s_per_gpu
-        ax.scatter([x], [y], color=color, s=90, zorder=3)
+        ax.scatter([x], [y], color=color, s=90, zorder=4)
         ax.annotate(f"{tag}: {c.label}", (x, y), textcoords="offset points", xytext=(8, 8), color=color)
     ax.axvline(s.workload.target_ms, color="#999999", linestyle="--", linewidth=1)
     ax.set_xlabel("TPOT (ms per output token, prefill interleaved)")

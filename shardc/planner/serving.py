@@ -120,3 +120,14 @@ def choose(step: StepFn, cap: int, w: Workload, sp: SpeedParams, gpus: int) -> t
         return v, "cap", ok(v)
     more = serving_at(step, lo + 1, w, sp, gpus)
     return v, ("tpot" if more.tpot_s > tpot_target else "ttft"), ok(v)
+
+
+def sweep(step: StepFn, cap: int, w: Workload, sp: SpeedParams, gpus: int) -> tuple[Serving, ...]:
+    """The figures at concurrency 1, 2, 4, ... up to ``cap`` (and ``cap`` itself): the curve
+    ``--plot`` draws per candidate, over which its Pareto front is taken."""
+    points, c = [], 1
+    while c < cap:
+        points.append(serving_at(step, c, w, sp, gpus))
+        c *= 2
+    points.append(serving_at(step, max(cap, 1), w, sp, gpus))
+    return tuple(points)
