@@ -163,6 +163,11 @@ def test_emit_vllm_and_k8s_agree_with_the_plan(tmp_path):
     assert any("--tensor-parallel-size: the deployment has 2, the plan 4" in x for x in lines)
     assert any("--quantization: the deployment has fp8, the plan none" in x for x in lines)
     assert any("nvidia.com/gpu: the deployment requests 2, the plan needs 4" in x for x in lines)
+    # one GPU: the verified tp=1 build is the checkpoint vLLM serves
+    r = _run(*L8, *WORKLOAD, "--dtype", "bf16", "--tp", "1", "--emit", "k8s", "--manifest-uri", "s3://b/m.json")
+    one = yaml.safe_load(r.stdout)
+    assert one["spec"]["containers"][0]["args"][0] == one["spec"]["containers"][0]["env"][0]["value"] \
+        == "/models/" + one["metadata"]["name"]
     r = _run(*L8, *WORKLOAD, "--check", str(tmp_path / "missing.yaml"))
     assert r.exit_code == 2 and r.stderr.startswith("error: --check: cannot read")
     args_file = tmp_path / "args.yaml"  # bare vLLM arguments

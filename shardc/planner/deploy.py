@@ -81,13 +81,18 @@ def pod_name(c: Candidate) -> str:
 def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> dict[str, Any]:
     """A pod holding one replica: its GPUs (tp x pp x dp), /dev/shm and host memory sized from the
     plan, and an init container running ``init`` (the CLI's `shardc pull` of the replica's ranks
-    (0 to gpus - 1) into /models/<name>, then `shardc verify` on the GPUs)."""
+    (0 to gpus - 1) into /models/<name>, then `shardc verify` on the GPUs). On one GPU vLLM serves
+    that directory (a tp=1 build is a checkpoint it loads); vLLM cannot load per-rank shards, so a
+    multi-GPU pod serves the source model and the init step checks the build that matches it."""
     assert c.memory is not None
     gpus, name = c.gpus, pod_name(c)
     shards = sum(r.nbytes for r in c.weights)  # every rank's shard: host memory while they load
     memory = math.ceil((shards + HOST_BASE) / GIB)
     shm = math.ceil(gpus * SHM_PER_GPU / GIB)
     resources = {"nvidia.com/gpu": gpus, "memory": f"{memory}Gi"}
+    args = vllm_args(s, c)
+    if gpus == 1:  # a tp=1 build is a Hugging Face checkpoint vLLM loads: serve the verified bytes
+        args[0] = f"/models/{name}"
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "vllm", "shardc/plan": name}},
@@ -96,7 +101,7 @@ def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> 
                                 "resources": {"limits": {"nvidia.com/gpu": gpus}},
                                 "volumeMounts": [{"name": "models", "mountPath": "/models"}]}],
             "containers": [{"name": "vllm", "image": image, "command": ["vllm", "serve"],
-                            "args": vllm_args(s, c) + [DASHES + "served-model-name", s.model_name],
+                            "args": args + [DASHES + "served-model-name", s.model_name],
                             "env": [{"name": "SHARDC_MODEL_DIR", "value": f"/models/{name}"}],
                             "resources": {"limits": dict(resources), "requests": dict(resources)},
                             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
