@@ -154,6 +154,8 @@ class Materializer:
             self._value = None  # release the previous tensor before reading the next
             if spec.quant:
                 self._value = self.quantize(spec.source, spec.quant)
+            elif spec.source in self.source.squant_names and spec.dtype != self.source.tensors[spec.source].dtype:
+                self._value = self.source.dense(spec.source)  # a quantized source to 16 bits
             else:
                 self._value = self.source.view(spec.source)
             self._key = key
@@ -164,7 +166,7 @@ class Materializer:
     def whole(self, name: str) -> np.ndarray:
         """A source tensor as one array (the quantizer needs it whole; a reshard's Tiles are put
         together here)."""
-        return np.asarray(self.source.view(name))
+        return np.asarray(self.source.dense(name))  # a quantized source's weight dequantized
 
     def release(self, spec: TensorSpec) -> None:
         """The writers are done with this spec's quantized tensor."""

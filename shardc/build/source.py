@@ -33,8 +33,10 @@ from ..spec.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
 from ..spec.layout import source_tensors
 from ..spec.model import ModelSpec, read_config
 from ..spec.readfile import CONFIG_LIMIT, read_regular_file
+from ..spec.sourcequant import SourceQuantization, detect_source
 from .arrays import from_torch, np_dtype
 from .lease import Leases, read_leases
+from .sourcequant import check_stored
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.
@@ -65,12 +67,22 @@ class Source:
     # under a running build is an error before its bytes are mapped, not a SIGBUS (view)
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _leases: Leases | None = field(default=None, repr=False)
+    # a quantized source (spec/sourcequant/): its format and the weights it stores quantized
+    squant: SourceQuantization | None = field(default=None, repr=False)
+    squant_names: frozenset[str] = field(default=frozenset(), repr=False)
 
     # -- validation ---------------------------------------------------------------------------
     def check(self, model: ModelSpec) -> None:
         """Every tensor the model needs is there with the right shape; nothing unknown."""
         expected = {t.name: t.shape for t in source_tensors(model)}
+        known = expected
+        self.squant = detect_source(self.config)
+        if self.squant is not None:
+            self.squant_names = frozenset(self.squant.quantized(model))
+            known = check_stored(self, expected)  # + the stored tensors of its quantized weights
         for name, shape in expected.items():
+            if name in self.squant_names:
+                continue  # checked by check_stored
             info = self.tensors.get(name)
             if info is None:
                 raise SourceError(
@@ -89,7 +101,7 @@ class Source:
                 )
         unused = model.spec.unused
         for name in self.tensors:
-            if name not in expected and not _BENIGN.fullmatch(name) and not (unused and unused(model, name)):
+            if name not in known and not _BENIGN.fullmatch(name) and not (unused and unused(model, name)):
                 raise SourceError(
                     f"unexpected tensor {name!r} in the checkpoint (not a weight of "
                     f"{model.architecture} with this config)",
@@ -144,6 +156,13 @@ class Source:
                 yield
             finally:
                 self._leases = None
+
+    def dense(self, name: str) -> np.ndarray:
+        """The tensor's values: ``view``, or for a weight the source stores quantized its float32
+        dequantization by the format's reference (one weight-sized array, freed by the caller)."""
+        if name not in self.squant_names or self.squant is None:
+            return self.view(name)
+        return self.squant.dequantize(name, self.tensors[name].shape, self.view)
 
     def read(self, name: str):
         """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""

@@ -22,7 +22,7 @@ import yaml
 from ..errors import PlanError
 from .readfile import PLAN_LIMIT, decode_text, read_regular_file
 
-DTYPES = ("fp16", "bf16", "int8", "fp8")
+DTYPES = ("fp16", "bf16", "int8", "fp8", "source")  # source: a quantized source kept as stored
 QUANTIZED_DTYPES = ("int8", "fp8")
 DEFAULT_SHARD_PREFIX = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 # with attention data parallelism (dp_degree > 1) each DP group's ranks hold their own experts

@@ -1,0 +1,176 @@
+"""Quantized sources (#31): block-scaled FP8 checkpoints kept as stored (``dtype: source``),
+dequantized to 16 bits, or requantized, with transformers as the oracle.
+
+The sources are tiny models saved by transformers and quantized by transformers' own
+FineGrainedFP8 quantizer (tests/quant_sources.py). transformers loads FP8 checkpoints on CPU by
+dequantizing them (``Fp8Dequantize``), which is the reference a 16-bit build must equal bit for bit
+and what a ``dtype: source`` build must load to, exactly like its source.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from quant_sources import fp8_block_source, save_tiny  # noqa: E402
+from reassemble import load_source, reassemble  # noqa: E402
+
+from shardc.build.compile import build  # noqa: E402
+from shardc.spec.plan import plan_from_dict  # noqa: E402
+
+# family -> (config class, model class, extra config)
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qsrc")
+    out = {}
+    for fam, (cc, mc, extra) in FAMILIES.items():
+        out[fam] = fp8_block_source(save_tiny(root / f"{fam}-bf16", cc, mc, **extra), root / f"{fam}-fp8")
+    return out
+
+
+def _plan(src: Path, dtype: str, tp: int = 1) -> object:
+    return plan_from_dict({"replica_group": {"name": "q", "tp_degree": tp, "pp_degree": 1, "dtype": dtype,
+                                             "gpus_per_replica": tp}, "model": {"source": str(src)}})
+
+
+def _hf_state(path: Path) -> dict[str, torch.Tensor]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_keep_source_loads_like_the_source(sources, tmp_path, fam):
+    """tp=1 ``dtype: source``: every source tensor byte for byte, the source's quantization_config,
+    and transformers' FP8 loader gives the same weights from the build as from the source."""
+    src = sources[fam]
+    build(_plan(src, "source"), tmp_path / "b")
+    got, want = load_source(tmp_path / "b"), load_source(src)
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["quantization_config"] == json.loads((src / "config.json").read_text())["quantization_config"]
+    a, b = _hf_state(tmp_path / "b"), _hf_state(src)
+    assert sorted(a) == sorted(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_keep_source_tp2_slices_whole_blocks(sources, tmp_path):
+    """tp=2: each rank's F8 values and block scales are the source's, cut on block lines; put
+    back together they are the source."""
+    src = sources["llama"]
+    build(_plan(src, "source", 2), tmp_path / "b")
+    got, want = reassemble(tmp_path / "b"), load_source(src)
+    assert sorted(got) == sorted(want)
+    for k, t in want.items():
+        assert torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_to_bf16_equals_transformers_dequantization(sources, tmp_path, fam):
+    """``dtype: bf16`` at tp=2: the weights transformers' FP8 loader dequantizes, bit for bit."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    src = sources[fam]
+    build(_plan(src, "bf16", 2), tmp_path / "b")
+    got, hf, raw = reassemble(tmp_path / "b"), _hf_state(src), load_source(src)
+    assert "quantization_config" not in json.loads((tmp_path / "b" / "config.json").read_text())
+    assert not [k for k in got if k.endswith("_scale_inv")]
+    deq = Fp8Dequantize(None)
+    for k, t in got.items():
+        assert t.dtype == torch.bfloat16, k
+        assert torch.equal(t, hf[k]), k
+        if k + "_scale_inv" in raw:
+            assert torch.equal(t, deq._dequantize_one(raw[k], raw[k + "_scale_inv"], torch.bfloat16)), k
+
+
+def test_requantize_records_both_steps(sources, tmp_path):
+    """``dtype: int8`` from FP8: the error stats are against the source's dequantized weights, and
+    the manifest names the source's quantization."""
+    src = sources["llama"]
+    build(_plan(src, "int8", 2), tmp_path / "b")
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert m["source_quantization"] == {"format": "fp8 block 32x32", "quant_method": "fp8",
+                                        "applied": "dequantized, then quantized to int8 per channel"}
+    stats = [rec["stats"] for s in m["shards"].values() for rec in s["tensors"].values() if "stats" in rec]
+    assert stats and all(0 < s["rel_rms_err"] < 0.02 for s in stats)
+
+
+def _cli_build(tmp_path: Path, src: Path, dtype: str = "source", tp: int = 1):
+    from click.testing import CliRunner
+
+    from shardc.cli import main
+
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({"replica_group": {"name": "q", "tp_degree": tp, "pp_degree": 1, "dtype": dtype,
+                                                  "gpus_per_replica": tp}, "model": {"source": str(src)}}))
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["build", str(plan), "--out", str(out), "--manifests-dir", str(tmp_path / "m"),
+                                  "--quiet"])
+    return r, out
+
+
+def _copy(src: Path, dst: Path, qcfg: dict | None = None, tensors: dict | None = None) -> Path:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    if qcfg is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"] = qcfg
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if tensors is not None:
+        save_file(load_source(src) | tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+FP8 = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}
+K = "model.layers.0.self_attn.k_proj.weight"
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    ("method", "quant_method 'awq' is not a source format shardc reads"),
+    ("block", "quantization_config.weight_block_size: is [0, 32]; it must be two positive integers"),
+    ("static", "quantization_config.activation_scheme: is 'static'"),
+    ("unknown-key", "quantization_config.group_size: is a key of this fp8 config that shardc does not implement"),
+    ("scale-shape", f"tensor '{K}_scale_inv' has shape [2, 2], but weight {K} [64, 128] with fp8 block "
+                    "32x32 implies [2, 4]"),
+    ("scale-dtype", f"tensor '{K}_scale_inv' has dtype I32"),
+    ("tp-cut", f"tensor {K} [64, 128] would be cut at (0, 32) along dim 0, inside a fp8 block 64x64 cell"),
+])
+def test_bad_quantized_source(sources, tmp_path, case, needle):
+    """One line naming the key or tensor, exit 2, nothing written."""
+    src, tp = sources["llama"], 1
+    if case == "method":
+        src = _copy(src, tmp_path / "s", {"quant_method": "awq", "bits": 4})
+    elif case == "block":
+        src = _copy(src, tmp_path / "s", FP8 | {"weight_block_size": [0, 32]})
+    elif case == "static":
+        src = _copy(src, tmp_path / "s", FP8 | {"activation_scheme": "static"})
+    elif case == "unknown-key":
+        src = _copy(src, tmp_path / "s", FP8 | {"group_size": 64})
+    elif case == "scale-shape":
+        src = _copy(src, tmp_path / "s", tensors={K + "_scale_inv": torch.ones(2, 2)})
+    elif case == "scale-dtype":
+        src = _copy(src, tmp_path / "s", tensors={K + "_scale_inv": torch.ones(2, 4, dtype=torch.int32)})
+    elif case == "tp-cut":
+        src, tp = fp8_block_source(sources["llama"].parent / "llama-bf16", tmp_path / "s", (64, 64)), 2
+    r, out = _cli_build(tmp_path, src, tp=tp)
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output, r.stderr
+    if case == "tp-cut":
+        assert "tp_degree values that keep every fp8 block 64x64 cell whole: 1 " in lines[0]
+    assert not (out.exists() and [p for p in out.iterdir() if not p.name.startswith(".")])
