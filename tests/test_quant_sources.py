@@ -174,3 +174,42 @@ def test_bad_quantized_source(sources, tmp_path, case, needle):
     if case == "tp-cut":
         assert "tp_degree values that keep every fp8 block 64x64 cell whole: 1 " in lines[0]
     assert not (out.exists() and [p for p in out.iterdir() if not p.name.startswith(".")])
+
+
+def test_verify_reshard_export_keep_the_source_format(sources, tmp_path):
+    """A tp=2 ``dtype: source`` build passes ``verify --deep`` against its source; exported, it is
+    the source's tensors byte for byte with its quantization_config; resharding it to bf16 is
+    lossy, so it needs --dequantize, and then equals a bf16 build from the source."""
+    from click.testing import CliRunner
+
+    from shardc.cli import main
+
+    src = sources["llama"]
+
+    def plan(dtype: str, tp: int) -> Path:
+        p = tmp_path / f"{dtype}{tp}.yaml"
+        p.write_text(json.dumps({"replica_group": {"name": f"{dtype}{tp}", "tp_degree": tp, "pp_degree": 1,
+                                                   "dtype": dtype, "gpus_per_replica": tp},
+                                 "model": {"source": str(src)}}))
+        return p
+
+    def run(*args) -> object:
+        return CliRunner().invoke(main, [str(a) for a in args])
+
+    m = tmp_path / "s2" / "manifest.json"
+    assert run("build", plan("source", 2), "--out", tmp_path / "s2", "--quiet").exit_code == 0
+    r = run("verify", "--manifest", m, "--deep", src)
+    assert r.exit_code == 0 and "deep" in r.output, r.output
+    assert run("export", "--manifest", m, "--out", tmp_path / "ex", "--quiet").exit_code == 0
+    got, want = load_source(tmp_path / "ex"), load_source(src)
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
+    cfg = json.loads((tmp_path / "ex" / "config.json").read_text())
+    assert cfg["quantization_config"] == json.loads((src / "config.json").read_text())["quantization_config"]
+    r = run("reshard", "--manifest", m, "--plan", plan("bf16", 2), "--out", tmp_path / "b2", "--quiet")
+    assert r.exit_code == 2 and "--dequantize" in r.stderr, r.stderr
+    assert run("reshard", "--manifest", m, "--plan", plan("bf16", 2), "--out", tmp_path / "b2", "--quiet",
+               "--dequantize").exit_code == 0
+    assert run("build", plan("bf16", 2), "--out", tmp_path / "b2x", "--quiet").exit_code == 0
+    a, b = reassemble(tmp_path / "b2"), reassemble(tmp_path / "b2x")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

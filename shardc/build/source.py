@@ -76,9 +76,7 @@ class Source:
         """Every tensor the model needs is there with the right shape; nothing unknown."""
         expected = {t.name: t.shape for t in source_tensors(model)}
         known = expected
-        self.squant = detect_source(self.config)
-        if self.squant is not None:
-            self.squant_names = frozenset(self.squant.quantized(model))
+        if self.use_quantization(model):
             known = check_stored(self, expected)  # + the stored tensors of its quantized weights
         for name, shape in expected.items():
             if name in self.squant_names:
@@ -107,6 +105,13 @@ class Source:
                     f"{model.architecture} with this config)",
                     hint="check num_hidden_layers / tie_word_embeddings in config.json",
                 )
+
+    def use_quantization(self, model: ModelSpec) -> bool:
+        """Read the source's quantization_config (spec/sourcequant/): whether it is quantized."""
+        self.squant = detect_source(self.config)
+        if self.squant is not None:
+            self.squant_names = frozenset(self.squant.quantized(model))
+        return self.squant is not None
 
     # -- reading ------------------------------------------------------------------------------
     def view(self, name: str) -> np.ndarray:

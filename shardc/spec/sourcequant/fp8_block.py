@@ -84,7 +84,7 @@ class BlockFP8(SourceQuantization):
         weight-sized (transformers: ``q.reshape(-1, R, b0, C, b1) * s``, the same products)."""
         import numpy as np
 
-        q, s = read(name), read(name + "_scale_inv")
+        q, s = np.asarray(read(name)), np.asarray(read(name + "_scale_inv"))  # a reshard input: Tiles
         b0, b1 = self.grid
         out = np.empty(shape, np.float32)
         for i in range(s.shape[0]):
