@@ -27,7 +27,11 @@ def save_tiny(root: Path, config_cls: str = "LlamaConfig", model_cls: str = "Lla
               seed: int = 5, **cfg) -> Path:
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**(LLAMA | cfg)))
-    model.to(torch.bfloat16).save_pretrained(root)
+    model.to(torch.bfloat16)
+    for module in model.modules():  # DeepSeek's router and bias stay fp32, as transformers keeps them
+        if hasattr(module, "e_score_correction_bias"):
+            module.float()
+    model.save_pretrained(root)
     return root
 
 

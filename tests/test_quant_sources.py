@@ -23,10 +23,16 @@ from reassemble import load_source, reassemble  # noqa: E402
 from shardc.build.compile import build  # noqa: E402
 from shardc.spec.plan import plan_from_dict  # noqa: E402
 
-# family -> (config class, model class, extra config)
+# family -> (config class, model class, extra config, weight_block_size)
 FAMILIES = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}, (32, 32)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32), (32, 32)),
+    # DeepSeek-V3 as published: MLA projections, routed and shared experts in fp8, the router not
+    "deepseek": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                 dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                      num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                      first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=12, q_lora_rank=24, n_group=2, topk_group=1), (8, 8)),
 }
 
 
@@ -34,8 +40,8 @@ FAMILIES = {
 def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qsrc")
     out = {}
-    for fam, (cc, mc, extra) in FAMILIES.items():
-        out[fam] = fp8_block_source(save_tiny(root / f"{fam}-bf16", cc, mc, **extra), root / f"{fam}-fp8")
+    for fam, (cc, mc, extra, block) in FAMILIES.items():
+        out[fam] = fp8_block_source(save_tiny(root / f"{fam}-bf16", cc, mc, **extra), root / f"{fam}-fp8", block)
     return out
 
 
@@ -66,10 +72,11 @@ def test_keep_source_loads_like_the_source(sources, tmp_path, fam):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_keep_source_tp2_slices_whole_blocks(sources, tmp_path):
+@pytest.mark.parametrize("fam", sorted(FAMILIES))
+def test_keep_source_tp2_slices_whole_blocks(sources, tmp_path, fam):
     """tp=2: each rank's F8 values and block scales are the source's, cut on block lines; put
     back together they are the source."""
-    src = sources["llama"]
+    src = sources[fam]
     build(_plan(src, "source", 2), tmp_path / "b")
     got, want = reassemble(tmp_path / "b"), load_source(src)
     assert sorted(got) == sorted(want)
@@ -79,20 +86,25 @@ def test_keep_source_tp2_slices_whole_blocks(sources, tmp_path):
 
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
 def test_to_bf16_equals_transformers_dequantization(sources, tmp_path, fam):
-    """``dtype: bf16`` at tp=2: the weights transformers' FP8 loader dequantizes, bit for bit."""
+    """``dtype: bf16``: at tp=2 every weight is transformers' ``Fp8Dequantize`` of the source's, bit
+    for bit (the others copied); at tp=1 transformers loads the build to exactly the weights its
+    FP8 loader makes of the source."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     src = sources[fam]
-    build(_plan(src, "bf16", 2), tmp_path / "b")
-    got, hf, raw = reassemble(tmp_path / "b"), _hf_state(src), load_source(src)
-    assert "quantization_config" not in json.loads((tmp_path / "b" / "config.json").read_text())
-    assert not [k for k in got if k.endswith("_scale_inv")]
+    build(_plan(src, "bf16", 2), tmp_path / "b2")
+    got, raw = reassemble(tmp_path / "b2"), load_source(src)
+    assert "quantization_config" not in json.loads((tmp_path / "b2" / "config.json").read_text())
+    assert sorted(got) == sorted(k for k in raw if not k.endswith("_scale_inv"))
     deq = Fp8Dequantize(None)
     for k, t in got.items():
-        assert t.dtype == torch.bfloat16, k
-        assert torch.equal(t, hf[k]), k
         if k + "_scale_inv" in raw:
             assert torch.equal(t, deq._dequantize_one(raw[k], raw[k + "_scale_inv"], torch.bfloat16)), k
+        else:
+            assert torch.equal(t, raw[k]), k
+    build(_plan(src, "bf16"), tmp_path / "b1")
+    a, b = _hf_state(tmp_path / "b1"), _hf_state(src)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_requantize_records_both_steps(sources, tmp_path):
