@@ -111,7 +111,7 @@ def test_requantize_records_both_steps(sources, tmp_path):
     """``dtype: int8`` from FP8: the error stats are against the source's dequantized weights, and
     the manifest names the source's quantization."""
     src = sources["llama"]
-    build(_plan(src, "int8", 2), tmp_path / "b")
+    build(_plan(src, "int8"), tmp_path / "b")
     m = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert m["source_quantization"] == {"format": "fp8 block 32x32", "quant_method": "fp8",
                                         "applied": "dequantized, then quantized to int8 per channel"}
@@ -225,3 +225,36 @@ def test_verify_reshard_export_keep_the_source_format(sources, tmp_path):
     assert run("build", plan("bf16", 2), "--out", tmp_path / "b2x", "--quiet").exit_code == 0
     a, b = reassemble(tmp_path / "b2"), reassemble(tmp_path / "b2x")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of the runtime's StageWeights, by its path."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if dataclasses.is_dataclass(obj):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    return {k: v for key, val in items for k, v in _flat(val, f"{prefix}.{key}").items()}
+
+
+@pytest.mark.parametrize("fam", ["deepseek", "qwen3"])
+def test_runtime_weights_of_a_kept_source(sources, tmp_path, fam):
+    """The runtime dequantizes a ``dtype: source`` build's rank slices as the format's reference
+    does: at tp=2 every rank's weights equal those of the bf16 build of the same source, bit for
+    bit, so its forward is the 16-bit build's (whose logits equal transformers', the family tests).
+    The weights are loaded in-process (runtime.weights.load_stage): a forward costs process starts."""
+    from shardc.formats.manifest import parse
+    from shardc.runtime.weights import load_stage
+
+    src = sources[fam]
+    ranks = {}
+    for dtype in ("source", "bf16"):
+        build(_plan(src, dtype, 2), tmp_path / dtype)
+        m = parse((tmp_path / dtype / "manifest.json").read_bytes())
+        ranks[dtype] = [_flat(load_stage(m, tmp_path / dtype, m.to_layout(), r, 0, torch.device("cpu")))
+                        for r in range(2)]
+    for a, b in zip(ranks["source"], ranks["bf16"], strict=True):
+        assert sorted(a) == sorted(b) and a
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
