@@ -65,3 +65,64 @@ def fp8_block_source(bf16: Path, out: Path, block: tuple[int, int] = (32, 32), *
     cfg["quantization_config"] = qcfg
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
+
+
+# name -> (format, weights args) of compressed-tensors schemes as llm-compressor writes them
+CT_SCHEMES = {
+    "w4a16-group": ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                       "group_size": 32, "dynamic": False, "actorder": None}),
+    "w8a16-channel": ("int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                                        "group_size": None, "dynamic": False}),
+    "fp8-channel": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True,
+                                        "strategy": "channel", "group_size": None, "dynamic": False}),
+}
+
+
+def ct_args(scheme: str):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(**CT_SCHEMES[scheme][1])
+
+
+def ct_source(bf16: Path, out: Path, scheme: str) -> Path:
+    """``bf16`` re-published as compressed-tensors ``scheme``: values quantized by compressed-tensors'
+    ``quantize`` with symmetric min-max scales in the model dtype (what its default observer
+    gives), packed by its ``pack_to_int32``, under the names and config its compressors write."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from safetensors import safe_open
+
+    fmt, wargs = CT_SCHEMES[scheme]
+    args = ct_args(scheme)
+    cfg = json.loads((bf16 / "config.json").read_text())
+    targets = quantizable(model_from_config(cfg))
+    qmax = {"int": float(2 ** (args.num_bits - 1) - 1), "float": 448.0}[wargs["type"]]
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(bf16.glob("*.safetensors")):
+        with safe_open(f, "pt") as s:
+            for k in s.keys():  # noqa: SIM118
+                t = s.get_tensor(k)
+                if k not in targets:
+                    tensors[k] = t
+                    continue
+                g = wargs["group_size"] or t.shape[1]
+                amax = t.float().reshape(t.shape[0], -1, g).abs().amax(-1)
+                scale = (amax / qmax).clamp(min=1e-8).to(t.dtype)
+                q = quantize(t, scale, None, args, dtype=torch.int8 if wargs["type"] == "int" else
+                             torch.float8_e4m3fn)
+                base = k.removesuffix(".weight")
+                tensors[base + ".weight_scale"] = scale
+                if fmt == "pack-quantized":
+                    tensors[base + ".weight_packed"] = pack_to_int32(q, args.num_bits)
+                    tensors[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
+                else:
+                    tensors[k] = q
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": wargs, "input_activations": None,
+                                      "output_activations": None, "format": fmt}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": None}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out

@@ -239,8 +239,8 @@ def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:
     return {k: v for key, val in items for k, v in _flat(val, f"{prefix}.{key}").items()}
 
 
-@pytest.mark.parametrize("fam", ["deepseek", "qwen3"])
-def test_runtime_weights_of_a_kept_source(sources, tmp_path, fam):
+@pytest.mark.parametrize("fam", ["deepseek", "qwen3", "ct:w4a16-group"])
+def test_runtime_weights_of_a_kept_source(request, tmp_path, fam):
     """The runtime dequantizes a ``dtype: source`` build's rank slices as the format's reference
     does: at tp=2 every rank's weights equal those of the bf16 build of the same source, bit for
     bit, so its forward is the 16-bit build's (whose logits equal transformers', the family tests).
@@ -248,7 +248,8 @@ def test_runtime_weights_of_a_kept_source(sources, tmp_path, fam):
     from shardc.formats.manifest import parse
     from shardc.runtime.weights import load_stage
 
-    src = sources[fam]
+    src = (request.getfixturevalue("ct_sources")[fam[3:]] if fam.startswith("ct:")
+           else request.getfixturevalue("sources")[fam])
     ranks = {}
     for dtype in ("source", "bf16"):
         build(_plan(src, dtype, 2), tmp_path / dtype)
@@ -258,3 +259,104 @@ def test_runtime_weights_of_a_kept_source(sources, tmp_path, fam):
     for a, b in zip(ranks["source"], ranks["bf16"], strict=True):
         assert sorted(a) == sorted(b) and a
         assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+# -- compressed-tensors ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ct_sources(sources) -> dict[str, Path]:
+    from quant_sources import CT_SCHEMES, ct_source
+
+    bf16 = sources["llama"].parent / "llama-bf16"
+    return {s: ct_source(bf16, bf16.parent / f"llama-{s}", s) for s in CT_SCHEMES}
+
+
+def _ct_reference(raw: dict[str, torch.Tensor], name: str, scheme: str) -> torch.Tensor:
+    """compressed-tensors' own unpacking and dequantization of a source weight, in bf16."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from quant_sources import ct_args
+
+    base, args = name.removesuffix(".weight"), ct_args(scheme)
+    q = raw.get(name)
+    if q is None:
+        q = unpack_from_int32(raw[base + ".weight_packed"], args.num_bits, raw[base + ".weight_shape"].tolist())
+    return dequantize(q, raw[base + ".weight_scale"], None, args, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-group", "w8a16-channel", "fp8-channel"])
+def test_compressed_tensors_source(ct_sources, tmp_path, scheme):
+    """A compressed-tensors source: kept as stored at tp=2 (packed int4 rows, group scales cut
+    with their columns; put together: the source, byte for byte, its config kept), and to bf16
+    equal to compressed-tensors' own dequantization, bit for bit; a kept tp=2 build passes
+    ``verify --deep`` and its export is the source again."""
+    from click.testing import CliRunner
+
+    from shardc.cli import main
+
+    src = ct_sources[scheme]
+    raw = load_source(src)
+    build(_plan(src, "bf16", 2), tmp_path / "b")
+    got = reassemble(tmp_path / "b")
+    n = 0
+    for k, t in got.items():
+        if k.removesuffix(".weight") + ".weight_scale" in raw:
+            assert torch.equal(t, _ct_reference(raw, k, scheme)), k
+            n += 1
+    assert n == 14
+    build(_plan(src, "source", 2), tmp_path / "s")
+    m = tmp_path / "s" / "manifest.json"
+    r = CliRunner().invoke(main, ["verify", "--manifest", str(m), "--deep", str(src)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["export", "--manifest", str(m), "--out", str(tmp_path / "ex"), "--quiet"])
+    assert r.exit_code == 0, r.output
+    back = load_source(tmp_path / "ex")
+    assert sorted(back) == sorted(raw)
+    assert all(torch.equal(back[k].view(torch.uint8), raw[k].view(torch.uint8)) for k in raw)
+    cfg = json.loads((tmp_path / "ex" / "config.json").read_text())
+    assert cfg["quantization_config"] == json.loads((src / "config.json").read_text())["quantization_config"]
+
+
+def _ct_edit(block: dict, path: str, value) -> dict:
+    out = json.loads(json.dumps(block))
+    node = out
+    *head, last = path.split(".")
+    for k in head:
+        node = node[k]
+    node[last] = value
+    return out
+
+
+W = "config_groups.group_0.weights"
+
+
+@pytest.mark.parametrize(("path", "value", "needle"), [
+    (f"{W}.symmetric", False, f"quantization_config.{W}.symmetric: is false: zero points are not read"),
+    (f"{W}.actorder", "group", f"quantization_config.{W}.actorder: is 'group': g_idx reordering is not read"),
+    (f"{W}.num_bits", 2, "type int with 2 bits in pack-quantized is not read"),
+    ("config_groups.group_0.input_activations", {"num_bits": 8, "dynamic": False},
+     "input_activations: are static: their scales are not read"),
+    ("transform_config", {"config_groups": {}}, "quantization_config.transform_config: is set"),
+    ("format", "nvfp4-pack-quantized", "quantization_config.format: is 'nvfp4-pack-quantized'"),
+    ("scale-dtype", None, "is F32, but compressed-tensors int4 packed per group 32 per its config.json stores it "
+                          "as BF16; dtype: source would not copy it exactly"),
+])
+def test_bad_compressed_tensors_source(ct_sources, tmp_path, path, value, needle):
+    """A compressed-tensors config or tensor shardc would misread: one line, exit 2, nothing written."""
+    src = ct_sources["w4a16-group"]
+    if path == "scale-dtype":  # scales stored wider than the config says: dequantizing is fine, keeping is not
+        k = "model.layers.0.mlp.up_proj.weight_scale"
+        src = _copy(src, tmp_path / "s", tensors={k: load_source(src)[k].float()})
+        r, out = _cli_build(tmp_path, src, dtype="bf16")
+        assert r.exit_code == 0, r.stderr
+        import shutil
+
+        shutil.rmtree(out)
+    else:
+        block = json.loads((src / "config.json").read_text())["quantization_config"]
+        src = _copy(src, tmp_path / "s", _ct_edit(block, path, value))
+    r, out = _cli_build(tmp_path, src)
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output, r.stderr
+    assert not (out.exists() and [p for p in out.iterdir() if not p.name.startswith(".")])

@@ -39,7 +39,6 @@ from ..spec.dtypes import DTYPE_BYTES
 from ..spec.layout import Layout, TensorSpec, source_tensors
 from ..spec.model import ModelSpec, model_for_source, model_from_config
 from ..spec.plan import Plan
-from ..spec.sourcequant import detect_source
 from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput, shard_problems
 from .quantize import unpack_int8
@@ -106,13 +105,15 @@ class BuildSource(Source):
         self.stats = {rec["source"]: rec["stats"] for s in inp.manifest.shards
                       for rec in s.tensors.values() if "stats" in rec}
         for name, shape in ((t.name, t.shape) for t in source_tensors(model)):
+            if (name, "weight") not in self.pieces and name in kept:
+                continue  # stored only as its packed form (the stored tensors are added below)
             dtype = self.pieces[(name, "weight")][0].spec.dtype
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
         if self.squant is not None:  # a dtype: source input: its stored tensors are tensors too
             for name in kept:
                 for st in self.squant.stored(name):
-                    full = self.tensors[name].shape
-                    if st.suffix:
+                    full = self.squant_shapes[name]
+                    if st.suffix and not st.value:
                         self.tensors[name + st.suffix] = TensorInfo("", st.dtypes[0], st.shape(full))
         self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
         self._rank_of = {rl.file: rl for rl in self.in_layout.ranks}
@@ -307,9 +308,7 @@ def _kept_source_quantization(src: BuildSource, model: ModelSpec) -> frozenset[s
     reference does for any other (lossy: --dequantize, as for int8/fp8 inputs)."""
     if src.in_layout.plan.dtype != "source":
         return frozenset()
-    src.squant = detect_source(model.config)
-    if src.squant is not None:
-        src.squant_names = frozenset(src.squant.quantized(model))
+    src.use_quantization(model)
     return src.squant_names
 
 

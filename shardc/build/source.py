@@ -70,6 +70,7 @@ class Source:
     # a quantized source (spec/sourcequant/): its format and the weights it stores quantized
     squant: SourceQuantization | None = field(default=None, repr=False)
     squant_names: frozenset[str] = field(default=frozenset(), repr=False)
+    squant_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # [out, in] of each
 
     # -- validation ---------------------------------------------------------------------------
     def check(self, model: ModelSpec) -> None:
@@ -99,6 +100,8 @@ class Source:
                 )
         unused = model.spec.unused
         for name in self.tensors:
+            if name in self.squant_names:
+                continue  # a quantized weight stored under its own name: checked by check_stored
             if name not in known and not _BENIGN.fullmatch(name) and not (unused and unused(model, name)):
                 raise SourceError(
                     f"unexpected tensor {name!r} in the checkpoint (not a weight of "
@@ -111,6 +114,7 @@ class Source:
         self.squant = detect_source(self.config)
         if self.squant is not None:
             self.squant_names = frozenset(self.squant.quantized(model))
+            self.squant_shapes = {t.name: t.shape for t in source_tensors(model) if t.name in self.squant_names}
         return self.squant is not None
 
     # -- reading ------------------------------------------------------------------------------
@@ -167,7 +171,7 @@ class Source:
         dequantization by the format's reference (one weight-sized array, freed by the caller)."""
         if name not in self.squant_names or self.squant is None:
             return self.view(name)
-        return self.squant.dequantize(name, self.tensors[name].shape, self.view)
+        return self.squant.dequantize(name, self.squant_shapes[name], self.view)
 
     def read(self, name: str):
         """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from ..errors import SourceError
 
 if TYPE_CHECKING:
+    from ..spec.layout import Layout
     from .source import Source
 
 
@@ -40,6 +41,9 @@ def check_stored(src: Source, expected: dict[str, tuple[int, ...]]) -> dict[str,
                 raise SourceError(f"tensor {tname!r} has shape {list(info.shape)}, but weight {name} "
                                   f"{list(full)} with {sq.label} implies {list(want)}",
                                   hint="the checkpoint does not match its quantization_config (weight_block_size?)")
+            if st.value and src.view(tname).tolist() != list(full):  # X.weight_shape: what unpacking reads
+                raise SourceError(f"tensor {tname!r} holds {src.view(tname).tolist()}, but weight {name} is "
+                                  f"{list(full)}", hint="the checkpoint does not match its config.json")
             out[tname] = want
     for name, info in src.tensors.items():  # a 16-bit weight the config says nothing about
         if name in expected and name not in src.squant_names and info.dtype not in ("F16", "BF16", "F32"):
@@ -47,3 +51,23 @@ def check_stored(src: Source, expected: dict[str, tuple[int, ...]]) -> dict[str,
                               "quantization only for the decoder's linear projections",
                               hint="start from the unquantized checkpoint")
     return out
+
+
+# casts that keep every value: a dtype: source build may widen a stored tensor, never narrow it
+_EXACT = {("BF16", "F32"), ("F16", "F32")}
+
+
+def check_kept(src: Source, layout: Layout) -> None:
+    """A ``dtype: source`` build copies the stored tensors in the dtypes the Layout derives from
+    config.json; a source holding one in a dtype that would not convert exactly is refused."""
+    if layout.plan.dtype != "source" or src.squant is None:
+        return
+    for rl in layout.ranks:
+        for t in rl.tensors:
+            info = src.tensors.get(t.source)
+            if t.value is None and info is not None and info.dtype != t.dtype and (info.dtype, t.dtype) not in _EXACT:
+                raise SourceError(f"tensor {t.source!r} is {info.dtype}, but {src.squant.label} per its "
+                                  f"config.json stores it as {t.dtype}; dtype: source would not copy it exactly",
+                                  key="replica_group.dtype",
+                                  hint="declare the scale dtype in config.json (weights.scale_dtype), or "
+                                       "build with dtype: bf16 (dequantized)")

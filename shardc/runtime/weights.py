@@ -125,6 +125,14 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
     # The raw tensors are views of one buffer holding the whole file. When int8/fp8 weights are
     # dequantized into new tensors, the 16-bit ones are copied out so that buffer can be freed.
     kept = kept_source_quantized(layout)
+
+    def layout_shape(name: str) -> tuple[int, ...]:
+        """The rank's [out, in] of a kept weight: its values' spec, or X.weight_shape's contents."""
+        stored = kept[name].stored(name)[0]
+        spec = specs[name + stored.suffix]
+        if stored.suffix == "":
+            return spec.shape
+        return next(specs[name + st.suffix].value for st in kept[name].stored(name) if st.value)
     copy_out = any(t.quant for t in rl.tensors) or bool(kept)
 
     # w = q * scale per output channel, the scale rounded to the compute dtype first as the serving
@@ -133,12 +141,12 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         return dequantize(q.to(device), scale.to(device), dtype)
 
     def get(name: str) -> torch.Tensor:
+        if name in kept:  # a dtype: source build: the source format's own dequantization
+            return source_dequantize(kept[name], name, layout_shape(name), raw, dtype, device)
         if name not in specs and name + PACKED_SUFFIX in specs:  # int8, pack-quantized
             q = unpack_int8(raw[name + PACKED_SUFFIX], raw[name + SHAPE_SUFFIX])
             return deq(q, raw[name + SCALE_SUFFIX]).contiguous()
         spec = specs[name]
-        if name in kept:  # a dtype: source build: the source format's own dequantization
-            return source_dequantize(kept[name], name, spec.shape, raw, dtype, device)
         t = raw[name].to(device)
         if spec.quant:
             return deq(t, raw[name + SCALE_SUFFIX])

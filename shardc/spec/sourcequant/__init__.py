@@ -15,10 +15,11 @@ from typing import Any
 
 from ...errors import QuantizationError
 from .base import SourceQuantization, Stored  # noqa: F401
+from .compressed import CompressedTensors
 from .fp8_block import BlockFP8
 
 # Formats shardc reads, tried in order (MXFP4 for gpt-oss goes here as a third).
-FORMATS: tuple[type[SourceQuantization], ...] = (BlockFP8,)
+FORMATS: tuple[type[SourceQuantization], ...] = (BlockFP8, CompressedTensors)
 
 
 def detect_source(config: dict[str, Any]) -> SourceQuantization | None:
@@ -32,7 +33,7 @@ def detect_source(config: dict[str, Any]) -> SourceQuantization | None:
     method = block.get("quant_method")
     for fmt in FORMATS:
         if method in fmt.methods:
-            return fmt.from_config(block)
+            return fmt.from_config(block, config)
     known = ", ".join(m for f in FORMATS for m in f.methods)
     raise QuantizationError(f"quant_method {method!r} is not a source format shardc reads "
                             f"(it reads {known})", key="quantization_config.quant_method",

@@ -30,20 +30,24 @@ class Stored:
     dtypes: tuple[str, ...]  # the safetensors dtypes a source may hold it in; [0] is what shardc writes
     grid: tuple[int, int]  # weight elements per stored element along dim 0 and 1 (0: the whole dim)
     value: bool = False  # holds the weight's [out, in] itself (compressed-tensors' X.weight_shape)
+    flat: bool = False  # one element for the whole weight, stored as shape [1] (a per-tensor scale)
 
     def shape(self, weight: tuple[int, ...]) -> tuple[int, ...]:
         """Its shape for a weight (or a rank's slice of one) of shape ``weight``."""
         if self.value:
             return (len(weight),)
+        if self.flat:
+            return (1,)
         return tuple(1 if g == 0 else -(-n // g) for n, g in zip(weight, self.grid, strict=True))
 
     def cut(self, dim: int, start: int, stop: int, extent: int) -> tuple[int, int] | None:
         """The stored rows/columns [a, b) holding weight elements [start, stop) of ``extent``
         along ``dim``; None when the cut is not on a grid line (a partial last block is the last
-        rank's)."""
+        rank's). Grid 0: one element covers the whole dim, so every rank holds it (a per-channel
+        scale under a row-parallel cut)."""
         g = self.grid[dim]
         if g == 0:
-            return None if (start, stop) != (0, extent) else (0, 1)
+            return 0, 1
         if start % g or (stop % g and stop != extent):
             return None
         return start // g, -(-stop // g)
@@ -59,9 +63,9 @@ class SourceQuantization(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, block: dict[str, Any]) -> SourceQuantization:
-        """Read and check the block; a key that changes the math and is not implemented is a
-        QuantizationError naming it (never ignored)."""
+    def from_config(cls, block: dict[str, Any], config: dict[str, Any]) -> SourceQuantization:
+        """Read and check the block (``config``: the whole config.json it is part of); a key that
+        changes the math and is not implemented is a QuantizationError naming it (never ignored)."""
 
     @property
     @abstractmethod

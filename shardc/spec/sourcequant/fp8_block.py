@@ -39,7 +39,7 @@ class BlockFP8(SourceQuantization):
         self._stored = (Stored("", ("F8_E4M3",), (1, 1)), Stored("_scale_inv", SCALES, grid))
 
     @classmethod
-    def from_config(cls, block: dict[str, Any]) -> BlockFP8:
+    def from_config(cls, block: dict[str, Any], config: dict[str, Any]) -> BlockFP8:
         for key in sorted(set(block) - _IRRELEVANT):
             raise _refuse(key, "is a key of this fp8 config that shardc does not implement",
                           "start from a checkpoint without it, or from the unquantized checkpoint")

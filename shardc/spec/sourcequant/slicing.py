@@ -24,7 +24,7 @@ def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | 
         return {"shape": st.shape(local), "value": tuple(local)}
     whole = st.shape(full)
     dim = cut.get("dim")
-    if dim is None:
+    if dim is None or st.flat:
         return {"shape": whole}
     if cut.get("pad_rows"):
         return None  # vocabulary padding has no scales to pad with
