@@ -156,17 +156,19 @@ class CompressedTensors(SourceQuantization):
         import numpy as np
 
         values, scale = self._stored[0], self._stored[1]
-        q = np.asarray(read(name + values.suffix))
-        if self.fmt == "pack-quantized":
-            q = unpack(q, self.bits, shape[1])
-        s = np.asarray(read(name + scale.suffix))
-        s32 = s.astype(np.float32).reshape(1, 1) if scale.flat else s.astype(np.float32)
-        if self.group:
-            s32 = np.repeat(s32, self.group, axis=1)[:, : shape[1]]
-        w = np.multiply(q.astype(np.float32), s32)
-        if s.dtype != np.float32:  # the product in the scale's 16-bit dtype (exact in float32 first)
-            w = w.astype(s.dtype).astype(np.float32)
-        return w
+        packed, s = np.asarray(read(name + values.suffix)), np.asarray(read(name + scale.suffix))
+        out = np.empty(shape, np.float32)
+        step = max(1, (1 << 22) // max(1, shape[1]))  # rows per chunk: temporaries of ~16 MiB
+        for r0 in range(0, shape[0], step):
+            rows = slice(r0, min(r0 + step, shape[0]))
+            q = unpack(packed[rows], self.bits, shape[1]) if self.fmt == "pack-quantized" else packed[rows]
+            s32 = s.astype(np.float32).reshape(1, 1) if scale.flat else s[rows].astype(np.float32)
+            if self.group:
+                s32 = np.repeat(s32, self.group, axis=1)[:, : shape[1]]
+            np.multiply(q.astype(np.float32), s32, out=out[rows])
+            if s.dtype != np.float32:  # the product in the scale's 16-bit dtype (exact in float32 first)
+                out[rows] = out[rows].astype(s.dtype)
+        return out
 
 
 def unpack(packed: np.ndarray, bits: int, cols: int) -> np.ndarray:
