@@ -364,3 +364,53 @@ def test_bad_compressed_tensors_source(ct_sources, tmp_path, path, value, needle
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output, r.stderr
     assert not (out.exists() and [p for p in out.iterdir() if not p.name.startswith(".")])
+
+
+def test_deepseek_v3_real_shapes_split_on_whole_blocks():
+    """DeepSeek-V3's real tensor shapes (4 of its 61 layers) with its published fp8 config, under
+    plans/deepseek-v3-fp8-tp8.yaml: at tp=8 every rank's scales are the block rows/columns of its
+    slice (written out by hand here); tp=32 would cut a 128x128 block and is refused with the
+    degrees that work."""
+    import dataclasses
+
+    from shardc.errors import LayoutError
+    from shardc.spec.families.deepseek import DEEPSEEK_V3
+    from shardc.spec.layout import build_layout
+    from shardc.spec.model import model_from_config
+    from shardc.spec.plan import load_plan
+
+    fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    model = model_from_config(dict(DEEPSEEK_V3, num_hidden_layers=4, quantization_config=fp8))
+    plan = dataclasses.replace(load_plan(Path(__file__).parents[1] / "plans" / "deepseek-v3-fp8-tp8.yaml"), pp=1)
+    rank3 = {t.name: t for t in build_layout(model, plan).ranks[3].tensors}
+    down = "model.layers.3.mlp.experts.7.down_proj.weight"  # [7168, 2048], row-parallel: 256 columns a rank
+    assert (rank3[down].dtype, rank3[down].shape, rank3[down].start, rank3[down].stop) == ("F8_E4M3", (7168, 256), 768, 1024)
+    s = rank3[down + "_scale_inv"]
+    assert (s.dtype, s.shape, s.dim, s.start, s.stop) == ("F32", (56, 2), 1, 6, 8)
+    qb = rank3["model.layers.0.self_attn.q_b_proj.weight_scale_inv"]  # [24576, 1536]: 16 heads x 192 rows
+    assert (qb.shape, qb.dim, qb.start, qb.stop) == ((24, 12), 0, 72, 96)
+    kva = rank3["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"]  # 576 rows: 4.5 blocks
+    assert (kva.shape, kva.dim) == ((5, 56), None)
+    with pytest.raises(LayoutError) as e:
+        build_layout(model, dataclasses.replace(plan, tp=32))
+    assert "mlp.down_proj.weight [7168, 18432] would be cut at (0, 576) along dim 1" in e.value.message
+    assert e.value.hint.startswith("tp_degree values that keep every fp8 block 128x128 cell whole: 1, 2, 4, 8, 16 ")
+
+
+def test_fp8_dequantize_partial_blocks_equals_transformers():
+    """Weights whose sides are not multiples of the block (DeepSeek-V3's kv_a_proj_with_mqa: 576
+    rows of 128-row blocks) dequantize as transformers' ``_dequantize_fp8_weight`` does."""
+    import numpy as np
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from shardc.build.arrays import from_torch
+    from shardc.spec.sourcequant import detect_source
+
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(72, 100, generator=g) * 50).to(torch.float8_e4m3fn)
+    s = torch.rand(3, 4, generator=g) + 0.01  # 32x32 blocks: 2.25 x 3.125
+    sq = detect_source({"quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}})
+    tensors = {"x.weight": from_torch(w), "x.weight_scale_inv": from_torch(s)}
+    got = sq.dequantize("x.weight", (72, 100), tensors.__getitem__)
+    want = _dequantize_fp8_weight(w, s, [32, 32], torch.float32)
+    assert np.array_equal(got, want.numpy())

@@ -81,14 +81,25 @@ class BlockFP8(SourceQuantization):
 
     def dequantize(self, name: str, shape: tuple[int, ...], read: Callable[[str], np.ndarray]) -> np.ndarray:
         """q (float32) x scale (float32), one block row at a time: only the output is
-        weight-sized (transformers: ``q.reshape(-1, R, b0, C, b1) * s``, the same products)."""
+        weight-sized (transformers: ``q.reshape(-1, R, b0, C, b1) * s``, the same products). The
+        F8 values become float32 through a 256-entry table (exact, and a gather instead of a
+        per-element conversion)."""
         import numpy as np
 
-        q, s = np.asarray(read(name)), np.asarray(read(name + "_scale_inv"))  # a reshard input: Tiles
+        q, s = np.asarray(read(name)), np.asarray(read(name + "_scale_inv")).astype(np.float32)
+        lut = np.arange(256, dtype=np.uint8).view(q.dtype).astype(np.float32)
         b0, b1 = self.grid
+        rows_n, cols = shape
+        full = cols // b1
         out = np.empty(shape, np.float32)
         for i in range(s.shape[0]):
-            rows = slice(i * b0, min((i + 1) * b0, shape[0]))
-            srow = np.repeat(s[i].astype(np.float32), b1)[: shape[1]]
-            np.multiply(q[rows].astype(np.float32), srow, out=out[rows])
+            rows = slice(i * b0, min((i + 1) * b0, rows_n))
+            dst = out[rows]
+            np.take(lut, q[rows].view(np.uint8), out=dst)
+            if full:
+                blocks = dst[:, : full * b1]
+                blocks.shape = (blocks.shape[0], full, b1)  # a view: raises rather than copy
+                blocks *= s[i, :full, None]
+            if cols > full * b1:  # a partial last block column
+                dst[:, full * b1 :] *= s[i, full]
         return out
