@@ -414,3 +414,27 @@ def test_fp8_dequantize_partial_blocks_equals_transformers():
     got = sq.dequantize("x.weight", (72, 100), tensors.__getitem__)
     want = _dequantize_fp8_weight(w, s, [32, 32], torch.float32)
     assert np.array_equal(got, want.numpy())
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-group", "w8a16-channel"])
+def test_compressed_tensors_keep_loads_like_the_source(ct_sources, tmp_path, scheme):
+    """tp=1 ``dtype: source``: transformers' compressed-tensors loader reads the build exactly as it
+    reads the source (fp8 float-quantized is left out: that loader cannot run it on CPU, 'Promotion
+    for Float8 Types is not supported'; its bytes are checked above)."""
+    src = ct_sources[scheme]
+    build(_plan(src, "source"), tmp_path / "b")
+    a, b = _hf_state(tmp_path / "b"), _hf_state(src)
+    assert sorted(a) == sorted(b)
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def test_dtype_source_plan_refuses_quantization_keys(tmp_path):
+    """``quantization.ignore`` / ``base_dtype`` would mean dequantizing some weights; a ``dtype:
+    source`` plan keeps the source's own choice, so either key is refused, not ignored."""
+    from shardc.errors import PlanError
+
+    with pytest.raises(PlanError) as e:
+        plan_from_dict({"replica_group": {"name": "q", "tp_degree": 1, "pp_degree": 1, "dtype": "source",
+                                          "gpus_per_replica": 1}, "model": {"source": "x"},
+                        "quantization": {"ignore": ["lm_head"]}})
+    assert e.value.key == "quantization.ignore" and "dtype: source keeps" in e.value.message

@@ -383,6 +383,11 @@ def plan_from_dict(raw: Any) -> Plan:
         )
     ckpt = rg.get("checkpoint") or {}
     quant = raw.get("quantization") or {}
+    for key in ("ignore", "base_dtype"):
+        if rg["dtype"] == "source" and key in quant:  # the source's quantization_config decides
+            raise PlanError("applies to int8/fp8 plans; dtype: source keeps the source's quantization as "
+                            "it is (its config's own ignore list)", key=f"quantization.{key}",
+                            hint="drop it, or use dtype bf16/int8/fp8 to dequantize (and requantize)")
     data = json.loads(json.dumps(raw))  # plain JSON types only; copies
     data.setdefault("replica_group", {}).setdefault("checkpoint", {})
     data["replica_group"]["checkpoint"].setdefault("shard_prefix", default_prefix)
