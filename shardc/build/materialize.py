@@ -155,7 +155,7 @@ class Materializer:
             self._value = None  # release the previous tensor before reading the next
             if spec.quant:
                 self._value = self.quantize(spec.source, spec.quant)
-            elif spec.source in self.source.squant_names and (
+            elif spec.source in self.source.squant_shapes and (
                     spec.source not in self.source.tensors or spec.dtype != self.source.tensors[spec.source].dtype):
                 self._value = self.source.dense(spec.source)  # a quantized source to 16 bits
             else:

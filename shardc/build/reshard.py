@@ -43,6 +43,7 @@ from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput, shard_problems
 from .quantize import unpack_int8
 from .source import Source, TensorInfo
+from .sourcequant import read_quantization
 from .stages import stage_order
 from .tiles import Tiles
 
@@ -308,8 +309,8 @@ def _kept_source_quantization(src: BuildSource, model: ModelSpec) -> frozenset[s
     reference does for any other (lossy: --dequantize, as for int8/fp8 inputs)."""
     if src.in_layout.plan.dtype != "source":
         return frozenset()
-    src.use_quantization(model)
-    return src.squant_names
+    read_quantization(src, model)
+    return frozenset(src.squant_shapes)
 
 
 def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set[str]:
@@ -446,5 +447,5 @@ def open_reference(ref: str, layout: Layout) -> Source:
     if path.suffix == ".json" or (path / "manifest.json").is_file():
         return BuildSource(open_local_input(ref), layout, dequantize=True)
     src = open_source(ref)
-    src.use_quantization(layout.model)  # a quantized checkpoint: 16-bit builds compare dequantized
+    read_quantization(src, layout.model)  # a quantized checkpoint: 16-bit builds compare dequantized
     return src

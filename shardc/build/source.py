@@ -33,7 +33,7 @@ from ..spec.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
 from ..spec.layout import source_tensors
 from ..spec.model import ModelSpec, read_config
 from ..spec.readfile import CONFIG_LIMIT, read_regular_file
-from ..spec.sourcequant import SourceQuantization, detect_source
+from ..spec.sourcequant import SourceQuantization
 from .arrays import from_torch, np_dtype
 from .lease import Leases, read_leases
 from .sourcequant import check_stored
@@ -67,21 +67,18 @@ class Source:
     # under a running build is an error before its bytes are mapped, not a SIGBUS (view)
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _leases: Leases | None = field(default=None, repr=False)
-    # a quantized source (spec/sourcequant/): its format and the weights it stores quantized
+    # a quantized source (spec/sourcequant/): its format, and the [out, in] of each weight it stores quantized
     squant: SourceQuantization | None = field(default=None, repr=False)
-    squant_names: frozenset[str] = field(default=frozenset(), repr=False)
-    squant_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)  # [out, in] of each
+    squant_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     # -- validation ---------------------------------------------------------------------------
     def check(self, model: ModelSpec) -> None:
         """Every tensor the model needs is there with the right shape; nothing unknown."""
         expected = {t.name: t.shape for t in source_tensors(model)}
-        known = expected
-        if self.use_quantization(model):
-            known = check_stored(self, expected)  # + the stored tensors of its quantized weights
+        known = check_stored(self, model, expected)  # + a quantized source's stored tensors, checked
         for name, shape in expected.items():
-            if name in self.squant_names:
-                continue  # checked by check_stored
+            if name in self.squant_shapes:
+                continue
             info = self.tensors.get(name)
             if info is None:
                 raise SourceError(
@@ -100,22 +97,12 @@ class Source:
                 )
         unused = model.spec.unused
         for name in self.tensors:
-            if name in self.squant_names:
-                continue  # a quantized weight stored under its own name: checked by check_stored
             if name not in known and not _BENIGN.fullmatch(name) and not (unused and unused(model, name)):
                 raise SourceError(
                     f"unexpected tensor {name!r} in the checkpoint (not a weight of "
                     f"{model.architecture} with this config)",
                     hint="check num_hidden_layers / tie_word_embeddings in config.json",
                 )
-
-    def use_quantization(self, model: ModelSpec) -> bool:
-        """Read the source's quantization_config (spec/sourcequant/): whether it is quantized."""
-        self.squant = detect_source(self.config)
-        if self.squant is not None:
-            self.squant_names = frozenset(self.squant.quantized(model))
-            self.squant_shapes = {t.name: t.shape for t in source_tensors(model) if t.name in self.squant_names}
-        return self.squant is not None
 
     # -- reading ------------------------------------------------------------------------------
     def view(self, name: str) -> np.ndarray:
@@ -167,9 +154,8 @@ class Source:
                 self._leases = None
 
     def dense(self, name: str) -> np.ndarray:
-        """The tensor's values: ``view``, or for a weight the source stores quantized its float32
-        dequantization by the format's reference (one weight-sized array, freed by the caller)."""
-        if name not in self.squant_names or self.squant is None:
+        """``view``, or a quantized weight's float32 dequantization by its format's reference."""
+        if name not in self.squant_shapes or self.squant is None:
             return self.view(name)
         return self.squant.dequantize(name, self.squant_shapes[name], self.view)
 

@@ -8,19 +8,34 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import SourceError
+from ..spec.model import ModelSpec
+from ..spec.sourcequant import detect_source
+from ..spec.tensors import source_tensors
 
 if TYPE_CHECKING:
     from ..spec.layout import Layout
     from .source import Source
 
 
-def check_stored(src: Source, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Check ``src``'s quantized weights; return ``expected`` with their stored tensors added (so
-    the caller's unknown-tensor check accepts them)."""
+def read_quantization(src: Source, model: ModelSpec) -> bool:
+    """Read the source's quantization_config (spec/sourcequant/) into ``src.squant`` and
+    ``src.squant_shapes``; whether it is quantized."""
+    src.squant = detect_source(src.config)
+    if src.squant is not None:
+        names = src.squant.quantized(model)
+        src.squant_shapes = {t.name: t.shape for t in source_tensors(model) if t.name in names}
+    return src.squant is not None
+
+
+def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Check a quantized source's weights; return ``expected`` with their stored tensors added (so
+    the caller's unknown-tensor check accepts them). A 16-bit source: ``expected`` as it is."""
+    if not read_quantization(src, model):
+        return expected
     sq = src.squant
     assert sq is not None
     out = dict(expected)
-    for name in sorted(src.squant_names):
+    for name in sorted(src.squant_shapes):
         full = expected[name]
         for st in sq.stored(name):
             tname = name + st.suffix
@@ -46,7 +61,7 @@ def check_stored(src: Source, expected: dict[str, tuple[int, ...]]) -> dict[str,
                                   f"{list(full)}", hint="the checkpoint does not match its config.json")
             out[tname] = want
     for name, info in src.tensors.items():  # a 16-bit weight the config says nothing about
-        if name in expected and name not in src.squant_names and info.dtype not in ("F16", "BF16", "F32"):
+        if name in expected and name not in src.squant_shapes and info.dtype not in ("F16", "BF16", "F32"):
             raise SourceError(f"tensor {name!r} is stored as {info.dtype}, but shardc reads {sq.label} "
                               "quantization only for the decoder's linear projections",
                               hint="start from the unquantized checkpoint")

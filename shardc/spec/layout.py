@@ -30,8 +30,8 @@ from .quantization import (  # noqa: F401
     quantizable,
     quantized_names,
 )
-from .sourcequant import SourceQuantization, detect_source
-from .sourcequant.slicing import stored_cut, tp_problem
+from .sourcequant import detect_source
+from .sourcequant.slicing import check_source_cuts, source_specs
 from .tensors import (  # noqa: F401
     EXPERT,
     MAX_TP_HINT,
@@ -266,7 +266,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     """Check every precondition, then list every rank's tensors."""
     check_degrees(model, plan)
     sq = detect_source(model.config)  # a quantization_config no format reads: refused here
-    kept_q = _check_source_cuts(model, plan, sq)
+    kept_q = check_source_cuts(model, plan, sq, _slice_for_rank)
     stages = stage_ranges(model, plan)
     quantized = quantized_names(model, plan)
     check_packing(model, plan, quantized)
@@ -309,7 +309,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                 local = cut.pop("shape")
                 common = dict(name=name, source=source, split=kind, **cut)
                 if source in kept_q and name == source and sq is not None:
-                    per_rank[s, e] += _source_specs(sq, common, cut | {"shape": local}, shape)
+                    per_rank[s, e] += [TensorSpec(**f) for f in source_specs(sq, common, cut | {"shape": local}, shape)]
                 elif source in quantized and name == source:
                     per_rank[s, e] += _weight_specs(common, qdtype, local, plan.dtype)
                     per_rank[s, e].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
@@ -334,43 +334,6 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                 )
             )
     return Layout(model, plan, tuple(stages), tuple(ranks), padded_vocab(model, plan.tp))
-
-
-def _check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | None) -> set[str]:
-    """The source-quantized weights a ``dtype: source`` plan keeps as they are stored, once every
-    rank's cut of them is known to fall on their scale grid (else LayoutError naming the tensor
-    and the tp degrees that work)."""
-    if sq is None or plan.dtype != "source":
-        return set()
-    kept = sq.quantized(model)
-    table = tensor_table(model)
-    rows = [(n, table[n].shape, table[n].split, table[n].parts) for n in sorted(kept)]
-
-    def slicer(kind: str, shape: tuple[int, ...], r: int, tp: int, parts: tuple) -> dict:
-        return _slice_for_rank(kind, shape, r, model, tp, parts)
-
-    problem = tp_problem(sq, rows, plan.tp, slicer)
-    if problem:
-        good = [t for t in valid_tp_degrees(model, expert_parallel=plan.expert_parallel)
-                if not tp_problem(sq, rows, t, slicer)]
-        raise LayoutError(f"{problem} at tp={plan.tp}", key="replica_group.tp_degree",
-                          hint=f"tp_degree values that keep every {sq.label} cell whole: "
-                               f"{', '.join(map(str, good)) or 'none'} (or dtype: bf16, which dequantizes)")
-    return kept
-
-
-def _source_specs(sq: SourceQuantization, common: dict, cut: dict, full: tuple[int, ...]) -> list[TensorSpec]:
-    """A source-quantized weight kept as stored: each stored tensor cut at the weight's cut over
-    its grid, a plain slice of its own source tensor (``sourcequant/slicing.py``)."""
-    out = []
-    for st in sq.stored(common["name"]):
-        fields = stored_cut(st, cut, full)
-        assert fields is not None  # _check_source_cuts refused such a tp
-        name = common["name"] + st.suffix
-        fields = {k: v for k, v in fields.items() if v is not None}
-        out.append(TensorSpec(name=name, dtype=st.dtypes[0], source=name if not st.value else common["name"],
-                              split=common["split"], **fields))
-    return out
 
 
 def _weight_specs(common: dict, qdtype: str, local: tuple[int, ...], quant: str) -> list[TensorSpec]:

@@ -383,8 +383,9 @@ def plan_from_dict(raw: Any) -> Plan:
         )
     ckpt = rg.get("checkpoint") or {}
     quant = raw.get("quantization") or {}
-    for key in ("ignore", "base_dtype"):
-        if rg["dtype"] == "source" and key in quant:  # the source's quantization_config decides
+    for key, default in (("ignore", list(DEFAULT_IGNORE)), ("base_dtype", None)):
+        # the source's quantization_config decides (the default ignore list: what a manifest records)
+        if rg["dtype"] == "source" and quant.get(key, default) != default:
             raise PlanError("applies to int8/fp8 plans; dtype: source keeps the source's quantization as "
                             "it is (its config's own ignore list)", key=f"quantization.{key}",
                             hint="drop it, or use dtype bf16/int8/fp8 to dequantize (and requantize)")

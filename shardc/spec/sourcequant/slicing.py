@@ -9,8 +9,14 @@ build, verify, reshard and export handle them like any other tensor.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+if TYPE_CHECKING:
+    from ..model import ModelSpec
+    from ..plan import Plan
+
+from ...errors import LayoutError
+from ..tensors import tensor_table, valid_tp_degrees
 from .base import SourceQuantization, Stored
 
 Cut = dict[str, Any]  # _slice_for_rank's answer: dim, start, stop, shape, [pieces, kv_head, pad_rows]
@@ -64,3 +70,42 @@ def tp_problem(sq: SourceQuantization, quantized: list[tuple[str, tuple[int, ...
         seen.add((shape, kind, parts))
         rows += [(name, shape, slicer(kind, shape, r, tp, parts)) for r in range(tp)]
     return cut_problem(sq, rows)
+
+
+def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | None,
+                      slice_for_rank: Callable[..., Cut]) -> set[str]:
+    """The source-quantized weights a ``dtype: source`` plan keeps as they are stored, once every
+    rank's cut of them (``slice_for_rank``: the Layout's rule) is known to fall on their grids
+    (else LayoutError naming the tensor and the tp degrees that work)."""
+    if sq is None or plan.dtype != "source":
+        return set()
+    kept = sq.quantized(model)
+    table = tensor_table(model)
+    rows = [(n, table[n].shape, table[n].split, table[n].parts) for n in sorted(kept)]
+
+    def slicer(kind: str, shape: tuple[int, ...], r: int, tp: int, parts: tuple) -> Cut:
+        return slice_for_rank(kind, shape, r, model, tp, parts)
+
+    problem = tp_problem(sq, rows, plan.tp, slicer)
+    if problem:
+        good = [t for t in valid_tp_degrees(model, expert_parallel=plan.expert_parallel)
+                if not tp_problem(sq, rows, t, slicer)]
+        raise LayoutError(f"{problem} at tp={plan.tp}", key="replica_group.tp_degree",
+                          hint=f"tp_degree values that keep every {sq.label} cell whole: "
+                               f"{', '.join(map(str, good)) or 'none'} (or dtype: bf16, which dequantizes)")
+    return kept
+
+
+def source_specs(sq: SourceQuantization, common: dict[str, Any], cut: Cut,
+                 full: tuple[int, ...]) -> list[dict[str, Any]]:
+    """TensorSpec fields of a source-quantized weight kept as stored: each stored tensor cut at the
+    weight's cut over its grid, a plain slice of a source tensor of its own (X.weight_shape: its
+    contents, from the weight's name)."""
+    out = []
+    for st in sq.stored(common["name"]):
+        fields = stored_cut(st, cut, full)
+        assert fields is not None  # check_source_cuts refused such a tp
+        name = common["name"] + st.suffix
+        out.append({"name": name, "dtype": st.dtypes[0], "source": common["name"] if st.value else name,
+                    "split": common["split"], **{k: v for k, v in fields.items() if v is not None}})
+    return out
