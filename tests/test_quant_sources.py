@@ -229,6 +229,12 @@ def test_verify_reshard_export_keep_the_source_format(sources, tmp_path):
     assert run("build", plan("bf16", 2), "--out", tmp_path / "b2x", "--quiet").exit_code == 0
     a, b = reassemble(tmp_path / "b2"), reassemble(tmp_path / "b2x")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # a 16-bit build no longer holds the fp8 tensors: dtype: source from it is one line, nothing written
+    r = run("reshard", "--manifest", tmp_path / "b2x" / "manifest.json", "--plan", plan("source", 1),
+            "--out", tmp_path / "s1", "--quiet")
+    assert r.exit_code == 2 and "needs the source's quantized tensors as stored, but the input build holds " \
+        "them as bf16" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "s1").exists() or not list((tmp_path / "s1").glob("*.safetensors"))
 
 
 def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:

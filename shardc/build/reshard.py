@@ -100,7 +100,7 @@ class BuildSource(Source):
                     row0 += sub.shape[0]
         self.in_quant = {src: p[0].spec.quant for (src, role), p in self.pieces.items()
                          if role == "weight" and p[0].spec.quant}
-        kept = _kept_source_quantization(self, model)
+        kept = _kept_source_quantization(self, model, out_layout)
         self.dequantized = check_dtypes(self.in_quant | dict.fromkeys(kept, "source"), out_layout, dequantize)
         # the quantization error stats the input recorded: a re-slice keeps them as they are
         self.stats = {rec["source"]: rec["stats"] for s in inp.manifest.shards
@@ -303,11 +303,17 @@ def _need_order(src: BuildSource, out: Layout) -> list[str]:
     return list(order)
 
 
-def _kept_source_quantization(src: BuildSource, model: ModelSpec) -> frozenset[str]:
+def _kept_source_quantization(src: BuildSource, model: ModelSpec, out: Layout) -> frozenset[str]:
     """A ``dtype: source`` input build holds its source's quantized weights as stored: the format
     (spec/sourcequant/) re-slices them for a ``dtype: source`` output, and dequantizes them as its
-    reference does for any other (lossy: --dequantize, as for int8/fp8 inputs)."""
-    if src.in_layout.plan.dtype != "source":
+    reference does for any other (lossy: --dequantize, as for int8/fp8 inputs). Any other input
+    no longer holds them, so a ``dtype: source`` output of it is refused."""
+    held = src.in_layout.plan.dtype
+    if held != "source":
+        if out.plan.dtype == "source" and "quantization_config" in model.config:
+            raise PlanError(f"needs the source's quantized tensors as stored, but the input build holds "
+                            f"them as {held}", key="replica_group.dtype",
+                            hint=f"reshard to dtype {held}, or build dtype: source from the source checkpoint")
         return frozenset()
     read_quantization(src, model)
     return frozenset(src.squant_shapes)
