@@ -348,6 +348,7 @@ W = "config_groups.group_0.weights"
      "input_activations: are static: their scales are not read"),
     ("transform_config", {"config_groups": {}}, "quantization_config.transform_config: is set"),
     ("format", "nvfp4-pack-quantized", "quantization_config.format: is 'nvfp4-pack-quantized'"),
+    ("lm_head", None, "tensor 'lm_head.weight' is stored quantized (lm_head.weight_packed), but shardc reads"),
     ("scale-dtype", None, "is F32, but compressed-tensors int4 packed per group 32 per its config.json stores it "
                           "as BF16; dtype: source would not copy it exactly"),
 ])
@@ -362,6 +363,14 @@ def test_bad_compressed_tensors_source(ct_sources, tmp_path, path, value, needle
         import shutil
 
         shutil.rmtree(out)
+    elif path == "lm_head":  # llm-compressor without lm_head in ignore: targets Linear takes it too
+        from safetensors.torch import save_file
+
+        tensors = load_source(src)
+        tensors["lm_head.weight_packed"] = torch.zeros(96, 16, dtype=torch.int32)
+        del tensors["lm_head.weight"]
+        src = _copy(src, tmp_path / "s")
+        save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
     else:
         block = json.loads((src / "config.json").read_text())["quantization_config"]
         src = _copy(src, tmp_path / "s", _ct_edit(block, path, value))

@@ -60,6 +60,12 @@ def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, .
                 raise SourceError(f"tensor {tname!r} holds {src.view(tname).tolist()}, but weight {name} is "
                                   f"{list(full)}", hint="the checkpoint does not match its config.json")
             out[tname] = want
+    for name in expected:  # a weight the table keeps 16-bit, stored quantized (a quantized lm_head)
+        stored = [name + st.suffix for st in sq.stored(name) if st.suffix and name + st.suffix in src.tensors]
+        if name not in src.squant_shapes and stored:
+            raise SourceError(f"tensor {name!r} is stored quantized ({stored[0]}), but shardc reads {sq.label} "
+                              "quantization only for the decoder's linear projections",
+                              hint="use a checkpoint that keeps it in 16 bits (list it in the config's ignore)")
     for name, info in src.tensors.items():  # a 16-bit weight the config says nothing about
         if name in expected and name not in src.squant_shapes and info.dtype not in ("F16", "BF16", "F32"):
             raise SourceError(f"tensor {name!r} is stored as {info.dtype}, but shardc reads {sq.label} "
