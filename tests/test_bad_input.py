@@ -52,7 +52,7 @@ CASES = {
     "pp-layers-sum": (lambda: _with("model.pp_layers", [1, 1]), "sums to 2 but the model has 3 layers"),
     "pp-layers-len": (lambda: _with("model.pp_layers", [3]), "has 1 entries but pp_degree is 2"),
     "pp-layers-zero": (lambda: _with("model.pp_layers", [0, 3]), "model.pp_layers: must be a list of positive integers"),
-    "dtype": (lambda: _with("replica_group.dtype", "fp4"), "must be one of fp16, bf16, int8, fp8"),
+    "dtype": (lambda: _with("replica_group.dtype", "fp4"), "must be one of fp16, bf16, int8, fp8, source"),
     "missing-name": (lambda: _with("replica_group.name", KeyError), "replica_group.name: missing required key"),
     "unsafe-name": (lambda: _with("replica_group.name", "../evil"), "replica_group.name: must be"),
     "shard-prefix": (lambda: _with("replica_group.checkpoint", {"shard_prefix": "../x{tp_rank}{pp_stage}.safetensors"}),

@@ -222,14 +222,16 @@ def test_tp_that_cannot_slice_a_packed_weight_is_refused(make_ckpt, tmp_path):
 
 
 def test_source_config_with_a_quantization_config_is_refused(make_ckpt, tmp_path):
+    """A quantization_config shardc does not read (#31 reads block fp8 and compressed-tensors:
+    tests/test_quant_sources.py) is refused by its method, never read as 16-bit weights."""
     src = make_ckpt()
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8"}
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (src / "config.json").write_text(json.dumps(cfg))
     plan = {"replica_group": {"name": "q", "tp_degree": 1, "pp_degree": 1, "dtype": "int8",
                               "gpus_per_replica": 1}, "model": {"source": str(src)}}
     r, out = _run_build(tmp_path, plan, src)
-    assert r.exit_code == 2 and "already has a quantization_config" in r.output, r.output
+    assert r.exit_code == 2 and "quant_method 'awq' is not a source format shardc reads" in r.output, r.output
     assert not out.exists() or not any(out.iterdir())
 
 

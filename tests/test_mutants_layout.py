@@ -319,14 +319,20 @@ def test_tensorspec_record_drops_empty_fields():
 
 # ---- refusals and selection ----------------------------------------------------------------
 
-@pytest.mark.parametrize("block,method", [({"quant_method": "fp8"}, "'fp8'"), ({}, "'?'"), ("x", "'?'")])
-def test_source_with_quantization_config_refused(block, method):
+@pytest.mark.parametrize("block,key,message", [
+    ({"quant_method": "fp8"}, "quantization_config.weight_block_size",
+     "is missing: per-tensor fp8 is not read, only block-scaled"),
+    ({}, "quantization_config.quant_method", "quant_method None is not a source format shardc reads (it reads fp8, compressed-tensors)"),
+    ({"quant_method": "gptq"}, "quantization_config.quant_method",
+     "quant_method 'gptq' is not a source format shardc reads (it reads fp8, compressed-tensors)"),
+    ("x", "quantization_config", "must be a mapping"),
+])
+def test_source_quantization_config_not_read_is_refused(block, key, message):
+    """A quantized source is read only in a format shardc implements (spec/sourcequant/, #31):
+    any other quantization_config is refused by name, never read as 16-bit weights."""
     with pytest.raises(QuantizationError) as e:
         build_layout(_model(extra={"quantization_config": block}), _plan(1, 1))
-    assert (e.value.message, e.value.key, e.value.hint) == (
-        f"the source config.json already has a quantization_config (quant_method {method})",
-        "quantization_config",
-        "start from the unquantized checkpoint; shardc writes its own quantization_config")
+    assert (e.value.message, e.value.key) == (message, key)
 
 
 def test_build_layout_checks_degrees_first():

@@ -41,6 +41,7 @@ from .outputs import (
     write_side_files,
 )
 from .source import Source, open_source
+from .sourcequant import check_kept
 from .stages import stage_order, write_stage
 from .switch import apply_switch, finish_switch, write_journal
 
@@ -123,6 +124,7 @@ def build(
     model = model_from_config(source.config)
     layout = build_layout(model, plan)
     source.check(model)
+    check_kept(source, layout)  # a quantized source kept as stored: every tensor copied exactly
 
     out = Path(out_dir) if out_dir else Path("build") / plan.name
     try:

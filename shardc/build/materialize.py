@@ -133,7 +133,8 @@ class Materializer:
             return
         infos = self.source.tensors
         largest = max(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in infos.values())
-        budget = max(largest // 2, max(math.prod(infos[n].shape) for n, _ in keys))
+        shapes = {n: infos[n].shape if n in infos else self.source.squant_shapes[n] for n, _ in keys}
+        budget = max(largest // 2, max(math.prod(s) for s in shapes.values()))
         self.queue = QuantQueue(keys, self.whole, self.stats, budget, QUANT_WORKERS)
 
     def close(self) -> None:
@@ -152,6 +153,9 @@ class Materializer:
             self._value = None  # release the previous tensor before reading the next
             if spec.quant:
                 self._value = self.quantize(spec.source, spec.quant)
+            elif spec.source in self.source.squant_shapes and (
+                    spec.source not in self.source.tensors or spec.dtype != self.source.tensors[spec.source].dtype):
+                self._value = self.source.dense(spec.source)  # a quantized source to 16 bits
             else:
                 self._value = self.source.view(spec.source)
             self._key = key
@@ -162,7 +166,7 @@ class Materializer:
     def whole(self, name: str) -> np.ndarray:
         """A source tensor as one array (the quantizer needs it whole; a reshard's Tiles are put
         together here)."""
-        return np.asarray(self.source.view(name))
+        return np.asarray(self.source.dense(name))  # a quantized source's weight dequantized
 
     def release(self, spec: TensorSpec) -> None:
         """The writers are done with this spec's quantized tensor."""

@@ -35,6 +35,8 @@ def output_config(layout: Layout) -> dict[str, Any]:
 
     cfg = json.loads(json.dumps(layout.model.config))
     cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
+    if layout.plan.dtype != "source":  # a quantized source's block describes weights no longer held
+        cfg.pop("quantization_config", None)
     if layout.plan.quantized:
         from ..spec.layout import quantizable
         from .quantize import quantization_config

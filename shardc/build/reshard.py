@@ -43,6 +43,7 @@ from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput, shard_problems
 from .quantize import unpack_int8
 from .source import Source, TensorInfo
+from .sourcequant import read_quantization
 from .stages import stage_order
 from .tiles import Tiles
 
@@ -99,13 +100,22 @@ class BuildSource(Source):
                     row0 += sub.shape[0]
         self.in_quant = {src: p[0].spec.quant for (src, role), p in self.pieces.items()
                          if role == "weight" and p[0].spec.quant}
-        self.dequantized = check_dtypes(self.in_quant, out_layout, dequantize)
+        kept = _kept_source_quantization(self, model, out_layout)
+        self.dequantized = check_dtypes(self.in_quant | dict.fromkeys(kept, "source"), out_layout, dequantize)
         # the quantization error stats the input recorded: a re-slice keeps them as they are
         self.stats = {rec["source"]: rec["stats"] for s in inp.manifest.shards
                       for rec in s.tensors.values() if "stats" in rec}
         for name, shape in ((t.name, t.shape) for t in source_tensors(model)):
+            if (name, "weight") not in self.pieces and name in kept:
+                continue  # stored only as its packed form (the stored tensors are added below)
             dtype = self.pieces[(name, "weight")][0].spec.dtype
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
+        if self.squant is not None:  # a dtype: source input: its stored tensors are tensors too
+            for name in kept:
+                for st in self.squant.stored(name):
+                    full = self.squant_shapes[name]
+                    if st.suffix and not st.value:
+                        self.tensors[name + st.suffix] = TensorInfo("", st.dtypes[0], st.shape(full))
         self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
         self._rank_of = {rl.file: rl for rl in self.in_layout.ranks}
         self._lock = threading.Lock()
@@ -291,6 +301,22 @@ def _need_order(src: BuildSource, out: Layout) -> list[str]:
     return list(order)
 
 
+def _kept_source_quantization(src: BuildSource, model: ModelSpec, out: Layout) -> frozenset[str]:
+    """A ``dtype: source`` input build holds its source's quantized weights as stored: the format
+    (spec/sourcequant/) re-slices them for a ``dtype: source`` output, and dequantizes them as its
+    reference does for any other (lossy: --dequantize, as for int8/fp8 inputs). Any other input
+    no longer holds them, so a ``dtype: source`` output of it is refused."""
+    held = src.in_layout.plan.dtype
+    if held != "source":
+        if out.plan.dtype == "source" and "quantization_config" in model.config:
+            raise PlanError(f"needs the source's quantized tensors as stored, but the input build holds "
+                            f"them as {held}", key="replica_group.dtype",
+                            hint=f"reshard to dtype {held}, or build dtype: source from the source checkpoint")
+        return frozenset()
+    read_quantization(src, model)
+    return frozenset(src.squant_shapes)
+
+
 def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set[str]:
     """The dtype rules, for every output tensor: same 16-bit dtype, exact copy; 16-bit to another
     16-bit, build's cast; 16-bit to int8/fp8, quantized as build does (whole tensor); int8/fp8 to
@@ -301,7 +327,7 @@ def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set
     for rl in out.ranks:
         for t in rl.tensors:
             held = in_quant.get(t.source)
-            if held is None or t.scale_of or (t.quant == held):
+            if held is None or t.scale_of or (t.quant == held) or (held == "source" == out.plan.dtype):
                 continue
             if not dequantize:
                 want = t.quant or t.dtype
@@ -424,4 +450,6 @@ def open_reference(ref: str, layout: Layout) -> Source:
     path = Path(ref.removeprefix("file://"))
     if path.suffix == ".json" or (path / "manifest.json").is_file():
         return BuildSource(open_local_input(ref), layout, dequantize=True)
-    return open_source(ref)
+    src = open_source(ref)
+    read_quantization(src, layout.model)  # a quantized checkpoint: 16-bit builds compare dequantized
+    return src

@@ -33,8 +33,10 @@ from ..spec.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
 from ..spec.layout import source_tensors
 from ..spec.model import ModelSpec, read_config
 from ..spec.readfile import CONFIG_LIMIT, read_regular_file
+from ..spec.sourcequant import SourceQuantization
 from .arrays import from_torch, np_dtype
 from .lease import Leases, read_leases
+from .sourcequant import check_stored
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.
@@ -65,12 +67,18 @@ class Source:
     # under a running build is an error before its bytes are mapped, not a SIGBUS (view)
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _leases: Leases | None = field(default=None, repr=False)
+    # a quantized source (spec/sourcequant/): its format, and the [out, in] of each weight it stores quantized
+    squant: SourceQuantization | None = field(default=None, repr=False)
+    squant_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
     # -- validation ---------------------------------------------------------------------------
     def check(self, model: ModelSpec) -> None:
         """Every tensor the model needs is there with the right shape; nothing unknown."""
         expected = {t.name: t.shape for t in source_tensors(model)}
+        known = check_stored(self, model, expected)  # + a quantized source's stored tensors, checked
         for name, shape in expected.items():
+            if name in self.squant_shapes:
+                continue
             info = self.tensors.get(name)
             if info is None:
                 raise SourceError(
@@ -89,7 +97,7 @@ class Source:
                 )
         unused = model.spec.unused
         for name in self.tensors:
-            if name not in expected and not _BENIGN.fullmatch(name) and not (unused and unused(model, name)):
+            if name not in known and not _BENIGN.fullmatch(name) and not (unused and unused(model, name)):
                 raise SourceError(
                     f"unexpected tensor {name!r} in the checkpoint (not a weight of "
                     f"{model.architecture} with this config)",
@@ -144,6 +152,12 @@ class Source:
                 yield
             finally:
                 self._leases = None
+
+    def dense(self, name: str) -> np.ndarray:
+        """``view``, or a quantized weight's float32 dequantization by its format's reference."""
+        if name not in self.squant_shapes or self.squant is None:
+            return self.view(name)
+        return self.squant.dequantize(name, self.squant_shapes[name], self.view)
 
     def read(self, name: str):
         """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""

@@ -298,6 +298,9 @@ class Manifest:
     # What the command line changed in the plan (``{"model.source": "/data/x"}``), and the hash
     # of the plan with those changes; both empty/None when nothing was overridden.
     overrides: dict[str, str] = field(default_factory=dict)
+    # A quantized source (#31): its format, and what this build did with it (kept / dequantized /
+    # dequantized then requantized); absent for a 16-bit source, so those manifests keep their bytes.
+    source_quantization: dict[str, str] | None = None
     effective_plan_sha256: str | None = None
     _by_file: dict[str, ShardEntry] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -368,6 +371,7 @@ class Manifest:
             "source": self.source.to_dict(),
             "files": [f.to_dict() for f in self.files],
             "shards": shards,
+            **({"source_quantization": dict(self.source_quantization)} if self.source_quantization else {}),
         }
 
     def dumps(self) -> bytes:
@@ -397,7 +401,7 @@ class Manifest:
             )
         r = _Reader(m, "", origin)
         r.only("format", "format_version", "shardc_version", "plan", "plan_sha256", "overrides",
-               "effective_plan_sha256", "model", "layout", "source", "files", "shards")
+               "effective_plan_sha256", "model", "layout", "source", "files", "shards", "source_quantization")
         plan = r.get("plan", dict)
         rg = r.sub("plan").sub("replica_group")
         rg.get("name", str)
@@ -417,7 +421,15 @@ class Manifest:
                    source=SourceRecord.read(r.sub("source")),
                    files=[FileEntry.read(f) for f in r.items("files")], shards=shards,
                    shardc_version=r.get("shardc_version", str), overrides=overrides,
-                   effective_plan_sha256=effective)
+                   effective_plan_sha256=effective, source_quantization=_read_source_quantization(r))
+
+
+def _read_source_quantization(r: _Reader) -> dict[str, str] | None:
+    sq = r.sub("source_quantization", optional=True)
+    if sq is None:
+        return None
+    sq.only("format", "quant_method", "applied")
+    return {k: sq.get(k, str) for k in ("format", "quant_method", "applied")}
 
 
 def _check_depth(m: dict[str, Any], origin: str) -> None:
@@ -510,7 +522,23 @@ def new_manifest(layout: Layout, source: SourceRecord, shards: list[ShardEntry],
         shards=sorted(shards, key=lambda s: s.rank),
         overrides=dict(plan.overrides),
         effective_plan_sha256=plan.effective_sha256 if plan.overrides else None,
+        source_quantization=source_quantization_record(model.config, plan.dtype),
     )
+
+
+def source_quantization_record(config: dict[str, Any], dtype: str) -> dict[str, str] | None:
+    """What a build did with a quantized source: kept it (``dtype: source``), dequantized it to
+    16 bits as the format's reference does, or dequantized then requantized (int8/fp8 per channel,
+    the error stats then measured against the dequantized source)."""
+    from ..spec.sourcequant import detect_source
+
+    sq = detect_source(config)
+    if sq is None:
+        return None
+    applied = {"source": "kept as stored", "fp16": "dequantized", "bf16": "dequantized"}.get(
+        dtype, f"dequantized, then quantized to {dtype} per channel")
+    return {**sq.record(), "applied": applied}
+
 
 
 def typed(manifest: Manifest | dict[str, Any]) -> Manifest:

@@ -69,6 +69,25 @@ def unpack_int8(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     return u.view(torch.int8).reshape([int(n) for n in shape.tolist()])
 
 
+def kept_source_quantized(layout: Layout) -> dict:
+    """Weights a ``dtype: source`` build holds in its source's quantized format -> that format."""
+    from ..spec.sourcequant import detect_source
+
+    sq = detect_source(layout.model.config) if layout.plan.dtype == "source" else None
+    return dict.fromkeys(sq.quantized(layout.model), sq) if sq is not None else {}
+
+
+def source_dequantize(sq, name: str, shape: tuple[int, ...], raw: dict[str, torch.Tensor],
+                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The rank's slice of a source-quantized weight in the compute dtype: the format's reference
+    dequantization (float32, on the host) then one cast, as transformers loads the source, so a
+    ``dtype: source`` build runs the weights a 16-bit build of the same source holds."""
+    from ..build.arrays import from_torch
+
+    w = sq.dequantize(name, tuple(shape), lambda n: from_torch(raw[n].cpu()))
+    return torch.from_numpy(w).to(device=device, dtype=dtype)
+
+
 def local_dims(layout: Layout) -> Dims:
     m, tp = layout.model, layout.plan.tp
     mla = m.forward.mla
@@ -117,7 +136,16 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
 
     # The raw tensors are views of one buffer holding the whole file. When int8/fp8 weights are
     # dequantized into new tensors, the 16-bit ones are copied out so that buffer can be freed.
-    copy_out = any(t.quant for t in rl.tensors)
+    kept = kept_source_quantized(layout)
+
+    def layout_shape(name: str) -> tuple[int, ...]:
+        """The rank's [out, in] of a kept weight: its values' spec, or X.weight_shape's contents."""
+        stored = kept[name].stored(name)[0]
+        spec = specs[name + stored.suffix]
+        if stored.suffix == "":
+            return spec.shape
+        return next(specs[name + st.suffix].value for st in kept[name].stored(name) if st.value)
+    copy_out = any(t.quant for t in rl.tensors) or bool(kept)
 
     # w = q * scale per output channel, the scale rounded to the compute dtype first as the serving
     # clients hold it (build/quantize.py dequantize), so the gate scores what a server computes.
@@ -125,6 +153,8 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         return dequantize(q.to(device), scale.to(device), dtype)
 
     def get(name: str) -> torch.Tensor:
+        if name in kept:  # a dtype: source build: the source format's own dequantization
+            return source_dequantize(kept[name], name, layout_shape(name), raw, dtype, device)
         if name not in specs and name + PACKED_SUFFIX in specs:  # int8, pack-quantized
             q = unpack_int8(raw[name + PACKED_SUFFIX], raw[name + SHAPE_SUFFIX])
             return deq(q, raw[name + SCALE_SUFFIX]).contiguous()

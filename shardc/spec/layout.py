@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..errors import LayoutError, QuantizationError
+from ..errors import LayoutError
 from .dtypes import DTYPE_BYTES, PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
@@ -30,6 +30,8 @@ from .quantization import (  # noqa: F401
     quantizable,
     quantized_names,
 )
+from .sourcequant import detect_source
+from .sourcequant.slicing import check_source_cuts, source_specs
 from .tensors import (  # noqa: F401
     EXPERT,
     MAX_TP_HINT,
@@ -275,21 +277,13 @@ class Layout:
 def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     """Check every precondition, then list every rank's tensors."""
     check_degrees(model, plan)
-    if "quantization_config" in model.config:
-        # the build's config.json is the source's plus (int8/fp8) its own compressed-tensors
-        # block: a block already there would describe weights the shards do not hold
-        block = model.config["quantization_config"]
-        method = block.get("quant_method", "?") if isinstance(block, dict) else "?"
-        raise QuantizationError(
-            f"the source config.json already has a quantization_config (quant_method {method!r})",
-            key="quantization_config",
-            hint="start from the unquantized checkpoint; shardc writes its own quantization_config",
-        )
+    sq = detect_source(model.config)  # a quantization_config no format reads: refused here
+    kept_q = check_source_cuts(model, plan, sq, _slice_for_rank)
     stages = stage_ranges(model, plan)
     quantized = quantized_names(model, plan)
     check_packing(model, plan, quantized)
     base = base_dtype(model, plan)
-    qdtype = PLAN_DTYPE[plan.dtype]
+    qdtype = PLAN_DTYPE.get(plan.dtype, "")
     last = plan.pp - 1
 
     def stage_of(name: str) -> list[int]:
@@ -333,7 +327,9 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                                           row.tp_dim if row else None)
                 local = cut.pop("shape")
                 common = dict(name=name, source=source, split=kind, **cut)
-                if source in quantized and name == source:
+                if source in kept_q and name == source and sq is not None:
+                    per_rank[s, e] += [TensorSpec(**f) for f in source_specs(sq, common, cut | {"shape": local}, shape)]
+                elif source in quantized and name == source:
                     per_rank[s, e] += _weight_specs(common, qdtype, local, plan.dtype)
                     per_rank[s, e].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
                 else:

@@ -22,7 +22,7 @@ import yaml
 from ..errors import PlanError
 from .readfile import PLAN_LIMIT, decode_text, read_regular_file
 
-DTYPES = ("fp16", "bf16", "int8", "fp8")
+DTYPES = ("fp16", "bf16", "int8", "fp8", "source")  # source: a quantized source kept as stored
 QUANTIZED_DTYPES = ("int8", "fp8")
 DEFAULT_SHARD_PREFIX = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 # with attention data parallelism (dp_degree > 1) each DP group's ranks hold their own experts
@@ -383,6 +383,12 @@ def plan_from_dict(raw: Any) -> Plan:
         )
     ckpt = rg.get("checkpoint") or {}
     quant = raw.get("quantization") or {}
+    for key, default in (("ignore", list(DEFAULT_IGNORE)), ("base_dtype", None)):
+        # the source's quantization_config decides (the default ignore list: what a manifest records)
+        if rg["dtype"] == "source" and quant.get(key, default) != default:
+            raise PlanError("applies to int8/fp8 plans; dtype: source keeps the source's quantization as "
+                            "it is (its config's own ignore list)", key=f"quantization.{key}",
+                            hint="drop it, or use dtype bf16/int8/fp8 to dequantize (and requantize)")
     data = json.loads(json.dumps(raw))  # plain JSON types only; copies
     data.setdefault("replica_group", {}).setdefault("checkpoint", {})
     data["replica_group"]["checkpoint"].setdefault("shard_prefix", default_prefix)

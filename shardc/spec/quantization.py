@@ -54,6 +54,8 @@ def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
 
 def base_dtype(model: ModelSpec, plan: Plan) -> str:
     """The 16-bit dtype for tensors that are not quantized."""
+    if plan.dtype == "source":  # the source's own dtype (its quantized weights kept as stored)
+        return model.source_dtype if model.source_dtype in ("F16", "BF16") else "BF16"
     if not plan.quantized:
         return PLAN_DTYPE[plan.dtype]
     if plan.base_dtype:

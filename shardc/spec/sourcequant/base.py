@@ -1,0 +1,101 @@
+"""The interface every quantized source format implements (see the package docstring).
+
+A format stores each of its quantized weights ``X.weight`` [out, in] as a few tensors
+(``Stored``): the quantized values and their scales, each covering a grid of the weight's
+elements. Slicing a weight for a TP rank slices each stored tensor along the same dimension at
+the cut divided by its grid, which is only possible when the cut falls on a grid line: that is
+the one rule the Layout applies (``cut``), and a TP degree that breaks it is refused before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from ..model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Stored:
+    """One tensor a quantized weight is stored as: ``X.weight`` + ``suffix``."""
+
+    suffix: str  # "" (the values under the weight's own name), "_scale_inv", "_packed", ...
+    dtypes: tuple[str, ...]  # the safetensors dtypes a source may hold it in; [0] is what shardc writes
+    grid: tuple[int, int]  # weight elements per stored element along dim 0 and 1 (0: the whole dim)
+    value: bool = False  # holds the weight's [out, in] itself (compressed-tensors' X.weight_shape)
+    flat: bool = False  # one element for the whole weight, stored as shape [1] (a per-tensor scale)
+
+    def shape(self, weight: tuple[int, ...]) -> tuple[int, ...]:
+        """Its shape for a weight (or a rank's slice of one) of shape ``weight``."""
+        if self.value:
+            return (len(weight),)
+        if self.flat:
+            return (1,)
+        return tuple(1 if g == 0 else -(-n // g) for n, g in zip(weight, self.grid, strict=True))
+
+    def cut(self, dim: int, start: int, stop: int, extent: int) -> tuple[int, int] | None:
+        """The stored rows/columns [a, b) holding weight elements [start, stop) of ``extent``
+        along ``dim``; None when the cut is not on a grid line (a partial last block is the last
+        rank's). Grid 0: one element covers the whole dim, so every rank holds it (a per-channel
+        scale under a row-parallel cut)."""
+        g = self.grid[dim]
+        if g == 0:
+            return 0, 1
+        if start % g or (stop % g and stop != extent):
+            return None
+        return start // g, -(-stop // g)
+
+
+class SourceQuantization(ABC):
+    """One quantized source format, as read from its config.json ``quantization_config``."""
+
+    methods: ClassVar[tuple[str, ...]]  # the quant_method values it takes
+
+    def __init__(self, block: dict[str, Any]) -> None:
+        self.block = block  # kept verbatim in a ``dtype: source`` build's config.json
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, block: dict[str, Any], config: dict[str, Any]) -> SourceQuantization:
+        """Read and check the block (``config``: the whole config.json it is part of); a key that
+        changes the math and is not implemented is a QuantizationError naming it (never ignored)."""
+
+    @property
+    @abstractmethod
+    def label(self) -> str:
+        """What the manifest and messages call it ("fp8 block 128x128")."""
+
+    @abstractmethod
+    def quantized(self, model: ModelSpec) -> set[str]:
+        """The family table's weights the source stores quantized."""
+
+    @abstractmethod
+    def stored(self, name: str) -> tuple[Stored, ...]:
+        """The tensors quantized weight ``name`` is stored as, the values first."""
+
+    @abstractmethod
+    def dequantize(self, name: str, shape: tuple[int, ...], read: Callable[[str], np.ndarray]) -> np.ndarray:
+        """The weight in float32, exactly as the format's reference library computes it before
+        its cast to the model dtype. ``read(tensor name)`` gives a stored tensor."""
+
+    def record(self) -> dict[str, Any]:
+        """The manifest's note of the source's quantization."""
+        return {"format": self.label, "quant_method": self.block.get("quant_method")}
+
+
+def grid_repeat(scale: np.ndarray, shape: tuple[int, ...], grid: tuple[int, int]) -> np.ndarray:
+    """A per-block scale grid expanded to the weight's shape (partial last blocks cut)."""
+    import numpy as np
+
+    out = scale
+    for dim, g in enumerate(grid):
+        reps = shape[dim] if g == 0 else g
+        out = np.repeat(out, reps, axis=dim)
+    return out[tuple(slice(0, n) for n in shape)] if math.prod(out.shape) != math.prod(shape) else out

@@ -1,0 +1,111 @@
+"""Cutting a quantized source's stored tensors per TP rank (``dtype: source`` plans). Pure.
+
+The Layout's cut of a weight (``spec/layout.py`` ``_slice_for_rank``: dim, start/stop or fused
+pieces, in weight elements) becomes, for each stored tensor, the same cut divided by its grid
+(``Stored.cut``); the stored tensors are then plain slices of source tensors of their own, so the
+build, verify, reshard and export handle them like any other tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..model import ModelSpec
+    from ..plan import Plan
+
+from ...errors import LayoutError
+from ..tensors import tensor_table, valid_tp_degrees
+from .base import SourceQuantization, Stored
+
+Cut = dict[str, Any]  # _slice_for_rank's answer: dim, start, stop, shape, [pieces, kv_head, pad_rows]
+
+
+def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | None:
+    """TensorSpec fields (less name/source/split/dtype) of stored tensor ``st`` for a rank whose
+    weight slice is ``cut`` of a weight of shape ``full``; None when the cut splits a grid cell."""
+    local = cut["shape"]
+    if st.value:
+        return {"shape": st.shape(local), "value": tuple(local)}
+    whole = st.shape(full)
+    dim = cut.get("dim")
+    if dim is None or st.flat:
+        return {"shape": whole}
+    if cut.get("pad_rows"):
+        return None  # vocabulary padding has no scales to pad with
+    if cut.get("pieces"):
+        pieces = [st.cut(dim, a, b, full[dim]) for a, b in cut["pieces"]]
+        if None in pieces:
+            return None
+        rows = sum(b - a for a, b in pieces)  # type: ignore[misc]
+        return {"shape": (rows, *whole[1:]), "dim": dim, "pieces": tuple(pieces), "kv_head": cut.get("kv_head")}
+    ab = st.cut(dim, cut["start"], cut["stop"], full[dim])
+    if ab is None:
+        return None
+    shape = tuple(ab[1] - ab[0] if i == dim else n for i, n in enumerate(whole))
+    return {"shape": shape, "dim": dim, "start": ab[0], "stop": ab[1], "kv_head": cut.get("kv_head")}
+
+
+def cut_problem(sq: SourceQuantization, rows: list[tuple[str, tuple[int, ...], Cut]]) -> str | None:
+    """The first (weight, rank cut) whose stored tensors cannot be cut there, as a message."""
+    for name, full, cut in rows:
+        for st in sq.stored(name):
+            if stored_cut(st, cut, full) is None:
+                where = cut.get("pieces") or (cut.get("start"), cut.get("stop"))
+                return (f"tensor {name} {list(full)} would be cut at {where} along dim {cut['dim']}, "
+                        f"inside a {sq.label} cell of {name}{st.suffix} ({list(st.grid)} elements)")
+    return None
+
+
+def tp_problem(sq: SourceQuantization, quantized: list[tuple[str, tuple[int, ...], str, tuple]],
+               tp: int, slicer: Callable[..., Cut]) -> str | None:
+    """Whether every rank's cut of every source-quantized weight falls on its grid at ``tp``.
+    Weights alike in shape and split kind are checked once (an MoE model's experts)."""
+    seen: set[tuple] = set()
+    rows = []
+    for name, shape, kind, parts in quantized:
+        if (shape, kind, parts) in seen:
+            continue
+        seen.add((shape, kind, parts))
+        rows += [(name, shape, slicer(kind, shape, r, tp, parts)) for r in range(tp)]
+    return cut_problem(sq, rows)
+
+
+def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | None,
+                      slice_for_rank: Callable[..., Cut]) -> set[str]:
+    """The source-quantized weights a ``dtype: source`` plan keeps as they are stored, once every
+    rank's cut of them (``slice_for_rank``: the Layout's rule) is known to fall on their grids
+    (else LayoutError naming the tensor and the tp degrees that work)."""
+    if sq is None or plan.dtype != "source":
+        return set()
+    kept = sq.quantized(model)
+    table = tensor_table(model)
+    rows = [(n, table[n].shape, table[n].split, table[n].parts) for n in sorted(kept)]
+
+    def slicer(kind: str, shape: tuple[int, ...], r: int, tp: int, parts: tuple) -> Cut:
+        return slice_for_rank(kind, shape, r, model, tp, parts)
+
+    problem = tp_problem(sq, rows, plan.tp, slicer)
+    if problem:
+        good = [t for t in valid_tp_degrees(model, expert_parallel=plan.expert_parallel)
+                if not tp_problem(sq, rows, t, slicer)]
+        raise LayoutError(f"{problem} at tp={plan.tp}", key="replica_group.tp_degree",
+                          hint=f"tp_degree values that keep every {sq.label} cell whole: "
+                               f"{', '.join(map(str, good)) or 'none'} (or dtype: bf16, which dequantizes)")
+    return kept
+
+
+def source_specs(sq: SourceQuantization, common: dict[str, Any], cut: Cut,
+                 full: tuple[int, ...]) -> list[dict[str, Any]]:
+    """TensorSpec fields of a source-quantized weight kept as stored: each stored tensor cut at the
+    weight's cut over its grid, a plain slice of a source tensor of its own (X.weight_shape: its
+    contents, from the weight's name)."""
+    out = []
+    for st in sq.stored(common["name"]):
+        fields = stored_cut(st, cut, full)
+        assert fields is not None  # check_source_cuts refused such a tp
+        name = common["name"] + st.suffix
+        out.append({"name": name, "dtype": st.dtypes[0], "source": common["name"] if st.value else name,
+                    "split": common["split"], **{k: v for k, v in fields.items() if v is not None}})
+    return out
