@@ -197,6 +197,16 @@ def test_manifest_inspect_verify_reshard_export(moe, tmp_path):
         f"model-dp0{d}-tp00-pp0{p}.safetensors": (d, [[0, 1], [2, 3], [4, 5]][d]) for d in range(3) for p in range(2)}
     r = _cli("verify", "--manifest", str(dp), "--deep", str(srcs["qwen3_moe"]))
     assert r.returncode == 0, r.stdout + r.stderr
+    # with dp > 1 a (tp_rank, pp_stage) pair names one shard per DP group: verify and pull refuse
+    # it in one line and ask for the global rank; a global rank beyond tp x pp x dp is refused too
+    for cmd in (("verify", "--manifest", str(dp)), ("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"))):
+        r = _cli(*cmd, "--tp-rank", "0", "--pp-stage", "1")
+        assert r.returncode == 2 and "names 3 " in r.stderr and "--rank R, one of 0..5" in r.stderr, (cmd, r.stderr)
+    r = _cli("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "6")
+    assert r.returncode == 2 and "world size 6" in r.stderr, r.stderr
+    r = _cli("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "4", "-q")
+    assert r.returncode == 0 and sorted(f.name for f in (tmp_path / "p").glob("*.safetensors")) == [
+        "model-dp01-tp00-pp01.safetensors"], r.stderr
     for name, inp in (("mixtral", get("mixtral", 4, True)), ("qwen3_moe", dp),
                       ("qwen2_moe", get("qwen2_moe", 4, True))):
         direct = get(name, 2)

@@ -42,17 +42,22 @@ def demo_builds(demo_model_dir, tmp_path_factory):
     from shardc.spec.plan import load_plan
 
     out = tmp_path_factory.mktemp("readme-gate")
-    return {name: build(load_plan(ROOT / "plans" / f"{name}.yaml").with_source(str(demo_model_dir)),
-                        out / name).manifest_path
-            for name in ("demo-tp1pp1-bf16", *FIGURES)}
+    builds = {name: build(load_plan(ROOT / "plans" / f"{name}.yaml").with_source(str(demo_model_dir)),
+                          out / name).manifest_path
+              for name in ("demo-tp1pp1-bf16", *FIGURES)}
+    # one baseline pass for the three gates: the first writes the baseline's logits, the others
+    # read them back (checked against the baseline's manifest and the golden set: runtime/gate.py)
+    return builds, out / "baseline-pydoc.safetensors"
 
 
 @pytest.mark.parametrize("plan", list(FIGURES))
 def test_readme_gate_figure(demo_builds, plan, tmp_path):
+    builds, cache = demo_builds
     want, tol, verdict = FIGURES[plan]
     report = tmp_path / "gate.json"
-    p = subprocess.run([sys.executable, "-m", "shardc.cli", "gate", "--baseline", str(demo_builds["demo-tp1pp1-bf16"]),
-                        "--candidate", str(demo_builds[plan]), "--report", str(report), "--timeout", "600"],
+    p = subprocess.run([sys.executable, "-m", "shardc.cli", "gate", "--baseline", str(builds["demo-tp1pp1-bf16"]),
+                        "--candidate", str(builds[plan]), "--report", str(report), "--timeout", "600",
+                        "--baseline-cache", str(cache)],
                        capture_output=True, text=True, cwd=ROOT, timeout=1800)
     assert p.returncode == (0 if verdict else 1), p.stdout + p.stderr
     r = json.loads(report.read_text())

@@ -33,12 +33,10 @@ def region(full: np.ndarray | Tiles, spec: TensorSpec) -> np.ndarray:
         full = np.asarray(full)
     if spec.pieces:
         return np.concatenate([region(full, p) for p in spec.split_pieces()])
-    if spec.dim == 0:
-        return full[spec.start : spec.stop]
-    if spec.dim == 1:  # a packed tensor holds ``pack`` source columns per element
-        p = spec.pack or 1
-        return full[:, spec.start // p : spec.stop // p]
-    return full
+    if spec.dim is None:
+        return full
+    p = (spec.pack or 1) if spec.dim == 1 else 1  # packed: ``pack`` source columns per element
+    return full[(slice(None),) * spec.dim + (slice(spec.start // p, spec.stop // p),)]
 
 
 def cut(full: np.ndarray, spec: TensorSpec) -> np.ndarray:

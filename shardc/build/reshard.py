@@ -205,17 +205,15 @@ class BuildSource(Source):
         if tiles and pack == 1:
             parts = sorted((p.spec.start, p.spec.stop, a) for p, a in distinct.values())
             dim = next(iter(distinct.values()))[0].spec.dim
-            if dim in (0, 1) and _covers(parts, shape[dim]):
+            if dim is not None and _covers(parts, shape[dim]):
                 return Tiles(shape, parts[0][2].dtype, dim, tuple(parts))
         out = np.empty(shape, next(iter(distinct.values()))[1].dtype)
         covered = 0
         for p, a in distinct.values():
-            if p.spec.dim == 0:
-                out[p.spec.start : p.spec.stop] = a
-            elif p.spec.dim == 1:  # packed: start/stop count source columns, ``pack`` per element
-                out[:, p.spec.start // pack : p.spec.stop // pack] = a
-            else:
+            if p.spec.dim is None:
                 raise ManifestError(f"tensor {name} is both whole and split in the input build")
+            per = pack if p.spec.dim == 1 else 1  # packed: start/stop count source columns
+            out[(slice(None),) * p.spec.dim + (slice(p.spec.start // per, p.spec.stop // per),)] = a
             covered += p.spec.stop - p.spec.start
         dim = next(iter(distinct.values()))[0].spec.dim
         if covered != self.tensors[name].shape[dim]:

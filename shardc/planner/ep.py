@@ -39,7 +39,7 @@ from ..errors import LayoutError, PlanError, QuantizationError
 from ..spec.layout import build_layout, check_degrees, layer_of
 from ..spec.model import ModelSpec
 from ..spec.plan import plan_from_dict
-from ..spec.tensors import tensor_table
+from ..spec.tensors import STACKED, tensor_table
 from .candidate import Candidate, attn_flops, kv_bpt, lora_bytes, memory_reasons, routing
 from .formulas import (
     ACT_BYTES,
@@ -120,11 +120,17 @@ def ep_weights(model: Any, dtype: str) -> EpWeights:
             continue
         mult = 1 if layer is None else sparse.count(sparse[layer])
         streamed = t.name != "model.embed_tokens.weight" or model.tie_word_embeddings
-        mm = math.prod(t.shape) * (t.pack or 1) if streamed and len(t.shape) == 2 and t.scale_of is None else 0
+        matrix = len(t.shape) == 2 or t.split == STACKED and len(t.shape) == 3
+        mm = math.prod(t.shape) * (t.pack or 1) if streamed and matrix and t.scale_of is None else 0
         row = table.get(t.source)
         if row is not None and row.expert is not None:
             per[row.expert] += mult * t.nbytes
             elems[row.expert] += mult * mm
+            continue
+        if t.split == STACKED:  # every expert's tensor in one (gpt-oss): an equal share each
+            for e in range(experts):
+                per[e] += mult * t.nbytes // experts
+                elems[e] += mult * mm // experts
             continue
         base += mult * t.nbytes
         read += mult * t.nbytes if streamed else 0

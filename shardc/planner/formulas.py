@@ -31,7 +31,7 @@ from ..spec.plan import (
     QUANTIZED_DTYPES,
     Plan,
 )
-from ..spec.tensors import tensor_table
+from ..spec.tensors import STACKED, tensor_table
 from .gpus import GIB, Cluster
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
@@ -324,7 +324,8 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
     probe_model = dataclasses.replace(model, num_layers=plan.pp)
     probe = build_layout(probe_model, dataclasses.replace(plan, pp_layers=(1,) * plan.pp))
     # routed experts (MoE families): a decode step reads only the experts its tokens are routed to
-    routed = {n for n, r in tensor_table(probe_model).items() if r.expert is not None} if model.forward.moe else set()
+    routed = {n for n, r in tensor_table(probe_model).items() if r.expert is not None or r.split == STACKED} \
+        if model.forward.moe else set()
     real = stage_ranges(model, plan)
     out = []
     for rl in probe.ranks:
@@ -338,7 +339,8 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
             totals["nbytes"] += mult * t.nbytes
             totals["read"] += mult * t.nbytes if streamed else 0
             totals["expert"] += mult * t.nbytes if t.source in routed else 0
-            if streamed and len(t.shape) == 2 and t.scale_of is None:  # packed: values, not words
+            # matrices (stacked experts: E of them); packed: values, not words
+            if streamed and (len(t.shape) == 2 or t.split == STACKED and len(t.shape) == 3) and t.scale_of is None:
                 totals["linear"] += mult * math.prod(t.shape) * (t.pack or 1)
             if t.name.endswith("self_attn.k_proj.weight"):
                 kv_heads = t.shape[0] // model.head_dim

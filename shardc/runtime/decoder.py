@@ -45,13 +45,16 @@ class TPComm(Protocol):
 class MoeWeights:
     """One sparse layer's router (replicated), the routed experts this rank holds (all of them, each
     split over TP like a dense MLP; or, with expert parallelism, its own whole experts) as
-    (gate, up, down), and a shared expert with its sigmoid gate (Qwen2-MoE)."""
+    (gate, up, down) or, stacked (gpt-oss), (gate_up, gate_up bias, down, down bias or None: the
+    bias of an expert split over TP is added by TP rank 0 only), and a shared expert with its
+    sigmoid gate (Qwen2-MoE)."""
 
     router: torch.Tensor
-    experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    experts: dict[int, tuple[torch.Tensor | None, ...]]
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     shared_gate: torch.Tensor | None = None
     score_bias: torch.Tensor | None = None  # e_score_correction_bias (DeepSeek-V3), the choice only
+    router_bias: torch.Tensor | None = None  # gpt-oss: added to the router logits
 
 
 @dataclass
@@ -75,6 +78,7 @@ class LayerWeights:
     # MLA (Forward.mla): q_a, q_a_norm (when q_lora_rank), kv_a, kv_a_norm (replicated), kv_b (this
     # rank's heads)
     mla: dict[str, torch.Tensor] = field(default_factory=dict)
+    sinks: torch.Tensor | None = None  # this rank's heads' attention sinks (Forward.sinks)
 
 
 @dataclass
@@ -180,6 +184,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def rms_norm_upcast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """gpt-oss's RMSNorm: the weight multiplies the fp32 normed x, then the cast."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(dtype)
+
+
 def gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma's RMSNorm: the weight is an offset from 1, applied in fp32 before the cast."""
     h = x.float()
@@ -236,7 +248,7 @@ class StageModel:
         self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         fn, kwargs = activation_fn(fwd.activation)
         self._act = functools.partial(getattr(F, fn), **kwargs)
-        self._norm = gemma_norm if fwd.norm == "gemma" else rms_norm
+        self._norm = {"gemma": gemma_norm, "rms_upcast": rms_norm_upcast}.get(fwd.norm, rms_norm)
 
     def _rope(self, start: int, length: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions start..start+length; ``local``: the sliding layers' own base."""
@@ -327,7 +339,7 @@ class StageModel:
             v = cache.v[lw.index][:, :, : start + t]
         # Prefill always starts at position 0 (no chunked prefill), so is_causal's top-left mask is
         # right; a single decode query attends to everything cached (inside its window).
-        a = self._attend(q, k, v, start, f.window(lw.index))
+        a = self._attend(q, k, v, start, f.window(lw.index), lw.sinks)
         return a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
 
     def _mla(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -378,30 +390,42 @@ class StageModel:
         return out.transpose(1, 2).reshape(bsz, t, -1)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
-                window: int | None) -> torch.Tensor:
+                window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of q (positions start..) over k/v (positions 0..), within ``window``
         keys of each query when given (transformers: kv > q - window)."""
         d, f = self.d, self.f
         t, n = q.shape[2], k.shape[2]
         scale = f.attn_scale if f.attn_scale is not None else d.head_dim**-0.5
         mask = None
-        if (window is not None and n > window) or f.attn_softcap is not None:
+        if (window is not None and n > window) or f.attn_softcap is not None or (sinks is not None and t > 1):
             qpos = torch.arange(start, start + t, device=q.device)[:, None]
             kpos = torch.arange(n, device=q.device)[None, :]
             mask = kpos <= qpos
             if window is not None:
                 mask &= kpos > qpos - window
-        if f.attn_softcap is None:
+        if f.attn_softcap is None and sinks is None:
             causal = t > 1 and mask is None
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
                                                   enable_gqa=d.heads != d.kv_heads)
-        # Soft-capped scores (Gemma 2): no fused kernel takes them; transformers' eager path
+        # Soft-capped scores (Gemma 2) or sinks (gpt-oss): no fused kernel takes them;
+        # transformers' eager path
         groups = d.heads // d.kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = soft_cap(torch.matmul(q, k.transpose(2, 3)) * scale, f.attn_softcap)
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(probs, v)
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        if f.attn_softcap is not None:
+            scores = soft_cap(scores, f.attn_softcap)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        if sinks is None:
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            return torch.matmul(probs, v)
+        # each head's sink logit joins the softmax (in the model dtype, after subtracting the row's
+        # maximum, as transformers' gpt-oss eager attention) and is dropped after it
+        sink = sinks.reshape(1, -1, 1, 1).expand(q.shape[0], -1, t, -1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        return torch.matmul(probs.to(v.dtype), v)
 
     def _moe(self, mw: MoeWeights, h: torch.Tensor, what: str) -> torch.Tensor:
         """A mixture-of-experts MLP (docs/architecture.md §4, "How the runtime computes an MoE layer").
@@ -419,6 +443,10 @@ class StageModel:
         x = h.reshape(-1, shape[-1])
         if moe.scoring == "sigmoid":
             logits, weights, chosen = self._grouped_route(mw, x)
+        elif moe.scoring == "topk_softmax":  # gpt-oss: softmax over the top k logits, model dtype
+            logits = F.linear(x, mw.router, mw.router_bias)
+            top, chosen = torch.topk(logits, moe.top_k, dim=-1)
+            weights = F.softmax(top, dim=1, dtype=top.dtype)
         else:
             logits = F.linear(x, mw.router)
             probs = F.softmax(logits, dim=-1, dtype=torch.float)
@@ -432,12 +460,12 @@ class StageModel:
         # expert parallelism) are added in the model dtype, as transformers adds them.
         partial = self.comm.tp > 1 and len(mw.experts) == moe.experts
         out = torch.zeros(x.shape, dtype=torch.float32 if partial else x.dtype, device=x.device)
-        for e, (gate, up, down) in sorted(mw.experts.items()):
+        for e, w in sorted(mw.experts.items()):
             slot, token = torch.where(chosen.T == e)  # by slot, then token: transformers' order
             if token.numel() == 0:
                 continue
-            y = x[token]
-            y = F.linear(self._act(F.linear(y, gate)) * F.linear(y, up), down)
+            y = self._stacked_expert(x[token], *w) if moe.stacked else \
+                F.linear(self._act(F.linear(x[token], w[0])) * F.linear(x[token], w[1]), w[2])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         out = self.comm.all_reduce_experts(out, what).to(x.dtype)
         if mw.shared is not None:  # Qwen2-MoE: added to the experts' sum, as transformers does
@@ -449,6 +477,19 @@ class StageModel:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
             out = out + shared
         return out.reshape(shape)
+
+    def _stacked_expert(self, y: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor,
+                        down: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
+        """One gpt-oss expert (transformers' GptOssExperts, operation for operation): x @ W + b,
+        gate and up interleaved, the clamped SwiGLU, then down (its bias added when this rank
+        adds it: the whole expert, or TP rank 0 of a split one)."""
+        moe = self.f.moe
+        assert moe is not None and moe.swiglu is not None
+        alpha, limit = moe.swiglu
+        gu = y @ gate_up + gate_up_bias
+        gate, up = gu[..., ::2].clamp(min=None, max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)
+        out = ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ down
+        return out if down_bias is None else out + down_bias
 
     def _grouped_route(self, mw: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, step for step, all in fp32):
@@ -474,7 +515,10 @@ class StageModel:
         return logits, weights * moe.scaling, chosen
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:
-        """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once."""
+        """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once
+        (at tp = 1 inside the one linear, as transformers' nn.Linear adds it)."""
+        if self.comm.tp == 1:
+            return F.linear(x, w, bias)
         y = F.linear(x, w)
         if self.comm.tp > 1:
             y = self.comm.all_reduce_sum(y, what)

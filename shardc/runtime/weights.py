@@ -102,6 +102,18 @@ def local_dims(layout: Layout) -> Dims:
     )
 
 
+def _stacked_experts(get, specs: dict, p: str, names: tuple[str, str, str, str], rl: RankLayout,
+                     experts: int) -> dict[int, tuple[torch.Tensor | None, ...]]:
+    """Stacked experts (gpt-oss) as per-expert views: this rank's block of dim 0 (expert
+    parallelism: ``rl.experts``; otherwise every expert, its TP slice). Split over TP, an expert's
+    down bias is added by TP rank 0 only, so the all-reduced sum holds it once."""
+    gate_up, gate_up_bias, down, down_bias = (get(p + n) for n in names)
+    ids = rl.experts or tuple(range(experts))
+    split = specs[p + names[2]].dim not in (None, 0)
+    return {e: (gate_up[j], gate_up_bias[j], down[j], None if split and rl.tp_rank else down_bias[j])
+            for j, e in enumerate(ids)}
+
+
 def load_stage(
     manifest: Manifest, directory: Path, layout: Layout, tp_rank: int, pp_stage: int,
     device: torch.device, dp_rank: int = 0,
@@ -192,17 +204,23 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
             ln2 = get(p + _SANDWICH)
         else:
             ln2 = get(p + "post_attention_layernorm.weight")
+        sinks = get(p + "self_attn.sinks") if p + "self_attn.sinks" in specs else None
         layers.append(LayerWeights(index=i, ln1=get(p + "input_layernorm.weight"), ln2=ln2,
-                                   bias=bias, norms=norms, mla=latent, **w))
+                                   bias=bias, norms=norms, mla=latent, sinks=sinks, **w))
         if sparse:
             assert moe is not None
+            if moe.stacked:
+                experts = _stacked_experts(get, specs, p, moe.stacked, rl, moe.experts)
+            else:
+                experts = {e: tuple(get(p + t.format(e=e)) for t in moe.expert)
+                           for e in range(moe.experts) if _held(specs, p + moe.expert[0].format(e=e))}
             layers[-1].moe = MoeWeights(
                 router=get(p + moe.router),
-                experts={e: tuple(get(p + t.format(e=e)) for t in moe.expert)  # type: ignore[misc]
-                         for e in range(moe.experts) if _held(specs, p + moe.expert[0].format(e=e))},
+                experts=experts,
                 shared=tuple(get(p + t) for t in moe.shared) if moe.shared else None,  # type: ignore[arg-type]
                 shared_gate=get(p + moe.shared_gate) if moe.shared_gate else None,
-                score_bias=get(p + moe.score_bias) if moe.score_bias else None)
+                score_bias=get(p + moe.score_bias) if moe.score_bias else None,
+                router_bias=get(p + moe.router_bias) if moe.router_bias else None)
     embed = get("model.embed_tokens.weight") if "model.embed_tokens.weight" in specs else None
     last = rl.pp_stage == layout.plan.pp - 1
     lm_head = None

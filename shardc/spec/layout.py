@@ -35,6 +35,7 @@ from .sourcequant.slicing import stored_cut, tp_problem
 from .tensors import (  # noqa: F401
     EXPERT,
     MAX_TP_HINT,
+    STACKED,
     VOCAB,
     SourceTensor,
     _tp_problems,
@@ -170,10 +171,16 @@ def padded_vocab(model: ModelSpec, tp: int) -> int:
 
 
 def _slice_for_rank(kind: str, shape: tuple[int, ...], r: int, model: ModelSpec, tp: int,
-                    parts: tuple[tuple[int, str], ...] = ()) -> dict:
+                    parts: tuple[tuple[int, str], ...] = (), tp_dim: int | None = None) -> dict:
     """Interpret one split rule for TP rank r: the slice of the source and the local shape."""
     if kind in ("replicated", "expert") or tp == 1 and kind != "vocab":
         return {"dim": None, "start": None, "stop": None, "shape": shape}
+    if kind == "stacked":  # without expert parallelism: TP cuts tp_dim, or the tensor is whole
+        if tp_dim is None:
+            return {"dim": None, "start": None, "stop": None, "shape": shape}
+        n = shape[tp_dim] // tp
+        local = tuple(n if i == tp_dim else s for i, s in enumerate(shape))
+        return {"dim": tp_dim, "start": r * n, "stop": (r + 1) * n, "shape": local}
     if kind == "fused":  # each part cut by its own kind; the rank's pieces end to end
         pieces, at, kv_head = [], 0, None
         for rows, part in parts:
@@ -250,6 +257,11 @@ class Layout:
         if not ranks and not pairs:
             return list(self.ranks)
         world = self.plan.world_size
+        if pairs and self.plan.dp > 1:  # a pair names one rank in each DP group
+            t, p = pairs[0]
+            raise LayoutError(f"tp_rank={t} pp_stage={p} names {self.plan.dp} ranks of this plan "
+                              f"(dp_degree={self.plan.dp})", key="rank",
+                              hint=f"pass --rank R, one of 0..{world - 1}")
         chosen = {}
         for r in ranks:
             if not 0 <= r < world:
@@ -282,30 +294,37 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
             return [0]
         return [last]  # model.norm.weight, lm_head.weight
 
-    # (shard tensor name, source name, shape, split, fused parts, owning EP rank or None: all)
-    # for every tensor the shards hold. With expert parallelism a routed expert's tensors go
-    # whole to the one rank that holds the expert (Moe.owner over the stage's dp x tp ranks,
-    # EP rank dp_rank·tp + tp_rank), and nowhere else; every other tensor is cut by TP rank,
-    # the same in every DP group.
+    # (shard tensor name, source name, shape, split, its row, owning EP rank or None: all) for
+    # every tensor the shards hold. With expert parallelism a routed expert's tensors go whole to
+    # the one rank that holds the expert (Moe.owner over the stage's dp x tp ranks, EP rank
+    # dp_rank·tp + tp_rank), and nowhere else; stacked experts give each EP rank the block of
+    # dim 0 it holds; every other tensor is cut by TP rank, the same in every DP group.
     moe = model.forward.moe
     place = plan.expert_parallel and moe is not None
     n_ep = plan.tp * plan.dp
-    entries = [(r.name, r.name, r.shape, EXPERT if place and r.expert is not None else r.split, r.parts,
+    held = {e: tuple(x for x in range(moe.experts) if moe.owner(x, n_ep) == e) if place and moe else ()
+            for e in range(n_ep)}
+    entries = [(r.name, r.name, r.shape, EXPERT if place and r.expert is not None else r.split, r,
                 moe.owner(r.expert, n_ep) if place and moe is not None and r.expert is not None else None)
                for r in sorted(tensor_table(model).values(), key=lambda r: r.name)]
     if model.tie_word_embeddings and plan.pp > 1:
         entries.append(("lm_head.weight", "model.embed_tokens.weight",
-                        (model.vocab_size, model.hidden_size), VOCAB, (), None))
+                        (model.vocab_size, model.hidden_size), VOCAB, None, None))
 
     kept = {r.name: r.dtype for r in tensor_table(model).values() if r.dtype}  # Row.dtype: fixed
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
         (s, e): [] for s in range(plan.pp) for e in range(n_ep)
     }
-    for name, source, shape, kind, parts, owner in entries:
+    for name, source, shape, kind, row, owner in entries:
         for s in stage_of(name):
             for e in range(n_ep) if owner is None else (owner,):
                 r = e % plan.tp
-                cut = _slice_for_rank(kind, shape, r, model, plan.tp, parts)
+                if kind == STACKED and place:  # the EP rank's experts: a contiguous block of dim 0
+                    a, b = held[e][0], held[e][-1] + 1
+                    cut = {"dim": 0, "start": a, "stop": b, "shape": (b - a, *shape[1:])}
+                else:
+                    cut = _slice_for_rank(kind, shape, r, model, plan.tp, row.parts if row else (),
+                                          row.tp_dim if row else None)
                 local = cut.pop("shape")
                 common = dict(name=name, source=source, split=kind, **cut)
                 if source in kept_q and name == source and sq is not None:
@@ -315,8 +334,6 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                     per_rank[s, e].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
                 else:
                     per_rank[s, e].append(TensorSpec(dtype=kept.get(name, base), shape=local, **common))
-    held = {e: tuple(x for x in range(moe.experts) if moe.owner(x, n_ep) == e) if place and moe else ()
-            for e in range(n_ep)}
     ranks = []
     for s in range(plan.pp):
         for e in range(n_ep):

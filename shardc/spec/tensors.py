@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from .families.base import COLUMN, EXPERT, FUSED, KV_COLUMN, REPLICATED, ROW, VOCAB, Row
+from .families.base import COLUMN, EXPERT, FUSED, KV_COLUMN, REPLICATED, ROW, STACKED, VOCAB, Row
 from .model import ModelSpec
 
-__all__ = ["COLUMN", "EXPERT", "FUSED", "KV_COLUMN", "REPLICATED", "ROW", "VOCAB", "Row"]
+__all__ = ["COLUMN", "EXPERT", "FUSED", "KV_COLUMN", "REPLICATED", "ROW", "STACKED", "VOCAB", "Row"]
 
 MAX_TP_HINT = 64
 
@@ -63,8 +63,8 @@ def _split_rows(model: ModelSpec) -> list[Row]:
         return hit[1]
     seen: dict[tuple, Row] = {}
     for row in model.spec.tensors(model):
-        if row.split in (COLUMN, ROW):
-            seen.setdefault((row.split, row.shape, row.expert is not None), row)
+        if row.split in (COLUMN, ROW) or row.split == STACKED and row.tp_dim is not None:
+            seen.setdefault((row.split, row.shape, row.tp_dim, row.expert is not None), row)
     if len(_SPLIT_ROWS) >= 8:
         _SPLIT_ROWS.pop(next(iter(_SPLIT_ROWS)))
     _SPLIT_ROWS[id(model)] = (model, list(seen.values()))
@@ -94,9 +94,10 @@ def _tp_problems(model: ModelSpec, tp: int, expert_parallel: bool = False) -> li
     # every other column / row split of the family's table (a routed expert's or a shared
     # expert's intermediate size): whole rows or columns per rank
     for row in () if problems else _split_rows(model):
-        if expert_parallel and row.expert is not None:
+        if expert_parallel and (row.expert is not None or row.split == STACKED):
             continue
-        dim = 0 if row.split == COLUMN else 1
+        dim = row.tp_dim if row.split == STACKED else 0 if row.split == COLUMN else 1
+        assert dim is not None
         if row.shape[dim] % tp:
             what = "rows" if dim == 0 else "columns"
             problems.append(f"{row.name} has {row.shape[dim]} {what}, not divisible by tp={tp}")

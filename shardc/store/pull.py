@@ -158,7 +158,11 @@ def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,
         return list(shards)
     by_pair = {(s.tp_rank, s.pp_stage): s for s in shards}
     by_rank = {s.rank: s for s in shards}
-    tp, pp = manifest.layout.tp_degree, manifest.layout.pp_degree
+    tp, pp, dp = manifest.layout.tp_degree, manifest.layout.pp_degree, manifest.layout.dp_degree or 1
+    world = tp * pp * dp
+    if ranks and dp > 1:  # a pair names one shard in each DP group: which one is the caller's
+        raise ManifestError(f"tp_rank={ranks[0][0]} pp_stage={ranks[0][1]} names {dp} shards of this build "
+                            f"(dp_degree={dp})", key="rank", hint=f"pass --rank R, one of 0..{world - 1}")
     out: list[ShardEntry] = []
     for pair in ranks or []:
         if tuple(pair) not in by_pair:
@@ -168,8 +172,8 @@ def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,
         out.append(by_pair[tuple(pair)])
     for r in global_ranks or []:
         if r not in by_rank:
-            raise ManifestError(f"rank {r} is outside this build (world size {tp * pp})",
-                                hint=f"ranks 0..{tp * pp - 1}")
+            raise ManifestError(f"rank {r} is outside this build (world size {world})",
+                                hint=f"ranks 0..{world - 1}")
         out.append(by_rank[r])
     unique = {s.file: s for s in out}
     return sorted(unique.values(), key=lambda s: s.rank)

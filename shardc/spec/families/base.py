@@ -33,6 +33,9 @@ FUSED = "fused"  # dim 0 holds several column tensors end to end (Phi-3's qkv_pr
 #                  each part is cut by its own kind and the rank's pieces are concatenated
 EXPERT = "expert"  # a routed expert's tensor placed whole on one rank (plan expert_parallel);
 #                    without expert parallelism the row's own kind (column / row) splits it
+STACKED = "stacked"  # every routed expert of a layer in one tensor, dim 0 the expert id (gpt-oss):
+#                      expert parallelism gives each rank its experts' block of dim 0; without it
+#                      TP cuts ``Row.tp_dim`` (None: whole on every TP rank)
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class Row:
     expert: int | None = None  # a routed expert's id: placed whole by expert parallelism
     dtype: str | None = None  # stored in this safetensors dtype whatever the plan's (e.g. "F32": a
     #                           router transformers keeps in fp32, _keep_in_fp32_modules_strict)
+    tp_dim: int | None = None  # STACKED: the dimension TP cuts (None: whole on every TP rank)
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,8 @@ class Moe:
     weights_fp32: bool  # the routing weights multiply the expert output in fp32 (Mixtral)
     sparse: tuple[bool, ...]  # per layer: routed experts (True) or the dense MLP (False)
     router: str  # e.g. "mlp.gate.weight"
-    expert: tuple[str, str, str]  # gate, up, down templates, e.g. "mlp.experts.{e}.gate_proj.weight"
+    expert: tuple[str, ...]  # gate, up, down templates, e.g. "mlp.experts.{e}.gate_proj.weight"; ()
+    #                          when the experts are ``stacked``
     shared: tuple[str, str, str] | None = None  # a shared expert's gate, up, down (Qwen2-MoE)
     shared_gate: str | None = None  # its sigmoid gate [1, hidden]
     # DeepSeek-V3's router (transformers' DeepseekV3TopkRouter), when scoring is "sigmoid": logits
@@ -79,6 +84,14 @@ class Moe:
     groups: int = 1
     topk_groups: int = 1
     scaling: float = 1.0
+    # gpt-oss (transformers' GptOssTopKRouter and GptOssExperts), scoring "topk_softmax": logits
+    # with ``router_bias``, the top k logits softmaxed in the model dtype; the experts ``stacked``
+    # (gate_up [E, hidden, 2·inter] with gate and up interleaved, its bias [E, 2·inter], down
+    # [E, inter, hidden], its bias [E, hidden]; x @ W + b) with the clamped SwiGLU ``swiglu``
+    # (alpha, limit): gate ≤ limit, |up| ≤ limit, (up + 1) · gate · sigmoid(alpha · gate)
+    router_bias: str | None = None
+    stacked: tuple[str, str, str, str] | None = None
+    swiglu: tuple[float, float] | None = None
 
     def owner(self, e: int, ranks: int) -> int:
         """The rank of ``ranks`` that holds expert ``e`` under expert parallelism: vLLM's linear
@@ -109,7 +122,8 @@ class Forward:
 
     Defaults are Llama's; each field names the config key it comes from in the family module."""
 
-    norm: str = "rms"  # rms: w * norm(x).to(dtype) (Llama); gemma: (norm(x.float()) * (1 + w)).to(dtype)
+    norm: str = "rms"  # rms: w * norm(x).to(dtype) (Llama); gemma: (norm(x.float()) * (1 + w)).to(dtype);
+    #                    rms_upcast: (w * norm(x.float())).to(dtype), the product in fp32 (gpt-oss)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
     sandwich: bool = False  # norms after attention and around the MLP (Gemma 2 and 3)
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden); Granite)
@@ -129,6 +143,8 @@ class Forward:
     moe: Moe | None = None  # mixture-of-experts MLP on the layers ``moe.sparse`` marks
     mla: Mla | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek-V3)
     yarn: bool = False  # the family's rope may be YaRN (transformers' _compute_yarn_parameters)
+    sinks: bool = False  # per-head attention sinks (self_attn.sinks, gpt-oss): a logit per head
+    #                      that joins every query's softmax and is then dropped (eager attention)
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
