@@ -189,7 +189,7 @@ def test_verify_reshard_export_and_int8(gpt_oss, tmp_path):
 
 def test_config_keys_read_or_refused(gpt_oss):
     """transformers' defaults where config.json is silent (YaRN factor 32, theta 150,000, sliding
-    even layers, attention biases); MXFP4 sources refused with the command that writes a bf16 copy."""
+    even layers, attention biases); an MXFP4 block's unknown key refused by name."""
     src, _ = gpt_oss
     cfg = json.loads((src / "config.json").read_text())
     bare = {k: v for k, v in cfg.items() if k not in ("rope_parameters", "layer_types", "attention_bias")}
@@ -200,9 +200,15 @@ def test_config_keys_read_or_refused(gpt_oss):
                                                          if k != "rope_theta"}
     assert m.forward.windows == (8, None) and m.qkv_bias and m.o_bias
     assert m.forward.moe.swiglu == (1.702, 7.0)
-    with pytest.raises(ModelError) as e:
-        model_from_config({**cfg, "quantization_config": {"quant_method": "mxfp4"}})
-    assert "mxfp4" in e.value.message and "Mxfp4Config(dequantize=True)" in e.value.hint
+    # MXFP4 sources are read (tests/test_quant_source_mxfp4.py); a key of their block that would
+    # change the math and that shardc does not implement is refused by name
+    from shardc.errors import QuantizationError
+    from shardc.spec.layout import build_layout
+
+    with pytest.raises(QuantizationError) as q:
+        build_layout(model_from_config({**cfg, "quantization_config": {"quant_method": "mxfp4", "group_size": 16}}),
+                     _plan(src, 1))
+    assert q.value.key == "quantization_config.group_size"
     with pytest.raises(ModelError) as e:
         model_from_config({**cfg, "layer_types": ["sliding_attention"]})
     assert e.value.key == "layer_types"

@@ -102,14 +102,13 @@ def local_dims(layout: Layout) -> Dims:
     )
 
 
-def _stacked_experts(get, specs: dict, p: str, names: tuple[str, str, str, str], rl: RankLayout,
+def _stacked_experts(get, split: bool, p: str, names: tuple[str, str, str, str], rl: RankLayout,
                      experts: int) -> dict[int, tuple[torch.Tensor | None, ...]]:
     """Stacked experts (gpt-oss) as per-expert views: this rank's block of dim 0 (expert
-    parallelism: ``rl.experts``; otherwise every expert, its TP slice). Split over TP, an expert's
-    down bias is added by TP rank 0 only, so the all-reduced sum holds it once."""
+    parallelism: ``rl.experts``; otherwise every expert, its TP slice). ``split`` over TP, an
+    expert's down bias is added by TP rank 0 only, so the all-reduced sum holds it once."""
     gate_up, gate_up_bias, down, down_bias = (get(p + n) for n in names)
     ids = rl.experts or tuple(range(experts))
-    split = specs[p + names[2]].dim not in (None, 0)
     return {e: (gate_up[j], gate_up_bias[j], down[j], None if split and rl.tp_rank else down_bias[j])
             for j, e in enumerate(ids)}
 
@@ -144,6 +143,8 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         spec = specs[name + stored.suffix]
         if stored.suffix == "":
             return spec.shape
+        if stored.weight_shape(spec.shape) is not None:  # MXFP4's blocks: [E, out, in/32, 16]
+            return stored.weight_shape(spec.shape)
         return next(specs[name + st.suffix].value for st in kept[name].stored(name) if st.value)
     copy_out = any(t.quant for t in rl.tensors) or bool(kept)
 
@@ -210,7 +211,8 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         if sparse:
             assert moe is not None
             if moe.stacked:
-                experts = _stacked_experts(get, specs, p, moe.stacked, rl, moe.experts)
+                split = layout.plan.tp > 1 and not layout.plan.expert_parallel
+                experts = _stacked_experts(get, split, p, moe.stacked, rl, moe.experts)
             else:
                 experts = {e: tuple(get(p + t.format(e=e)) for t in moe.expert)
                            for e in range(moe.experts) if _held(specs, p + moe.expert[0].format(e=e))}

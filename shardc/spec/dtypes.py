@@ -26,6 +26,7 @@ DTYPES: dict[str, DType] = {d.name: d for d in (
     DType("F8_E4M3", 1, "float8_e4m3fn", "fp8"),
     DType("I32", 4, "int32"),  # compressed-tensors' packed int8 (four values per element)
     DType("I64", 8, "int64"),  # compressed-tensors' weight_shape
+    DType("U8", 1, "uint8"),  # MXFP4's packed E2M1 pairs and E8M0 scales (gpt-oss)
 )}
 DTYPE_BYTES: dict[str, int] = {n: d.itemsize for n, d in DTYPES.items()}
 PLAN_DTYPE: dict[str, str] = {d.plan: n for n, d in DTYPES.items() if d.plan}

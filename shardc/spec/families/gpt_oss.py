@@ -20,7 +20,8 @@ the bias, the top ``num_experts_per_tok`` softmaxed in the model dtype.
 int8 / fp8 plans quantize the attention projections; the stacked experts stay 16-bit, since their
 [E, in, out] layout has no per-output-channel compressed-tensors form that transformers loads.
 Sources published with MXFP4 experts (``quantization_config.quant_method: mxfp4``, tensors
-``*_blocks`` / ``*_scales``) are refused with the command that writes a bf16 copy.
+``*_blocks`` / ``*_scales``) are read by spec/sourcequant/mxfp4.py: dequantized as transformers
+does, or kept as stored (``dtype: source``, whole experts per rank).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from .base import (
     norm_rows,
     number,
     outer_rows,
-    refuse,
     windows_for,
 )
 from .moe import flag, read_routing
@@ -58,16 +58,9 @@ STACK = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.exper
 DEFAULT_THETA = 150000.0
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                 "truncate": False, "original_max_position_embeddings": 4096}
-BF16_COPY = ("write a bf16 copy first: python -c \"import torch, transformers as t; "
-             "t.AutoModelForCausalLM.from_pretrained(SRC, dtype=torch.bfloat16, "
-             "quantization_config=t.Mxfp4Config(dequantize=True)).save_pretrained(DST)\"")
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
-    q = cfg.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
-        raise refuse("quantization_config.quant_method", "mxfp4", "(MXFP4 experts) is not read by shardc yet",
-                     hint=BF16_COPY)
     layers = count(cfg, "num_hidden_layers") or 1
     experts, top_k = read_routing(cfg, "num_local_experts")
     types = layer_types(cfg, layers, lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")

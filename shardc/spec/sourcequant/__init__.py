@@ -17,9 +17,10 @@ from ...errors import QuantizationError
 from .base import SourceQuantization, Stored  # noqa: F401
 from .compressed import CompressedTensors
 from .fp8_block import BlockFP8
+from .mxfp4 import MXFP4
 
-# Formats shardc reads, tried in order (MXFP4 for gpt-oss goes here as a third).
-FORMATS: tuple[type[SourceQuantization], ...] = (BlockFP8, CompressedTensors)
+# Formats shardc reads, tried in order.
+FORMATS: tuple[type[SourceQuantization], ...] = (BlockFP8, CompressedTensors, MXFP4)
 
 
 def detect_source(config: dict[str, Any]) -> SourceQuantization | None:

@@ -40,6 +40,11 @@ class Stored:
             return (1,)
         return tuple(1 if g == 0 else -(-n // g) for n, g in zip(weight, self.grid, strict=True))
 
+    def weight_shape(self, stored: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The weight a stored tensor of this shape belongs to, where the stored shape alone says
+        it (None: the values' or X.weight_shape's spec says it)."""
+        return None
+
     def cut(self, dim: int, start: int, stop: int, extent: int) -> tuple[int, int] | None:
         """The stored rows/columns [a, b) holding weight elements [start, stop) of ``extent``
         along ``dim``; None when the cut is not on a grid line (a partial last block is the last

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
 
 from ...errors import LayoutError
-from ..tensors import tensor_table, valid_tp_degrees
+from ..tensors import STACKED, tensor_table, valid_tp_degrees
 from .base import SourceQuantization, Stored
 
 Cut = dict[str, Any]  # _slice_for_rank's answer: dim, start, stop, shape, [pieces, kv_head, pad_rows]
@@ -81,10 +81,13 @@ def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | Non
         return set()
     kept = sq.quantized(model)
     table = tensor_table(model)
-    rows = [(n, table[n].shape, table[n].split, table[n].parts) for n in sorted(kept)]
+    # expert parallelism keeps routed experts whole (a stacked tensor: whole experts of dim 0),
+    # which every format's grid allows; TP cuts the rest, each by its own row
+    rows = [(n, table[n].shape, table[n].split, (table[n].parts, table[n].tp_dim)) for n in sorted(kept)
+            if not (plan.expert_parallel and (table[n].expert is not None or table[n].split == STACKED))]
 
     def slicer(kind: str, shape: tuple[int, ...], r: int, tp: int, parts: tuple) -> Cut:
-        return slice_for_rank(kind, shape, r, model, tp, parts)
+        return slice_for_rank(kind, shape, r, model, tp, parts[0], parts[1])
 
     problem = tp_problem(sq, rows, plan.tp, slicer)
     if problem:

@@ -1,0 +1,157 @@
+"""MXFP4 sources (#29, #31): gpt-oss as OpenAI publishes it, experts as ``*_blocks`` / ``*_scales``.
+
+transformers' MXFP4 quantizer needs triton kernels (no CPU path), so the source here is the tiny
+gpt-oss transformers makes, its stacked experts written in the published layout by a plain
+round-to-nearest MXFP4 quantizer below; transformers then is the oracle twice over: its
+``convert_moe_packed_tensors`` for every (byte, scale) pair, and its own loader, which on CPU
+dequantizes the checkpoint to bf16 (``Mxfp4Config(dequantize=True)``) and whose logits a bf16
+build's runtime must equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from shardc.build.compile import build  # noqa: E402
+from shardc.errors import LayoutError, SourceError  # noqa: E402
+from shardc.runtime.api import open_build, score  # noqa: E402
+from shardc.spec.plan import plan_from_dict  # noqa: E402
+from shardc.spec.sourcequant.mxfp4 import E2M1, MXFP4  # noqa: E402
+
+CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              vocab_size=96, max_position_embeddings=256, initializer_range=0.2, intermediate_size=32,
+              num_local_experts=4, num_experts_per_tok=2, sliding_window=8)
+QCONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def _to_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[E, in, out] float -> (blocks [E, out, in/32, 16], scales [E, out, in/32]): each 32-value
+    block's power of two such that its largest magnitude fits 6.0, values rounded to E2M1."""
+    t = np.ascontiguousarray(np.swapaxes(w.astype(np.float32), 1, 2))  # [E, out, in]
+    e, o, i = t.shape
+    g = t.reshape(e, o, i // 32, 32)
+    amax = np.abs(g).max(-1)
+    exp = np.where(amax > 0, np.ceil(np.log2(np.maximum(amax, 1e-30) / 6.0)), 0).astype(np.int32)
+    scaled = g / np.ldexp(np.float32(1), exp)[..., None]
+    lut = np.asarray(E2M1[:8], np.float32)
+    idx = np.abs(np.abs(scaled)[..., None] - lut).argmin(-1) + 8 * (scaled < 0)
+    blocks = (idx[..., 0::2] | (idx[..., 1::2] << 4)).astype(np.uint8)
+    return blocks, (exp + 127).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mxfp4")
+    torch.manual_seed(5)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**CONFIG)).to(torch.bfloat16)
+    model.save_pretrained(root / "bf16")
+    src = root / "mxfp4"
+    src.mkdir()
+    tensors = {}
+    with safe_open(root / "bf16" / "model.safetensors", "pt") as f:
+        for k in f.keys():
+            t = f.get_tensor(k)
+            if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                blocks, scales = _to_mxfp4(t.float().numpy())
+                tensors[k + "_blocks"], tensors[k + "_scales"] = torch.from_numpy(blocks), torch.from_numpy(scales)
+            else:
+                tensors[k] = t
+    save_file(tensors, src / "model.safetensors")
+    cfg = json.loads((root / "bf16" / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": QCONFIG}))
+    return src
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _plan(src: Path, tp: int, dtype: str, ep: bool = False):
+    rg = {"name": f"mx-tp{tp}-{dtype}{'-ep' if ep else ''}", "tp_degree": tp, "pp_degree": 1, "dtype": dtype,
+          "gpus_per_replica": tp}
+    if ep:
+        rg["expert_parallel"] = True
+    return plan_from_dict({"replica_group": rg, "model": {"source": str(src)}})
+
+
+def test_dequantize_equals_transformers_for_every_byte_and_scale():
+    """All 256 E8M0 scales x all 256 packed bytes, to float32 then bf16 / fp16: bit for bit."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(1, 1, 16, 16), (1, 256, 1, 1))
+    scales = np.tile(np.arange(256, dtype=np.uint8).reshape(1, 256, 1), (1, 1, 16))
+    sq = MXFP4.from_config(QCONFIG, {})
+    got = sq.dequantize("w", (1, 512, 256), {"w_blocks": blocks, "w_scales": scales}.__getitem__)
+    for tdt in (torch.bfloat16, torch.float16):
+        want = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=tdt)
+        mine = torch.from_numpy(np.ascontiguousarray(got)).to(tdt)
+        same = (mine.view(torch.int16) == want.view(torch.int16)) | (mine.isnan() & want.isnan())
+        assert bool(same.all()), tdt
+
+
+def test_bf16_build_runs_as_transformers_loads_the_mxfp4_source(mxfp4, tmp_path):
+    """transformers loads the MXFP4 checkpoint on CPU by dequantizing it to bf16; a bf16 build of
+    it (tp 1, and experts over 2 EP ranks) computes those logits bit for bit."""
+    ref = transformers.AutoModelForCausalLM.from_pretrained(mxfp4, dtype=torch.bfloat16,
+                                                            experts_implementation="eager").eval()
+    x = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
+    want = ref(x).logits.float()
+    built = build(_plan(mxfp4, 1, "bf16"), tmp_path / "bf16").manifest_path
+    assert torch.equal(score(open_build(built), x, return_logits=True, timeout_s=120)["logits"], want)
+    with safe_open(built.parent / "model-tp00-pp00.safetensors", "pt") as f:
+        state = ref.state_dict()
+        for k in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+            assert torch.equal(f.get_tensor(k), state[k]), k
+
+
+@pytest.mark.heavy
+def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
+    """``dtype: source``: tp 1 holds the source's tensors byte for byte and loads in transformers
+    like the source; expert parallelism over 2 ranks cuts blocks and scales by whole experts, runs
+    as the bf16 build of the same plan does (bit for bit) and reshards back to tp 1 byte for byte; a TP cut inside an expert is
+    refused before anything is written, and so is a scale grid that does not match the weight."""
+    one = build(_plan(mxfp4, 1, "source"), tmp_path / "tp1").manifest_path
+    a, b = _tensors(mxfp4 / "model.safetensors"), _tensors(one.parent / "model-tp00-pp00.safetensors")
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((one.parent / "config.json").read_text())["quantization_config"] == QCONFIG
+    ep = build(_plan(mxfp4, 2, "source", ep=True), tmp_path / "ep").manifest_path
+    with safe_open(ep.parent / "model-tp01-pp00.safetensors", "pt") as f:
+        assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks").shape == (2, 64, 2, 16)
+    x = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
+    bf16 = build(_plan(mxfp4, 2, "bf16", ep=True), tmp_path / "bf16").manifest_path
+    want = score(open_build(bf16), x, return_logits=True, timeout_s=120)["logits"]
+    assert torch.equal(score(open_build(ep), x, return_logits=True, timeout_s=120)["logits"], want)
+    plan = tmp_path / "tp1.yaml"
+    plan.write_text(json.dumps(_plan(mxfp4, 1, "source").data))
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "reshard", "--manifest", str(ep), "--plan", str(plan),
+                        "--out", str(tmp_path / "back"), "-q"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "back" / "model-tp00-pp00.safetensors").read_bytes() == \
+        (one.parent / "model-tp00-pp00.safetensors").read_bytes()
+    with pytest.raises(LayoutError) as e:
+        build(_plan(mxfp4, 2, "source"), tmp_path / "tp2")
+    assert "experts.down_proj" in e.value.message and "mxfp4" in e.value.message
+    assert e.value.key == "replica_group.tp_degree" and "keep every mxfp4" in e.value.hint and ": 1 " in e.value.hint
+    assert not (tmp_path / "tp2").exists()
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text((mxfp4 / "config.json").read_text())
+    t = _tensors(mxfp4 / "model.safetensors")
+    t["model.layers.0.mlp.experts.gate_up_proj_scales"] = t["model.layers.0.mlp.experts.gate_up_proj_scales"][:, :, :1].clone()
+    save_file(t, bad / "model.safetensors")
+    with pytest.raises(SourceError) as e2:
+        build(_plan(bad, 1, "bf16"), tmp_path / "badbuild")
+    assert "gate_up_proj_scales" in e2.value.message and "implies" in e2.value.message
