@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import LayoutError
+from ..errors import LayoutError, QuantizationError
 from ..spec.model import ModelSpec
 from ..spec.plan import Plan, plan_from_dict
 from .formulas import (
@@ -157,7 +157,7 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
     try:
         c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, tp, pp, dtype), s.source, tp, pp, dtype))
         c.weights = rank_weights(s.model, c.plan)
-    except LayoutError as exc:
+    except (LayoutError, QuantizationError) as exc:  # a split or a dtype this model cannot take
         c.reasons.append(exc.message)
         return c
     _memory(s, c)

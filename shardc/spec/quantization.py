@@ -7,11 +7,13 @@ pack-quantized, four values to an int32 along the input dimension, which constra
 
 from __future__ import annotations
 
+import math
+
 from ..errors import LayoutError, QuantizationError
 from .dtypes import PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
-from .tensors import ROW, tensor_table, valid_tp_degrees
+from .tensors import ROW, STACKED, tensor_table, valid_tp_degrees
 
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 # int8 is stored as compressed-tensors "pack-quantized": X.weight_packed holds the int8 values
@@ -37,6 +39,7 @@ def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
     if not plan.quantized:
         return set()
     table = tensor_table(model)
+    _refuse_stacked(model, plan, table)
     names, linear = sorted(table), quantizable(model)
     for entry in plan.quant_ignore:
         if not any(_ignore_matches(entry, n) for n in names) and entry not in ("lm_head",):
@@ -50,6 +53,22 @@ def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
         for n in names
         if n in linear and not any(_ignore_matches(e, n) for e in plan.quant_ignore)
     }
+
+
+def _refuse_stacked(model: ModelSpec, plan: Plan, table: dict) -> None:
+    """Experts stacked in one tensor per layer (gpt-oss: [E, in, out]) have no int8/fp8 form the
+    clients load (compressed-tensors quantizes Linear modules; transformers and vLLM read such
+    experts as bf16 or MXFP4), so an int8/fp8 plan would quantize only the attention and leave
+    most of the weights 16-bit: refused, rather than a build that is not what the plan says."""
+    layer = [r for n, r in table.items() if n.startswith("model.layers.0.")]
+    stacked = sum(math.prod(r.shape) for r in layer if r.split == STACKED)
+    if stacked:
+        share = stacked / sum(math.prod(r.shape) for r in layer)
+        raise QuantizationError(
+            f"dtype {plan.dtype} cannot quantize {model.architecture}'s stacked experts ({share:.0%} of a "
+            "decoder layer's weights): no int8/fp8 form of them loads in transformers or vLLM",
+            key="replica_group.dtype",
+            hint="use dtype: bf16 (or fp16), or dtype: source on the MXFP4 checkpoint (experts stay MXFP4)")
 
 
 def base_dtype(model: ModelSpec, plan: Plan) -> str:
