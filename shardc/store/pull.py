@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
+from ..formats.chunks import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, parse
 from .base import (
@@ -35,6 +36,8 @@ class Wanted:
     size: int
     sha256: str
     compressed: dict[str, Any] | None = None
+    chunk_size: int | None = None  # a shard's chunk digests (format_version 3)
+    chunks: tuple[str, ...] = ()
 
     @property
     def object(self) -> str:
@@ -178,7 +181,8 @@ def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,
 def _wanted(remote: Manifest, shards: list[ShardEntry]) -> list[Wanted]:
     """The side files and the selected shards, each with its checked ``compressed`` record."""
     selected = {s.file for s in shards}
-    return [Wanted(name, e.size, e.sha256, _compressed(e.compressed, name))
+    return [Wanted(name, e.size, e.sha256, _compressed(e.compressed, name),
+                   *((e.chunk_size, e.chunks) if isinstance(e, ShardEntry) else ()))
             for name, e in entries(remote) if not isinstance(e, ShardEntry) or name in selected]
 
 
@@ -208,8 +212,12 @@ def _prepare(dest: Path, local_bytes: bytes, wanted: list[Wanted]) -> None:
 
 
 def _present(path: Path, w: Wanted) -> str | None:
-    """The sha256 of a file already at its destination, if it is the right one."""
+    """The sha256 of a file already at its destination, if it is the right one (a shard with chunk
+    digests: every chunk checked, on all cores; then the manifest's sha256 stands for them)."""
     if path.is_file() and path.stat().st_size == w.size:
+        if w.chunk_size is not None:
+            with open(path, "rb", buffering=0) as f:
+                return None if check_chunks(f.fileno(), w.size, w.chunk_size, w.chunks) else w.sha256
         sha = sha256_file(path)
         if sha == w.sha256:
             return sha

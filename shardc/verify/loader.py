@@ -129,6 +129,11 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
         if st.st_size != entry.size:
             raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
                                  hint="re-pull the shard")
+        if entry.chunk_size is not None:  # every chunk checked on every core; raises for a bad one
+            from .chunked import read_chunked
+
+            return read_chunked(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks, dev,
+                                on_header=check_header, where=f.name)
         raw = read_shard(f, dev, on_header=check_header)
     if raw.sha256 != entry.sha256:
         raise VerifyMismatch(f"{rl.file}: sha256 {raw.sha256[:16]}..., expected {entry.sha256[:16]}... "

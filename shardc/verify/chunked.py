@@ -1,0 +1,238 @@
+"""The chunked one-pass read for the Checkpoint Loader (docs/architecture.md §2): a shard whose
+manifest entry has chunk digests (format_version 3), read at the device's speed and checked on
+every core.
+
+Why not reader.py's pass: one whole-file sha256 is a chain, one core's worth (about 1.6 GB/s
+here), and its 1 MiB reads on one thread leave a fast disk idle. With chunk digests every chunk
+is independent, so several workers each read a chunk with one large aligned read (``O_DIRECT``
+where the filesystem takes it: no copy through the page cache, no cache left to evict) straight
+into the buffer the tensors will live in, and hash it while the others read: reading and hashing
+overlap across chunks and every core hashes. Nothing maps the file.
+
+Order, as in reader.py: the chunks holding the header are read first, the header parsed from those
+very bytes (which are hashed with the rest: what is checked is what is interpreted) and checked by
+the caller's ``on_header`` before the data is read; then every other chunk; then the file's size is
+checked again. Nothing is returned until every chunk's sha256 matched; a mismatch names the chunks,
+their byte ranges and the tensors in them.
+
+CUDA: each worker reads its chunk into a pinned staging buffer of a small pool, hashes it and
+copies it to the GPU buffer asynchronously on its own stream; a staging buffer is reused only once
+its copy is done (its event). Every copy stream is synchronized before the call returns or raises.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import queue
+import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from ..errors import ShardFormatError, VerifyMismatch
+from ..formats import chunks as ch
+from ..formats.safetensors import MAX_HEADER, METADATA, disable_direct, enable_direct, parse_header
+from .reader import HeaderCheck, RawShard
+
+ALIGN = ch.CHUNK_ALIGN  # O_DIRECT: buffer address, file offset and length in whole pages
+HINT = "re-pull the shard, or rebuild it; shardc verify gives the full report"
+
+
+def read_chunked(fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str], device: str,
+                 on_header: HeaderCheck | None = None, *, where: str | None = None) -> RawShard:
+    """Read a shard of ``size`` bytes from ``fd`` (the caller's one descriptor, size already
+    checked against the manifest) onto ``device`` ("cpu" or a resolved "cuda:N"), checking every
+    chunk against ``digests``. Raises VerifyMismatch for a damaged chunk (naming the file as
+    ``name``) or a file that changed size while it was read (naming it as ``where``, its path);
+    ``on_header`` may raise to stop before the data is read."""
+    import torch
+
+    reader = _Reader(fd, name, size, chunk_size, digests)
+    reader.where = where or name
+    dev = torch.device(device)
+    try:
+        if dev.type == "cuda":
+            return reader.to_cuda(dev, on_header)
+        return reader.to_host(on_header)
+    finally:
+        reader.restore()
+
+
+class _Reader:
+    """One chunked read: the descriptor's O_DIRECT state, the chunk geometry, the checks."""
+
+    def __init__(self, fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str]) -> None:
+        self.fd, self.name, self.size, self.chunk_size, self.digests = fd, name, size, chunk_size, digests
+        self.where = name
+        self.count = ch.chunk_count(size, chunk_size)
+        assert len(digests) == self.count  # the manifest reader checked it
+        self.direct = enable_direct(fd)
+        self._lock = threading.Lock()
+        self.short = False  # a read ended before the file's recorded size: it shrank meanwhile
+
+    def restore(self) -> None:
+        """Leave the caller's descriptor as it was given (cached I/O)."""
+        if self.direct:
+            self.direct = disable_direct(self.fd)
+
+    def span(self, i: int) -> tuple[int, int]:
+        return i * self.chunk_size, min(self.size, (i + 1) * self.chunk_size)
+
+    def read(self, i: int, mv: memoryview) -> memoryview:
+        """Chunk ``i`` into ``mv`` (room for the chunk rounded up to a page); the bytes read."""
+        lo, hi = self.span(i)
+        want = hi - lo
+        span = -(-want // ALIGN) * ALIGN if self.direct else want
+        got = 0
+        while got < want:
+            try:
+                k = os.preadv(self.fd, [mv[got:span]], lo + got)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise VerifyMismatch(f"{self.name}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
+                with self._lock:  # taken at open, refused at the read (some network filesystems)
+                    if self.direct:
+                        self.direct = disable_direct(self.fd)
+                span = want
+                continue
+            if not k:
+                self.short = True
+                break
+            got += k
+        return mv[: min(got, want)]
+
+    def ok(self, i: int, data: memoryview) -> bool:
+        return len(data) == self.span(i)[1] - self.span(i)[0] and hashlib.sha256(data).hexdigest() == self.digests[i]
+
+    def header(self, head: memoryview, on_header: HeaderCheck | None) -> tuple[dict[str, Any] | None, str | None, int]:
+        """Parse the header from the bytes read (``head``: the file's first bytes, at least 8 +
+        the header length when the file has that many) and run the caller's check."""
+        header, error, n = None, None, 0
+        if len(head) < 8 or (n := struct.unpack("<Q", head[:8])[0]) > min(MAX_HEADER, self.size - 8):
+            error, n = "file shorter than its header length says", 0
+            start = min(8, len(head))
+        else:
+            start = 8 + n
+            try:
+                tensors, meta = parse_header(bytes(head[8:start]), self.name)
+                header = {**tensors, METADATA: meta}
+            except ShardFormatError as exc:
+                error = exc.message
+        if on_header is not None:
+            on_header(header, error, self.size - start)
+        return header, error, start
+
+    def head_chunks(self, first: memoryview) -> int:
+        """How many leading chunks hold the header, from chunk 0's bytes (its length prefix)."""
+        if len(first) < 8:
+            return 1
+        (n,) = struct.unpack("<Q", first[:8])
+        end = 8 + min(n, MAX_HEADER, max(0, self.size - 8))
+        return max(1, min(self.count, ch.chunk_count(end, self.chunk_size)))
+
+    def fail(self, bad: list[int], header: dict[str, Any] | None, start: int) -> None:
+        """Raise for what the read found: a file that changed size, or the damaged chunks."""
+        if self.short or os.fstat(self.fd).st_size != self.size:
+            raise VerifyMismatch(f"{self.where}: file changed size while it was read", hint="is something rewriting it?")
+        if bad:
+            line = ch.chunk_problem(bad, self.size, self.chunk_size,
+                                    lambda lo, hi: ch.tensors_in(header or {}, start, lo, hi))
+            raise VerifyMismatch(f"{self.name}: {line}", hint=HINT)
+
+    # -- CPU --------------------------------------------------------------------------------------
+    def to_host(self, on_header: HeaderCheck | None) -> RawShard:
+        """Every chunk read straight into one page-aligned buffer; the tensors are views of it."""
+        import torch
+
+        padded = -(-self.size // ALIGN) * ALIGN
+        raw = torch.empty(padded + ALIGN, dtype=torch.uint8)
+        off = -raw.data_ptr() % ALIGN
+        whole = raw[off : off + padded]
+        mv = memoryview(whole.numpy()) if padded else memoryview(b"")
+
+        def room(i: int) -> memoryview:
+            lo, hi = self.span(i)
+            return mv[lo : lo + -(-(hi - lo) // ALIGN) * ALIGN]
+
+        first = self.read(0, room(0)) if self.count else mv[:0]
+        nhead = self.head_chunks(first)
+        got = [first] + [self.read(i, room(i)) for i in range(1, nhead)]
+        header, error, start = self.header(mv[: sum(len(g) for g in got)] if self.count else mv[:0], on_header)
+
+        def one(i: int) -> bool:
+            return self.ok(i, got[i] if i < nhead else self.read(i, room(i)))
+
+        with ThreadPoolExecutor(_workers(self.count), thread_name_prefix="shardc-load") as pool:
+            bad = [i for i, good in enumerate(pool.map(one, range(self.count))) if not good]
+        self.fail(bad, header, start)
+        return RawShard("", header, whole[start : self.size], error)
+
+    # -- CUDA -------------------------------------------------------------------------------------
+    def to_cuda(self, dev: Any, on_header: HeaderCheck | None) -> RawShard:
+        """Chunks through a pool of pinned staging buffers, hashed there and copied to the GPU
+        buffer asynchronously, one copy stream per worker."""
+        import torch
+
+        data = torch.empty(self.size, dtype=torch.uint8, device=dev)
+        nbuf = min(self.count, _workers(self.count) + 2) or 1
+        room = -(-min(self.chunk_size, max(self.size, 1)) // ALIGN) * ALIGN
+        free: queue.Queue[tuple[Any, Any]] = queue.Queue()
+        for _ in range(nbuf):
+            free.put((torch.empty(room, dtype=torch.uint8, pin_memory=True), None))  # page-aligned
+        local = threading.local()
+        streams: list[Any] = []
+        ready = torch.cuda.current_stream(dev)
+
+        def stream() -> Any:
+            if not hasattr(local, "stream"):
+                local.stream = torch.cuda.Stream(dev)
+                local.stream.wait_stream(ready)  # ``data``'s allocation is ordered first
+                with self._lock:
+                    streams.append(local.stream)
+            return local.stream
+
+        def land(i: int, keep_host: bool = False) -> tuple[bool, bytes | None]:
+            """Read, hash and copy chunk ``i``; with ``keep_host`` also a copy of its bytes (the
+            header's chunks: the header is parsed from the very bytes that were hashed)."""
+            buf, done = free.get()
+            if done is not None:
+                done.synchronize()  # its last copy has left it
+            got = self.read(i, memoryview(buf.numpy()))
+            good = self.ok(i, got)
+            lo = i * self.chunk_size
+            s = stream()
+            with torch.cuda.stream(s):
+                data[lo : lo + len(got)].copy_(buf[: len(got)], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(s)
+            kept = bytes(got) if keep_host else None
+            free.put((buf, ev))
+            return good, kept
+
+        try:
+            nhead = 1
+            heads: list[tuple[bool, bytes | None]] = []
+            if self.count:
+                heads.append(land(0, keep_host=True))
+                nhead = self.head_chunks(memoryview(heads[0][1] or b""))
+                heads += [land(i, keep_host=True) for i in range(1, nhead)]
+            head = b"".join(h or b"" for _, h in heads)
+            header, error, start = self.header(memoryview(head), on_header)
+            with ThreadPoolExecutor(_workers(self.count), thread_name_prefix="shardc-load") as pool:
+                rest = list(pool.map(lambda i: land(i)[0], range(nhead, self.count)))
+            bad = [i for i, (good, _) in enumerate(heads) if not good]
+            bad += [nhead + i for i, good in enumerate(rest) if not good]
+        finally:
+            for s in streams:  # nothing in flight once this returns or raises
+                s.synchronize()
+        self.fail(bad, header, start)
+        return RawShard("", header, data[start:], error)
+
+
+def _workers(count: int) -> int:
+    """Reads in flight: two per core (while one worker waits for its read, another hashes), at
+    least four (a disk wants a queue), never more than there are chunks."""
+    return max(1, min(count, max(4, 2 * ch.workers())))
