@@ -63,6 +63,13 @@ def fetch_manifest(manifest_uri: str, *, endpoint_url: str | None = None) -> Man
     return strip_compressed(_fetch(manifest_uri, endpoint_url, S3Settings.from_env())[1])
 
 
+def open_manifest(manifest_uri: str, *, endpoint_url: str | None = None,
+                  settings: S3Settings | None = None) -> tuple[Store, Manifest]:
+    """The store a manifest URI names and the manifest as stored (its compression records kept:
+    a reader of the stored objects needs them)."""
+    return _fetch(manifest_uri, endpoint_url, settings or S3Settings.from_env())
+
+
 @os_errors
 def pull_build(
     manifest_uri: str,

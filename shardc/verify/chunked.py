@@ -48,61 +48,65 @@ def read_chunked(fd: int, name: str, size: int, chunk_size: int, digests: Sequen
     chunk against ``digests``. Raises VerifyMismatch for a damaged chunk (naming the file as
     ``name``) or a file that changed size while it was read (naming it as ``where``, its path);
     ``on_header`` may raise to stop before the data is read."""
+    source = FileChunks(fd, name, size, chunk_size, digests)
+    source.where = where or name
+    return load_chunks(source, device, on_header)
+
+
+def load_chunks(source: ChunkSource, device: str, on_header: HeaderCheck | None = None) -> RawShard:
+    """Every chunk of ``source`` onto ``device``, checked (a file, or ranged GETs: store/stream.py)."""
     import torch
 
-    reader = _Reader(fd, name, size, chunk_size, digests)
-    reader.where = where or name
-    dev = torch.device(device)
     try:
-        if dev.type == "cuda":
-            return reader.to_cuda(dev, on_header)
-        return reader.to_host(on_header)
+        if torch.device(device).type == "cuda":
+            return source.to_cuda(torch.device(device), on_header)
+        return source.to_host(on_header)
     finally:
-        reader.restore()
+        source.restore()
 
 
-class _Reader:
-    """One chunked read: the descriptor's O_DIRECT state, the chunk geometry, the checks."""
+class ChunkSource:
+    """Where a shard's chunks come from, and everything done with them: the geometry, the checks,
+    the reads onto the host or a GPU. Subclasses say how chunk ``i`` is read (``read``), whether
+    the object changed meanwhile (``changed``), whether a damaged chunk is read once more
+    (``refetch``: a network read may have been garbled on the way; a local file would give the
+    same bytes again) and what to undo at the end (``restore``)."""
 
-    def __init__(self, fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str]) -> None:
-        self.fd, self.name, self.size, self.chunk_size, self.digests = fd, name, size, chunk_size, digests
+    refetch = False
+
+    def __init__(self, name: str, size: int, chunk_size: int, digests: Sequence[str]) -> None:
+        self.name, self.size, self.chunk_size, self.digests = name, size, chunk_size, digests
         self.where = name
         self.count = ch.chunk_count(size, chunk_size)
         assert len(digests) == self.count  # the manifest reader checked it
-        self.direct = enable_direct(fd)
         self._lock = threading.Lock()
-        self.short = False  # a read ended before the file's recorded size: it shrank meanwhile
+        self.short = False  # a read ended before the recorded size: the object shrank meanwhile
+
+    def read(self, i: int, mv: memoryview) -> memoryview:
+        """Chunk ``i`` into ``mv`` (room for the chunk rounded up to a page); the bytes read."""
+        raise NotImplementedError
+
+    def changed(self) -> bool:
+        """Whether the object is no longer the one being read (its size, here)."""
+        return False
 
     def restore(self) -> None:
-        """Leave the caller's descriptor as it was given (cached I/O)."""
-        if self.direct:
-            self.direct = disable_direct(self.fd)
+        """Undo what reading needed (nothing by default)."""
+
+    def parallel(self) -> int:
+        """Chunks read at once (a local disk: two per core, at least four)."""
+        return _workers(self.count)
 
     def span(self, i: int) -> tuple[int, int]:
         return i * self.chunk_size, min(self.size, (i + 1) * self.chunk_size)
 
-    def read(self, i: int, mv: memoryview) -> memoryview:
-        """Chunk ``i`` into ``mv`` (room for the chunk rounded up to a page); the bytes read."""
-        lo, hi = self.span(i)
-        want = hi - lo
-        span = -(-want // ALIGN) * ALIGN if self.direct else want
-        got = 0
-        while got < want:
-            try:
-                k = os.preadv(self.fd, [mv[got:span]], lo + got)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
-                    raise VerifyMismatch(f"{self.name}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
-                with self._lock:  # taken at open, refused at the read (some network filesystems)
-                    if self.direct:
-                        self.direct = disable_direct(self.fd)
-                span = want
-                continue
-            if not k:
-                self.short = True
-                break
-            got += k
-        return mv[: min(got, want)]
+    def checked(self, i: int, mv: memoryview) -> tuple[memoryview, bool]:
+        """Chunk ``i`` read into ``mv`` and whether its sha256 matched (read once more first when
+        it did not and the source allows it)."""
+        got = self.read(i, mv)
+        if not self.ok(i, got) and self.refetch:
+            got = self.read(i, mv)
+        return got, self.ok(i, got)
 
     def ok(self, i: int, data: memoryview) -> bool:
         return len(data) == self.span(i)[1] - self.span(i)[0] and hashlib.sha256(data).hexdigest() == self.digests[i]
@@ -135,7 +139,7 @@ class _Reader:
 
     def fail(self, bad: list[int], header: dict[str, Any] | None, start: int) -> None:
         """Raise for what the read found: a file that changed size, or the damaged chunks."""
-        if self.short or os.fstat(self.fd).st_size != self.size:
+        if self.short or self.changed():
             raise VerifyMismatch(f"{self.where}: file changed size while it was read", hint="is something rewriting it?")
         if bad:
             line = ch.chunk_problem(bad, self.size, self.chunk_size,
@@ -157,16 +161,14 @@ class _Reader:
             lo, hi = self.span(i)
             return mv[lo : lo + -(-(hi - lo) // ALIGN) * ALIGN]
 
-        first = self.read(0, room(0)) if self.count else mv[:0]
-        nhead = self.head_chunks(first)
-        got = [first] + [self.read(i, room(i)) for i in range(1, nhead)]
-        header, error, start = self.header(mv[: sum(len(g) for g in got)] if self.count else mv[:0], on_header)
-
-        def one(i: int) -> bool:
-            return self.ok(i, got[i] if i < nhead else self.read(i, room(i)))
-
-        with ThreadPoolExecutor(_workers(self.count), thread_name_prefix="shardc-load") as pool:
-            bad = [i for i, good in enumerate(pool.map(one, range(self.count))) if not good]
+        # the header's chunks first, checked before the header is parsed from them
+        heads = [self.checked(0, room(0))] if self.count else []
+        nhead = self.head_chunks(heads[0][0]) if heads else 0
+        heads += [self.checked(i, room(i)) for i in range(1, nhead)]
+        header, error, start = self.header(mv[: sum(len(g) for g, _ in heads)], on_header)
+        with ThreadPoolExecutor(self.parallel(), thread_name_prefix="shardc-load") as pool:
+            rest = list(pool.map(lambda i: self.checked(i, room(i))[1], range(nhead, self.count)))
+        bad = [i for i, (_, good) in enumerate(heads) if not good] + [nhead + i for i, good in enumerate(rest) if not good]
         self.fail(bad, header, start)
         return RawShard("", header, whole[start : self.size], error)
 
@@ -177,7 +179,7 @@ class _Reader:
         import torch
 
         data = torch.empty(self.size, dtype=torch.uint8, device=dev)
-        nbuf = min(self.count, _workers(self.count) + 2) or 1
+        nbuf = min(self.count, self.parallel() + 2) or 1
         room = -(-min(self.chunk_size, max(self.size, 1)) // ALIGN) * ALIGN
         free: queue.Queue[tuple[Any, Any]] = queue.Queue()
         for _ in range(nbuf):
@@ -200,8 +202,7 @@ class _Reader:
             buf, done = free.get()
             if done is not None:
                 done.synchronize()  # its last copy has left it
-            got = self.read(i, memoryview(buf.numpy()))
-            good = self.ok(i, got)
+            got, good = self.checked(i, memoryview(buf.numpy()))
             lo = i * self.chunk_size
             s = stream()
             with torch.cuda.stream(s):
@@ -221,7 +222,7 @@ class _Reader:
                 heads += [land(i, keep_host=True) for i in range(1, nhead)]
             head = b"".join(h or b"" for _, h in heads)
             header, error, start = self.header(memoryview(head), on_header)
-            with ThreadPoolExecutor(_workers(self.count), thread_name_prefix="shardc-load") as pool:
+            with ThreadPoolExecutor(self.parallel(), thread_name_prefix="shardc-load") as pool:
                 rest = list(pool.map(lambda i: land(i)[0], range(nhead, self.count)))
             bad = [i for i, (good, _) in enumerate(heads) if not good]
             bad += [nhead + i for i, good in enumerate(rest) if not good]
@@ -230,6 +231,47 @@ class _Reader:
                 s.synchronize()
         self.fail(bad, header, start)
         return RawShard("", header, data[start:], error)
+
+
+class FileChunks(ChunkSource):
+    """Chunks of a local file, through the caller's descriptor: positioned reads, ``O_DIRECT``
+    where the filesystem takes it (aligned: the buffers are page-aligned, chunk sizes and offsets
+    page multiples; the last chunk's read is rounded up and ends at the file's end)."""
+
+    def __init__(self, fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str]) -> None:
+        super().__init__(name, size, chunk_size, digests)
+        self.fd = fd
+        self.direct = enable_direct(fd)
+
+    def restore(self) -> None:
+        """Leave the caller's descriptor as it was given (cached I/O)."""
+        if self.direct:
+            self.direct = disable_direct(self.fd)
+
+    def changed(self) -> bool:
+        return os.fstat(self.fd).st_size != self.size
+
+    def read(self, i: int, mv: memoryview) -> memoryview:
+        lo, hi = self.span(i)
+        want = hi - lo
+        span = -(-want // ALIGN) * ALIGN if self.direct else want
+        got = 0
+        while got < want:
+            try:
+                k = os.preadv(self.fd, [mv[got:span]], lo + got)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise VerifyMismatch(f"{self.name}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
+                with self._lock:  # taken at open, refused at the read (some network filesystems)
+                    if self.direct:
+                        self.direct = disable_direct(self.fd)
+                span = want
+                continue
+            if not k:
+                self.short = True
+                break
+            got += k
+        return mv[: min(got, want)]
 
 
 def _workers(count: int) -> int:
