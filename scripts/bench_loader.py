@@ -11,18 +11,21 @@ cache is dropped before each run (``echo 3 > /proc/sys/vm/drop_caches`` as root,
 
 Loaders (CPU):
   shardc          shardc.load_shard(manifest, tp, pp, device="cpu"): every chunk's sha256 checked
-  sha256+safe_open  the design's checked loader: hashlib sha256 in 1 MiB reads, then safe_open
-  safetensors     safe_open + get_tensor of every tensor (unchecked)
+  sha256+safe_open  the design's checked loader: hashlib sha256 in 1 MiB reads, then safe_open + copy
+  safetensors     safe_open + get_tensor + copy of every tensor (unchecked)
   fastsafetensors fastsafe_open(nogds=True) + get_tensor (unchecked; 0.5.0, `bench` extra)
   runai           Run:ai Model Streamer SafetensorsStreamer (unchecked; `bench` extra)
 Peers not installed are skipped with a line. Also printed: verify's hashing of the whole build in
-GB/s on 1 and on all cores (``verify_build(jobs=N)``, page cache warm).
+GB/s on 1 and on all cores (``verify_build(jobs=N)``, page cache warm). ``--s3``: the same shard
+from the moto S3 server on 127.0.0.1, shardc.load_shard of the s3:// manifest against Run:ai's S3
+streaming (``runai-model-streamer-s3``), throughput ratio (target >= 1.0).
 
 Examples:
   pip install -e '.[bench]'                          # the peers
   python scripts/bench_loader.py                     # synthetic tp=1 build, ~1 GiB shard
   python scripts/bench_loader.py --layers 4 --hidden 1024 --repeat 3   # ~0.25 GiB, quicker
   python scripts/bench_loader.py --manifest build/x/manifest.json --rank 0
+  python scripts/bench_loader.py --s3                 # also from the moto S3 server vs Run:ai's S3 streaming
   python scripts/bench_loader.py --device cuda       # CUDA: load_shard vs hashlib + load_file + isfinite
 """
 
@@ -73,14 +76,27 @@ def load(name: str, path: Path, manifest: Path, tp: int, pp: int, device: str) -
         with SafetensorsStreamer() as s:
             s.stream_file(str(path), device=device)
             return dict(s.get_tensors())
+    if name == "shardc-s3":  # ``manifest`` is the s3:// URI; AWS_ENDPOINT_URL names the server
+        import shardc
+
+        return shardc.load_shard(str(manifest), tp, pp, device=device)
+    if name == "runai-s3":  # ``path`` is the shard's s3:// URI
+        from runai_model_streamer import SafetensorsStreamer
+
+        with SafetensorsStreamer() as s:
+            s.stream_file(str(path), device=device)
+            return {k: t.clone() for k, t in s.get_tensors()}  # its buffer is reused once closed
     raise SystemExit(f"unknown loader {name}")
 
 
 def _safe_open(path: Path, device: str) -> dict[str, Any]:
+    """safe_open + get_tensor + a copy: on CPU get_tensor returns a view of safetensors' mapping of
+    the file (nothing read yet; a later write to the file shows through), so the copy is what
+    makes it loaded memory, as the other loaders' is."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt", device=device) as f:
-        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        return {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
 
 
 def child(name: str, path: Path, manifest: Path, tp: int, pp: int, device: str) -> None:
@@ -118,8 +134,9 @@ def warm_cache(path: Path) -> None:
             pass
 
 
-def run_child(name: str, path: Path, manifest: Path, tp: int, pp: int, device: str) -> float:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def run_child(name: str, path: Path | str, manifest: Path | str, tp: int, pp: int, device: str,
+              extra_env: dict[str, str] | None = None) -> float:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra_env or {})}
     p = subprocess.run([sys.executable, __file__, "--child", name, "--path", str(path), "--manifest", str(manifest),
                         "--tp", str(tp), "--pp", str(pp), "--device", device],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -164,6 +181,44 @@ def compare(manifest: Path, rank: int, device: str, repeat: int, loaders: list[s
         results[temp] = {"median_s": med, "all_s": times, "cache": how or "warm",
                          "ratio": {n: (s / fastest if fastest else None) for n, s in med.items()}}
     return results
+
+
+def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str, Any]:
+    """The same shard from the moto S3 server on 127.0.0.1: shardc.load_shard of the s3://
+    manifest (parallel ranged GETs, chunks checked) against Run:ai's S3 streaming of the object
+    (unchecked), each in a fresh process, alternating; medians and shardc's throughput over Run:ai's."""
+    import importlib.util
+
+    from moto.server import ThreadedMotoServer
+
+    from shardc.formats.manifest import read
+    from shardc.store import push_build
+
+    if importlib.util.find_spec("runai_model_streamer_s3") is None:
+        print("  (runai-model-streamer-s3 not installed: pip install -e '.[bench]')")
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
+               "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+               "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0", "AWS_CA_BUNDLE": ""}
+        os.environ.update(env)
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="bench")
+        push_build(manifest, "s3://bench/b")
+        rl = read(manifest).to_layout().ranks[rank]
+        uri, obj = "s3://bench/b/manifest.json", f"s3://bench/b/{rl.file}"
+        loaders = ["shardc-s3", "runai-s3"]
+        times: dict[str, list[float]] = {n: [] for n in loaders}
+        for r in range(repeat):
+            for n in (loaders if r % 2 == 0 else loaders[::-1]):
+                times[n].append(run_child(n, obj, uri, rl.tp_rank, rl.pp_stage, device, env))
+    finally:
+        server.stop()
+    med = {n: statistics.median(v) for n, v in times.items()}
+    return {"median_s": med, "all_s": times, "throughput_vs_runai": med["runai-s3"] / med["shardc-s3"]}
 
 
 def hashing_rates(manifest: Path) -> dict[str, float]:
@@ -265,6 +320,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1, help="synthetic model: TP degree (rank 0 is loaded)")
     ap.add_argument("--loaders", default=",".join(LOADERS))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--s3", action="store_true", help="also from the moto S3 server: shardc vs Run:ai's S3 streaming")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--pp", type=int, default=0, help=argparse.SUPPRESS)
@@ -277,6 +333,8 @@ def main() -> None:
         loaders = available([n.strip() for n in a.loaders.split(",") if n.strip()])
         r = compare(manifest, a.rank, a.device, a.repeat, loaders)
         r["hashing_gb_s"] = hashing_rates(manifest) if a.device == "cpu" else {}
+        if a.s3:
+            r["s3"] = compare_s3(manifest, a.rank, a.device, a.repeat)
     if a.json:
         print(json.dumps(r, indent=1))
         return
@@ -292,6 +350,10 @@ def main() -> None:
                   + (f"  {ratio:4.2f}x the fastest unchecked" if ratio else "") + tag)
     for k, v in r["hashing_gb_s"].items():
         print(f"  verify hashing, whole build, {k.replace('_', ' ')}: {v:.2f} GB/s")
+    if "s3" in r:
+        m = r["s3"]["median_s"]
+        print(f"  from moto S3 (127.0.0.1): shardc {m['shardc-s3']:.3f}s, Run:ai {m['runai-s3']:.3f}s: shardc's "
+              f"throughput {r['s3']['throughput_vs_runai']:.2f}x Run:ai's")
 
 
 if __name__ == "__main__":

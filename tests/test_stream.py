@@ -111,18 +111,18 @@ def test_a_damaged_object_is_fetched_again_once_then_named(built, pushed, s3):
     shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
     assert exc.value.message == (f"{S1}: sha256 of 1 of {-(-len(data) // CHUNK)} chunk(s) differs from the "
                                  f"manifest: chunk {i} (bytes {lo}..{hi}: {shown}) (corrupted bytes)")
-    ranged = [r for r in s3[1].log if r.method == "GET" and r.path.split("?")[0].endswith(S1)]
-    assert len(ranged) == -(-len(data) // CHUNK) + 1  # the damaged chunk once more
+    gets = [r for r in s3[1].log if r.method == "GET" and r.path.split("?")[0].endswith(S1)]
+    assert len(gets) == -(-len(data) // CHUNK) + 1  # the damaged chunk once more
 
 
 def test_an_object_replaced_while_read_is_one_line(built, pushed, s3, monkeypatch):
     """The object pushed again after the first chunk arrived: the next ranged GET, pinned to the
     ETag the read started with, is refused; one StoreError line, no tensor returned."""
     import shardc
-    from shardc.store import stream
+    from shardc.store import ranged
 
     uri, bkt = pushed
-    real, done = stream.RangedChunks.read, []
+    real, done = ranged.RangedChunks.read, []
 
     def read(self, i, mv):
         got = real(self, i, mv)
@@ -130,7 +130,7 @@ def test_an_object_replaced_while_read_is_one_line(built, pushed, s3, monkeypatc
             done.append(s3[0].client().put_object(Bucket=bkt, Key=f"p/{S1}", Body=(built / S1).read_bytes()[::-1]))
         return got
 
-    monkeypatch.setattr(stream.RangedChunks, "read", read)
+    monkeypatch.setattr(ranged.RangedChunks, "read", read)
     with pytest.raises(StoreError) as exc:
         shardc.load_shard(uri, 1, 0, device="cpu")
     assert done and exc.value.message.startswith(f"s3://{bkt}/p/{S1} changed while it was read (its ETag is no longer ")
@@ -152,3 +152,26 @@ def test_verify_streams_ranks_without_a_directory(built, pushed, s3):
     s3[0].client().put_object(Bucket=bkt, Key=f"p/{S1}", Body=bytes(data))
     r = CliRunner().invoke(main, ["verify", "--manifest", uri, "--rank", "1", "--device", "cpu"])
     assert r.exit_code == 1 and f"differs from the manifest: chunk {(len(data) - 1) // CHUNK} " in r.stderr, r.output
+
+
+def test_pull_downloads_by_the_same_ranged_chunks(built, pushed, s3, tmp_path):
+    """shardc pull of rank 1: one ranged GET per chunk, the file equal to the build's; with the
+    object damaged in the store, one line naming the chunk and nothing under the final name (no
+    partial file left either)."""
+    from shardc.store import pull_build
+
+    uri, bkt = pushed
+    res = pull_build(uri, tmp_path / "node", ranks=[(1, 0)])
+    assert res["verify"]["ok"] and (tmp_path / "node" / S1).read_bytes() == (built / S1).read_bytes()
+    size = (built / S1).stat().st_size
+    gets = [r for r in s3[1].log if r.method == "GET" and r.path.split("?")[0].endswith(S1)]
+    assert len(gets) == -(-size // CHUNK)
+    data = bytearray((built / S1).read_bytes())
+    data[CHUNK + 5] ^= 0x01
+    s3[0].client().put_object(Bucket=bkt, Key=f"p/{S1}", Body=bytes(data))
+    with pytest.raises(VerifyMismatch) as exc:
+        pull_build(uri, tmp_path / "other", ranks=[(1, 0)])
+    assert exc.value.message.startswith(f"{S1}: downloaded data does not match the manifest: sha256 of 1 of "
+                                        f"{-(-size // CHUNK)} chunk(s) differs from the manifest: chunk 1 (bytes "
+                                        f"{CHUNK}..{2 * CHUNK}")
+    assert not [p.name for p in (tmp_path / "other").iterdir() if S1 in p.name]

@@ -245,6 +245,21 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
     first mismatch wins over other errors (exit 1: the store's data is wrong)."""
     items: list[GetItem] = []
     bar = None
+    digests: dict[str, str] = {}
+    ranged = [w for w in todo if _ranged(store, w)]
+    if ranged:  # shards with chunk digests: parallel ranged GETs, checked in memory (store/ranged.py)
+        from .ranged import download_chunked
+
+        bar = progress_bar(progress, f"pull {store.uri}", total)
+        try:
+            for w in ranged:
+                assert w.chunk_size is not None
+                download_chunked(store, dest / w.name, w.size, w.chunk_size, w.chunks, fsync, bar.update)  # type: ignore[arg-type]
+                digests[w.name] = w.sha256
+        finally:
+            bar.close()
+        todo = [w for w in todo if w not in ranged]
+        bar = None
     try:
         for w in todo:
             items.append(GetItem(w.object, VerifiedSink(dest / w.name, w.size, w.sha256, w.compressed, fsync)))
@@ -258,7 +273,6 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
         if bar is not None:
             bar.close()
 
-    digests: dict[str, str] = {}
     mismatches: list[ShardcError] = []
     other: list[ShardcError] = []
     for w, item, err in zip(todo, items, errors, strict=True):
@@ -283,6 +297,14 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
     if other:
         raise other[0]
     return digests
+
+
+def _ranged(store: Store, w: Wanted) -> bool:
+    """Whether ``w`` is pulled by chunked ranged GETs: a shard with chunk digests, stored as built,
+    in S3 (a local store's files are copied as before)."""
+    from .s3 import S3Store
+
+    return isinstance(store, S3Store) and w.chunk_size is not None and w.compressed is None
 
 
 def verify_pulled(manifest: Manifest, dest: Path, shards: list[ShardEntry],

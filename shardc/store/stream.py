@@ -2,8 +2,9 @@
 GETs into memory (host or GPU), every chunk checked as it arrives, no local disk.
 
 ``shardc.load_shard("s3://bucket/prefix/manifest.json", tp, pp, device=...)`` lands here (any
-other manifest goes to verify/loader.py's ``load_shard``), and ``shardc verify --manifest s3://...
---device D`` without ``--dir`` checks ranks this way (``verify_streamed``).
+other manifest goes to verify/loader.py's ``load_shard``), ``shardc verify --manifest s3://...
+--device D`` without ``--dir`` checks ranks this way (``verify_streamed``); ``shardc pull``
+downloads shards with chunk digests by the same ranged reads, to disk (store/ranged.py).
 
 The checks are the local loader's (verify/loader.py ``rank_of``, ``header_check``) and so is the
 read (verify/chunked.py): the shard's chunks are fetched by several ranged GETs at once, each
@@ -22,36 +23,14 @@ from typing import Any
 
 from ..errors import StoreError, VerifyMismatch
 from ..formats.manifest import Manifest
-from ..verify.chunked import ChunkSource, load_chunks
+from ..verify.chunked import load_chunks
 from ..verify.loader import header_check, rank_of
 from ..verify.reader import RawShard, nonfinite, tensors_of
 from .base import S3Settings
+from .ranged import RangedChunks
 from .s3 import S3Store
 
 _PULL = "shardc pull it to a local disk, then load_shard the directory"
-
-
-class RangedChunks(ChunkSource):
-    """Chunks of an S3 object, each one ranged GET pinned to the object's ETag."""
-
-    refetch = True  # a garbled body is fetched once more before it is a mismatch
-
-    def __init__(self, store: S3Store, name: str, size: int, etag: str, chunk_size: int,
-                 digests: tuple[str, ...]) -> None:
-        super().__init__(name, size, chunk_size, digests)
-        self.store, self.etag = store, etag
-        self.where = store.object_uri(name)
-        self.in_flight = max(4, store.settings.max_concurrency)
-
-    def parallel(self) -> int:
-        return max(1, min(self.count, self.in_flight))
-
-    def read(self, i: int, mv: memoryview) -> memoryview:
-        lo, hi = self.span(i)
-        got = self.store.get_range(self.name, lo, hi, mv, self.etag)
-        if got < hi - lo:
-            self.short = True
-        return mv[:got]
 
 
 def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cuda",

@@ -28,7 +28,7 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -172,6 +172,32 @@ class ChunkSource:
         self.fail(bad, header, start)
         return RawShard("", header, whole[start : self.size], error)
 
+    # -- a file (pull) ----------------------------------------------------------------------------
+    def to_file(self, fd: int, on_bytes: Callable[[int], None] | None = None) -> list[int]:
+        """Every chunk written at its offset of ``fd`` (the caller's temp file), each hashed in
+        memory before it is written, none written unless it matched. The indices of the damaged
+        chunks (after the refetch); a source that changed size raises."""
+        local = threading.local()
+
+        def one(i: int) -> bool:
+            if not hasattr(local, "buf"):
+                local.buf = memoryview(bytearray(-(-self.chunk_size // ALIGN) * ALIGN))
+            got, good = self.checked(i, local.buf)
+            if good:
+                view, at = got, self.span(i)[0]
+                while view:
+                    k = os.pwrite(fd, view, at)
+                    view, at = view[k:], at + k
+            if on_bytes is not None:
+                on_bytes(len(got))
+            return good
+
+        with ThreadPoolExecutor(self.parallel(), thread_name_prefix="shardc-pull") as pool:
+            bad = [i for i, good in enumerate(pool.map(one, range(self.count))) if not good]
+        if self.short or self.changed():
+            raise VerifyMismatch(f"{self.where}: changed size while it was read", hint="push the build again")
+        return bad
+
     # -- CUDA -------------------------------------------------------------------------------------
     def to_cuda(self, dev: Any, on_header: HeaderCheck | None) -> RawShard:
         """Chunks through a pool of pinned staging buffers, hashed there and copied to the GPU
@@ -241,7 +267,8 @@ class FileChunks(ChunkSource):
     def __init__(self, fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str]) -> None:
         super().__init__(name, size, chunk_size, digests)
         self.fd = fd
-        self.direct = enable_direct(fd)
+        # a file already in the page cache is copied from it (O_DIRECT would go to the disk again)
+        self.direct = not _cached(fd, size) and enable_direct(fd)
 
     def restore(self) -> None:
         """Leave the caller's descriptor as it was given (cached I/O)."""
@@ -272,6 +299,24 @@ class FileChunks(ChunkSource):
                 break
             got += k
         return mv[: min(got, want)]
+
+
+def _cached(fd: int, size: int, probes: int = 16) -> bool:
+    """Whether the file looks resident in the page cache: one page at each of ``probes`` spread
+    offsets read with ``RWF_NOWAIT`` (which fails rather than wait for the disk). False where the
+    flag is missing."""
+    flag = getattr(os, "RWF_NOWAIT", None)
+    if flag is None or size <= 0:
+        return False
+    page = bytearray(ALIGN)
+    for k in range(probes):
+        offset = (size - 1) * k // max(1, probes - 1) // ALIGN * ALIGN
+        try:
+            if os.preadv(fd, [page], offset, flag) <= 0:
+                return False
+        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: the filesystem cannot say
+            return False
+    return True
 
 
 def _workers(count: int) -> int:
