@@ -50,7 +50,7 @@ PEER_MODULE = {"fastsafetensors": "fastsafetensors", "runai": "runai_model_strea
 
 
 # -- the loaders (each run in a child process) ----------------------------------------------------
-def load(name: str, path: Path, manifest: Path, tp: int, pp: int, device: str) -> dict[str, Any]:
+def load(name: str, path: str, manifest: str, tp: int, pp: int, device: str) -> dict[str, Any]:
     """One loader's tensors for ``path`` (the shard of rank (tp, pp) of ``manifest``)."""
     if name == "shardc":
         import shardc
@@ -89,7 +89,7 @@ def load(name: str, path: Path, manifest: Path, tp: int, pp: int, device: str) -
     raise SystemExit(f"unknown loader {name}")
 
 
-def _safe_open(path: Path, device: str) -> dict[str, Any]:
+def _safe_open(path: Path | str, device: str) -> dict[str, Any]:
     """safe_open + get_tensor + a copy: on CPU get_tensor returns a view of safetensors' mapping of
     the file (nothing read yet; a later write to the file shows through), so the copy is what
     makes it loaded memory, as the other loaders' is."""
@@ -99,7 +99,7 @@ def _safe_open(path: Path, device: str) -> dict[str, Any]:
         return {k: f.get_tensor(k).clone() for k in f.keys()}  # noqa: SIM118
 
 
-def child(name: str, path: Path, manifest: Path, tp: int, pp: int, device: str) -> None:
+def child(name: str, path: str, manifest: str, tp: int, pp: int, device: str) -> None:
     """Import torch, then time one load; print the seconds as JSON."""
     import torch
 
@@ -188,6 +188,7 @@ def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str,
     manifest (parallel ranged GETs, chunks checked) against Run:ai's S3 streaming of the object
     (unchecked), each in a fresh process, alternating; medians and shardc's throughput over Run:ai's."""
     import importlib.util
+    import logging
 
     from moto.server import ThreadedMotoServer
 
@@ -196,13 +197,14 @@ def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str,
 
     if importlib.util.find_spec("runai_model_streamer_s3") is None:
         print("  (runai-model-streamer-s3 not installed: pip install -e '.[bench]')")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
         host, port = server.get_host_and_port()
         env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s",
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-               "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0", "AWS_CA_BUNDLE": ""}
+               "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
         os.environ.update(env)
         import boto3
 
@@ -311,7 +313,7 @@ def synthetic(root: Path, layers: int, hidden: int, tp: int) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--manifest", type=Path)
+    ap.add_argument("--manifest", help="manifest.json (a path; for the --child runs also an s3:// URI)")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=5)
@@ -322,14 +324,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--s3", action="store_true", help="also from the moto S3 server: shardc vs Run:ai's S3 streaming")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--pp", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
+    if a.child:  # the manifest and path stay strings: an s3:// URI is not a Path
         child(a.child, a.path, a.manifest, a.tp, a.pp, a.device)
         return
     with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=os.environ.get("BENCH_DIR")) as tmp:
-        manifest = a.manifest or synthetic(Path(tmp), a.layers, a.hidden, a.tp)
+        manifest = Path(a.manifest) if a.manifest else synthetic(Path(tmp), a.layers, a.hidden, a.tp)
         loaders = available([n.strip() for n in a.loaders.split(",") if n.strip()])
         r = compare(manifest, a.rank, a.device, a.repeat, loaders)
         r["hashing_gb_s"] = hashing_rates(manifest) if a.device == "cpu" else {}

@@ -135,9 +135,9 @@ def _hook(monkeypatch, when, action) -> list:
     monkeypatch.setattr(reader, "_read_full", read_full)
     monkeypatch.setattr(reader, "HOST_CHUNK", 4096)  # several pieces even for a tiny shard
 
-    real_chunk = chunked.FileChunks.read  # the chunked pass: before the first data chunk, after the last
+    real_chunk = chunked.FileChunks.fetch  # the chunked pass: before the first data chunk, after the last
 
-    def read_chunk(self, i, mv):
+    def fetch_chunk(self, i, mv):
         if when == "start" and not done and i >= 1:
             done.append(action(self.fd))
         got = real_chunk(self, i, mv)
@@ -145,7 +145,7 @@ def _hook(monkeypatch, when, action) -> list:
             done.append(action(self.fd))
         return got
 
-    monkeypatch.setattr(chunked.FileChunks, "read", read_chunk)
+    monkeypatch.setattr(chunked.FileChunks, "fetch", fetch_chunk)
     monkeypatch.setattr(chunked, "_workers", lambda count: 1)  # chunks in order: the moment is exact
     return done
 
