@@ -196,9 +196,10 @@ def test_chunked_load_returns_the_files_tensors(built, monkeypatch, direct):
     assert all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8)) for k in want)
 
 
-def test_a_resealed_edit_passes_the_chunks_and_the_header_check_sees_it(build_dir):
-    """A NaN planted and the entry resealed (size, sha256, chunks): the chunk check passes, the
-    data is what the file holds (the loader is not a content check)."""
+def test_a_resealed_edit_passes_the_chunk_check(build_dir):
+    """A byte of the last tensor changed and the entry resealed (size, sha256, chunks, as
+    conftest.reseal cuts them): the chunk check accepts it, so the chunk digests are the file's
+    bytes and nothing else (a test that plants a NaN under matching digests relies on this)."""
     import shardc
 
     f = build_dir / S0
