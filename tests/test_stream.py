@@ -139,12 +139,14 @@ def test_an_object_replaced_while_read_is_one_line(built, pushed, s3, monkeypatc
 
 def test_verify_streams_ranks_without_a_directory(built, pushed, s3):
     """shardc verify --manifest s3://... --rank R --device cpu, no --dir: ok, exit 0; with rank 1's
-    object damaged: exit 1 naming the chunk."""
+    object damaged: exit 1 naming the chunk; with neither --dir nor --device: one line, exit 2."""
     from click.testing import CliRunner
 
     from shardc.cli import main
 
     uri, bkt = pushed
+    r = CliRunner().invoke(main, ["verify", "--manifest", uri, "--rank", "1"])  # neither --dir nor --device
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1 and "--device" in r.stderr, r.output
     r = CliRunner().invoke(main, ["verify", "--manifest", uri, "--rank", "1", "--device", "cpu"])
     assert r.exit_code == 0 and r.output.startswith(f"ok   {S1} (rank 1: tp 1, pp 0)"), r.output
     data = bytearray((built / S1).read_bytes())
