@@ -8,6 +8,8 @@ vocab 128256, bf16; about 5.6 GB) built as bf16 tp1, int8, fp8 and bf16 tp4pp2, 
   torchrun verify --distributed --device cuda of tp1;
   decode: 128 greedy tokens against transformers' eager generate on the same device (tokens equal,
   tokens/s ratio); prefill scoring of 8 x 512 against transformers' forward (ratio);
+  load_shard's chunked read (issue 30: pinned staging, per-worker copy streams) equal to
+  load_file, a flipped byte naming its chunk;
   load_shard / verify --device of one rank against hashlib + safetensors load_file + isfinite;
   gate bf16 vs int8 on the device, then again from --baseline-cache (same numbers, time ratio).
 DEVICE=cpu SIZE=tiny runs the same steps on a 2-layer toy in well under a minute (CI: the script
@@ -269,6 +271,49 @@ def load_bench(manifest: Path) -> None:
            f"verify --device {r['verify_s']:.2f}s = {r['verify_ratio']:.2f}x")
 
 
+def chunked_load(manifest: Path) -> None:
+    """load_shard's chunked read (format_version 3, verify/chunked.py; on CUDA through pinned
+    staging buffers and per-worker copy streams): the tensors equal safetensors' load_file of the
+    file, and a flipped byte is a VerifyMismatch naming its chunk."""
+    import torch
+    from safetensors.torch import load_file
+
+    import shardc
+    from shardc.errors import VerifyMismatch
+    from shardc.formats.manifest import read
+
+    m = read(manifest)
+    rl = m.to_layout().ranks[0]
+    entry = m.shard(rl.file)
+    expect(entry is not None and entry.chunk_size is not None, "the build's manifest has no chunk digests")
+    f = manifest.parent / rl.file
+    got = shardc.load_shard(manifest, rl.tp_rank, rl.pp_stage, device=DEVICE)
+    want = load_file(f)
+    expect(sorted(got) == sorted(want) and all(
+        torch.equal(got[k].cpu().view(torch.uint8), want[k].view(torch.uint8)) for k in want),
+        "load_shard's chunked read differs from load_file")
+    size = f.stat().st_size
+    with open(f, "r+b") as fh:
+        fh.seek(size - 5)
+        b = fh.read(1)
+        fh.seek(size - 5)
+        fh.write(bytes([b[0] ^ 0x01]))
+    try:
+        try:
+            shardc.load_shard(manifest, rl.tp_rank, rl.pp_stage, device=DEVICE)
+            expect(False, "a flipped byte loaded")
+        except VerifyMismatch as exc:
+            chunk = (size - 5) // entry.chunk_size
+            expect(f"chunk {chunk} " in exc.message, f"flipped byte: {exc.message}")
+    finally:
+        with open(f, "r+b") as fh:
+            fh.seek(size - 5)
+            fh.write(b)
+    figure("chunked_load", {"chunks": len(entry.chunks), "chunk_size": entry.chunk_size},
+           f"chunked load_shard on {DEVICE}: {len(entry.chunks)} chunk(s) equal to load_file; a flipped byte "
+           "names its chunk")
+
+
 def gate(base: Path, cand: Path, work: Path) -> None:
     from shardc.runtime.gate import run_gate
 
@@ -323,6 +368,7 @@ def main() -> int:
     if "tp4pp2" in builds:
         step("flipped byte exits 1", flipped_byte, builds["tp4pp2"])
         step("GPU-count line", gpu_count_lines, builds["tp4pp2"], builds.get("bf16", builds["tp4pp2"]))
+        step("chunked load_shard equals load_file, names a flipped chunk", chunked_load, builds["tp4pp2"])
         step("load_shard / verify of one rank vs load_file", load_bench, builds["tp4pp2"])
     if "bf16" in builds:
         step("torchrun verify --distributed", torchrun_verify, builds["bf16"])

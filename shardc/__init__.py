@@ -1,7 +1,8 @@
 """shardc: compile a Hugging Face checkpoint into per-rank TP x PP shard files, verify and ship them.
 
 ``shardc.load_shard(manifest, tp_rank, pp_stage, device=...)`` is the loader a serving runtime calls
-(see shardc.verify.loader). It is resolved lazily so that ``import shardc`` never imports torch.
+(shardc.verify.loader; an ``s3://`` manifest is streamed by shardc.store.stream). It is resolved
+lazily so that ``import shardc`` never imports torch.
 """
 
 from __future__ import annotations
@@ -26,4 +27,4 @@ def lazy_seam(package: str, seam: dict[str, str]) -> Callable[[str], Any]:
     return __getattr__
 
 
-__getattr__ = lazy_seam("shardc", {"load_shard": "verify.loader"})
+__getattr__ = lazy_seam("shardc", {"load_shard": "store.stream"})

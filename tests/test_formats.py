@@ -102,7 +102,7 @@ S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
     (("model", "config", "num_hidden_layers"), 10**9, "model.config.num_hidden_layers"),
     (("model", "config", "vocab_size"), 1 << 40, "model.config.vocab_size"),
     (("source", "files"), {}, "source.files"),
-    (("format_version",), 3, None),
+    (("format_version",), 4, None),
     (("plan_sha256",), KeyError, "plan_sha256"),
     (("extra",), 1, "manifest"),
 ])
@@ -147,11 +147,20 @@ def test_version_1_manifests_are_still_read():
     assert parse(m.dumps()) == m
 
 
-def test_version_2_shards_are_keyed_by_file(built):
+def test_version_3_shards_are_keyed_by_file_with_chunk_digests(built):
+    """Keyed by file name (since version 2), the whole file's sha256 as before, and (version 3)
+    the sha256 of every CHUNK_SIZE bytes, cut here independently of the writer."""
+    from shardc.formats.chunks import CHUNK_SIZE
+
     m = json.loads(built.manifest_path.read_text())
-    assert m["format_version"] == 2
+    assert m["format_version"] == 3
     for s in built.manifest.shards:
-        assert m["shards"][s.file]["sha256"] == hashlib.sha256((built.out_dir / s.file).read_bytes()).hexdigest()
+        data = (built.out_dir / s.file).read_bytes()
+        entry = m["shards"][s.file]
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert entry["chunk_size"] == CHUNK_SIZE
+        assert entry["chunks"] == [hashlib.sha256(data[i : i + CHUNK_SIZE]).hexdigest()
+                                   for i in range(0, len(data), CHUNK_SIZE)]
 
 
 def test_version_2_shard_keys_are_safe_names(built, tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import reseal
 
 from shardc.errors import ManifestError
 from shardc.runtime.gate import (
@@ -292,7 +293,6 @@ def _swap_row_parallel(build_dir: Path, layer: int) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardc.formats.files import sha256_file
     from shardc.formats.manifest import dumps, read_manifest
 
     m = read_manifest(build_dir / "manifest.json")
@@ -308,7 +308,7 @@ def _swap_row_parallel(build_dir: Path, layer: int) -> None:
     for r in (0, 1):
         path = build_dir / entries[r]["file"]
         save_file(data[r], str(path), metadata=meta[r])
-        entries[r]["size"], entries[r]["sha256"] = path.stat().st_size, sha256_file(path)
+        reseal(entries[r], path.read_bytes())
     (build_dir / "manifest.json").write_bytes(dumps(m))
 
 

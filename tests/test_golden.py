@@ -28,20 +28,20 @@ PLANS = {  # name: (tp, pp, dtype)
 GOLDEN: dict[str, dict[str, str]] = {
     "g-tp1pp2-fp8": {
         "config.json": "573f3917d24434a3c5a6a897495adc9009a5c4ff9e605c01a965d55fb0a8ffc6",
-        "manifest.json": "8f38aa20d01b3f845dcad5e9d8cd484bcef7cf480a084e15b3a6cc24a7e2a298",
+        "manifest.json": "d6f75963727c93e9f8385e3db42fca3306762bd450c3609fd0e89187e8f4b1c1",
         "model-tp00-pp00.safetensors": "72f57a4c1fcd5f4b4f269cf86e883ba21535fd7bc3f4a7260a69ed500841b2cd",
         "model-tp00-pp01.safetensors": "5fd71cf3d45981499fde8434385ce8dd776b42533a30808d92bde5dd5a5718a1",
         "model.safetensors.index.json": "e580c943263d6ebadcd5beb66ff7f99b43e6057c7aa012bb8bfad77a40c3e851",
     },
     "g-tp2pp1-int8": {
         "config.json": "fb51ef8ec178f1a218195ac6dabb4ab51ad67cd0ea552590cd8797dd8cd75ee0",
-        "manifest.json": "c1028af35d5907f95d63164444f81464fa15b41a2cd1f4e71fa435a6f675a5b3",
+        "manifest.json": "14e597270358ffe2e3f3da2108ee6d123e4f891362fc2d46fc3e42e0d0e93461",
         "model-tp00-pp00.safetensors": "0d931345df88593b8cfafacaa72b10187d2cab0c6dbd2d041b619a89fb189f86",
         "model-tp01-pp00.safetensors": "8c93bd284ae577d77ad3d26428024c696f9d1e425486d471ba733fcf23deb071",
     },
     "g-tp2pp2-bf16": {
         "config.json": "2e09e4292776916c310687e90822c44700f192ba7187bb28cc781b8a7ccd5b24",
-        "manifest.json": "8f9c08b7a1bcd951ba5854fca7461ca40533c23366b6c618810a1f2436ae780a",
+        "manifest.json": "18295d7d4cd97b0b1f1339d1db85bbcfcc60cde788ad1fb5a1b3eb6663b97ec7",
         "model-tp00-pp00.safetensors": "8ebec9afe006a76b40694926388efa2e26263128415cd83e1593e052a5bd4b94",
         "model-tp00-pp01.safetensors": "cc72cfb3e0c7f5412c52e17af5e4694ea12396891f84ee873be4e6c041933213",
         "model-tp01-pp00.safetensors": "0cf3e89d40db2e1e21e91ea919e58cfe1d751ce6376ff414dd6a503c21125eeb",

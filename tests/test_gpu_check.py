@@ -26,6 +26,6 @@ def test_gpu_check_script_on_cpu(tmp_path):
     r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert r["ok"] and r["device"] == "cpu" and r["size"] == "tiny"
     assert {v["status"] for v in r["steps"].values()} == {"ok"}, r["steps"]
-    assert len(r["steps"]) == 14
+    assert len(r["steps"]) == 15
     assert r["figures"]["decode_tokens_identical"] == 16
     assert (tmp_path / "out" / "gpu_check.log").is_file()

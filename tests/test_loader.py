@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import reseal
 
 torch = pytest.importorskip("torch")
 
@@ -195,7 +196,6 @@ def test_nonfinite_reads_exponent_bits():
 def test_verify_device_cpu_finds_nan_with_matching_sha(builds, tmp_path):
     """A NaN written into a shard whose manifest sha256 was updated to match: only the value check
     can catch it, and verify --device cpu must (and without --device it passes)."""
-    import hashlib
     import shutil
     import struct
 
@@ -210,7 +210,7 @@ def test_verify_device_cpu_finds_nan_with_matching_sha(builds, tmp_path):
     start = 8 + n + header[name]["data_offsets"][0]
     data[start : start + 2] = struct.pack("<H", 0x7FC0)  # bf16 NaN
     f.write_bytes(bytes(data))
-    _entry(man, 0)[1]["sha256"] = hashlib.sha256(data).hexdigest()
+    reseal(_entry(man, 0)[1], bytes(data))
     (d / "manifest.json").write_text(json.dumps(man))
     p = _cli("verify", "--manifest", str(d / "manifest.json"), "--rank", "0")
     assert p.returncode == 0, p.stdout + p.stderr

@@ -18,12 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import reseal
 
 torch = pytest.importorskip("torch")
 
 import shardc  # noqa: E402
 from shardc.errors import DeviceError, LayoutError, ManifestError, ShardcError, VerifyMismatch  # noqa: E402
-from shardc.verify import reader  # noqa: E402
+from shardc.verify import chunked, reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
@@ -45,11 +46,64 @@ def built(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def built_chunked(tmp_path_factory) -> Path:
+    """The same build cut into 4 KiB chunks (format_version 3): several chunks per tiny shard."""
+    from shardc.build.compile import build
+    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.formats import chunks
+    from shardc.spec.plan import plan_from_dict
+
+    root = tmp_path_factory.mktemp("hostile-loader-chunked")
+    src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
+    plan = plan_from_dict({"replica_group": {"name": "hl", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
+                                             "gpus_per_replica": 2}, "model": {"source": str(src)}})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(chunks, "CHUNK_SIZE", 4096)
+        return build(plan, out_dir=root / "b").out_dir
+
+
 @pytest.fixture
 def build_dir(built, tmp_path) -> Path:
     d = tmp_path / "b"
     shutil.copytree(built, d)
     return d
+
+
+@pytest.fixture(params=["whole", "chunked"])
+def any_dir(request, built, tmp_path) -> Path:
+    """A build read by either pass: ``whole``, its manifest without chunk digests (format_version
+    2: one sha256 over the file, reader.py); ``chunked``, in 4 KiB chunks (chunked.py)."""
+    d = tmp_path / "b"
+    if request.param == "chunked":
+        shutil.copytree(request.getfixturevalue("built_chunked"), d)
+        return d
+    shutil.copytree(built, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["format_version"] = 2
+    for entry in m["shards"].values():
+        del entry["chunk_size"], entry["chunks"]
+    (d / "manifest.json").write_text(json.dumps(m))
+    return d
+
+
+def _chunk_line(path: Path, i: int, chunk: int) -> str:
+    """The loader's line for one damaged chunk, worked out here from the file's header: the
+    tensors whose bytes touch chunk ``i`` (``<header>`` when the chunk holds header bytes)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    lo, hi = i * chunk, min(len(raw), (i + 1) * chunk)
+    held = sorted(k for k, v in header.items() if k != "__metadata__"
+                  and 8 + n + v["data_offsets"][0] < hi and lo < 8 + n + v["data_offsets"][1])
+    held = (["<header>"] if lo < 8 + n else []) + held
+    shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+    return (f"{path.name}: sha256 of 1 of {-(-len(raw) // chunk)} chunk(s) differs from the manifest: chunk {i} "
+            f"(bytes {lo}..{hi}: {shown}) (corrupted bytes)")
+
+
+def _chunked(d: Path) -> bool:
+    return "chunks" in json.loads((d / "manifest.json").read_text())["shards"][S0]
 
 
 def _expected(data: bytes) -> dict:
@@ -80,6 +134,19 @@ def _hook(monkeypatch, when, action) -> list:
 
     monkeypatch.setattr(reader, "_read_full", read_full)
     monkeypatch.setattr(reader, "HOST_CHUNK", 4096)  # several pieces even for a tiny shard
+
+    real_chunk = chunked.FileChunks.fetch  # the chunked pass: before the first data chunk, after the last
+
+    def fetch_chunk(self, i, mv):
+        if when == "start" and not done and i >= 1:
+            done.append(action(self.fd))
+        got = real_chunk(self, i, mv)
+        if when == "end" and not done and i == self.count - 1:
+            done.append(action(self.fd))
+        return got
+
+    monkeypatch.setattr(chunked.FileChunks, "fetch", fetch_chunk)
+    monkeypatch.setattr(chunked, "_workers", lambda count: 1)  # chunks in order: the moment is exact
     return done
 
 
@@ -93,48 +160,54 @@ def _poke(path: Path, offset: int) -> None:
 
 
 # -- what was hashed is what is returned -------------------------------------------------------------------
-def test_replaced_after_the_hash_returns_the_checked_bytes(build_dir, monkeypatch):
+def test_replaced_after_the_hash_returns_the_checked_bytes(any_dir, monkeypatch):
     """Another valid shard os.replace'd over the file once every byte was hashed: the tensors are
     still those of the bytes hashed (the old loader mapped the file again by name and returned the
     other rank's)."""
-    f0 = build_dir / S0
+    f0 = any_dir / S0
     want = _expected(f0.read_bytes())
-    other = build_dir / "other.safetensors"
-    shutil.copy(build_dir / S1, other)
+    other = any_dir / "other.safetensors"
+    shutil.copy(any_dir / S1, other)
     done = _hook(monkeypatch, "end", lambda f: os.replace(other, f0))
-    got = shardc.load_shard(build_dir, 0, 0, device="cpu")
-    assert done and f0.read_bytes() == (build_dir / S1).read_bytes()  # the replace did happen
+    got = shardc.load_shard(any_dir, 0, 0, device="cpu")
+    assert done and f0.read_bytes() == (any_dir / S1).read_bytes()  # the replace did happen
     assert _same(got, want) and not _same(got, _expected(f0.read_bytes()))
 
 
-def test_rewritten_in_place_ahead_of_the_read_is_a_mismatch(build_dir, monkeypatch):
+def test_rewritten_in_place_ahead_of_the_read_is_a_mismatch(any_dir, monkeypatch):
     """A byte of the last tensor flipped in place before the data is read: it is hashed as read,
-    and the sha256 mismatch (the hash of the file as it now is) names the file."""
-    f0 = build_dir / S0
+    and the sha256 mismatch (the hash of the file as it now is) names the file; chunked, the
+    last chunk, its byte range and the tensor in it."""
+    f0 = any_dir / S0
     want = hashlib.sha256(f0.read_bytes()).hexdigest()
-    _hook(monkeypatch, "start", lambda f: _poke(f0, f0.stat().st_size - 3))
+    size = f0.stat().st_size
+    _hook(monkeypatch, "start", lambda f: _poke(f0, size - 3))
     with pytest.raises(VerifyMismatch) as e:
-        shardc.load_shard(build_dir, 0, 0, device="cpu")
+        shardc.load_shard(any_dir, 0, 0, device="cpu")
     now = hashlib.sha256(f0.read_bytes()).hexdigest()
     assert now != want
-    assert e.value.message == f"{S0}: sha256 {now[:16]}..., expected {want[:16]}... (corrupted bytes)"
-    assert e.value.hint == "run shardc verify for the full report"
+    if not _chunked(any_dir):
+        assert e.value.message == f"{S0}: sha256 {now[:16]}..., expected {want[:16]}... (corrupted bytes)"
+        assert e.value.hint == "run shardc verify for the full report"
+        return
+    assert e.value.message == _chunk_line(f0, -(-size // 4096) - 1, 4096)
+    assert e.value.hint == "re-pull the shard, or rebuild it; shardc verify gives the full report"
 
 
-def test_rewritten_in_place_behind_the_read_is_not_returned(build_dir, monkeypatch):
+def test_rewritten_in_place_behind_the_read_is_not_returned(any_dir, monkeypatch):
     """A byte flipped in place once it was read (same inode, so a mapping of the file would show
     it): the tensors hold the bytes that were hashed, not the file's new contents."""
-    f0 = build_dir / S0
+    f0 = any_dir / S0
     want = _expected(f0.read_bytes())
     done = _hook(monkeypatch, "end", lambda f: _poke(f0, f0.stat().st_size - 3))
-    got = shardc.load_shard(build_dir, 0, 0, device="cpu")
+    got = shardc.load_shard(any_dir, 0, 0, device="cpu")
     assert done and _same(got, want) and not _same(got, _expected(f0.read_bytes()))
 
 
 @pytest.mark.parametrize("change", ["shrink", "grow"])
-def test_size_change_while_read_is_a_mismatch(build_dir, monkeypatch, change):
+def test_size_change_while_read_is_a_mismatch(any_dir, monkeypatch, change):
     """Truncated (in place) or appended to while the data is read: one VerifyMismatch line."""
-    f0 = build_dir / S0
+    f0 = any_dir / S0
     size = f0.stat().st_size
 
     def act(f):
@@ -146,7 +219,7 @@ def test_size_change_while_read_is_a_mismatch(build_dir, monkeypatch, change):
 
     _hook(monkeypatch, "start", act)
     with pytest.raises(VerifyMismatch) as e:
-        shardc.load_shard(build_dir, 0, 0, device="cpu")
+        shardc.load_shard(any_dir, 0, 0, device="cpu")
     assert e.value.message == f"{f0}: file changed size while it was read"
     assert e.value.hint == "is something rewriting it?"
 
@@ -196,7 +269,7 @@ def test_header_checked_on_the_bytes_read(build_dir):
     f0 = build_dir / S0
     shutil.copy(build_dir / S1, f0)
     m = json.loads((build_dir / "manifest.json").read_text())
-    m["shards"][S0]["sha256"] = hashlib.sha256(f0.read_bytes()).hexdigest()
+    reseal(m["shards"][S0], f0.read_bytes())
     (build_dir / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(VerifyMismatch) as e:
         shardc.load_shard(build_dir, 0, 0, device="cpu")
@@ -237,7 +310,7 @@ def test_hostile_arguments_are_one_line_errors(built, tmp_path):
         ((b"x", 0, 0), {}, ManifestError, "manifest: is bytes, expected a Manifest, a manifest dict or a path" + kinds),
         (({"format": "x"}, 0, 0), {"directory": d}, ManifestError, "manifest is not a shardc manifest" + build),
         (({**man, "format_version": 9}, 0, 0), {"directory": d}, ManifestError,
-         "manifest has format_version 9; this shardc reads 1 and 2 (hint: use the shardc version that wrote it)"),
+         "manifest has format_version 9; this shardc reads 1, 2 and 3 (hint: use the shardc version that wrote it)"),
         ((str(built / S0), 0, 0), {}, ManifestError, f"{built / S0} is not JSON" + build),
         ((json.dumps(man), 0, 0), {}, ManifestError,
          "manifest: is '{\"files\": [{\"name\": \"config.json\", \"sha2'..., not a path" + text),
@@ -263,16 +336,14 @@ def test_hostile_arguments_are_one_line_errors(built, tmp_path):
 
 def test_run_cli_says_one_line_for_a_shard_rewritten_in_place(build_dir):
     """The CLI's load_shard caller (``shardc run``): a shard rewritten in place since the build is
-    the exact one line, exit 1, naming the file and both hashes."""
+    the exact one line, exit 1, naming the file, the chunk (a tiny shard is one) and its tensors."""
     f0 = build_dir / S0
-    want = hashlib.sha256(f0.read_bytes()).hexdigest()
     _poke(f0, f0.stat().st_size - 3)
-    now = hashlib.sha256(f0.read_bytes()).hexdigest()
     p = subprocess.run([sys.executable, "-m", "shardc.cli", "run", "--manifest", str(build_dir / "manifest.json"),
                         "--prompt-ids", "1,2", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT,
                        timeout=300)
-    line = (f"error: rank 0 (tp 0, pp 0): {S0}: sha256 {now[:16]}..., expected {want[:16]}... (corrupted bytes) "
-            "(hint: run shardc verify for the full report)")
+    line = (f"error: rank 0 (tp 0, pp 0): {_chunk_line(f0, 0, 16 << 20)} "
+            "(hint: re-pull the shard, or rebuild it; shardc verify gives the full report)")
     assert (p.returncode, p.stderr.strip().splitlines()[-1:]) == (1, [line]), p.stdout + p.stderr
 
 

@@ -8,6 +8,7 @@ import struct
 from pathlib import Path
 
 import pytest
+from conftest import reseal
 
 from shardc.build.compile import build
 from shardc.verify.checks import plan_mismatch, verify_build
@@ -125,12 +126,10 @@ def test_checks_run_are_listed_and_deep_trims_vocab_padding(src, tmp_path):
 
 
 def _rehash(d: Path, file: str) -> None:
-    import hashlib
     import json
 
     m = json.loads((d / "manifest.json").read_text())
-    m["shards"][file].update(size=(d / file).stat().st_size,
-                             sha256=hashlib.sha256((d / file).read_bytes()).hexdigest())
+    reseal(m["shards"][file], (d / file).read_bytes())
     (d / "manifest.json").write_text(json.dumps(m))
 
 

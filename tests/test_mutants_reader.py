@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import reseal
 
 torch = pytest.importorskip("torch")
 
@@ -271,7 +272,7 @@ def test_verify_device_reports_a_damaged_span_in_one_line(tmp_path):
     blob[8 : 8 + n] = text.replace(old, f'"data_offsets":[{s},{e - 1}]').encode()
     path.write_bytes(bytes(blob))
     man = json.loads((res.out_dir / "manifest.json").read_text())
-    man["shards"][file]["sha256"] = _sha(bytes(blob))
+    reseal(man["shards"][file], bytes(blob))
     (res.out_dir / "manifest.json").write_text(json.dumps(man))
     r = CliRunner().invoke(main, ["verify", "--manifest", str(res.out_dir / "manifest.json"), "--device", "cpu"])
     assert r.exit_code == 1, r.output

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import reseal
 
 from shardc.build.compile import build
 from shardc.build.inputs import open_local_input
@@ -209,8 +210,7 @@ def test_replicas_that_differ_are_named_in_one_line(work, tmp_path, dtype, tenso
     a = build(plan(work["ckpt"], 8, 1, dtype), tmp_path / "a").out_dir
     victim = a / "model-tp05-pp00.safetensors"
     _flip_in(victim, tensor, 6)
-    edit_manifest(a, lambda m: m["shards"][victim.name].update(
-        sha256=hashlib.sha256(victim.read_bytes()).hexdigest()))
+    edit_manifest(a, lambda m: reseal(m["shards"][victim.name], victim.read_bytes()))
     out = tmp_path / "r"
     with pytest.raises(VerifyMismatch) as exc:
         reshard(open_local_input(a), plan(work["ckpt"], 2, 1, dtype), out)

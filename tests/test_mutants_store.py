@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import reseal
 
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
 from shardc.store import S3Settings, pull_build, push_build
@@ -684,7 +685,7 @@ def test_pull_runs_verify_on_the_pulled_ranks(twins, tmp_path):
     assert data.count(b'"shardc.tp_rank":"1"') == 1
     obj.write_bytes(data.replace(b'"shardc.tp_rank":"1"', b'"shardc.tp_rank":"0"'))
     remote = json.loads((store / "manifest.json").read_text())
-    remote["shards"][SHARD1]["sha256"] = sha(obj)
+    reseal(remote["shards"][SHARD1], obj.read_bytes())
     (store / "manifest.json").write_text(json.dumps(remote))
     with pytest.raises(VerifyMismatch) as exc:
         pull_build(str(store), tmp_path / "node", ranks=[(1, 0)])

@@ -7,7 +7,6 @@ check passes, where the CLI allows it (no --device, no --deep).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import reseal
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -69,9 +69,7 @@ def rewrite(d: Path, file: str, edit=None, meta_edit=None) -> None:
         meta_edit(meta)
     save_file(tensors, str(d / file), metadata=meta)
     m = json.loads((d / "manifest.json").read_text())
-    s = m["shards"][file]  # format_version 2: shards keyed by file name
-    s["size"] = (d / file).stat().st_size
-    s["sha256"] = hashlib.sha256((d / file).read_bytes()).hexdigest()
+    reseal(m["shards"][file], (d / file).read_bytes())  # format_version 2 on: shards keyed by file name
     (d / "manifest.json").write_text(json.dumps(m))
 
 
@@ -95,7 +93,7 @@ def test_swapped_same_shape_shards_are_caught_by_their_metadata(copy_of):
     m = json.loads((d / "manifest.json").read_text())
     for file, s in m["shards"].items():
         p = d / file
-        s["size"], s["sha256"] = p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()
+        reseal(s, p.read_bytes())
     (d / "manifest.json").write_text(json.dumps(m))
     r = verify("--manifest", str(d / "manifest.json"))
     assert r.exit_code == 1

@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from conftest import reseal
 
 from shardc.build.compile import build
 from shardc.build.inputs import open_local_input
@@ -232,7 +233,7 @@ def test_replicas_that_differ_are_exit_1_naming_the_tensor(make_ckpt, tmp_path):
     data[start + tensors[name]["data_offsets"][0] + 6] ^= 0x10
     victim.write_bytes(bytes(data))
     m = read(a.manifest_path)
-    m.shard(victim.name).sha256 = hashlib.sha256(bytes(data)).hexdigest()
+    reseal(m.shard(victim.name), bytes(data))
     m.write(a.manifest_path)
     out = tmp_path / "r"
     res = _cli("--manifest", a.manifest_path, "--plan", _plan_file(tmp_path / "p.yaml", ckpt, 2, 1),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import reseal
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -64,8 +64,7 @@ def _rehash_entry(d: Path, file: str) -> None:
     """Make the manifest agree with a tampered file, so only the plan checks can catch it."""
     m = json.loads((d / "manifest.json").read_text())
     p = d / file
-    m["shards"][file]["size"] = p.stat().st_size
-    m["shards"][file]["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+    reseal(m["shards"][file], p.read_bytes())
     (d / "manifest.json").write_text(json.dumps(m))
 
 

@@ -93,7 +93,8 @@ class BuildRun:
     progress: bool
     manifests_dir: str | Path | None
     t0: float
-    hashes: dict[str, tuple[int, str]] = field(default_factory=dict)  # shard file -> (size, sha256)
+    # shard file -> (size, sha256, chunk size, chunk digests)
+    hashes: dict[str, tuple[int, str, int, tuple[str, ...]]] = field(default_factory=dict)
     key: dict[str, Any] = field(default_factory=dict)  # what a resume record must match
     bar: Any = None
     # A complete build is already there: it stays, untouched, until this one is complete. Every
@@ -226,14 +227,17 @@ def _stages_to_write(run: BuildRun) -> list[list[RankLayout]]:
     return stages
 
 
-def _commit(run: BuildRun, todo: list[RankLayout], writers: dict[str, ShardWriter]) -> dict[str, tuple[int, str]]:
+def _commit(run: BuildRun, todo: list[RankLayout],
+            writers: dict[str, ShardWriter]) -> dict[str, tuple[int, str, int, tuple[str, ...]]]:
     """Rename a written stage's shards into place, each with its resume record (when replacing a
     build: make them durable at their temp names, to be switched with the rest at the end)."""
     done = {}
     try:
         run.source.confirm()  # nothing derived from an unchecked input byte is committed
         for rl in todo:
-            size, sha = done[rl.file] = writers[rl.file].commit(rename=not run.replacing)
+            w = writers[rl.file]
+            size, sha = w.commit(rename=not run.replacing)
+            done[rl.file] = (size, sha, w.chunk_size, tuple(w.chunks))
             if run.replacing:
                 run.staged[run.out / rl.file] = writers[rl.file].tmp
                 continue
@@ -311,7 +315,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
         raise _output_error(run, exc, "config.json and the tokenizer files") from None
     shards = []
     for rl in layout.ranks:
-        size, sha = run.hashes[rl.file]
+        size, sha, chunk_size, chunks = run.hashes[rl.file]
         tensors = {}
         for t in rl.tensors:
             rec = t.record()
@@ -320,7 +324,8 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
                 rec["scale"] = t.source + SCALE_SUFFIX
             tensors[t.name] = rec
         shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors,
-                                 experts=rl.experts, dp_rank=rl.dp_rank if layout.plan.dp > 1 else None))
+                                 experts=rl.experts, dp_rank=rl.dp_rank if layout.plan.dp > 1 else None,
+                                 chunk_size=chunk_size, chunks=chunks))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
     if run.replacing:
         _switch(run, manifest)

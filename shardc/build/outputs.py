@@ -12,6 +12,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import OutputError, ShardcError
+from ..formats import chunks
 from ..formats.files import (
     copy_atomic,
     create_temp,
@@ -80,11 +81,13 @@ def done_path(out_dir: Path, file: str) -> Path:
     return out_dir / f".{file}.done.json"
 
 
-def stage_done(out_dir: Path, layout: Layout, rl: RankLayout, key: dict) -> tuple[int, str] | None:
+def stage_done(out_dir: Path, layout: Layout, rl: RankLayout,
+               key: dict) -> tuple[int, str, int, tuple[str, ...]] | None:
     """A shard finished by an earlier run of the same build: kept only if its record matches this
     build (plan, source fingerprint, versions), its bytes still hash to the record, and its header
     is this rank's (metadata, tensor names, dtypes, shapes), so a foreign shard next to a forged
-    record is rebuilt, not blessed."""
+    record is rebuilt, not blessed. Returns (size, sha256, chunk size, chunk digests): the one
+    read that checks the sha256 also cuts the chunk digests for the manifest."""
     done, path = done_path(out_dir, rl.file), out_dir / rl.file
     try:
         rec = json.loads(done.read_text())
@@ -100,9 +103,14 @@ def stage_done(out_dir: Path, layout: Layout, rl: RankLayout, key: dict) -> tupl
     want = {t.name: (t.dtype, list(t.shape)) for t in rl.tensors}
     if meta != shard_metadata(layout, rl) or {n: (e["dtype"], e["shape"]) for n, e in tensors.items()} != want:
         return None
-    if sha256_file(path) != rec.get("sha256"):
+    try:
+        with open(path, "rb", buffering=0) as f:
+            sha, digests = chunks.digest_file(f.fileno(), rec["size"], chunks.CHUNK_SIZE)
+    except OSError:
         return None
-    return rec["size"], rec["sha256"]
+    if sha != rec.get("sha256"):
+        return None
+    return rec["size"], rec["sha256"], chunks.CHUNK_SIZE, tuple(digests)
 
 
 def up_to_date(out_dir: Path, plan: Plan, layout: Layout, identity: SourceRecord) -> Manifest | None:
@@ -112,7 +120,8 @@ def up_to_date(out_dir: Path, plan: Plan, layout: Layout, identity: SourceRecord
     except (OSError, ShardcError):
         return None
     if (m.plan_sha256 != plan.sha256 or m.effective_sha256 != plan.effective_sha256
-            or m.overrides != plan.overrides or m.source != identity or m.shardc_version != __version__):
+            or m.overrides != plan.overrides or m.source != identity or m.shardc_version != __version__
+            or any(s.chunk_size != chunks.CHUNK_SIZE for s in m.shards)):  # an older build: no chunk digests
         return None
     listed = {f.name: f.sha256 for f in m.files}
     for name, data in side_files(layout).items():  # an older shardc's config or layout

@@ -13,6 +13,7 @@ Exit codes: 0 all good, 1 mismatch (names shard, tensor, expected vs found), 2 b
 Examples:
   shardc verify --manifest build/demo-tp3pp2-bf16/manifest.json
   shardc verify --manifest /models/manifest.json --rank 5 --device cuda
+  shardc verify --manifest s3://models/llama-tp4/manifest.json --rank 5 --device cuda   # streamed, no disk
   shardc verify --manifest build/x/manifest.json --deep /data/Llama-3.3-70B-Instruct --json
   shardc verify --manifest /nvme/build/manifest.json --plan plans/tp2pp1-int8.yaml --source /data/Llama-3.3-70B-Instruct
   torchrun --nproc-per-node 8 -m shardc.cli verify --manifest m.json --distributed --device cuda
@@ -49,9 +50,11 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, 
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
-    if directory is None:
-        raise ManifestError("a manifest from a store needs --dir: where this node's shards are",
-                            hint="shardc verify --manifest s3://bucket/prefix/manifest.json --dir /models/x")
+    stream = directory is None and device is not None and not distributed and manifest_path.startswith("s3://")
+    if directory is None and not stream:
+        raise ManifestError("a manifest from a store needs --dir (where this node's shards are) or "
+                            "--device (stream the ranks from the store onto it, nothing written)",
+                            hint="shardc verify --manifest s3://bucket/prefix/manifest.json --rank 0 --device cuda")
     if source is not None and plan_file is None:
         raise UsageError("--source goes with --plan (it names the source of the plan this node expects)",
                          hint="shardc verify --manifest M --plan PLAN.yaml --source SRC")
@@ -72,7 +75,14 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, 
             from ..verify.devices import check_gpus
 
             check_gpus(manifest.name, device, 1)
-        report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
+        if stream:  # straight from object storage: ranged GETs into memory, every chunk checked
+            from ..store.stream import verify_streamed
+
+            if deep_source:
+                raise UsageError("--deep reads the shards from --dir", hint="pass --dir, or drop --deep")
+            report = verify_streamed(manifest_path, manifest, ranks, device, endpoint_url=endpoint_url)
+        else:
+            report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
     if plan_record is not None:
         report["plan_check"] = plan_record
         if not plan_record["ok"]:  # the shards may be sound, but they are not what this node expects: exit 1

@@ -1,6 +1,6 @@
 """The manifest: the one record of a build. Canonical JSON (sorted keys, no timestamps).
 
-Schema (format_version 2)::
+Schema (format_version 3; 2 is the same without ``chunk_size``/``chunks``)::
 
     {
       "format": "shardc-manifest", "format_version": 2, "shardc_version": "0.1.0",
@@ -16,6 +16,7 @@ Schema (format_version 2)::
       "files": [{"name": "config.json", "size": int, "sha256": hex}],
       "shards": {"model-tp00-pp00.safetensors": {"tp_rank": 0, "pp_stage": 0, "rank": 0,
                   "layers": [start, stop], "size": int, "sha256": hex,
+                  "chunk_size": int, "chunks": [hex, ...] (the sha256 of every chunk_size bytes),
                   "tensors": {name: TensorSpec.record() (+ "stats" for quantized weights)}}, ...}
     }
 
@@ -23,8 +24,10 @@ Schema (format_version 2)::
 with ``overrides`` applied, and without them it is ``plan`` itself (so a build without override,
 and every manifest written before overrides were recorded, has no such keys and the same bytes).
 
-``manifest["shards"][file]["sha256"]`` is all a loader needs to check a shard. Version 1 (still
-read) listed the shards instead, each entry naming its ``"file"``.
+``manifest["shards"][file]["sha256"]`` is all a loader needs to check a shard; ``chunks`` lets it
+check the file on every core and name a damaged chunk (formats/chunks.py). Version 2 (still read,
+and still written for a manifest whose shards have no chunk digests, so its bytes stay) has no
+chunk digests; version 1 (still read) listed the shards instead, each entry naming its ``"file"``.
 
 ``Manifest`` is the typed form: ``read_manifest``/``loads`` are the one reader (the schema is
 checked on read, numbers against sane bounds before anything is sized from them) and
@@ -52,11 +55,12 @@ from ..spec.layout import Layout, base_dtype, build_layout
 from ..spec.model import model_from_config
 from ..spec.plan import OVERRIDABLE, apply_overrides, canonical_json, plan_from_dict
 from ..spec.readfile import MANIFEST_LIMIT, read_regular_file
+from .chunks import chunk_count, chunk_size_problem
 from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 
 FORMAT = "shardc-manifest"
-FORMAT_VERSION = 2
-READS = (1, 2)  # versions this shardc reads; it writes FORMAT_VERSION
+FORMAT_VERSION = 3  # 3: every shard entry carries chunk digests (formats/chunks.py)
+READS = (1, 2, 3)  # versions this shardc reads; it writes 3, or 2 for a manifest without chunk digests
 TOKENIZER = "tokenizer.json"
 _REBUILD = "the manifest is damaged; rebuild, or pass the manifest.json that shardc build wrote"
 # Sizes a real model never exceeds: a manifest claiming more is damaged or hostile, and is refused
@@ -166,13 +170,18 @@ class ShardEntry:
     compressed: dict[str, Any] | None = None
     experts: tuple[int, ...] = ()  # routed expert ids held whole (expert_parallel plans)
     dp_rank: int | None = None  # its attention data-parallel group (recorded when dp_degree > 1)
+    # The file cut every ``chunk_size`` bytes and each piece's sha256 (format_version 3; None and
+    # empty in an older manifest, whose readers check the whole-file sha256 instead)
+    chunk_size: int | None = None
+    chunks: tuple[str, ...] = ()
 
     @classmethod
     def read(cls, r: _Reader, file: str | None = None) -> ShardEntry:
         """One entry; ``file`` is its key (version 2) or None when it names itself (version 1)."""
         r.only(*(("file",) if file is None else ()), "tp_rank", "pp_stage", "rank", "layers", "size",
-               "sha256", "tensors", "compressed", "experts", "dp_rank")
+               "sha256", "tensors", "compressed", "experts", "dp_rank", "chunk_size", "chunks")
         file = safe_name(r.get("file", str) if file is None else file, "shard file name")
+        size = r.number("size", MAX_BYTES)
         layers = r.get("layers", list)
         if len(layers) != 2 or not all(type(x) is int and 0 <= x <= CONFIG_BOUNDS["num_hidden_layers"]
                                         for x in layers):
@@ -185,11 +194,12 @@ class ShardEntry:
         experts = r.get("experts", list, optional=True) or []
         if not all(type(e) is int and 0 <= e < MAX_EXPERTS for e in experts) or experts != sorted(set(experts)):
             raise r.error(f"must be increasing expert ids below {MAX_EXPERTS}", "experts")
+        chunk_size, chunks = _read_chunks(r, size)
         return cls(file, r.number("tp_rank", MAX_DEGREE),
                    r.number("pp_stage", MAX_DEGREE), r.number("rank", MAX_DEGREE * MAX_DEGREE),
-                   (layers[0], layers[1]), r.number("size", MAX_BYTES), r.sha256("sha256"), tensors,
+                   (layers[0], layers[1]), size, r.sha256("sha256"), tensors,
                    r.get("compressed", dict, optional=True), tuple(experts),
-                   r.number("dp_rank", MAX_DEGREE) if "dp_rank" in r.data else None)
+                   r.number("dp_rank", MAX_DEGREE) if "dp_rank" in r.data else None, chunk_size, chunks)
 
     def to_dict(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
         out = {"tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
@@ -200,7 +210,28 @@ class ShardEntry:
             out["experts"] = list(self.experts)
         if self.dp_rank is not None:
             out["dp_rank"] = self.dp_rank
+        if self.chunk_size is not None:
+            out["chunk_size"], out["chunks"] = self.chunk_size, list(self.chunks)
         return {"file": self.file, **out} if version == 1 else out
+
+
+def _read_chunks(r: _Reader, size: int) -> tuple[int | None, tuple[str, ...]]:
+    """A shard entry's ``chunk_size`` and ``chunks`` (both or neither): a valid size, and exactly
+    one 64-hex-digit digest per chunk of the file's ``size`` bytes."""
+    if "chunk_size" not in r.data and "chunks" not in r.data:
+        return None, ()
+    chunk_size = r.get("chunk_size", int)  # "is missing" when only chunks is there
+    if (why := chunk_size_problem(chunk_size)) is not None:
+        raise r.error(why, "chunk_size")
+    chunks = r.get("chunks", list)
+    want = chunk_count(size, chunk_size)
+    if len(chunks) != want:
+        raise r.error(f"lists {len(chunks)} digest(s); {size} bytes in chunks of {chunk_size} bytes are {want}",
+                      "chunks")
+    for i, d in enumerate(chunks):
+        if not isinstance(d, str) or len(d) != 64 or d.strip("0123456789abcdef"):
+            raise r.error(f"is {d!r}, expected 64 hex digits", f"chunks[{i}]")
+    return chunk_size, tuple(chunks)
 
 
 @dataclass
@@ -354,8 +385,16 @@ class Manifest:
         return build_layout(model_from_config(self.config), plan_from_dict(self.plan))
 
     # -- writing --------------------------------------------------------------------------------
-    def to_dict(self, version: int = FORMAT_VERSION) -> dict[str, Any]:
-        """The JSON form; ``version=1`` gives the old shard list (store/ still works on it)."""
+    @property
+    def format_version(self) -> int:
+        """The version this manifest is written in: 3 when its shards carry chunk digests, else 2
+        (an older build's manifest, pulled or passed through, keeps its bytes)."""
+        return FORMAT_VERSION if self.shards and all(s.chunk_size is not None for s in self.shards) else 2
+
+    def to_dict(self, version: int | None = None) -> dict[str, Any]:
+        """The JSON form, in ``format_version``; ``version=1`` gives the old shard list (store/ and
+        tests edit it as data; the chunk digests stay in its entries)."""
+        version = self.format_version if version is None else version
         shards: Any = ([s.to_dict(1) for s in self.shards] if version == 1
                        else {s.file: s.to_dict(version) for s in self.shards})
         return {
@@ -396,7 +435,8 @@ class Manifest:
         version = m.get("format_version")
         if version not in READS or isinstance(version, bool):
             raise ManifestError(
-                f"{origin} has format_version {version!r}; this shardc reads {' and '.join(map(str, READS))}",
+                f"{origin} has format_version {version!r}; this shardc reads "
+                f"{', '.join(map(str, READS[:-1]))} and {READS[-1]}",
                 hint="use the shardc version that wrote it",
             )
         r = _Reader(m, "", origin)
@@ -415,6 +455,7 @@ class Manifest:
             shards = [ShardEntry.read(s) for s in r.items("shards")]
         else:
             shards = sorted((ShardEntry.read(s, file) for file, s in r.entries("shards")), key=lambda s: s.rank)
+        _check_chunked(r, version, shards)
         _check_extent(r, rg, config, shards)
         overrides, effective = _read_overrides(r)
         return cls(plan=plan, plan_sha256=r.sha256("plan_sha256"), model=model.data, layout=layout,
@@ -463,6 +504,22 @@ def _as_json(m: Any, origin: str) -> Any:
 def _plain_error(origin: str, where: str, msg: str) -> ManifestError:
     where = where.lstrip(".") or "manifest"
     return ManifestError(f"{origin}: {msg}", key=where if len(where) <= 60 else where[:60] + "...", hint=_REBUILD)
+
+
+def _check_chunked(r: _Reader, version: int, shards: list[ShardEntry]) -> None:
+    """Version 3 has chunk digests in every shard entry, version 2 in none (an older shardc, which
+    refuses unknown keys, then reads it); version 1 is the plain-dict form and may have either, but
+    not a mix."""
+    have = [s.chunk_size is not None for s in shards]
+    if version == 3 and not all(have):
+        raise r.error("is missing (format_version 3 records chunk digests for every shard)",
+                      f"shards.{shards[have.index(False)].file}.chunk_size")
+    if version == 2 and any(have):
+        raise r.error("is not a format_version 2 key (chunk digests are format_version 3)",
+                      f"shards.{shards[have.index(True)].file}.chunks")
+    if version == 1 and any(have) and not all(have):
+        raise r.error("is missing (another shard has chunk digests: every shard has them or none)",
+                      f"shards.{shards[have.index(False)].file}.chunk_size")
 
 
 def _check_extent(r: _Reader, rg: _Reader, config: _Reader, shards: list[ShardEntry]) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
+from ..formats.chunks import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, parse
 from .base import (
@@ -35,6 +36,8 @@ class Wanted:
     size: int
     sha256: str
     compressed: dict[str, Any] | None = None
+    chunk_size: int | None = None  # a shard's chunk digests (format_version 3)
+    chunks: tuple[str, ...] = ()
 
     @property
     def object(self) -> str:
@@ -58,6 +61,13 @@ def fetch_manifest(manifest_uri: str, *, endpoint_url: str | None = None) -> Man
     """A manifest straight from a store (for ``shardc verify --manifest s3://...``), as the build
     wrote it (the store's compression records stripped)."""
     return strip_compressed(_fetch(manifest_uri, endpoint_url, S3Settings.from_env())[1])
+
+
+def open_manifest(manifest_uri: str, *, endpoint_url: str | None = None,
+                  settings: S3Settings | None = None) -> tuple[Store, Manifest]:
+    """The store a manifest URI names and the manifest as stored (its compression records kept:
+    a reader of the stored objects needs them)."""
+    return _fetch(manifest_uri, endpoint_url, settings or S3Settings.from_env())
 
 
 @os_errors
@@ -182,7 +192,8 @@ def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,
 def _wanted(remote: Manifest, shards: list[ShardEntry]) -> list[Wanted]:
     """The side files and the selected shards, each with its checked ``compressed`` record."""
     selected = {s.file for s in shards}
-    return [Wanted(name, e.size, e.sha256, _compressed(e.compressed, name))
+    return [Wanted(name, e.size, e.sha256, _compressed(e.compressed, name),
+                   *((e.chunk_size, e.chunks) if isinstance(e, ShardEntry) else ()))
             for name, e in entries(remote) if not isinstance(e, ShardEntry) or name in selected]
 
 
@@ -212,8 +223,12 @@ def _prepare(dest: Path, local_bytes: bytes, wanted: list[Wanted]) -> None:
 
 
 def _present(path: Path, w: Wanted) -> str | None:
-    """The sha256 of a file already at its destination, if it is the right one."""
+    """The sha256 of a file already at its destination, if it is the right one (a shard with chunk
+    digests: every chunk checked, on all cores; then the manifest's sha256 stands for them)."""
     if path.is_file() and path.stat().st_size == w.size:
+        if w.chunk_size is not None:
+            with open(path, "rb", buffering=0) as f:
+                return None if check_chunks(f.fileno(), w.size, w.chunk_size, w.chunks) else w.sha256
         sha = sha256_file(path)
         if sha == w.sha256:
             return sha
@@ -234,6 +249,21 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
     first mismatch wins over other errors (exit 1: the store's data is wrong)."""
     items: list[GetItem] = []
     bar = None
+    digests: dict[str, str] = {}
+    ranged = [w for w in todo if _ranged(store, w)]
+    if ranged:  # shards with chunk digests: parallel ranged GETs, checked in memory (store/ranged.py)
+        from .ranged import download_chunked
+
+        bar = progress_bar(progress, f"pull {store.uri}", total)
+        try:
+            for w in ranged:
+                assert w.chunk_size is not None
+                download_chunked(store, dest / w.name, w.size, w.chunk_size, w.chunks, fsync, bar.update)  # type: ignore[arg-type]
+                digests[w.name] = w.sha256
+        finally:
+            bar.close()
+        todo = [w for w in todo if w not in ranged]
+        bar = None
     try:
         for w in todo:
             items.append(GetItem(w.object, VerifiedSink(dest / w.name, w.size, w.sha256, w.compressed, fsync)))
@@ -247,7 +277,6 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
         if bar is not None:
             bar.close()
 
-    digests: dict[str, str] = {}
     mismatches: list[ShardcError] = []
     other: list[ShardcError] = []
     for w, item, err in zip(todo, items, errors, strict=True):
@@ -272,6 +301,14 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
     if other:
         raise other[0]
     return digests
+
+
+def _ranged(store: Store, w: Wanted) -> bool:
+    """Whether ``w`` is pulled by chunked ranged GETs: a shard with chunk digests, stored as built,
+    in S3 (a local store's files are copied as before)."""
+    from .s3 import S3Store
+
+    return isinstance(store, S3Store) and w.chunk_size is not None and w.compressed is None
 
 
 def verify_pulled(manifest: Manifest, dest: Path, shards: list[ShardEntry],

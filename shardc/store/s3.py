@@ -188,6 +188,46 @@ class S3Store(Store):
                 time.sleep(min(0.05 * 2**attempt, 5.0) * random.random())
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def version(self, name: str) -> tuple[int, str] | None:
+        """(size, ETag) of an object (None when it is missing): what ``get_range`` pins."""
+        try:
+            r = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+        except Exception as exc:
+            if _status(exc) == 404:
+                return None
+            raise self._error(exc, f"checking {self.object_uri(name)}") from None
+        return int(r["ContentLength"]), str(r["ETag"])
+
+    def get_range(self, name: str, lo: int, hi: int, into: memoryview, etag: str) -> int:
+        """Bytes [lo, hi) of an object straight into ``into`` (one ranged GET, no copy); the
+        number of bytes read. ``IfMatch=etag``: an object replaced since ``version`` is a
+        StoreError, never bytes of two objects. A body that breaks off is fetched again, bounded
+        as ``get_bytes`` is."""
+        from botocore.exceptions import ResponseStreamingError
+        from urllib3.exceptions import ProtocolError
+
+        uri = self.object_uri(name)
+        for attempt in range(1, self.settings.max_attempts + 1):
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self.key(name), Range=f"bytes={lo}-{hi - 1}",
+                                           IfMatch=etag)
+                body, got = r["Body"], 0
+                try:
+                    while got < hi - lo and (k := body.readinto(into[got : hi - lo])):
+                        got += k
+                finally:
+                    body.close()
+                return got
+            except Exception as exc:
+                if _status(exc) == 412 or _code(exc) == "PreconditionFailed":
+                    raise StoreError(f"{uri} changed while it was read (its ETag is no longer {etag})",
+                                     hint="it was pushed again meanwhile; load it again once the push has "
+                                          "finished") from None
+                if not isinstance(exc, (ResponseStreamingError, ProtocolError)) or attempt == self.settings.max_attempts:
+                    raise self._error(exc, f"reading bytes {lo}..{hi} of {uri}") from None
+                time.sleep(min(0.05 * 2**attempt, 5.0) * random.random())
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def put_bytes(self, name: str, data: bytes, metadata: dict[str, str]) -> None:
         try:
             self.client.put_object(Bucket=self.bucket, Key=self.key(name), Body=data,

@@ -3,7 +3,9 @@
 The expected tensors come from the Layout recomputed from the plan and model config, never from
 the manifest's own tensor list, so "a valid file of the wrong plan" (a TP=8 shard under a TP=4
 plan) is caught. Checks run cheapest-first per rank; hashing runs in parallel threads (hashlib
-releases the GIL) in large blocks; shape checks read only the safetensors header.
+releases the GIL) in large blocks: a shard with chunk digests (format_version 3) is checked chunk by
+chunk on every core, and a mismatch names the chunks and the tensors in them; an older manifest's
+shards are hashed whole, one thread per file. Shape checks read only the safetensors header.
 """
 
 from __future__ import annotations
@@ -16,12 +18,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import VerifyMismatch
+from ..errors import ShardcError, VerifyMismatch
+from ..formats import chunks
 from ..formats.files import human_size, sha256_file
-from ..formats.manifest import Manifest, typed
+from ..formats.manifest import Manifest, ShardEntry, typed
 from ..spec.layout import Layout, RankLayout
 from ..spec.plan import Plan, data_sha256
 from .devices import resolve_device
+
+
+@dataclass(frozen=True)
+class BadChunks:
+    """What a chunk check found: the indices of the chunks whose sha256 differs (none: all match)."""
+
+    indices: tuple[int, ...]
+
+
+def check_chunked(path: Path, entry: ShardEntry, pool: ThreadPoolExecutor | None = None) -> BadChunks:
+    """Every chunk of a shard file with chunk digests, hashed on all cores."""
+    assert entry.chunk_size is not None
+    with open(path, "rb", buffering=0) as f:
+        bad = chunks.check_chunks(f.fileno(), entry.size, entry.chunk_size, entry.chunks, pool=pool)
+    return BadChunks(tuple(bad))
+
+
+def bad_chunks_line(path: Path, entry: ShardEntry, bad: BadChunks) -> str:
+    """The problem line for damaged chunks: which, where, and which tensors they hold (from the
+    file's own header, when it still parses)."""
+    from ..formats.safetensors import read_header
+
+    assert entry.chunk_size is not None
+    try:
+        tensors, _, start = read_header(path)
+    except (ShardcError, OSError):  # a damaged header: name no tensor
+        tensors, start = {}, 0
+    return chunks.chunk_problem(bad.indices, entry.size, entry.chunk_size,
+                                lambda lo, hi: chunks.tensors_in(tensors, start, lo, hi))
 
 
 @dataclass
@@ -159,6 +191,12 @@ def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> lis
     return problems
 
 
+def _digest(path: Path, entry: ShardEntry, pool: ThreadPoolExecutor | None = None) -> str | BadChunks:
+    """The check of a shard's bytes: its chunks when the manifest has their digests, else its
+    whole sha256."""
+    return check_chunked(path, entry, pool) if entry.chunk_size is not None else sha256_file(path)
+
+
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
     """The header checks, shared with every command that reads a build (``shard_problems``)."""
     from ..build.inputs import shard_problems
@@ -242,7 +280,7 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
 
 def verify_rank(
     manifest: Manifest | dict[str, Any], directory: Path, layout: Layout, rl: RankLayout, *,
-    device: str | None = None, deep: str | None = None, hashed: str | None = None,
+    device: str | None = None, deep: str | None = None, hashed: str | BadChunks | None = None,
 ) -> RankResult:
     """All checks for one rank, in order; stops at the first failing stage that makes later ones moot."""
     res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
@@ -265,8 +303,13 @@ def verify_rank(
         loaded = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
         digest = _load_on_device(loaded, path, device)
     else:
-        digest = hashed if hashed is not None else sha256_file(path)
-    if digest != entry.sha256:
+        digest = hashed if hashed is not None else _digest(path, entry)
+    if isinstance(digest, BadChunks):
+        if digest.indices:
+            res.fail(bad_chunks_line(path, entry, digest))
+        else:
+            res.checks.append("sha256")
+    elif digest != entry.sha256:
         res.fail(f"sha256 {digest[:16]}..., expected {entry.sha256[:16]}... (corrupted bytes)")
     else:
         res.checks.append("sha256")
@@ -306,7 +349,7 @@ def verify_build(
     if device:  # verify_rank hashes while it loads each rank onto the device
         device = resolve_device(device)
 
-    def digest(rl: RankLayout) -> str | None:
+    def digest(rl: RankLayout) -> str | BadChunks | None:
         if device:
             return None
         if hashed is not None and rl.file in hashed:
@@ -315,10 +358,12 @@ def verify_build(
         e = manifest.shard(rl.file)
         if e is None or not p.is_file() or p.stat().st_size != e.size:
             return None
-        return sha256_file(p)
+        return _digest(p, e, chunk_pool)
 
     workers = jobs or min(len(ranks), os.cpu_count() or 1, 8)
-    with ThreadPoolExecutor(max(1, workers)) as pool:
+    # chunks of every rank share one pool of all cores (one rank alone is checked on all of them)
+    with ThreadPoolExecutor(max(1, workers)) as pool, \
+            ThreadPoolExecutor(jobs or chunks.workers(), thread_name_prefix="shardc-chunk") as chunk_pool:
         digests = list(pool.map(digest, ranks))
     results = [
         verify_rank(manifest, directory, layout, rl, device=device, deep=deep, hashed=d)

@@ -20,7 +20,7 @@ from ..errors import DeviceError, LayoutError, ManifestError, VerifyMismatch
 from ..formats.manifest import Manifest
 from ..formats.safetensors import METADATA
 from ..spec.layout import Layout, RankLayout
-from .reader import RawShard, read_shard, tensors_of
+from .reader import HeaderCheck, RawShard, read_shard, tensors_of
 
 _FULL = "run shardc verify for the full report"
 
@@ -39,12 +39,22 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     one-line errors rather than a TypeError from deep inside).
     """
     from ..formats.manifest import typed
-    from .checks import check_manifest_against_layout
-    from .devices import check_gpus, resolve_device
 
     _check_arguments(tp_rank, pp_stage, device, directory, dp_rank)
     manifest, directory = _manifest_and_directory(manifest, directory)
-    manifest = typed(manifest)
+    manifest, layout, rl, dev = rank_of(typed(manifest), tp_rank, pp_stage, device, dp_rank)
+    return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev))
+
+
+def rank_of(manifest: Manifest, tp_rank: int, pp_stage: int, device: str,
+            dp_rank: int = 0) -> tuple[Manifest, Layout, RankLayout, str]:
+    """Everything checked before a shard's byte is read: the node's GPUs, the rank inside the
+    plan, the manifest's records against the Layout recomputed from its plan. Returns the
+    manifest, that Layout, the rank's part of it and the resolved device (store/stream.py's
+    loader from object storage checks the same)."""
+    from .checks import check_manifest_against_layout
+    from .devices import check_gpus, resolve_device
+
     layout = manifest.to_layout()
     check_gpus(layout.plan.name, device, 1)
     dev = resolve_device(device)
@@ -53,7 +63,25 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     problems = check_manifest_against_layout(manifest, layout)
     if problems:
         raise VerifyMismatch(problems[0], hint=_FULL)
-    return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev))
+    return manifest, layout, rl, dev
+
+
+def header_check(rl: RankLayout, layout: Layout) -> HeaderCheck:
+    """The check a shard's parsed header gets before its data is read: metadata, tensor set,
+    dtypes and shapes against the Layout (the first problem raised as a VerifyMismatch)."""
+    from .checks import RankResult, check_parsed_header
+
+    def check(header: dict[str, Any] | None, error: str | None, data_length: int) -> None:
+        res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
+        if header is None:
+            res.fail(f"safetensors header does not parse ({error})")
+        else:
+            tensors = {k: v for k, v in header.items() if k != METADATA}
+            check_parsed_header(res, tensors, header[METADATA], data_length, rl, layout)
+        if not res.ok:
+            raise VerifyMismatch(res.problems[0], hint=_FULL)
+
+    return check
 
 
 def _check_arguments(tp_rank: Any, pp_stage: Any, device: Any, directory: Any, dp_rank: Any = 0) -> None:
@@ -99,8 +127,6 @@ def _manifest_and_directory(manifest: Any, directory: str | Path | None) -> tupl
 def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layout, dev: str) -> RawShard:
     """Open the shard once; size, header and sha256 are checked on that descriptor's bytes, the
     header before the data is read (a wrong file fails before gigabytes are read)."""
-    from .checks import RankResult, check_parsed_header
-
     entry = manifest.shard(rl.file)
     assert entry is not None  # check_manifest_against_layout names a missing entry
     file = directory / rl.file
@@ -111,16 +137,7 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
         raise VerifyMismatch(f"{rl.file}: missing (expected at {file})", hint="shardc pull it, or pass directory=") from None
     except OSError as exc:
         raise VerifyMismatch(f"{rl.file}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
-    res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-
-    def check_header(header: dict[str, Any] | None, error: str | None, data_length: int) -> None:
-        if header is None:
-            res.fail(f"safetensors header does not parse ({error})")
-        else:
-            tensors = {k: v for k, v in header.items() if k != METADATA}
-            check_parsed_header(res, tensors, header[METADATA], data_length, rl, layout)
-        if not res.ok:
-            raise VerifyMismatch(res.problems[0], hint=_FULL)
+    check_header = header_check(rl, layout)
 
     with f:
         st = os.fstat(f.fileno())
@@ -129,6 +146,11 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
         if st.st_size != entry.size:
             raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
                                  hint="re-pull the shard")
+        if entry.chunk_size is not None:  # every chunk checked on every core; raises for a bad one
+            from .chunked import read_chunked
+
+            return read_chunked(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks, dev,
+                                on_header=check_header, where=f.name)
         raw = read_shard(f, dev, on_header=check_header)
     if raw.sha256 != entry.sha256:
         raise VerifyMismatch(f"{rl.file}: sha256 {raw.sha256[:16]}..., expected {entry.sha256[:16]}... "
