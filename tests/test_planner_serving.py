@@ -194,3 +194,27 @@ def test_nvlink_all_reduce_is_two_shot_not_a_ring():
     assert ring_allreduce_s(8, 0, 1e9, 2e-6) == pytest.approx(28e-6)
     assert custom_allreduce_s(4, 1e6, 1e9, 0) == ring_allreduce_s(4, 1e6, 1e9, 0) == pytest.approx(1.5e-3)
     assert custom_allreduce_s(1, 1e6, 1e9, 2e-6) == 0.0
+
+
+def test_a_quantized_checkpoint_is_planned_at_its_stored_size(tmp_path):
+    """#31: a checkpoint published block-FP8 (Llama-3.1-8B's shapes, 128 x 128 blocks) is planned
+    as stored (``dtype: source``, offered first by --dtype auto) at its real bytes, worked by hand:
+    per layer the seven projections hold 218,103,808 fp8 values (1 B) and 13,312 float32 block
+    scales; embed_tokens and lm_head (128,256 x 4,096) and the norms stay bf16."""
+    cfg = {**load_model("llama-3.1-8b").config,
+           "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                   "activation_scheme": "dynamic"}}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    r = _run("--model", str(path), "--gpu", "h100-sxm", "--tp", "1", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    by = {c["dtype"]: c for c in data["candidates"] if c.get("tp") == 1 and c.get("pp") == 1}
+    assert data["dtypes"][0] == "source" and set(by) >= {"source", "bf16"}
+    per_layer = 218_103_808 + 13_312 * 4 + 2 * 4096 * 2
+    want = 32 * per_layer + 2 * 128_256 * 4096 * 2 + 4096 * 2
+    assert by["source"]["memory"]["weights"] == want == 9_082_904_576
+    assert by["source"]["tokens_per_s_per_gpu"] > by["bf16"]["tokens_per_s_per_gpu"]  # fewer bytes a step
+    r = _run("--model", str(path), "--gpu", "h100-sxm", "--tp", "1", "--dtype", "source", "--out", str(tmp_path / "p.yaml"))
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["replica_group"]["dtype"] == "source"

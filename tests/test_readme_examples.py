@@ -28,6 +28,8 @@ SKIPPED: dict[str, str] = {
     "make test": "the command that runs this test",
     "shardc build plans/tp2pp1-int8.yaml --source /data/": NEEDS_70B,
     "shardc build plans/tp4pp2-fp16.yaml": "the plan's source is hf://meta-llama/Llama-3.3-70B-Instruct: network and 140 GB",
+    "shardc plan --model /data/DeepSeek-V3 ": "needs DeepSeek-V3's FP8 checkpoint's config.json on disk: planning a "
+                                             "quantized checkpoint is tested in test_planner_serving.py",
     "shardc plan --model /data/": NEEDS_70B,
     "shardc build plans/deepseek-v3-fp8-tp8.yaml --source /data/": "needs DeepSeek-V3's FP8 checkpoint (690 GB): "
                                                                   "its shapes are tested in test_quant_sources.py",

@@ -103,8 +103,8 @@ POS_INT = _Flag("N", "positive integer", _positive(int))
 OBJECTIVE = _Flag("fit|cost|latency", "known objective (fit, cost, latency)", _choice("fit", "cost", "latency"))
 POS_FLOAT = _Flag("X", "positive number", _positive(float))
 SIZE = _Flag("SIZE", None, parse_size)
-DTYPE = _Flag("auto|fp16|bf16|int8|fp8", "dtype (auto, fp16, bf16, int8, fp8)",
-              _choice("auto", "fp16", "bf16", "int8", "fp8"))
+DTYPE = _Flag("auto|fp16|bf16|int8|fp8|source", "dtype (auto, fp16, bf16, int8, fp8, source)",
+              _choice("auto", "fp16", "bf16", "int8", "fp8", "source"))
 KV_DTYPE = _Flag("auto|fp16|bf16|fp8", "KV dtype (auto, fp16, bf16, fp8)", _choice("auto", "fp16", "bf16", "fp8"))
 
 

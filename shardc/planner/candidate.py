@@ -37,6 +37,7 @@ from .formulas import (
     kv_bytes_per_token,
     lora_bytes_per_layer,
     mla_kv_bytes_per_token,
+    rate_dtype,
     request_kv_bytes,
     ring_allreduce_s,
     sequences_at,
@@ -237,7 +238,7 @@ def _speed(s: Search, c: Candidate) -> None:
     model, gpu, sp, w, cl = s.model, s.cluster.gpu, s.speed, s.workload, s.cluster
     tp, pp = c.tp, c.pp or 1
     link = gpu.link
-    hbm_w, hbm_kv, flops = rates(gpu, c.dtype or "", sp)
+    hbm_w, hbm_kv, flops = rates(gpu, rate_dtype(model, c.dtype or ""), sp)
     heads, attn = model.num_heads // tp, attn_flops(model)
     stages = [max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.read_bytes) for st in range(pp)]
     allreduce = custom_allreduce_s if link.name.startswith("nvlink") else ring_allreduce_s

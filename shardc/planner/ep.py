@@ -50,6 +50,7 @@ from .formulas import (
     all_to_all_s,
     experts_touched,
     kv_blocks,
+    rate_dtype,
     request_kv_bytes,
     request_tokens,
     round_to_blocks,
@@ -218,7 +219,7 @@ def ep_slot(s: Search, c: Candidate, d: float, p: float = 0.0, plen: int = 0) ->
     ew, n = c.ep_detail, c.ep
     rw = max(c.weights, key=lambda r: r.nbytes)
     held = len(linear_block(ew.experts, n, 0))
-    hbm_w, hbm_kv, flops = rates(gpu, c.dtype or "", sp)
+    hbm_w, hbm_kv, flops = rates(gpu, rate_dtype(s.model, c.dtype or ""), sp)
     local, local_p = math.ceil(d / n), p / n  # streams and prompt tokens on the fullest rank
     bpt = kv_bpt(model, model.num_layers, 1, w.kv_bytes)
     share = experts_touched(d + p, ew.top_k, ew.experts)

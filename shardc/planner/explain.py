@@ -6,9 +6,11 @@ the way one checks it on paper against vLLM's log; split from report.py, which p
 
 from __future__ import annotations
 
+from typing import Any
+
 from .candidate import Candidate, attn_flops, kv_bpt, routing
 from .ep import ep_demand_words, linear_block
-from .formulas import SpeedParams, demand_words, experts_touched
+from .formulas import SpeedParams, demand_words, experts_touched, rate_dtype
 from .gpus import GB, GIB, GPU, gemm_flops
 from .policy import OBJECTIVE_WORDS
 from .report import gib
@@ -93,12 +95,12 @@ def _explain_ep_speed(s: Search, c: Candidate) -> list[str]:
             f"the fullest) at {w.context:,} tokens of context:",
             f"  HBM: (non-expert {gib(rw.read_bytes - rw.expert_bytes)} + own experts {gib(rw.expert_bytes)} x "
             f"1-(1-{ew.top_k}/{ew.experts})^{v.batch} = {share:.0%} read + KV {local} x {w.context:,} x "
-            f"{c.kv.bytes_per_token:,} B) / ({g.hbm_bandwidth / GB:,.0f} GB/s x {_w_eff(sp, c):g}, KV x "
+            f"{c.kv.bytes_per_token:,} B) / ({g.hbm_bandwidth / GB:,.0f} GB/s x {_w_eff(sp, c, s.model):g}, KV x "
             f"{sp.kv_hbm_efficiency:g}) = "
             f"{v.memory_s * 1e3:.2f} ms",
             f"  compute: {local} streams x (2 x {ew.base_linear:,} + attention) + {v.batch} x {ew.top_k} x "
             f"{held}/{ew.experts} routed tokens x 2 x {ew.expert_linear:,} FLOP / "
-            f"({gemm_flops(g, c.dtype or '') / 1e12:,.0f} TFLOP/s x {_c_eff(sp, c, g):g}) = {v.compute_s * 1e3:.2f} ms",
+            f"({gemm_flops(g, rate_dtype(s.model, c.dtype or '')) / 1e12:,.0f} TFLOP/s x {_c_eff(sp, c, g, s.model):g}) = {v.compute_s * 1e3:.2f} ms",
             f"  all-to-all: 2 (dispatch, combine) x {ew.moe_layers} MoE layers x [({n}-1)/{n} x {local} x "
             f"{ew.top_k} x {m.hidden_size:,} x 2 B / ({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + "
             f"({n}-1) x {link.latency * 1e6:g} us] = {v.allreduce_s * 1e3:.2f} ms ({link.name})",
@@ -122,7 +124,9 @@ def _explain_llama(s: Search, c: Candidate, layers: int, kvh: int) -> list[str]:
           + ("lm_head tied to embed_tokens" if m.tie_word_embeddings else f"lm_head {m.vocab_size:,} x {h:,}")
           + f" = {s.params:,} parameters"]
     quant = (f"{c.dtype} projections at 1 B/param + a float32 scale per output row; embeddings, lm_head "
-             "and norms 16-bit" if c.dtype in ("int8", "fp8") else f"every tensor {c.dtype}, 2 B/param")
+             "and norms 16-bit" if c.dtype in ("int8", "fp8") else
+             "the checkpoint's quantized tensors as stored (values and scales at their real size), the rest "
+             "16-bit" if c.dtype == "source" else f"every tensor {c.dtype}, 2 B/param")
     o += ["", f"Weights per GPU (the Layout of this plan; fullest GPU: stage {mem.stage}, layers "
           f"{stage_w.layers[0]}-{stage_w.layers[1] - 1}):",
           f"  {quant}; q/k/v/gate/up split by rows, o/down by columns over tp={tp}; norms replicated",
@@ -215,11 +219,11 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     link = g.link
     o = ["", f"Decode-only step (roofline), {v.batch} requests at {w.context:,} tokens of context"
          + (f", {v.microbatches} micro-batches of {b:g}" if pp > 1 else "") + f"; slowest stage {v.stage}:",
-         f"  HBM: weights read {gib(read)}{routed} / ({g.hbm_bandwidth / GB:,.0f} GB/s x {_w_eff(sp, c):g}) + KV "
+         f"  HBM: weights read {gib(read)}{routed} / ({g.hbm_bandwidth / GB:,.0f} GB/s x {_w_eff(sp, c, s.model):g}) + KV "
          f"{b:g} x {w.context:,} x {bpt:,} B / (x {sp.kv_hbm_efficiency:g}) = {v.memory_s * 1e3:.2f} ms",
          f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.context:,}) FLOP / "
-         f"({gemm_flops(g, c.dtype or '') / 1e12:,.0f} TFLOP/s {'fp8' if c.dtype == 'fp8' and gemm_flops(g, 'fp8') > g.flops else '16-bit'}"
-         f" x {_c_eff(sp, c, g):g}) = {v.compute_s * 1e3:.2f} ms",
+         f"({gemm_flops(g, rate_dtype(s.model, c.dtype or '')) / 1e12:,.0f} TFLOP/s {'fp8' if rate_dtype(s.model, c.dtype or '') == 'fp8' and gemm_flops(g, 'fp8') > g.flops else '16-bit'}"
+         f" x {_c_eff(sp, c, g, s.model):g}) = {v.compute_s * 1e3:.2f} ms",
          f"  all-reduce: 2 x {layers} layers x [2({tp}-1)/{tp} x {b:g} x {m.hidden_size:,} x 2 B / "
          f"({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + "
          + (f"2 x {link.latency * 1e6:g} us] (vLLM's two-shot custom all-reduce over NVLink)"
@@ -237,12 +241,13 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     return o + _explain_serving(s, c)
 
 
-def _w_eff(sp: SpeedParams, c: Candidate) -> float:
-    return sp.w8_hbm_efficiency if c.dtype in ("int8", "fp8") else sp.hbm_efficiency
+def _w_eff(sp: SpeedParams, c: Candidate, model: Any) -> float:
+    return sp.w8_hbm_efficiency if rate_dtype(model, c.dtype or "") in ("int8", "fp8") else sp.hbm_efficiency
 
 
-def _c_eff(sp: SpeedParams, c: Candidate, g: GPU) -> float:
-    return sp.fp8_compute_efficiency if gemm_flops(g, c.dtype or "") > g.flops else sp.compute_efficiency
+def _c_eff(sp: SpeedParams, c: Candidate, g: GPU, model: Any) -> float:
+    return sp.fp8_compute_efficiency if gemm_flops(g, rate_dtype(model, c.dtype or "")) > g.flops \
+        else sp.compute_efficiency
 
 
 def _explain_serving(s: Search, c: Candidate) -> list[str]:

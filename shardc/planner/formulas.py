@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from .gpus import GIB
 
@@ -28,7 +29,23 @@ DEFAULT_KV_CAP = math.inf
 DEFAULT_AVG_CONTEXT = 2048  # tokens per sequence for the speed model when --avg-context is not given
 DEFAULT_TPOT_MS = 25.0  # sizes the batch when no target is given; a requirement only when given
 LORA_BYTES = 2  # adapters are served 16-bit
-DTYPE_ORDER = ("bf16", "fp16", "int8", "fp8")  # last tie-break: keep precision when cost is equal
+DTYPE_ORDER = ("source", "bf16", "fp16", "int8", "fp8")  # last tie-break: keep precision when cost is equal
+
+
+def rate_dtype(model: Any, dtype: str) -> str:
+    """The dtype whose streaming and GEMM rates a unit of ``dtype`` gets: itself, or for ``source``
+    (a quantized checkpoint kept as stored) what its stored values are: fp8 values run fp8 GEMMs,
+    integer or 4-bit values (int4/int8 packed, MXFP4) stream as 8-bit weights and compute in 16
+    bits; the bytes themselves come from the Layout, at their real size."""
+    if dtype != "source":
+        return dtype
+    from ..spec.sourcequant import detect_source
+
+    sq = detect_source(model.config)
+    if sq is None:
+        return "bf16"
+    names = sorted(sq.quantized(model))
+    return "fp8" if names and sq.stored(names[0])[0].dtypes[0] == "F8_E4M3" else "int8"
 
 
 @dataclass(frozen=True)

@@ -185,8 +185,12 @@ class Search:
 
 
 def default_dtypes(model: Any) -> tuple[str, ...]:
-    """--dtype auto: the checkpoint's 16-bit dtype and both 8-bit weight formats."""
-    return ("fp16" if model.torch_dtype == "float16" else "bf16", "int8", "fp8")
+    """--dtype auto: the checkpoint's 16-bit dtype and both 8-bit weight formats, and first, for a
+    checkpoint published quantized (a quantization_config shardc reads), its own form (source)."""
+    from ..spec.sourcequant import detect_source
+
+    own = ("source",) if detect_source(model.config) is not None else ()
+    return (*own, "fp16" if model.torch_dtype == "float16" else "bf16", "int8", "fp8")
 
 
 def search(
