@@ -208,7 +208,7 @@ def test_extent_problems_follow_the_safetensors_rule():
 
     ok = {"a": t("BF16", [2, 3], 0, 12), "b": t("F32", [2], 12, 20), "c": t("I8", [0], 20, 20)}
     assert extent_problem(ok, 20) is None
-    assert extent_problem({"x": t("U8", [3], 0, 5)}, 5) is None  # unknown dtype: tiling only
+    assert extent_problem({"x": t("C64", [3], 0, 5)}, 5) is None  # unknown dtype: tiling only
     assert extent_problem(ok, 21) == "the tensors' data ends at 20, the file's data section holds 21 bytes"
     assert extent_problem({**ok, "b": t("F32", [2], 12, 16), "c": t("I8", [4], 16, 20)}, 20) == (
         "tensor b: data_offsets [12, 16] hold 4 bytes, its F32[2] needs 8")

@@ -132,8 +132,8 @@ def test_every_shard_is_the_hand_derived_file(tmp_path, tied):
     res = build(_plan(tmp_path / "src"), tmp_path / "out")
     m = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert m["layout"]["tp_degree"] == TP and m["layout"]["pp_degree"] == PP
-    assert m["format_version"] == 2
-    by_file = m["shards"]  # format_version 2: an object keyed by shard file name
+    assert m["format_version"] == 3  # 3: shards carry chunk digests (2's object keyed by file name)
+    by_file = m["shards"]
     assert sorted(by_file) == sorted(f"model-tp{t:02d}-pp{s:02d}.safetensors" for t in range(TP) for s in range(PP))
     for s in range(PP):
         for t in range(TP):
