@@ -22,12 +22,15 @@ demo: setup
 	$(BIN)/shardc inspect build/demo-tp3pp2-bf16/manifest.json
 	$(BIN)/shardc run --manifest build/demo-tp3pp2-bf16 --prompt "The capital of France is" --max-new-tokens 12
 
+# The suite runs on both cores (pytest-xdist), each test file on one worker so that a file's
+# module-scoped builds are made once; ruff first, as CI does.
 test: setup
+	$(BIN)/ruff check .
 	$(BIN)/python scripts/setup_demo.py
-	$(BIN)/python -m pytest -q -rs --durations=15
+	$(BIN)/python -m pytest -q -rs --durations=15 -n 2 --dist loadfile
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m 'not heavy'
+	$(BIN)/python -m pytest -q -m 'not heavy' -n 2 --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check .
