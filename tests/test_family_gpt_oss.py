@@ -117,7 +117,7 @@ LAYOUTS = [(1, False, 1, 1), (2, False, 1, 1), (2, True, 1, 1), (1, True, 2, 1),
                                                           for c in LAYOUTS[1:]])
 def test_runtime_matches_transformers(gpt_oss, tp, ep, dp, pp):
     """tp = 1, alone or with experts over 2 DP ranks: bit for bit (sinks, windows, YaRN, the
-    clamped SwiGLU, biases). tp = 2: within 0.2 but for positions whose routing a last-bit change
+    clamped SwiGLU, biases), and the tp = 1 build loaded by transformers gives the same logits. tp = 2: within 0.2 but for positions whose routing a last-bit change
     flipped (at most 1 in 16)."""
     src, get = gpt_oss
     x = _ids(seed=tp + dp)
@@ -125,6 +125,8 @@ def test_runtime_matches_transformers(gpt_oss, tp, ep, dp, pp):
     got = score(open_build(get(tp, ep, dp=dp, pp=pp)), x, return_logits=True, timeout_s=120)["logits"]
     if tp == 1:
         assert torch.equal(got, want)
+        if not ep:  # the tp=1 build is a checkpoint transformers loads, to the source's logits
+            assert torch.equal(_hf(get(1).parent)(x).logits.float(), want)
     else:
         assert ((got - want).abs().amax(-1) > 0.2).float().mean() <= 1 / 16
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
