@@ -121,7 +121,8 @@ def test_bf16_build_runs_as_transformers_loads_the_mxfp4_source(mxfp4, tmp_path)
 def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
     """``dtype: source``: tp 1 holds the source's tensors byte for byte and loads in transformers
     like the source; expert parallelism over 2 ranks cuts blocks and scales by whole experts, runs
-    as the bf16 build of the same plan does (bit for bit) and reshards back to tp 1 byte for byte; a TP cut inside an expert is
+    as the bf16 build of the same plan does (bit for bit), reshards back to tp 1 byte for byte and
+    exports the source's tensors and quantization_config back; a TP cut inside an expert is
     refused before anything is written, and so is a scale grid that does not match the weight."""
     one = build(_plan(mxfp4, 1, "source"), tmp_path / "tp1").manifest_path
     a, b = _tensors(mxfp4 / "model.safetensors"), _tensors(one.parent / "model-tp00-pp00.safetensors")
@@ -141,6 +142,12 @@ def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "back" / "model-tp00-pp00.safetensors").read_bytes() == \
         (one.parent / "model-tp00-pp00.safetensors").read_bytes()
+    r = subprocess.run([sys.executable, "-m", "shardc.cli", "export", "--manifest", str(ep), "--out",
+                        str(tmp_path / "export"), "-q"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = _tensors(tmp_path / "export" / "model-00001-of-00001.safetensors")
+    assert sorted(out) == sorted(a) and all(torch.equal(out[k], a[k]) for k in a)  # the source's format back
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"] == QCONFIG
     with pytest.raises(LayoutError) as e:
         build(_plan(mxfp4, 2, "source"), tmp_path / "tp2")
     assert "experts.down_proj" in e.value.message and "mxfp4" in e.value.message
