@@ -12,6 +12,20 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test`) each worker gets a temp directory of its own, inherited by
+    the processes its tests start: the other worker's scratch files (a gate's logits, a job's
+    directory) never appear where a test looks for what it left behind."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        import tempfile
+
+        own = Path(tempfile.gettempdir()) / f"shardc-tests-{worker}"
+        own.mkdir(exist_ok=True)
+        os.environ["TMPDIR"] = str(own)
+        tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The SmolLM2-135M demo checkpoint (converted once, cached under .cache/demo)."""
