@@ -28,12 +28,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from moe_plans import moe_plan as _plan  # noqa: E402
+
 from shardc.build.compile import build  # noqa: E402
 from shardc.errors import ModelError, SourceError  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
 from shardc.spec.layout import build_layout  # noqa: E402
 from shardc.spec.model import load_model, model_from_config  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 T = 24
 ATOL = {1: 0.0, 2: 0.25}
@@ -76,15 +77,6 @@ def _eager(src: Path):
     return _hf(src, experts_implementation="eager", attn_implementation="eager")
 
 
-def _plan(src: Path, tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1):
-    rg = {"name": f"{src.name}-tp{tp}{f'-dp{dp}' if dp > 1 else ''}{'-ep' if ep else ''}-{dtype}", "tp_degree": tp,
-          "pp_degree": 1, "dtype": dtype, "gpus_per_replica": tp * dp}
-    if ep:
-        rg["expert_parallel"] = True
-    if dp > 1:
-        rg["dp_degree"] = dp
-    return plan_from_dict({"replica_group": rg, "model": {"source": str(src)}})
-
 
 @pytest.fixture(scope="module")
 def ds(tmp_path_factory):
@@ -95,7 +87,7 @@ def ds(tmp_path_factory):
     def get(name: str, tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1) -> Path:
         key = (name, tp, ep, dtype, dp)
         if key not in made:
-            plan = _plan(srcs[name], tp, ep, dtype, dp)
+            plan = _plan(srcs[name], tp, ep, dtype, dp=dp)
             made[key] = build(plan, root / "builds" / plan.name).manifest_path
         return made[key]
 

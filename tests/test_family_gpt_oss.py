@@ -23,6 +23,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from moe_plans import moe_plan as _plan  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from shardc.build.compile import build  # noqa: E402
@@ -30,7 +31,6 @@ from shardc.errors import ModelError  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
 from shardc.spec.layout import build_layout  # noqa: E402
 from shardc.spec.model import load_model, model_from_config  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 from shardc.spec.tensors import _tp_problems  # noqa: E402
 
 T = 24
@@ -40,15 +40,6 @@ CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_ke
               num_local_experts=6, num_experts_per_tok=2, sliding_window=8)
 STACK = "model.layers.{}.mlp.experts.{}"
 
-
-def _plan(src: Path, tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1, pp: int = 1):
-    rg = {"name": f"gpt-oss-tp{tp}-dp{dp}-pp{pp}{'-ep' if ep else ''}-{dtype}", "tp_degree": tp,
-          "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * dp * pp}
-    if ep:
-        rg["expert_parallel"] = True
-    if dp > 1:
-        rg["dp_degree"] = dp
-    return plan_from_dict({"replica_group": rg, "model": {"source": str(src)}})
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +52,7 @@ def gpt_oss(tmp_path_factory):
     def get(tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1, pp: int = 1) -> Path:
         key = (tp, ep, dtype, dp, pp)
         if key not in made:
-            plan = _plan(root / "src", tp, ep, dtype, dp, pp)
+            plan = _plan(root / "src", tp, ep, dtype, dp=dp, pp=pp)
             made[key] = build(plan, root / "builds" / plan.name).manifest_path
         return made[key]
 

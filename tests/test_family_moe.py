@@ -23,6 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from moe_plans import moe_plan as _plan  # noqa: E402
+
 from shardc.build.compile import build  # noqa: E402
 from shardc.errors import LayoutError, PlanError  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
@@ -62,17 +64,6 @@ def _save(root: Path, name: str) -> Path:
 def _hf(src: Path, **kw):
     return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, **kw).eval()
 
-
-def _plan(src: Path, tp: int, ep: bool = False, dtype: str = "bf16", name: str | None = None, dp: int = 1,
-          pp: int = 1):
-    rg = {"name": name or f"{src.name}-tp{tp}{f'-dp{dp}' if dp > 1 else ''}{f'-pp{pp}' if pp > 1 else ''}"
-                          f"{'-ep' if ep else ''}-{dtype}",
-          "tp_degree": tp, "pp_degree": pp, "dtype": dtype, "gpus_per_replica": tp * dp * pp}
-    if ep:
-        rg["expert_parallel"] = True
-    if dp > 1:
-        rg["dp_degree"] = dp
-    return plan_from_dict({"replica_group": rg, "model": {"source": str(src)}})
 
 
 @pytest.fixture(scope="module")

@@ -20,13 +20,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
+from moe_plans import moe_plan as _plan  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from shardc.build.compile import build  # noqa: E402
 from shardc.errors import LayoutError, SourceError  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 from shardc.spec.sourcequant.mxfp4 import E2M1, MXFP4  # noqa: E402
 
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -79,13 +79,6 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _plan(src: Path, tp: int, dtype: str, ep: bool = False):
-    rg = {"name": f"mx-tp{tp}-{dtype}{'-ep' if ep else ''}", "tp_degree": tp, "pp_degree": 1, "dtype": dtype,
-          "gpus_per_replica": tp}
-    if ep:
-        rg["expert_parallel"] = True
-    return plan_from_dict({"replica_group": rg, "model": {"source": str(src)}})
-
 
 def test_dequantize_equals_transformers_for_every_byte_and_scale():
     """All 256 E8M0 scales x all 256 packed bytes, to float32 then bf16 / fp16: bit for bit."""
@@ -109,7 +102,7 @@ def test_bf16_build_runs_as_transformers_loads_the_mxfp4_source(mxfp4, tmp_path)
                                                             experts_implementation="eager").eval()
     x = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     want = ref(x).logits.float()
-    built = build(_plan(mxfp4, 1, "bf16"), tmp_path / "bf16").manifest_path
+    built = build(_plan(mxfp4, 1, dtype="bf16"), tmp_path / "bf16").manifest_path
     assert torch.equal(score(open_build(built), x, return_logits=True, timeout_s=120)["logits"], want)
     with safe_open(built.parent / "model-tp00-pp00.safetensors", "pt") as f:
         state = ref.state_dict()
@@ -124,19 +117,19 @@ def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
     as the bf16 build of the same plan does (bit for bit), reshards back to tp 1 byte for byte and
     exports the source's tensors and quantization_config back; a TP cut inside an expert is
     refused before anything is written, and so is a scale grid that does not match the weight."""
-    one = build(_plan(mxfp4, 1, "source"), tmp_path / "tp1").manifest_path
+    one = build(_plan(mxfp4, 1, dtype="source"), tmp_path / "tp1").manifest_path
     a, b = _tensors(mxfp4 / "model.safetensors"), _tensors(one.parent / "model-tp00-pp00.safetensors")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert json.loads((one.parent / "config.json").read_text())["quantization_config"] == QCONFIG
-    ep = build(_plan(mxfp4, 2, "source", ep=True), tmp_path / "ep").manifest_path
+    ep = build(_plan(mxfp4, 2, True, dtype="source"), tmp_path / "ep").manifest_path
     with safe_open(ep.parent / "model-tp01-pp00.safetensors", "pt") as f:
         assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks").shape == (2, 64, 2, 16)
     x = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
-    bf16 = build(_plan(mxfp4, 2, "bf16", ep=True), tmp_path / "bf16").manifest_path
+    bf16 = build(_plan(mxfp4, 2, True, dtype="bf16"), tmp_path / "bf16").manifest_path
     want = score(open_build(bf16), x, return_logits=True, timeout_s=120)["logits"]
     assert torch.equal(score(open_build(ep), x, return_logits=True, timeout_s=120)["logits"], want)
     plan = tmp_path / "tp1.yaml"
-    plan.write_text(json.dumps(_plan(mxfp4, 1, "source").data))
+    plan.write_text(json.dumps(_plan(mxfp4, 1, dtype="source").data))
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "reshard", "--manifest", str(ep), "--plan", str(plan),
                         "--out", str(tmp_path / "back"), "-q"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -149,7 +142,7 @@ def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
     assert sorted(out) == sorted(a) and all(torch.equal(out[k], a[k]) for k in a)  # the source's format back
     assert json.loads((tmp_path / "export" / "config.json").read_text())["quantization_config"] == QCONFIG
     with pytest.raises(LayoutError) as e:
-        build(_plan(mxfp4, 2, "source"), tmp_path / "tp2")
+        build(_plan(mxfp4, 2, dtype="source"), tmp_path / "tp2")
     assert "experts.down_proj" in e.value.message and "mxfp4" in e.value.message
     assert e.value.key == "replica_group.tp_degree" and "keep every mxfp4" in e.value.hint and ": 1 " in e.value.hint
     assert not (tmp_path / "tp2").exists()
@@ -160,5 +153,5 @@ def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
     t["model.layers.0.mlp.experts.gate_up_proj_scales"] = t["model.layers.0.mlp.experts.gate_up_proj_scales"][:, :, :1].clone()
     save_file(t, bad / "model.safetensors")
     with pytest.raises(SourceError) as e2:
-        build(_plan(bad, 1, "bf16"), tmp_path / "badbuild")
+        build(_plan(bad, 1, dtype="bf16"), tmp_path / "badbuild")
     assert "gate_up_proj_scales" in e2.value.message and "implies" in e2.value.message
