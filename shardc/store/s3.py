@@ -147,13 +147,19 @@ class S3Store(Store):
         return False if stalled + wait > s.stall_limit else None
 
     # -- Store interface -----------------------------------------------------------------------
-    def head(self, name: str, *, digest: bool = False) -> ObjectInfo | None:
+    def _head_object(self, name: str) -> dict[str, Any] | None:
+        """HEAD of an object, None when it is missing; any other failure is one StoreError."""
         try:
-            r = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
+            return self.client.head_object(Bucket=self.bucket, Key=self.key(name))
         except Exception as exc:
             if _status(exc) == 404:
                 return None
             raise self._error(exc, f"checking {self.object_uri(name)}") from None
+
+    def head(self, name: str, *, digest: bool = False) -> ObjectInfo | None:
+        r = self._head_object(name)
+        if r is None:
+            return None
         meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
         return ObjectInfo(size=int(r["ContentLength"]), sha256=meta.get("sha256"), metadata=meta)
 
@@ -190,13 +196,8 @@ class S3Store(Store):
 
     def version(self, name: str) -> tuple[int, str] | None:
         """(size, ETag) of an object (None when it is missing): what ``get_range`` pins."""
-        try:
-            r = self.client.head_object(Bucket=self.bucket, Key=self.key(name))
-        except Exception as exc:
-            if _status(exc) == 404:
-                return None
-            raise self._error(exc, f"checking {self.object_uri(name)}") from None
-        return int(r["ContentLength"]), str(r["ETag"])
+        r = self._head_object(name)
+        return None if r is None else (int(r["ContentLength"]), str(r["ETag"]))
 
     def get_range(self, name: str, lo: int, hi: int, into: memoryview, etag: str) -> int:
         """Bytes [lo, hi) of an object straight into ``into`` (one ranged GET, no copy); the
