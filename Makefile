@@ -37,7 +37,7 @@ lint: setup
 
 # Mutation testing (mutmut, [tool.mutmut] in pyproject.toml) of the modules that decide bytes and
 # verdicts; each mutant runs against the fast tests that reach it. Narrow with
-# MUTANTS='shardc.spec.layout*' (a glob of mutant names); MUTANT_JOBS=1 runs one mutant at a time
+# MUTANTS='shardc.layout.ranks*' (a glob of mutant names); MUTANT_JOBS=1 runs one mutant at a time
 # (default: one per core). Results: $(BIN)/mutmut results / browse. docs/mutation-testing.md.
 MUTANTS ?=
 MUTANT_JOBS ?=

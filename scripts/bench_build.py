@@ -35,7 +35,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardc.build.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint  # noqa: E402
+from shardc.compiler.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint  # noqa: E402
 
 
 def drop_page_cache() -> bool:

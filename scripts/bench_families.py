@@ -31,10 +31,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardc.build.synthetic import write_checkpoint  # noqa: E402
-from shardc.spec.families import FAMILIES  # noqa: E402
-from shardc.spec.model import model_from_config  # noqa: E402
-from shardc.spec.tensors import valid_tp_degrees  # noqa: E402
+from shardc.compiler.synthetic import write_checkpoint  # noqa: E402
+from shardc.layout.families import FAMILIES  # noqa: E402
+from shardc.layout.model import model_from_config  # noqa: E402
+from shardc.layout.tensors import valid_tp_degrees  # noqa: E402
 
 
 def _bytes(cfg: dict) -> int:

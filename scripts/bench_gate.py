@@ -30,8 +30,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 
 def _build(src: Path, out: Path, tp: int, pp: int) -> Path:
-    from shardc.build.compile import build
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import plan_from_dict
 
     name = f"bench-demo-tp{tp}pp{pp}-bf16"
     plan = plan_from_dict({

@@ -298,9 +298,9 @@ def measure(manifest: Path, rank: int, device: str, repeat: int = 5) -> dict[str
 
 
 def synthetic(root: Path, layers: int, hidden: int, tp: int) -> Path:
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     src = write_checkpoint(root / "src", llama_config(num_layers=layers, hidden_size=hidden,
                                                       intermediate_size=4 * hidden, num_heads=16,

@@ -29,7 +29,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardc.build.synthetic import write_checkpoint  # noqa: E402
+from shardc.compiler.synthetic import write_checkpoint  # noqa: E402
 
 H, INTER, VOCAB = 1024, 3584, 32000
 

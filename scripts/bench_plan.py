@@ -95,7 +95,7 @@ def run_peer(cells: list[tuple[str, str, str, int, int]], cache: Path) -> dict[s
         from aiconfigurator.cli.api import cli_estimate
     except ImportError:
         raise SystemExit("aiconfigurator is not installed: pip install 'shardc[bench]'") from None
-    from shardc.spec.model import PRESETS
+    from shardc.layout.model import PRESETS
 
     logging.disable(logging.WARNING)
     with tempfile.TemporaryDirectory() as tmp:

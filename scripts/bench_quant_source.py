@@ -34,7 +34,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shardc.build.synthetic import write_checkpoint  # noqa: E402
+from shardc.compiler.synthetic import write_checkpoint  # noqa: E402
 
 H, INTER, VOCAB, BLOCK = 1024, 3584, 32000, 128
 DTYPES = ("source", "bf16", "int8")
@@ -54,8 +54,8 @@ def to_fp8(src: Path, out: Path) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardc.spec.model import model_from_config
-    from shardc.spec.quantization import quantizable
+    from shardc.layout.model import model_from_config
+    from shardc.layout.quantization import quantizable
 
     cfg = json.loads((src / "config.json").read_text())
     targets = quantizable(model_from_config(cfg))

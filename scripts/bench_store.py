@@ -67,9 +67,9 @@ def start_moto(port: int, tmp: Path) -> subprocess.Popen:
 
 
 def make_build(work: Path, args: argparse.Namespace, dtype: str, tp: int, pp: int) -> Any:
-    from shardc.build.compile import build
-    from shardc.build.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     shapes = LLAMA3_70B_SHAPES if args.llama3_70b_shapes else SMALL
     ckpt = work / "ckpt"

@@ -124,8 +124,8 @@ def make_model(work: Path) -> Path:
 
 
 def build_one(src: Path, work: Path, tp: int, pp: int, dtype: str) -> Path:
-    from shardc.build.compile import build
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import plan_from_dict
 
     name = f"gpucheck-tp{tp}pp{pp}-{dtype}"
     plan = plan_from_dict({"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardc.build.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint
+from shardc.compiler.synthetic import LLAMA3_70B_SHAPES, llama_config, write_checkpoint
 
 
 def main() -> None:

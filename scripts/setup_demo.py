@@ -75,7 +75,7 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _hf_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """A classic Llama config.json: top-level rope_theta (what shardc.spec.model reads), no GGUF leftovers."""
+    """A classic Llama config.json: top-level rope_theta (what shardc.layout.model reads), no GGUF leftovers."""
     rope = cfg.get("rope_parameters") or {}
     theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
     eps = float(f"{float(cfg['rms_norm_eps']):.6g}")  # GGUF stores float32 1e-5 as 9.9999997e-06

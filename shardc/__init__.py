@@ -17,7 +17,7 @@ __all__ = ["load_shard"]
 
 def lazy_seam(package: str, seam: dict[str, str]) -> Callable[[str], Any]:
     """A package's ``__getattr__`` that imports a public name from its module on first use, so
-    ``import shardc.build`` stays free (no numpy, numba or torch until a name is touched)."""
+    ``import shardc.compiler`` stays free (no numpy, numba or torch until a name is touched)."""
 
     def __getattr__(name: str) -> Any:
         if name not in seam:

@@ -50,7 +50,7 @@ def s3():
 @pytest.fixture
 def make_ckpt(tmp_path):
     """Factory: make_ckpt(name="ck", num_files=1, seed=0, **llama_config kwargs) -> checkpoint dir."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     def make(name: str = "ck", *, num_files: int = 1, seed: int = 0, **cfg) -> Path:
         return write_checkpoint(tmp_path / name, llama_config(**cfg), num_files=num_files, seed=seed)

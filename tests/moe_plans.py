@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardc.spec.plan import Plan, plan_from_dict
+from shardc.layout.plan import Plan, plan_from_dict
 
 
 def moe_plan(src: Path, tp: int, ep: bool = False, dtype: str = "bf16", name: str | None = None,

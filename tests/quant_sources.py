@@ -16,8 +16,8 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from shardc.spec.model import model_from_config
-from shardc.spec.quantization import quantizable
+from shardc.layout.model import model_from_config
+from shardc.layout.quantization import quantizable
 
 LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=96, max_position_embeddings=128, initializer_range=0.2)

@@ -15,9 +15,9 @@ import torch
 from click.testing import CliRunner
 from reassemble import load_source, reassemble
 
-from shardc.build.compile import build
 from shardc.cli import main
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 MODELS = {
     # 8 heads / 2 KV heads: tp=4,8 exceed the KV heads (replicated KV); vocab 100 pads at tp=8
@@ -44,7 +44,7 @@ def plan_dict(tp: int, pp: int, dtype: str = "bf16", name: str = "t", **model) -
 
 
 def expected_shapes(cfg: dict, tp: int, pp: int) -> dict[tuple[int, int], dict[str, tuple]]:
-    """Megatron rules written out independently of shardc.spec.layout."""
+    """Megatron rules written out independently of shardc.layout.ranks."""
     h, heads, kv = cfg["hidden_size"], cfg["num_heads"], cfg["num_kv_heads"]
     hd, inter, v, n = h // heads, cfg["intermediate_size"], cfg["vocab_size"], cfg["num_layers"]
     vp = -(-v // tp)  # padded vocab rows per rank
@@ -134,9 +134,9 @@ def _golden_ckpt(path: Path) -> Path:
     """A checkpoint from arange values: independent of any random number generator."""
     from safetensors.torch import save_file
 
-    from shardc.build.synthetic import llama_config
-    from shardc.spec.layout import source_tensors
-    from shardc.spec.model import model_from_config
+    from shardc.compiler.synthetic import llama_config
+    from shardc.layout.model import model_from_config
+    from shardc.layout.ranks import source_tensors
 
     cfg = llama_config(hidden_size=16, intermediate_size=32, num_layers=2, num_heads=4,
                        num_kv_heads=2, vocab_size=10)
@@ -202,7 +202,7 @@ def test_manifest_copy_and_json_cli(make_ckpt, tmp_path):
 
 @pytest.mark.heavy
 def test_kill_and_resume_is_byte_identical(tmp_path):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     # 4 stages; the size does not matter: the build is held after its first stage (below)
     cfg = llama_config(hidden_size=128, intermediate_size=256, num_layers=8, num_heads=8,

@@ -14,9 +14,9 @@ import yaml
 from reassemble import reassemble
 from safetensors.torch import load_file, save_file
 
-from shardc.build.compile import build
+from shardc.compiler.compile import build
 from shardc.formats.safetensors import STAGE_BYTES, ShardWriter
-from shardc.spec.plan import plan_from_dict
+from shardc.layout.plan import plan_from_dict
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
             vocab_size=256)
@@ -74,7 +74,7 @@ def test_direct_and_buffered_io_write_the_same_bytes(make_ckpt, tmp_path):
     ckpt = make_ckpt(hidden_size=1032, intermediate_size=2064, num_layers=3, num_heads=8,
                      num_kv_heads=4, vocab_size=1001)
     plan = plan_from_dict(plan_dict(2, 2, "fp16")).with_source(str(ckpt))
-    script = ("import sys; from shardc.build.compile import build; from shardc.spec.plan import load_plan; "
+    script = ("import sys; from shardc.compiler.compile import build; from shardc.layout.plan import load_plan; "
               "build(load_plan(sys.argv[1]).with_source(sys.argv[2]), sys.argv[3])")
     plan_file = tmp_path / "p.yaml"
     plan_file.write_text(yaml.safe_dump(plan_dict(2, 2, "fp16")))
@@ -158,7 +158,7 @@ def test_builds_never_import_torch(make_ckpt, tmp_path, dtype):
     and quantizes with numba kernels instead, and a 16-bit build does not load numba either."""
     ckpt = make_ckpt(**TINY)
     numba = dtype in ("int8", "fp8")
-    code = ("import sys; from shardc.build.compile import build; from shardc.spec.plan import plan_from_dict; "
+    code = ("import sys; from shardc.compiler.compile import build; from shardc.layout.plan import plan_from_dict; "
             f"build(plan_from_dict({plan_dict(2, 2, dtype)!r}).with_source({str(ckpt)!r}), "
             f"{str(tmp_path / 'o')!r}); assert 'torch' not in sys.modules, 'torch was imported'; "
             f"assert ('numba' in sys.modules) == {numba}, 'numba: expected {numba}'")

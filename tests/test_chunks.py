@@ -24,10 +24,10 @@ S0 = "model-tp00-pp00.safetensors"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """A tiny tp=1 build in 4 KiB chunks whose header alone is more than one chunk."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.formats import chunks
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("chunks")
     src = write_checkpoint(root / "src", llama_config(num_layers=6, hidden_size=32, intermediate_size=64,
@@ -127,7 +127,7 @@ def test_manifest_without_digests_stays_version_2(built):
     """An older build's manifest (no chunk digests) passed through the reader and writer keeps its
     version and bytes, so a pull of it is byte-identical."""
     from shardc.formats.manifest import parse
-    from shardc.spec.plan import canonical_json
+    from shardc.layout.plan import canonical_json
 
     m = json.loads((built / "manifest.json").read_text())
     m["format_version"] = 2

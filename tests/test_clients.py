@@ -27,12 +27,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from vllm_rules import Rejected, vllm_scheme, vllm_tensors
 
-from shardc.build.compile import build
-from shardc.build.outputs import INDEX
-from shardc.build.quantize import pack_int8, quantization_config, unpack_int8
 from shardc.cli import main
+from shardc.compiler.compile import build
+from shardc.compiler.outputs import INDEX
+from shardc.compiler.quantize import pack_int8, quantization_config, unpack_int8
 from shardc.formats.manifest import read
-from shardc.spec.plan import plan_from_dict
+from shardc.layout.plan import plan_from_dict
 from shardc.verify.checks import verify_build
 
 SCHEMES = ("int8", "fp8")
@@ -56,7 +56,7 @@ def dequantized_source(src: Path, scheme: str, *, ignored: frozenset[str] = froz
     the files compute it: compressed-tensors keeps weight_scale in the model's dtype (its
     initialize.py: scale dtype = the weight's), so w = bf16(q * bf16(scale)); vLLM's W8A16 schemes
     and shardc's runtime do the same. q and scale come from an independent quantizer (torch)."""
-    from shardc.build.quantize import quantize
+    from shardc.compiler.quantize import quantize
 
     model = hf_load(src)
     with torch.no_grad():
@@ -119,7 +119,7 @@ def test_vllm_rules_select_the_weight_only_schemes():
 # -- synthetic builds, loaded by transformers (fast) ----------------------------------------------
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     out = tmp_path_factory.mktemp("clients")
     src = write_checkpoint(out / "src", llama_config(num_layers=3, vocab_size=100), seed=3)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from reassemble import load_source, reassemble
 
-from shardc.build.compile import build
-from shardc.build.quantize import quantize
+from shardc.compiler.compile import build
+from shardc.compiler.quantize import quantize
 from shardc.formats.manifest import read
-from shardc.spec.plan import load_plan
+from shardc.layout.plan import load_plan
 from shardc.verify.checks import verify_build
 
 # The Llama family's linear projections, written out as the oracle (the code reads them from the

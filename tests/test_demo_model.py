@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from shardc.spec.layout import source_tensors
-from shardc.spec.model import load_model
+from shardc.layout.model import load_model
+from shardc.layout.ranks import source_tensors
 
 pytestmark = pytest.mark.heavy
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from shardc.build.compile import build
-from shardc.build.export import export
-from shardc.build.inputs import open_local_input
-from shardc.build.reshard import reshard
-from shardc.spec.plan import load_plan
+from shardc.compiler.compile import build
+from shardc.compiler.export import export
+from shardc.compiler.inputs import open_local_input
+from shardc.compiler.reshard import reshard
+from shardc.layout.plan import load_plan
 
 PLANS = Path(__file__).resolve().parents[1] / "plans"
 pytestmark = pytest.mark.heavy

@@ -45,7 +45,7 @@ def digests(d: Path) -> dict[str, str]:
 def world(tmp_path_factory):
     """The plan (its source `weights`, relative to the plan file), a copy of the same checkpoint
     elsewhere, a build without override and one with ``--source <copy>``."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("eff")
     write_checkpoint(root / "weights", llama_config(**TINY), seed=3)

@@ -1,7 +1,7 @@
 """#25 items 5, 7, 10b and 11: `shardc export` never destroys what it replaces.
 
 Real builds of a tiny seeded checkpoint, real `shardc export` subprocesses, really killed (SIGKILL
-from the fault hook ``SHARDC_FAULT=export:stage:N`` / ``export:switch:N`` in ``build/export.py``)
+from the fault hook ``SHARDC_FAULT=export:stage:N`` / ``export:switch:N`` in ``compiler/export.py``)
 or stopped while they hold the lock, a real 1 MiB tmpfs for ENOSPC. Oracles: the bytes of the
 export that was there before (read by the test), an uninterrupted export into another directory,
 and the checkpoint's own tensors read by the safetensors library.
@@ -23,12 +23,12 @@ from typing import Any
 
 import pytest
 
-from shardc.build.compile import build
-from shardc.build.export import export
-from shardc.build.inputs import open_local_input
-from shardc.build.lock import LOCK
+from shardc.compiler.compile import build
+from shardc.compiler.export import export
+from shardc.compiler.inputs import open_local_input
+from shardc.compiler.lock import LOCK
 from shardc.errors import VerifyMismatch
-from shardc.spec.plan import plan_from_dict
+from shardc.layout.plan import plan_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
@@ -76,7 +76,7 @@ def plan(src: Path, tp: int, pp: int = 1, dtype: str = "bf16"):
 def builds(tmp_path_factory) -> dict[str, Path]:
     """a: tp 2 of checkpoint a (with tokenizer files); b: tp 2 x pp 2 of checkpoint b (other
     weights: every exported byte changes); one: tp 1 of a (holds config.json and the HF index)."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     d = tmp_path_factory.mktemp("exp")
     out = {}
@@ -212,7 +212,7 @@ def small_fs(tmp_path):
 
 
 def test_disk_full_keeps_the_old_export(builds, reference, tmp_path, small_fs):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     out = small_fs / "hf"
     out.mkdir()
@@ -413,14 +413,14 @@ def test_a_build_into_a_directory_being_exported_is_refused(builds, reference, t
                                             (" 2 gib ", 2 * 2**30), ("3TB", 3 * 10**12), ("1TiB", 2**40),
                                             ("2MB", 2 * 10**6), ("4KiB", 4096), ("9B", 9)])
 def test_parse_size(text, want):
-    from shardc.build.export import parse_size
+    from shardc.compiler.export import parse_size
 
     assert parse_size(text) == want
 
 
 @pytest.mark.parametrize("text", ["0", "0GB", "-1GB", "5XB", "", "GB", "1e3", "5 G B"])
 def test_parse_size_refuses(text):
-    from shardc.build.export import parse_size
+    from shardc.compiler.export import parse_size
     from shardc.errors import ManifestError
 
     with pytest.raises(ManifestError, match="is not a size") as e:
@@ -431,7 +431,7 @@ def test_parse_size_refuses(text):
 def test_groups_cut_before_the_limit_is_crossed():
     from types import SimpleNamespace
 
-    from shardc.build.export import _groups
+    from shardc.compiler.export import _groups
 
     def sizes(limit, *nbytes):
         return [[t.nbytes for t in g] for g in _groups(tuple(SimpleNamespace(nbytes=n) for n in nbytes), limit)]
@@ -610,7 +610,7 @@ def test_side_files_are_the_copies_that_were_hashed(builds, tmp_path):
     """The tokenizer bytes exported are the bytes the input manifest lists: a link in place of a
     listed file, or a file whose bytes are not the manifest's, is one line (exit 1), never copied;
     a file changed after its check changes nothing (the hashed copy is what is used)."""
-    from shardc.build.export import _side_file
+    from shardc.compiler.export import _side_file
 
     def fresh(name: str) -> tuple[Path, Any]:
         work = tmp_path / name

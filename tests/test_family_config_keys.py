@@ -15,8 +15,8 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from shardc.errors import ModelError  # noqa: E402
+from shardc.layout.model import model_from_config  # noqa: E402
 from shardc.runtime.support import check_supported  # noqa: E402
-from shardc.spec.model import model_from_config  # noqa: E402
 
 # Keys that do not change inference: training-only, generation defaults, or token ids the
 # tokenizer side owns. pretraining_tp: transformers 5's Llama no longer reads it. Phi-3's

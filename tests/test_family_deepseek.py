@@ -30,11 +30,11 @@ transformers = pytest.importorskip("transformers")
 
 from moe_plans import moe_plan as _plan  # noqa: E402
 
-from shardc.build.compile import build  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError, SourceError  # noqa: E402
+from shardc.layout.model import load_model, model_from_config  # noqa: E402
+from shardc.layout.ranks import build_layout  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
-from shardc.spec.layout import build_layout  # noqa: E402
-from shardc.spec.model import load_model, model_from_config  # noqa: E402
 
 T = 24
 ATOL = {1: 0.0, 2: 0.25}
@@ -247,8 +247,8 @@ def test_refusals_are_one_line(ds):
 
 def test_softmax_scale_and_yarn_follow_transformers(ds):
     """The attention scale (mscale² correction) and the YaRN tables, against transformers' modules."""
+    from shardc.layout.families.deepseek import softmax_scale
     from shardc.runtime.decoder import rope_tables
-    from shardc.spec.families.deepseek import softmax_scale
 
     _, srcs, _ = ds
     for name in CASES:

@@ -20,10 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from shardc.build.compile import build  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
+from shardc.layout.model import model_from_config  # noqa: E402
+from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
-from shardc.spec.model import model_from_config  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 T = 40  # tokens per sequence: past the sliding windows below
 ATOL = {1: 0.0, 2: 0.2}

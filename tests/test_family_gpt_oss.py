@@ -26,12 +26,12 @@ transformers = pytest.importorskip("transformers")
 from moe_plans import moe_plan as _plan  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
-from shardc.build.compile import build  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
+from shardc.layout.model import load_model, model_from_config  # noqa: E402
+from shardc.layout.ranks import build_layout  # noqa: E402
+from shardc.layout.tensors import _tp_problems  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
-from shardc.spec.layout import build_layout  # noqa: E402
-from shardc.spec.model import load_model, model_from_config  # noqa: E402
-from shardc.spec.tensors import _tp_problems  # noqa: E402
 
 T = 24
 # 6 experts: over 4 EP ranks, vLLM's linear placement gives 2, 2, 1, 1; a window of 8 < T
@@ -200,7 +200,7 @@ def test_config_keys_read_or_refused(gpt_oss):
     # MXFP4 sources are read (tests/test_quant_source_mxfp4.py); a key of their block that would
     # change the math and that shardc does not implement is refused by name
     from shardc.errors import QuantizationError
-    from shardc.spec.layout import build_layout
+    from shardc.layout.ranks import build_layout
 
     with pytest.raises(QuantizationError) as q:
         build_layout(model_from_config({**cfg, "quantization_config": {"quant_method": "mxfp4", "group_size": 16}}),

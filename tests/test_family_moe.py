@@ -25,12 +25,12 @@ transformers = pytest.importorskip("transformers")
 
 from moe_plans import moe_plan as _plan  # noqa: E402
 
-from shardc.build.compile import build  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import LayoutError, PlanError  # noqa: E402
+from shardc.layout.model import load_model, model_from_config  # noqa: E402
+from shardc.layout.plan import plan_from_dict  # noqa: E402
+from shardc.layout.ranks import build_layout  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
-from shardc.spec.layout import build_layout  # noqa: E402
-from shardc.spec.model import load_model, model_from_config  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 T = 24
 ATOL = {1: 0.0, 2: 0.2, 4: 0.2}
@@ -223,7 +223,7 @@ def test_plans_that_cannot_work_are_refused(moe):
     assert e.value.key == "replica_group.expert_parallel" and "no routed experts" in e.value.message
     # 6 experts over 8 ranks would leave two without one (heads allow tp 8 only with 8 heads: use
     # the real-size preset, 8 experts, tp 16 is refused by heads first, so check the rule directly)
-    from shardc.spec.tensors import _tp_problems
+    from shardc.layout.tensors import _tp_problems
 
     assert any("6 experts leave ranks without one at tp=8" in p for p in _tp_problems(mixtral, 8, True))
     # a tp the heads allow but that does not divide an expert's intermediate size: refused,

@@ -26,14 +26,14 @@ transformers = pytest.importorskip("transformers")
 from click.testing import CliRunner  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from shardc.build.compile import build  # noqa: E402
 from shardc.cli import main  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
+from shardc.layout.model import load_model, model_from_config  # noqa: E402
+from shardc.layout.plan import plan_from_dict  # noqa: E402
+from shardc.layout.ranks import build_layout  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
 from shardc.runtime.support import check_supported  # noqa: E402
-from shardc.spec.layout import build_layout  # noqa: E402
-from shardc.spec.model import load_model, model_from_config  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, initializer_range=0.2,
@@ -225,8 +225,8 @@ def test_a_quantized_build_verifies_deep(phi3, dtype):
 def test_an_int8_reshard_reassembles_replicated_pieces(phi3, tmp_path):
     """int8 tp4 -> tp2: the packed values and scales come back from pieces (KV pieces held twice,
     checked identical) and re-slice to the direct int8 tp2 build, byte for byte."""
-    from shardc.build.inputs import open_local_input
-    from shardc.build.reshard import reshard
+    from shardc.compiler.inputs import open_local_input
+    from shardc.compiler.reshard import reshard
 
     r = reshard(open_local_input(phi3["build"](4, "int8").manifest_path), _plan(phi3["src"], 2, "int8"),
                 tmp_path / "r")

@@ -65,9 +65,9 @@ def test_one_temp_scheme(tmp_path):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     base = tmp_path_factory.mktemp("m")
     ckpt = write_checkpoint(base / "src", llama_config(num_layers=2))
@@ -132,7 +132,7 @@ def test_version_1_manifests_are_still_read():
     """A manifest written by format_version 1 (shards as a list) reads into the same Manifest,
     and writes back as version 2 with shards keyed by file name."""
     from shardc.formats.manifest import parse
-    from shardc.spec.plan import canonical_json
+    from shardc.layout.plan import canonical_json
 
     data = V1.read_bytes()
     old = json.loads(data)

@@ -15,11 +15,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardc.build.source import open_source
+from shardc.compiler.source import open_source
 from shardc.errors import ShardcError
 from shardc.formats.safetensors import read_header
-from shardc.spec.model import load_model, model_from_config
-from shardc.spec.plan import load_plan, plan_from_dict
+from shardc.layout.model import load_model, model_from_config
+from shardc.layout.plan import load_plan, plan_from_dict
 
 FUZZ = settings(max_examples=100, deadline=2000, suppress_health_check=[HealthCheck.too_slow],
                 database=None)
@@ -132,7 +132,7 @@ def test_read_header(header, declared, tail):
 @FUZZ
 @given(headers, st.none() | st.integers(0, 2**64 - 1), st.binary(max_size=64))
 def test_source_index(header, declared, tail):
-    from shardc.build.synthetic import llama_config
+    from shardc.compiler.synthetic import llama_config
 
     p = _tmp_file(_header_file(header, declared, tail), "model.safetensors")
     (p.parent / "config.json").write_text(json.dumps(llama_config()))

@@ -20,12 +20,12 @@ from conftest import reseal
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from shardc.build.compile import build
-from shardc.build.export import export
-from shardc.build.inputs import open_local_input
-from shardc.build.lock import LOCK
+from shardc.compiler.compile import build
+from shardc.compiler.export import export
+from shardc.compiler.inputs import open_local_input
+from shardc.compiler.lock import LOCK
 from shardc.errors import ShardcError
-from shardc.spec.plan import plan_from_dict
+from shardc.layout.plan import plan_from_dict
 
 FUZZ = settings(max_examples=60, deadline=10_000, suppress_health_check=[HealthCheck.too_slow],
                 database=None)
@@ -58,7 +58,7 @@ def _files(d: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def world() -> dict[str, Any]:
     """One build (tp=2) and one export of it: the input to mutate and the output to keep."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     src = write_checkpoint(ROOT / "src", llama_config(**TINY), seed=5)
     (src / "tokenizer.json").write_bytes(b'{"model": {}}\n')

@@ -4,7 +4,7 @@ lists, temp-looking files outside), ``finish_switch`` either finishes a valid sw
 ManifestError having touched nothing, inside the directory or outside it.
 
 The oracle is this file's own reading of the journal's rules (``acceptable``, written from the
-contract in docs/architecture.md §6, not from build/switch.py) and its own model of what a finished
+contract in docs/architecture.md §6, not from compiler/switch.py) and its own model of what a finished
 switch leaves (``switched``). Every example runs against real files in a fresh temp directory; the
 whole tree (kinds, bytes, inodes, link targets) is compared before and after.
 """
@@ -21,7 +21,7 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardc.build.switch import finish_switch
+from shardc.compiler.switch import finish_switch
 from shardc.errors import ManifestError
 
 JOURNAL = ".shardc-switch.json"

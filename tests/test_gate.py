@@ -111,8 +111,8 @@ def _gate(*args: str) -> subprocess.CompletedProcess:
 
 
 def _build(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> Path:
-    from shardc.build.compile import build
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import plan_from_dict
 
     name = f"{src.name}-tp{tp}pp{pp}-{dtype}"
     plan = plan_from_dict({
@@ -128,7 +128,7 @@ def synth_builds(tmp_path_factory):
     pytest.importorskip("torch")
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("gate-synth")
     words = golden_text("pydoc")[0].split()[:5000]

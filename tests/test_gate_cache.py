@@ -220,8 +220,8 @@ def test_disk_failures_are_one_error(tmp_path):
 
 # -- where a cache may live (real builds) ------------------------------------------------------------------
 def _build(src: Path, out: Path, pp: int) -> Path:
-    from shardc.build.compile import build
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import plan_from_dict
 
     name = f"{src.name}-pp{pp}"
     plan = plan_from_dict({"replica_group": {"name": name, "tp_degree": 1, "pp_degree": pp, "dtype": "bf16",
@@ -235,7 +235,7 @@ def builds(tmp_path_factory):
     a tiny word-level tokenizer, as in test_gate.py."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("gate-cache")
     vocab = {"[UNK]": 0}

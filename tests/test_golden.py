@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from shardc.build.compile import build
-from shardc.build.synthetic import llama_config, write_checkpoint
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.compiler.synthetic import llama_config, write_checkpoint
+from shardc.layout.plan import plan_from_dict
 
 PLANS = {  # name: (tp, pp, dtype)
     "g-tp2pp2-bf16": (2, 2, "bf16"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from shardc.build.source import open_source
+from shardc.compiler.source import open_source
 from shardc.errors import ShardcError, SourceError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -266,7 +266,7 @@ def test_verify_plan_of_another_plan_is_a_mismatch(make_ckpt, tmp_path):
 
 
 def test_library_errors_are_shardc_errors(tmp_path):
-    from shardc.spec.readfile import read_regular_file
+    from shardc.layout.readfile import read_regular_file
 
     with pytest.raises(ShardcError, match="cannot read"):
         read_regular_file(tmp_path / "missing", limit=10, what="file")
@@ -281,13 +281,13 @@ def test_source_truncated_during_build_subprocess(tmp_path, victim):
     file. The source is split so ``model.norm.weight`` (read last: tensors go in name order) lives
     alone in b; a holds the rest and is being read when it is cut (the SIGBUS case). Either is
     cut by another process while the build writes its shard; the build's read lease holds the
-    truncate back until the build has stopped reading and cleaned up (build/lease.py)."""
+    truncate back until the build has stopped reading and cleaned up (compiler/lease.py)."""
     import threading
     import time
 
     from safetensors.numpy import load_file, save_file
 
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.formats.files import temp_files
 
     cfg = llama_config(hidden_size=512, intermediate_size=2048, num_layers=8, num_heads=8,
@@ -325,7 +325,7 @@ def test_source_truncated_during_build_subprocess(tmp_path, victim):
 def test_planted_lock_symlink_is_refused_not_followed(tmp_path):
     """#17 item 1: a symlink at <out>/.shardc-build.lock used to be opened with "w", truncating
     whatever it pointed at. Now the lock is opened without following links or truncating."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     src = write_checkpoint(tmp_path / "src", llama_config(**TINY))
     victim = tmp_path / "victim.txt"
@@ -350,7 +350,7 @@ def _verify_ok(out: Path) -> bool:
 
 def _two_sources(tmp_path: Path) -> tuple[Path, Path]:
     """Two checkpoints of one model with different weights (so a rebuild changes every shard)."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     cfg = llama_config(**TINY)
     return write_checkpoint(tmp_path / "a", cfg, seed=1), write_checkpoint(tmp_path / "b", cfg, seed=2)
@@ -423,8 +423,8 @@ def _killed_state(out: Path, plan, src: Path, forge: dict[str, Path] | None = No
     import hashlib
 
     from shardc import __version__
-    from shardc.build.outputs import LAYOUT_REVISION, done_path
-    from shardc.spec.plan import canonical_json
+    from shardc.compiler.outputs import LAYOUT_REVISION, done_path
+    from shardc.layout.plan import canonical_json
 
     (out / "manifest.json").unlink()
     key = {"plan_sha256": plan.sha256, "source": open_source(str(src)).fingerprint(), "shardc_version": __version__,
@@ -438,7 +438,7 @@ def _killed_state(out: Path, plan, src: Path, forge: dict[str, Path] | None = No
 
 
 def _plan(src: Path, name: str = "h", tp: int = 1, pp: int = 2):
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     d = json.loads(json.dumps(PLAN))
     d["replica_group"].update(name=name, tp_degree=tp, pp_degree=pp, gpus_per_replica=tp * pp)
@@ -447,7 +447,7 @@ def _plan(src: Path, name: str = "h", tp: int = 1, pp: int = 2):
 
 
 def test_resume_keeps_an_untouched_shard_and_rebuilds_a_foreign_one(tmp_path):
-    from shardc.build.compile import build
+    from shardc.compiler.compile import build
 
     a, _ = _two_sources(tmp_path)
     plan = _plan(a)
@@ -467,7 +467,7 @@ def test_resume_keeps_an_untouched_shard_and_rebuilds_a_foreign_one(tmp_path):
 
 def test_resume_after_the_source_was_rewritten_with_its_old_size_and_mtime(tmp_path):
     """The rerun must not mix shards of two checkpoints: every kept shard came from these bytes."""
-    from shardc.build.compile import build
+    from shardc.compiler.compile import build
 
     a, b = _two_sources(tmp_path)
     plan = _plan(a)
@@ -491,7 +491,7 @@ def test_manifest_that_cannot_be_written_is_one_line_and_leaves_no_temp_file(tmp
     """#17 item 2: the last write (the manifest) failing used to be a traceback and a temp file
     left forever. A model of many tiny layers has a manifest larger than any shard, so a file size
     limit between the two fails exactly that write (EFBIG, as a full disk would fail it)."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     src = write_checkpoint(tmp_path / "src", llama_config(hidden_size=8, intermediate_size=16, num_layers=24,
                                                           num_heads=2, num_kv_heads=1, vocab_size=16))

@@ -34,9 +34,9 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("loader")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))

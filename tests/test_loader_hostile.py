@@ -33,9 +33,9 @@ S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """One tiny real build, tp=2 bf16: two valid shards of one size."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("hostile-loader")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
@@ -49,10 +49,10 @@ def built(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def built_chunked(tmp_path_factory) -> Path:
     """The same build cut into 4 KiB chunks (format_version 3): several chunks per tiny shard."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.formats import chunks
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("hostile-loader-chunked")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))

@@ -37,9 +37,9 @@ def _one_line(p: subprocess.CompletedProcess, line: str) -> None:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """One tiny real build (tp=2, 2 layers): the manifest every crafted one starts from."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("bounds")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
@@ -69,7 +69,7 @@ def _deep(built: Path, depth: int) -> str:
 def _hostile(built: Path, tp: int = 64, layers: int = 1000, shards: bool = False) -> dict:
     """The real manifest claiming tp ranks over ``layers`` layers (a consistent plan and config, a
     valid plan hash): with no shard entries, or (``shards``) one entry per rank, one record each."""
-    from shardc.spec.plan import data_sha256
+    from shardc.layout.plan import data_sha256
 
     m = json.loads(built.read_text())
     m["plan"]["replica_group"].update(tp_degree=tp, gpus_per_replica=tp)

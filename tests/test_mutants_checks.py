@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import reseal
 
-from shardc.build.compile import build
+from shardc.compiler.compile import build
 from shardc.verify.checks import plan_mismatch, verify_build
 
 CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64)
@@ -41,13 +41,13 @@ def _data_bytes(shard: Path) -> int:
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("c") / "src", llama_config(**CFG))
 
 
 def _warnings(src: Path, out: Path, cap: float | None) -> tuple[list[str], int]:
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     res = build(plan_from_dict(_plan_data("c", cap)).with_source(str(src)), out)
     (rank,) = verify_build(res.manifest, res.out_dir, device="cpu")["ranks"]
@@ -74,7 +74,7 @@ def test_kv_cap_that_exceeds_host_memory_is_a_warning(src, tmp_path):
 
 
 def test_plan_mismatch_names_both_plans_by_12_hex_digits(src, tmp_path):
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     res = build(plan_from_dict(_plan_data("built", None)).with_source(str(src)), tmp_path / "o")
     other = plan_from_dict(_plan_data("other", None))
@@ -90,7 +90,7 @@ def test_plan_mismatch_names_both_plans_by_12_hex_digits(src, tmp_path):
 def test_deep_against_a_build_as_the_reference(src, tmp_path):
     """verify --deep may name a build (a reshard's input) instead of a checkpoint: a tp=2 build
     checked against a tp=1 build of the same checkpoint agrees byte for byte."""
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     ref = build(plan_from_dict(_plan_data("ref", None)).with_source(str(src)), tmp_path / "ref")
     d = _plan_data("tp2", None)
@@ -110,8 +110,8 @@ def test_checks_run_are_listed_and_deep_trims_vocab_padding(src, tmp_path):
     """Vocabulary 62 at tp=4 pads to 64: the last rank's embedding and lm_head slices end in two
     zero rows, which --deep trims before comparing with the checkpoint (a clean build passes).
     Every rank lists the checks it ran, in order."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     ck = write_checkpoint(tmp_path / "src62", llama_config(**{**CFG, "vocab_size": 62}))
     d = _plan_data("pad", None)
@@ -138,7 +138,7 @@ def test_header_problems_are_named(src, tmp_path):
     from safetensors.torch import save_file
 
     from shardc.formats.manifest import read
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     res = build(plan_from_dict(_plan_data("h", None)).with_source(str(src)), tmp_path / "o")
     file = res.manifest.shards[0].file
@@ -164,7 +164,7 @@ def test_header_problems_are_named(src, tmp_path):
 def test_a_manifest_whose_plan_hash_is_not_its_plans(src, tmp_path):
     import dataclasses
 
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
     from shardc.verify.checks import check_manifest_against_layout
 
     res = build(plan_from_dict(_plan_data("p", None)).with_source(str(src)), tmp_path / "o")
@@ -181,7 +181,7 @@ def test_a_shard_cut_short_is_named_with_or_without_device(src, tmp_path):
     names it from the header alone, without --device as with it (the safetensors library refuses
     such a file when it opens it)."""
     from shardc.formats.manifest import read
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     res = build(plan_from_dict(_plan_data("t", None)).with_source(str(src)), tmp_path / "o")
     file = res.manifest.shards[0].file
@@ -226,9 +226,9 @@ def test_side_file_problems_each_named(src, tmp_path):
     listed by a tp=2 manifest, and a shard the manifest lacks."""
     import dataclasses
 
-    from shardc.build.outputs import INDEX, side_files
+    from shardc.compiler.outputs import INDEX, side_files
     from shardc.formats.manifest import FileEntry
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
     from shardc.verify.checks import check_side_files
 
     res = build(plan_from_dict(_plan_data("s", None)).with_source(str(src)), tmp_path / "o")
@@ -277,7 +277,7 @@ def test_side_file_problems_each_named(src, tmp_path):
 def test_digests_given_are_used_and_ranks_can_be_chosen(src, tmp_path):
     """``hashed`` (digests a pull took while downloading) stands in for reading the file: a wrong
     one is a mismatch, named by both hashes' first 16 digits. ``ranks`` verifies only those."""
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     d = _plan_data("r", None)
     d["replica_group"].update(tp_degree=2, gpus_per_replica=2)

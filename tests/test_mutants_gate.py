@@ -106,8 +106,8 @@ def test_check_cache_verdicts(tmp_path):
 
 # -- on real builds -------------------------------------------------------------------------------------------
 def _build(src: Path, out: Path, tp: int, pp: int) -> Path:
-    from shardc.build.compile import build
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import plan_from_dict
 
     name = f"mg-tp{tp}pp{pp}"
     plan = plan_from_dict({"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": "bf16",
@@ -119,7 +119,7 @@ def _build(src: Path, out: Path, tp: int, pp: int) -> Path:
 def builds(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("mgate")
     words = "the a of to in is it and for on with as by at from that this be are was".split()

@@ -1,4 +1,4 @@
-"""spec/layout.py pinned by hand-written tables: stage layer ranges, every tensor record of a
+"""layout/ranks.py pinned by hand-written tables: stage layer ranges, every tensor record of a
 rank (owner, slice, local shape, vocabulary padding, replicated KV head, quantized companions),
 the LayoutError messages, and rank selection. Every expectation is a literal written here for a
 small concrete model, never derived by calling layout code (docs/mutation-testing.md).
@@ -10,9 +10,11 @@ import json
 
 import pytest
 
-from shardc.build.synthetic import llama_config
+from shardc.compiler.synthetic import llama_config
 from shardc.errors import LayoutError, QuantizationError
-from shardc.spec.layout import (
+from shardc.layout.model import model_from_config
+from shardc.layout.plan import plan_from_dict
+from shardc.layout.ranks import (
     RankLayout,
     TensorSpec,
     build_layout,
@@ -20,8 +22,6 @@ from shardc.spec.layout import (
     padded_vocab,
     stage_ranges,
 )
-from shardc.spec.model import model_from_config
-from shardc.spec.plan import plan_from_dict
 
 # hidden 16, 4 heads of 4, 2 KV heads, intermediate 32, vocab 10, 3 layers (bf16 source).
 CFG = dict(hidden_size=16, intermediate_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -328,7 +328,7 @@ def test_tensorspec_record_drops_empty_fields():
     ("x", "quantization_config", "must be a mapping"),
 ])
 def test_source_quantization_config_not_read_is_refused(block, key, message):
-    """A quantized source is read only in a format shardc implements (spec/sourcequant/, #31):
+    """A quantized source is read only in a format shardc implements (layout/sourcequant/, #31):
     any other quantization_config is refused by name, never read as 16-bit weights."""
     with pytest.raises(QuantizationError) as e:
         build_layout(_model(extra={"quantization_config": block}), _plan(1, 1))

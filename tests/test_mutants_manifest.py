@@ -314,11 +314,11 @@ def test_zero_pipeline_stages_are_refused():
 def test_new_manifest_records_the_layout_it_was_built_from(quant, torch_dtype, base):
     """tp=4 pp=2 int8, vocabulary 102 (padded to 104 for tp=4); files and shards handed over out
     of order come out sorted by name and by rank."""
-    from shardc.build.synthetic import llama_config
+    from shardc.compiler.synthetic import llama_config
     from shardc.formats.manifest import FileEntry, ShardEntry, SourceRecord, layout_of, new_manifest
-    from shardc.spec.layout import build_layout
-    from shardc.spec.model import model_from_config
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.model import model_from_config
+    from shardc.layout.plan import plan_from_dict
+    from shardc.layout.ranks import build_layout
 
     cfg = llama_config(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=4,
                        vocab_size=102)

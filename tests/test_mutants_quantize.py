@@ -1,4 +1,4 @@
-"""build/quantize.py behaviours that mutation testing found unchecked, each against values derived
+"""compiler/quantize.py behaviours that mutation testing found unchecked, each against values derived
 by hand here: the 16-bit dequantization rule (scale rounded to the dtype first), unpacking
 pack-quantized int8 (the reshard of an int8 build reads it), the hint of the NaN error, tensors
 of several row chunks on one thread or a pool, and the compressed-tensors config block."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from shardc.build.quantize import (
+from shardc.compiler.quantize import (
     dequantize,
     pack_int8,
     quantization_config,

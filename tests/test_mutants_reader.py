@@ -249,10 +249,10 @@ def test_verify_device_reports_a_damaged_span_in_one_line(tmp_path):
     tensor named, where it used to die in numpy with a traceback."""
     from click.testing import CliRunner
 
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
     from shardc.cli import main
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     src = write_checkpoint(tmp_path / "src", llama_config(hidden_size=32, intermediate_size=64, num_layers=1,
                                                           num_heads=4, num_kv_heads=2, vocab_size=64))

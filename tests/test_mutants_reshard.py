@@ -1,4 +1,4 @@
-"""Mutation-testing kills for ``shardc/build/reshard.py`` (docs/mutation-testing.md).
+"""Mutation-testing kills for ``shardc/compiler/reshard.py`` (docs/mutation-testing.md).
 
 Every expected value is written here by hand or computed by the test from bytes it wrote (json,
 struct, hashlib, numpy on the test's own arrays), never by the reshard code.
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from conftest import reseal
 
-from shardc.build.compile import build
-from shardc.build.inputs import open_local_input
-from shardc.build.reshard import BuildSource, _need_order, reshard
-from shardc.build.synthetic import llama_config, write_checkpoint
+from shardc.compiler.compile import build
+from shardc.compiler.inputs import open_local_input
+from shardc.compiler.reshard import BuildSource, _need_order, reshard
+from shardc.compiler.synthetic import llama_config, write_checkpoint
 from shardc.errors import ManifestError, PlanError, VerifyMismatch
-from shardc.spec.layout import build_layout
-from shardc.spec.model import model_from_config
-from shardc.spec.plan import plan_from_dict
+from shardc.layout.model import model_from_config
+from shardc.layout.plan import plan_from_dict
+from shardc.layout.ranks import build_layout
 
 GQA = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=2, vocab_size=100)
 TOKENIZER = b'{"version": "1.0", "model": {"type": "mutants"}}\n'

@@ -1,4 +1,4 @@
-"""spec/tensors.py and spec/quantization.py pinned by hand-written tables: the split kind of every
+"""layout/tensors.py and layout/quantization.py pinned by hand-written tables: the split kind of every
 Llama-family name, the full source tensor list (names, order, shapes) of small configs with and
 without biases, each TP precondition's refusal and the TP degrees that work, which weights a plan
 quantizes, the 16-bit base dtype, and the int8 packing refusal. Every expectation is a literal
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from shardc.build.synthetic import llama_config
+from shardc.compiler.synthetic import llama_config
 from shardc.errors import LayoutError, QuantizationError
-from shardc.spec.layout import build_layout, check_degrees
-from shardc.spec.model import model_from_config
-from shardc.spec.plan import plan_from_dict
-from shardc.spec.quantization import _ignore_matches, base_dtype, check_packing, quantized_names
-from shardc.spec.tensors import layer_of, source_tensors, split_kind, valid_tp_degrees
+from shardc.layout.model import model_from_config
+from shardc.layout.plan import plan_from_dict
+from shardc.layout.quantization import _ignore_matches, base_dtype, check_packing, quantized_names
+from shardc.layout.ranks import build_layout, check_degrees
+from shardc.layout.tensors import layer_of, source_tensors, split_kind, valid_tp_degrees
 
 
 def _model(arch="LlamaForCausalLM", **over):

@@ -53,9 +53,9 @@ _buckets = itertools.count()
 def twins(tmp_path_factory):
     """One tp=2 bf16 plan built from two checkpoints (seeds 0 and 1): same names and sizes,
     different bytes. Each build sits at <root>/build/mtwin with its record in <root>/manifests."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     base = tmp_path_factory.mktemp("mtwins")
     out = {}
@@ -727,7 +727,7 @@ def test_a_download_that_cannot_start_leaves_no_partial_file(twins, tmp_path, mo
     remote = json.loads((store / "manifest.json").read_text())
     remote["files"].append({"name": name, "size": 2, "sha256": sha(b"{}")})
     # pull writes only a build's side files (#25 item 9): let this one name through
-    from shardc.build import outputs
+    from shardc.compiler import outputs
     monkeypatch.setattr(outputs, "SIDE_FILES", (*outputs.SIDE_FILES, name))
     (store / "manifest.json").write_text(json.dumps(remote))
     dest = tmp_path / "node"

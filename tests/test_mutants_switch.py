@@ -1,4 +1,4 @@
-"""build/switch.py pinned in-process, for mutation testing (the kill-and-rerun tests of
+"""compiler/switch.py pinned in-process, for mutation testing (the kill-and-rerun tests of
 test_switch.py run shardc in subprocesses, which mutmut's per-test coverage does not see): the
 journal's exact bytes, every refusal's exact line and hint, the name and size limits at their
 edges, the order of the switch, and the fault hook (real SIGKILLs of forked children).
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from shardc.build.switch import _fault, apply_switch, finish_switch, write_journal
+from shardc.compiler.switch import _fault, apply_switch, finish_switch, write_journal
 from shardc.errors import ManifestError, OutputError
 
 JOURNAL = ".shardc-switch.json"

@@ -46,8 +46,8 @@ def test_pull_strips_compressed_records_of_side_files(make_ckpt, tmp_path):
     same path as shards); the pulled manifest.json is still byte for byte the build's."""
     import zstandard
 
-    from shardc.build.compile import build
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import plan_from_dict
     from shardc.store import push_build
 
     src = make_ckpt(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -48,7 +48,7 @@ def _plan(root: Path, name: str, src: Path, tp: int = 1, pp: int = 1) -> Path:
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """A tiny checkpoint and its tp=2 pp=2 build."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("new-user")
     src = write_checkpoint(root / "src", llama_config(num_layers=2), seed=3)

@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from shardc.build.compile import build
 from shardc.cli import main
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64)
 
@@ -157,7 +157,7 @@ def test_cli_force_rebuilds_and_default_reuses(make_ckpt, tmp_path):
 
 def test_cli_dry_run_against_a_model_config(tmp_path):
     """--dry-run --model checks a plan against a config.json without reading weights."""
-    from shardc.build.synthetic import llama_config
+    from shardc.compiler.synthetic import llama_config
 
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(llama_config(**{**MODEL, "vocab_size": 10})))

@@ -112,9 +112,9 @@ def peaked(tmp_path_factory):
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("gate-oracle")
     words = ("the a of to in is it and for on with as by at from that this be are was not or "

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardc.build.compile import build
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 # hidden 32, 4 heads of 8, 2 KV heads, intermediate 64, vocab 10, 2 layers; tp=4, pp=2.
 CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -39,7 +39,7 @@ STAGE_LAYERS = {0: (0, 1), 1: (1, 2)}
 
 def _source(path: Path, tied: bool = False) -> dict[str, torch.Tensor]:
     """A checkpoint whose every value is distinct within a tensor (arange), so a wrong slice shows."""
-    from shardc.build.synthetic import llama_config
+    from shardc.compiler.synthetic import llama_config
 
     cfg = llama_config(**CFG, tie_word_embeddings=tied)
     h, inter, v = 32, 64, 10

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
     """Same plan, checkpoints of different seeds: same files, same sizes, different bytes."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("twins")
     out = {}

@@ -19,9 +19,9 @@ from conftest import reseal
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardc.build.compile import build
 from shardc.cli import main
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 # vocab 10 at tp=4: 12 padded rows, rank 3 holds row 9 and two zero rows; 2 KV heads replicated.
 CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=10)
@@ -36,7 +36,7 @@ def _plan(tp: int, pp: int, dtype: str):
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("verify-oracle")
     src = write_checkpoint(root / "src", llama_config(**CFG))

@@ -18,9 +18,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from shardc.build.synthetic import llama_config
 from shardc.cli import main
+from shardc.compiler.synthetic import llama_config
 from shardc.errors import PlanError
+from shardc.layout.model import HUB_PRESETS, load_model, model_from_config
+from shardc.layout.plan import load_plan, plan_from_dict
+from shardc.layout.ranks import build_layout
 from shardc.planner.formulas import (
     Overheads,
     SpeedParams,
@@ -42,9 +45,6 @@ from shardc.planner.models import PRESET_SOURCES, param_count, resolve_model
 from shardc.planner.report import summary
 from shardc.planner.search import Candidate, Search, search
 from shardc.planner.weights import plan_dict, rank_weights
-from shardc.spec.layout import build_layout
-from shardc.spec.model import HUB_PRESETS, load_model, model_from_config
-from shardc.spec.plan import load_plan, plan_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 L70 = load_model("llama-3.3-70b")
@@ -322,7 +322,7 @@ def test_cli_out_preset_plan_validates(tmp_path):
 
 def test_cli_out_builds(tmp_path, make_ckpt):
     """The plan written by --out validates and compiles with shardc build."""
-    build = pytest.importorskip("shardc.build.compile")
+    build = pytest.importorskip("shardc.compiler.compile")
     ckpt = make_ckpt(**TINY)
     out = tmp_path / "plans" / "tiny.yaml"
     r = _run("--model", str(ckpt), "--gpu", "l40s", "--dtype", "int8", "--tp", "2", "--out", str(out))

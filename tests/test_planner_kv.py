@@ -13,14 +13,14 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from shardc.build.synthetic import llama_config
 from shardc.cli import main
+from shardc.compiler.synthetic import llama_config
 from shardc.errors import PlanError
+from shardc.layout.model import load_model, model_from_config
 from shardc.planner.formulas import Workload
 from shardc.planner.gpus import GIB, Cluster, get_gpu
 from shardc.planner.models import resolve_model
 from shardc.planner.search import search
-from shardc.spec.model import load_model, model_from_config
 
 L70 = load_model("llama-3.3-70b")
 A100 = Cluster(get_gpu("a100-80gb"))

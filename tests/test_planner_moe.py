@@ -35,16 +35,16 @@ import pytest
 from click.testing import CliRunner
 
 from shardc.cli import main
+from shardc.layout.model import load_model, model_from_config
+from shardc.layout.plan import load_plan, plan_from_dict
+from shardc.layout.ranks import build_layout
+from shardc.layout.tensors import tensor_table
 from shardc.planner.ep import EpWeights, ep_degrees, ep_weights, linear_block
 from shardc.planner.formulas import Workload
 from shardc.planner.gpus import GIB, Cluster, get_gpu
 from shardc.planner.models import resolve_model
 from shardc.planner.search import search
 from shardc.planner.weights import plan_dict
-from shardc.spec.layout import build_layout
-from shardc.spec.model import load_model, model_from_config
-from shardc.spec.plan import load_plan, plan_from_dict
-from shardc.spec.tensors import tensor_table
 
 ROOT = Path(__file__).resolve().parents[1]
 MIXTRAL = load_model("mixtral-8x7b")

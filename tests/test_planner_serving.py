@@ -14,10 +14,10 @@ import yaml
 from click.testing import CliRunner
 
 from shardc.cli import main
+from shardc.layout.model import load_model
 from shardc.planner.formulas import Workload
 from shardc.planner.gpus import Cluster, get_gpu
 from shardc.planner.search import search
-from shardc.spec.model import load_model
 
 L8 = ("--model", "llama-3.1-8b", "--gpu", "h100-sxm")
 WORKLOAD = ("--isl", "1536", "--osl", "1024", "--max-model-len", "2560")

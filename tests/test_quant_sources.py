@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers")
 from quant_sources import fp8_block_source, save_tiny  # noqa: E402
 from reassemble import load_source, reassemble  # noqa: E402
 
-from shardc.build.compile import build  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
+from shardc.layout.plan import plan_from_dict  # noqa: E402
 
 # family -> (config class, model class, extra config, weight_block_size)
 FAMILIES = {
@@ -389,10 +389,10 @@ def test_deepseek_v3_real_shapes_split_on_whole_blocks():
     import dataclasses
 
     from shardc.errors import LayoutError
-    from shardc.spec.families.deepseek import DEEPSEEK_V3
-    from shardc.spec.layout import build_layout
-    from shardc.spec.model import model_from_config
-    from shardc.spec.plan import load_plan
+    from shardc.layout.families.deepseek import DEEPSEEK_V3
+    from shardc.layout.model import model_from_config
+    from shardc.layout.plan import load_plan
+    from shardc.layout.ranks import build_layout
 
     fp8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
     model = model_from_config(dict(DEEPSEEK_V3, num_hidden_layers=4, quantization_config=fp8))
@@ -418,8 +418,8 @@ def test_fp8_dequantize_partial_blocks_equals_transformers():
     import numpy as np
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-    from shardc.build.arrays import from_torch
-    from shardc.spec.sourcequant import detect_source
+    from shardc.compiler.arrays import from_torch
+    from shardc.layout.sourcequant import detect_source
 
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(72, 100, generator=g) * 50).to(torch.float8_e4m3fn)

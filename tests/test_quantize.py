@@ -11,8 +11,8 @@ import torch
 from reassemble import load_source, reassemble
 from safetensors.torch import load_file, save_file
 
-from shardc.build.compile import build
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 # The Llama family's linear projections, written out here as the oracle (the code derives them
 # from the family's tensor table).
@@ -153,7 +153,7 @@ def test_nan_is_rejected_and_nothing_written(make_ckpt, tmp_path):
 @pytest.mark.parametrize("scheme", ["int8", "fp8"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_weights_are_named_for_every_source_dtype(dtype, scheme, bad):
-    from shardc.build.quantize import quantize
+    from shardc.compiler.quantize import quantize
     from shardc.errors import QuantizationError
 
     w = torch.randn(50, 64, generator=torch.Generator().manual_seed(2))
@@ -163,7 +163,7 @@ def test_nonfinite_weights_are_named_for_every_source_dtype(dtype, scheme, bad):
 
 
 def test_dequantize_roundtrip_function():
-    from shardc.build.quantize import dequantize, quantize
+    from shardc.compiler.quantize import dequantize, quantize
 
     w = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
     q, s, stats = quantize("w", w, "int8")
@@ -198,7 +198,7 @@ def _edge_rows(dtype: torch.dtype) -> torch.Tensor:
 def test_kernel_edge_rows_values_and_stats_against_reference(dtype, scheme):
     """Values and scales byte for byte; the error statistics against float64 arithmetic on the
     fp32 dequantized weights."""
-    from shardc.build.quantize import quantize
+    from shardc.compiler.quantize import quantize
 
     w = _edge_rows(dtype)
     for workers in (1, 2):
@@ -223,7 +223,7 @@ def test_fp8_kernel_cast_matches_torch_on_ties_boundaries_and_subnormals():
     midpoints between neighbours (ties to even) and the floats either side of them, a sweep
     over the subnormal range and the lowest binades, random values across the range, and
     values past ±448 (clamped), with both signs. Its error output is exact too."""
-    from shardc.build.kernels import fp8_rows
+    from shardc.compiler.kernels import fp8_rows
 
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
     grid = np.unique(grid[np.isfinite(grid) & (grid >= 0)])
@@ -245,7 +245,7 @@ def test_fp8_kernel_cast_matches_torch_on_ties_boundaries_and_subnormals():
 def test_kernels_compile_without_a_writable_cache():
     """Where numba finds nowhere to cache machine code (here: a function with no source file),
     the kernels still compile, in memory, instead of failing the build."""
-    from shardc.build.kernels import _jit
+    from shardc.compiler.kernels import _jit
 
     ns: dict = {}
     exec("def f(a):\n    return a + 1\n", ns)

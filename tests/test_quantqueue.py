@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardc.build.quantize import quantize, unpack_int8
-from shardc.build.quantqueue import QuantQueue
+from shardc.compiler.quantize import quantize, unpack_int8
+from shardc.compiler.quantqueue import QuantQueue
 from shardc.errors import QuantizationError
 
 SHAPES = {"a": (64, 32), "b": (64, 32), "c": (16, 32), "d": (64, 32)}
@@ -48,7 +48,7 @@ def test_budget_holds_the_quantizer_back_until_release(monkeypatch):
     import threading
     import types
 
-    from shardc.build import quantqueue
+    from shardc.compiler import quantqueue
 
     parked = threading.Event()
 

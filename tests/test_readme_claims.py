@@ -14,9 +14,9 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from shardc.build.compile import build
 from shardc.cli import main
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -36,7 +36,7 @@ def _plan(tp: int, pp: int, name: str = "c", **rg) -> dict:
 # -- inspect ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_build(tmp_path_factory):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("claims")
     src = write_checkpoint(root / "src", llama_config(**MODEL))
@@ -156,7 +156,7 @@ def rollout_env(tmp_path_factory):
     from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.runtime.gate import golden_text
 
     root = tmp_path_factory.mktemp("rollout")

@@ -38,8 +38,8 @@ FIGURES = {
 
 @pytest.fixture(scope="module")
 def demo_builds(demo_model_dir, tmp_path_factory):
-    from shardc.build.compile import build
-    from shardc.spec.plan import load_plan
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import load_plan
 
     out = tmp_path_factory.mktemp("readme-gate")
     builds = {name: build(load_plan(ROOT / "plans" / f"{name}.yaml").with_source(str(demo_model_dir)),

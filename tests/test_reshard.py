@@ -19,13 +19,13 @@ import yaml
 from click.testing import CliRunner
 from conftest import reseal
 
-from shardc.build.compile import build
-from shardc.build.inputs import open_local_input
-from shardc.build.reshard import reshard
 from shardc.cli import main
+from shardc.compiler.compile import build
+from shardc.compiler.inputs import open_local_input
+from shardc.compiler.reshard import reshard
 from shardc.errors import ManifestError, PlanError, VerifyMismatch
 from shardc.formats.manifest import parse, read
-from shardc.spec.plan import plan_from_dict
+from shardc.layout.plan import plan_from_dict
 
 GQA = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=2, vocab_size=100)
 TIED = dict(hidden_size=64, intermediate_size=96, num_layers=3, num_heads=8, num_kv_heads=8, vocab_size=97,
@@ -358,7 +358,7 @@ def test_int8_export_loads_in_transformers(make_ckpt, tmp_path):
     ckpt = make_ckpt(**dict(GQA, num_layers=3))
     built = build(plan_of(ckpt, 2, 3, "int8"), tmp_path / "a")
     out = tmp_path / "hf"
-    from shardc.build.export import export
+    from shardc.compiler.export import export
 
     export(open_local_input(built.manifest_path), out)
     one = build(plan_of(ckpt, 1, 1, "int8"), tmp_path / "one")
@@ -474,7 +474,7 @@ def test_dequantize_to_the_other_scheme_requantizes_q_times_scale(make_ckpt, tmp
     import torch
     from safetensors.torch import load_file
 
-    from shardc.build.quantize import quantize
+    from shardc.compiler.quantize import quantize
 
     ckpt = make_ckpt(**GQA)
     a = build(plan_of(ckpt, 2, 1, "int8"), tmp_path / "a")
@@ -494,11 +494,11 @@ def test_dequantize_to_the_other_scheme_requantizes_q_times_scale(make_ckpt, tmp
 
 @pytest.mark.parametrize("dim", [0, 1])
 def test_tiles_fill_any_window_like_the_whole_tensor(dim):
-    """A writer's chunk filled piece by piece (build/tiles.py) equals the same window of the whole
+    """A writer's chunk filled piece by piece (compiler/tiles.py) equals the same window of the whole
     tensor put together by numpy, for windows inside one piece, across several, and at the ends."""
     import numpy as np
 
-    from shardc.build.tiles import Tiles
+    from shardc.compiler.tiles import Tiles
 
     rng = np.random.default_rng(7)
     whole = rng.standard_normal((12, 10)).astype(np.float32)

@@ -28,12 +28,12 @@ from conftest import reseal
 
 sys.path.insert(0, str(Path(__file__).parent))  # s3server
 
-from shardc.build.compile import build
-from shardc.build.inputs import SPOOL_PREFIX, Spool, open_local_input
-from shardc.build.reshard import reshard
-from shardc.build.synthetic import llama_config, write_checkpoint
+from shardc.compiler.compile import build
+from shardc.compiler.inputs import SPOOL_PREFIX, Spool, open_local_input
+from shardc.compiler.reshard import reshard
+from shardc.compiler.synthetic import llama_config, write_checkpoint
 from shardc.errors import VerifyMismatch
-from shardc.spec.plan import plan_from_dict
+from shardc.layout.plan import plan_from_dict
 
 ROOT = Path(__file__).resolve().parents[1]
 GQA = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=2, vocab_size=100)
@@ -140,7 +140,7 @@ def take_over(out: Path) -> int:
 def test_a_reshard_that_loses_the_lock_removes_nothing(work, tmp_path):
     """In-process and fast: a real local input whose side files are read (after the reshard found
     no output directory) while another run takes the directory over."""
-    from shardc.build.inputs import LocalBuildInput
+    from shardc.compiler.inputs import LocalBuildInput
     from shardc.errors import ShardcError
 
     out = tmp_path / "r"
@@ -326,7 +326,7 @@ def test_a_shard_verify_rejects_is_refused_with_verify_s_line(work, tmp_path, ed
     """The manifest is re-hashed to the edited file: only the header checks can see the edit.
     verify rejects it; reshard (and export, which reads through the same BuildSource) refuse it
     with verify's own words, exit 1, no traceback, and leave no directory or lock behind."""
-    from shardc.build.export import export
+    from shardc.compiler.export import export
     from shardc.formats.manifest import read
     from shardc.verify.checks import verify_build
 
@@ -382,7 +382,7 @@ def test_an_s3_manifest_replaced_mid_reshard_is_refused(work, tmp_path, s3, aws)
 def test_a_dead_process_s_spool_is_removed_and_a_live_one_kept(tmp_path):
     """Spools held by real processes: one killed with SIGKILL, one alive; a new spool in the same
     parent removes the first only."""
-    code = ("import sys, time\nfrom shardc.build.inputs import Spool\ns = Spool(sys.argv[1])\n"
+    code = ("import sys, time\nfrom shardc.compiler.inputs import Spool\ns = Spool(sys.argv[1])\n"
             "(s.path / 'partial').write_bytes(b'x' * 4096)\nprint(s.path, flush=True)\ntime.sleep(120)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(2)]
@@ -490,7 +490,7 @@ def winner_error(proc: subprocess.Popen) -> str:
     return proc.stderr.read() if proc.poll() is not None else "the process did not get there in time"
 
 
-# --- mutation-testing kills (docs/mutation-testing.md, build/reshard.py) ------------------------
+# --- mutation-testing kills (docs/mutation-testing.md, compiler/reshard.py) ------------------------
 
 def test_int8_weight_shape_values_are_checked(work, tmp_path):
     """int8's X.weight_shape holds the [out, in] of the rank's slice; a tp1 input whose value was

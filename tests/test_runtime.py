@@ -26,10 +26,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shardc.build.compile import build  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import DistributedError, ManifestError  # noqa: E402
+from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import BuildRef, generate, open_build, score  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 EXACT_ATOL = 1e-3
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +60,7 @@ def hf_model(src: Path, dtype: torch.dtype = torch.bfloat16, tp: int = 1,
     import torch.nn.functional as F
     from transformers import LlamaForCausalLM
 
-    from shardc.build.quantize import dequantize, quantize
+    from shardc.compiler.quantize import dequantize, quantize
 
     model = LlamaForCausalLM.from_pretrained(src, dtype=dtype).eval()
     if quant:
@@ -191,7 +191,7 @@ def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows):
 # -- synthetic models ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("synth")
     # 4 heads / 2 KV heads: tp 4 holds one replicated KV head per rank; vocab 99 pads at tp 2 and 4.
@@ -211,8 +211,8 @@ def test_llama3_rope_frequencies_match_transformers(synth):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    from shardc.layout.model import load_model
     from shardc.runtime.decoder import rope_inv_freq
-    from shardc.spec.model import load_model
 
     spec = load_model(synth["llama3rope"]).summary()
     ours, _ = rope_inv_freq(spec)

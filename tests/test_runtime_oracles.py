@@ -16,10 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shardc.build.compile import build  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import DistributedError  # noqa: E402
+from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 # tp1: same kernels as transformers; tp2: bf16 partial sums of the row-parallel projections.
 ATOL = {1: 2e-3, 2: 0.02}
@@ -36,7 +36,7 @@ def _build(src: Path, out: Path, tp: int, pp: int = 1):
 def _checkpoint(root: Path, name: str, *, arch: str = "LlamaForCausalLM", bias_scale: float = 50.0, **cfg_extra) -> Path:
     from safetensors.torch import load_file, save_file
 
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     cfg = llama_config(num_layers=2, vocab_size=64, architecture=arch,
                        **{k: v for k, v in cfg_extra.items() if k in ("rope_scaling", "max_position_embeddings")})

@@ -6,8 +6,8 @@ import shutil
 
 from reassemble import load_source, reassemble
 
-from shardc.build.compile import build
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 

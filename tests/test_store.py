@@ -81,10 +81,10 @@ def bucket(s3):
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Real builds (shardc.build.compile) of one seeded synthetic checkpoint: bf16, int8 and fp8."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    """Real builds (shardc.compiler.compile) of one seeded synthetic checkpoint: bf16, int8 and fp8."""
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     base = tmp_path_factory.mktemp("builds")
     ckpt = write_checkpoint(base / "ckpt", llama_config(
@@ -268,8 +268,8 @@ def test_cli_push_pull_and_build_upload(builds, s3, bucket, tmp_path, monkeypatc
 
 def test_default_destination_is_plan_manifest_uri(builds, tmp_path):
     """No --to: the directory of the plan's checkpoint.manifest_uri (here a file:// one)."""
-    from shardc.build.compile import build
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.layout.plan import plan_from_dict
 
     src = builds["bf16"].manifest.to_dict()
     data = json.loads(json.dumps(src["plan"]))

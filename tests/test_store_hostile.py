@@ -56,9 +56,9 @@ def builds(tmp_path_factory):
     """Real builds of a tiny synthetic checkpoint: plan h-a (tp1 pp1), plan h-b (tp1 pp2, its own
     shard names), h-a again from another directory (a rebuild of the same plan and source), and h-a
     read from another checkpoint (``--source``: the same plan file, another source)."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
-    from shardc.spec.plan import plan_from_dict
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
 
     base = tmp_path_factory.mktemp("hostile-store")
     ck = write_checkpoint(base / "ck", llama_config(**TINY), seed=1)

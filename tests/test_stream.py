@@ -37,10 +37,10 @@ def aws_env(monkeypatch, tmp_path):
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """A tiny tp=2 build in 4 KiB chunks (several per shard)."""
-    from shardc.build.compile import build
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.formats import chunks
-    from shardc.spec.plan import plan_from_dict
+    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("stream")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))

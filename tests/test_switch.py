@@ -1,7 +1,7 @@
 """#17 item 2: a rebuild killed while switching its files in is finished by the next build.
 
 Real subprocess builds, really killed (SIGKILL from the fault hook ``SHARDC_FAULT=switch:N`` in
-``build/switch.py``: after the N-th rename), real files. The oracle is an uninterrupted rebuild
+``compiler/switch.py``: after the N-th rename), real files. The oracle is an uninterrupted rebuild
 into another directory, compared byte for byte, and ``shardc verify``.
 """
 
@@ -44,7 +44,7 @@ def one_line(r: subprocess.CompletedProcess, needle: str, code: int = 2) -> None
 def plans(tmp_path_factory) -> dict[str, Path]:
     """A: tp 1 x pp 2 of checkpoint a (writes the HF index); B: tp 2 x pp 1 of checkpoint b (same
     model, other weights: every shard changes, and the index of A has to go)."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     d = tmp_path_factory.mktemp("switch")
     cfg = llama_config(**TINY)
@@ -343,7 +343,7 @@ def test_rebuild_whose_manifest_cannot_be_written_keeps_the_old_build(tmp_path):
     """The new manifest is the last file staged: failing to write it (EFBIG from a file size limit
     between the largest shard and the manifest, as a full disk fails it) leaves the old build
     byte for byte, no journal and no temp file."""
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     cfg = llama_config(hidden_size=8, intermediate_size=16, num_layers=24, num_heads=2, num_kv_heads=1, vocab_size=16)
     plans = {}
@@ -388,7 +388,7 @@ def test_journal_reader_fuzz(tmp_path):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from shardc.build.switch import finish_switch
+    from shardc.compiler.switch import finish_switch
     from shardc.errors import ShardcError
 
     names = st.sampled_from(_NAMES) | st.text(max_size=12)

@@ -23,11 +23,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from shardc.build.compile import build  # noqa: E402
+from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
+from shardc.layout.model import model_from_config  # noqa: E402
+from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
-from shardc.spec.model import model_from_config  # noqa: E402
-from shardc.spec.plan import plan_from_dict  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 T = 48  # tokens per window: beyond the small original context of the llama3 case below

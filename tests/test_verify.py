@@ -20,9 +20,9 @@ from conftest import reseal
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardc.build.compile import build
 from shardc.cli import main
-from shardc.spec.plan import plan_from_dict
+from shardc.compiler.compile import build
+from shardc.layout.plan import plan_from_dict
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8,
            vocab_size=96)
@@ -37,7 +37,7 @@ def plan(tp: int, pp: int, dtype: str = "bf16"):
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     root = tmp_path_factory.mktemp("verify")
     ckpt = write_checkpoint(root / "src", llama_config(**CFG))
@@ -193,7 +193,7 @@ def test_rank_selection_names_fields_not_flags(builds):
 
 
 def test_deep_catches_wrong_source(builds, tmp_path):
-    from shardc.build.synthetic import llama_config, write_checkpoint
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
 
     other = write_checkpoint(tmp_path / "other", llama_config(**CFG), seed=1)
     r = verify("--manifest", str(builds[2, 2, "int8"] / "manifest.json"), "--rank", "3", "--deep", str(other))

@@ -42,7 +42,7 @@ Examples:
 def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, upload, to_uri,
               endpoint_url, replace, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
-    from ..spec.plan import load_plan
+    from ..layout.plan import load_plan
     from .output import echo_json, push_lines, show_progress, summary_lines
 
     plan = load_plan(plan_file)
@@ -52,7 +52,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     if dry_run:
         _dry_run(plan, model_ref, as_json)
         return
-    from ..build.compile import build
+    from ..compiler.compile import build
 
     result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
                    allow_pickle=allow_pickle, manifests_dir=manifests_dir)
@@ -93,8 +93,8 @@ def _check_same_words(plan, source: str) -> None:
 
 def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
     from ..formats.safetensors import shard_file_size
-    from ..spec.layout import build_layout
-    from ..spec.model import model_for_source
+    from ..layout.model import model_for_source
+    from ..layout.ranks import build_layout
     from .output import echo_json
 
     layout = build_layout(model_for_source(plan.source, model_ref), plan)

@@ -101,7 +101,7 @@ def summary_lines(summary: dict[str, Any], state: str, out_dir: Any) -> list[str
              f"layers {s['layers'][0]}:{s['layers'][1]}  {human_size(s['size']):>12}  {s['sha256'][:12]}"
              for s in summary["shards"]]
     if summary.get("finished_switch"):
-        lines.append("  first finished switching in the files of an interrupted rebuild (build/switch.py)")
+        lines.append("  first finished switching in the files of an interrupted rebuild (compiler/switch.py)")
     return lines
 
 

@@ -17,7 +17,7 @@ import click
 
 from ..errors import PlanError, ShardcError
 from ..formats.files import write_atomic
-from ..spec.model import PRESETS
+from ..layout.model import PRESETS
 
 # planner field -> the flag that sets it (errors' keys and `field` mentions in hints and warnings)
 FLAGS = {

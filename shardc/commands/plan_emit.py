@@ -40,8 +40,8 @@ def check(result: Any, path: Path) -> None:
     """--check FILE: one line per disagreement and exit 1, or one line saying they agree."""
     import yaml
 
+    from ..layout.readfile import read_regular_file
     from ..planner.deploy import check_deployment
-    from ..spec.readfile import read_regular_file
 
     try:
         data = read_regular_file(path, limit=1 << 20, what="deployment file", error=PlanError)

@@ -39,8 +39,8 @@ Examples:
 def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, force, endpoint_url,
                 quiet, as_json) -> None:
     """Build PLAN from an existing build instead of the Hugging Face source."""
-    from ..build.reshard import reshard
-    from ..spec.plan import load_plan
+    from ..compiler.reshard import reshard
+    from ..layout.plan import load_plan
     from ..store.reshard_input import open_input
     from .output import echo_json, show_progress, summary_lines
 
@@ -86,7 +86,7 @@ Examples:
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, quiet, as_json) -> None:
     """Write a build as one Hugging Face checkpoint: model-0000i-of-0000n.safetensors + index."""
-    from ..build.export import export, parse_size
+    from ..compiler.export import export, parse_size
     from ..store.reshard_input import open_input
     from .output import echo_json
 

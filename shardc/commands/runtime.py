@@ -127,8 +127,8 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
              tokenizer: Path | None, device: str, baseline_cache: Path | None, reference: str,
              timeout_s: float, as_json: bool, report_path: Path | None) -> None:
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
+    from ..layout.plan import canonical_json
     from ..runtime.gate import Thresholds, format_report, run_gate
-    from ..spec.plan import canonical_json
     from .output import echo_json, ensure_parent
 
     for path, flag in ((report_path, "--report"), (baseline_cache, "--baseline-cache")):

@@ -60,7 +60,7 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, 
                          hint="shardc verify --manifest M --plan PLAN.yaml --source SRC")
     plan_record = None
     if plan_file is not None:
-        from ..spec.plan import load_plan
+        from ..layout.plan import load_plan
         from ..verify.checks import plan_check
 
         expected = load_plan(plan_file)

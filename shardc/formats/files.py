@@ -98,7 +98,7 @@ def write_atomic(path: str | Path, data: bytes) -> None:
 
 def write_temp(final: str | Path, data: bytes) -> Path:
     """``data`` durably (fsynced) at a new temp file for ``final``, not renamed: a rebuild stages
-    files this way and switches them in later (build/switch.py). Removed again on failure."""
+    files this way and switches them in later (compiler/switch.py). Removed again on failure."""
     fd, tmp = create_temp(final)
     try:
         with open(fd, "wb") as f:

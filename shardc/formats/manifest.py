@@ -51,10 +51,10 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ManifestError
-from ..spec.layout import Layout, base_dtype, build_layout
-from ..spec.model import model_from_config
-from ..spec.plan import OVERRIDABLE, apply_overrides, canonical_json, plan_from_dict
-from ..spec.readfile import MANIFEST_LIMIT, read_regular_file
+from ..layout.model import model_from_config
+from ..layout.plan import OVERRIDABLE, apply_overrides, canonical_json, plan_from_dict
+from ..layout.ranks import Layout, base_dtype, build_layout
+from ..layout.readfile import MANIFEST_LIMIT, read_regular_file
 from .chunks import chunk_count, chunk_size_problem
 from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 
@@ -587,7 +587,7 @@ def source_quantization_record(config: dict[str, Any], dtype: str) -> dict[str, 
     """What a build did with a quantized source: kept it (``dtype: source``), dequantized it to
     16 bits as the format's reference does, or dequantized then requantized (int8/fp8 per channel,
     the error stats then measured against the dequantized source)."""
-    from ..spec.sourcequant import detect_source
+    from ..layout.sourcequant import detect_source
 
     sq = detect_source(config)
     if sq is None:
@@ -614,7 +614,7 @@ def parse(data: bytes | str, origin: str = "manifest") -> Manifest:
     return Manifest._from_json(m, origin)
 
 
-# Written by a rebuild while it switches its files into place (build/switch.py); a directory
+# Written by a rebuild while it switches its files into place (compiler/switch.py); a directory
 # holding it and no manifest.json is a build being switched, which the next build finishes.
 SWITCH_JOURNAL = ".shardc-switch.json"
 

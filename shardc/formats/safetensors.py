@@ -31,8 +31,8 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ShardFormatError
-from ..spec.dtypes import DTYPE_BYTES
-from ..spec.layout import Layout, RankLayout
+from ..layout.dtypes import DTYPE_BYTES
+from ..layout.ranks import Layout, RankLayout
 from . import chunks as _chunks
 from .files import create_temp
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import LayoutError, QuantizationError
-from ..spec.model import ModelSpec
-from ..spec.plan import Plan, plan_from_dict
+from ..layout.model import ModelSpec
+from ..layout.plan import Plan, plan_from_dict
 from .formulas import (
     ACT_BYTES,
     Cost,

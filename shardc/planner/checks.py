@@ -5,7 +5,7 @@ field names to its flags. Split from formulas.py, which keeps the arithmetic."""
 from __future__ import annotations
 
 from ..errors import PlanError
-from ..spec.model import ModelSpec
+from ..layout.model import ModelSpec
 from .formulas import KV_DTYPE_BYTES, SpeedParams, Workload
 from .gpus import GIB, Cluster
 

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import LayoutError, PlanError, QuantizationError
-from ..spec.layout import build_layout, check_degrees, layer_of
-from ..spec.model import ModelSpec
-from ..spec.plan import plan_from_dict
-from ..spec.tensors import STACKED, tensor_table
+from ..layout.model import ModelSpec
+from ..layout.plan import plan_from_dict
+from ..layout.ranks import build_layout, check_degrees, layer_of
+from ..layout.tensors import STACKED, tensor_table
 from .candidate import Candidate, attn_flops, kv_bpt, lora_bytes, memory_reasons, routing, unit_cost
 from .formulas import (
     ACT_BYTES,

@@ -39,7 +39,7 @@ def rate_dtype(model: Any, dtype: str) -> str:
     bits; the bytes themselves come from the Layout, at their real size."""
     if dtype != "source":
         return dtype
-    from ..spec.sourcequant import detect_source
+    from ..layout.sourcequant import detect_source
 
     sq = detect_source(model.config)
     if sq is None:

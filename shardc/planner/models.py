@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..spec.layout import source_tensors
-from ..spec.model import PRESET_SOURCES, PRESETS, ModelSpec, load_model
+from ..layout.model import PRESET_SOURCES, PRESETS, ModelSpec, load_model
+from ..layout.ranks import source_tensors
 
 __all__ = ["PRESET_SOURCES", "param_count", "resolve_model"]
 

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import LayoutError, PlanError
-from ..spec.layout import MAX_TP_HINT, check_degrees, valid_tp_degrees
-from ..spec.model import ModelSpec
-from ..spec.plan import DTYPES, plan_from_dict
+from ..layout.model import ModelSpec
+from ..layout.plan import DTYPES, plan_from_dict
+from ..layout.ranks import MAX_TP_HINT, check_degrees, valid_tp_degrees
 from .candidate import Candidate, evaluate, kv_bpt, lora_bytes, routing
 from .checks import check_inputs
 from .ep import ep_degrees, evaluate_ep, weights_for
@@ -187,7 +187,7 @@ class Search:
 def default_dtypes(model: Any) -> tuple[str, ...]:
     """--dtype auto: the checkpoint's 16-bit dtype and both 8-bit weight formats, and first, for a
     checkpoint published quantized (a quantization_config shardc reads), its own form (source)."""
-    from ..spec.sourcequant import detect_source
+    from ..layout.sourcequant import detect_source
 
     own = ("source",) if detect_source(model.config) is not None else ()
     return (*own, "fp16" if model.torch_dtype == "float16" else "bf16", "int8", "fp8")

@@ -16,16 +16,16 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..spec.layout import build_layout, check_degrees, layer_of, stage_ranges
-from ..spec.model import ModelSpec
-from ..spec.plan import (
+from ..layout.model import ModelSpec
+from ..layout.plan import (
     DEFAULT_IGNORE,
     DEFAULT_SHARD_PREFIX,
     DP_SHARD_PREFIX,
     QUANTIZED_DTYPES,
     Plan,
 )
-from ..spec.tensors import STACKED, tensor_table
+from ..layout.ranks import build_layout, check_degrees, layer_of, stage_ranges
+from ..layout.tensors import STACKED, tensor_table
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def plan_dict(
     name: str, source: str, tp: int, pp: int, dtype: str, *, kv_cache_cap_gib: float | None = None,
     max_concurrent_sequences: int | None = None, dp: int = 1,
 ) -> dict[str, Any]:
-    """A plan file's content (the schema of spec/plan.py), ready for ``plan_from_dict``/YAML.
+    """A plan file's content (the schema of layout/plan.py), ready for ``plan_from_dict``/YAML.
 
     ``dp`` > 1: an expert-parallel plan (``expert_parallel: true``, ``dp_degree: dp``; the EP group
     is the dp x tp ranks of a stage), with the shard names that carry ``{dp_rank}``."""

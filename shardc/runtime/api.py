@@ -45,7 +45,7 @@ def open_build(manifest: str | Path, directory: str | Path | None = None) -> Bui
     if path.is_dir():
         path = path / "manifest.json"
     m = read(path)
-    from ..spec.model import model_from_config
+    from ..layout.model import model_from_config
     from .support import check_supported
 
     check_supported(model_from_config(m.config))  # before any rank starts: never another model

@@ -30,7 +30,7 @@ from ..errors import ManifestError, OutputError, ShardcError
 from ..formats.files import create_temp, fsync_dir
 from ..formats.manifest import Manifest
 from ..formats.safetensors import MAX_HEADER, extent_problem, header_bytes, parse_header
-from ..spec.dtypes import DTYPE_BYTES
+from ..layout.dtypes import DTYPE_BYTES
 
 DEFAULT_MAX_PPL_DELTA_PCT = 0.5
 DEFAULT_WINDOW = 512

@@ -88,7 +88,7 @@ def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | 
     import torch
 
     from ..formats.safetensors import ShardWriter
-    from ..spec.dtypes import from_torch_name
+    from ..layout.dtypes import from_torch_name
     from ..verify.checks import verify_build
     from ..verify.devices import resolve_device
     from .weights import compute_dtype

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from ..errors import ModelError
-from ..spec.model import ModelSpec
+from ..layout.model import ModelSpec
 
 # config.json hidden_act -> (torch.nn.functional function, keyword arguments): transformers'
 # ACT2FN names whose function is exactly that (gelu_new and gelu_fast are the tanh approximation

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ..build.quantize import dequantize
+from ..compiler.quantize import dequantize
 from ..errors import ManifestError
 from ..formats.manifest import Manifest
-from ..spec.dtypes import torch_name
-from ..spec.layout import (
+from ..layout.dtypes import torch_name
+from ..layout.ranks import (
     PACKED_SUFFIX,
     SCALE_SUFFIX,
     SHAPE_SUFFIX,
@@ -62,7 +62,7 @@ def compute_dtype(manifest: Manifest) -> torch.dtype:
 def unpack_int8(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     """pack-quantized int32 [out, in/4] -> int8 [out, in]: each int32 holds four values + 128,
     the first in its low byte; on a little-endian host that is the bytes in order, top bit
-    flipped. (``shardc.build.quantize.pack_int8`` is the inverse.)"""
+    flipped. (``shardc.compiler.quantize.pack_int8`` is the inverse.)"""
     if sys.byteorder != "little":
         raise ManifestError("pack-quantized int8 is read on little-endian hosts only")
     u = packed.contiguous().view(torch.uint8) ^ 0x80
@@ -71,7 +71,7 @@ def unpack_int8(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
 
 def kept_source_quantized(layout: Layout) -> dict:
     """Weights a ``dtype: source`` build holds in its source's quantized format -> that format."""
-    from ..spec.sourcequant import detect_source
+    from ..layout.sourcequant import detect_source
 
     sq = detect_source(layout.model.config) if layout.plan.dtype == "source" else None
     return dict.fromkeys(sq.quantized(layout.model), sq) if sq is not None else {}
@@ -82,7 +82,7 @@ def source_dequantize(sq, name: str, shape: tuple[int, ...], raw: dict[str, torc
     """The rank's slice of a source-quantized weight in the compute dtype: the format's reference
     dequantization (float32, on the host) then one cast, as transformers loads the source, so a
     ``dtype: source`` build runs the weights a 16-bit build of the same source holds."""
-    from ..build.arrays import from_torch
+    from ..compiler.arrays import from_torch
 
     w = sq.dequantize(name, tuple(shape), lambda n: from_torch(raw[n].cpu()))
     return torch.from_numpy(w).to(device=device, dtype=dtype)
@@ -149,7 +149,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
     copy_out = any(t.quant for t in rl.tensors) or bool(kept)
 
     # w = q * scale per output channel, the scale rounded to the compute dtype first as the serving
-    # clients hold it (build/quantize.py dequantize), so the gate scores what a server computes.
+    # clients hold it (compiler/quantize.py dequantize), so the gate scores what a server computes.
     def deq(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return dequantize(q.to(device), scale.to(device), dtype)
 

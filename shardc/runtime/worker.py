@@ -185,7 +185,7 @@ class _LogitSaver:
 
     def __init__(self, job: dict[str, Any], windows: Any, comm: Any, model: Any) -> None:
         from ..formats.safetensors import ShardWriter
-        from ..spec.dtypes import from_torch_name
+        from ..layout.dtypes import from_torch_name
 
         self.writer = None
         if comm.rank != comm.replica.rank(0, comm.replica.pp - 1):

@@ -143,8 +143,8 @@ def check_names(manifest: Manifest, where: str) -> None:
     a name its plan does not give its rank) would otherwise plant that file in ``dest`` and pass
     verify. Allowed: the build's side files (``build.outputs.SIDE_FILES``) and, per rank, the shard
     name the manifest's own plan's ``shard_prefix`` gives it."""
-    from ..build.outputs import SIDE_FILES
-    from ..spec.plan import plan_from_dict
+    from ..compiler.outputs import SIDE_FILES
+    from ..layout.plan import plan_from_dict
 
     for f in manifest.files:
         if f.name not in SIDE_FILES:

@@ -22,8 +22,8 @@ from ..errors import ShardcError, VerifyMismatch
 from ..formats import chunks
 from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, ShardEntry, typed
-from ..spec.layout import Layout, RankLayout
-from ..spec.plan import Plan, data_sha256
+from ..layout.plan import Plan, data_sha256
+from ..layout.ranks import Layout, RankLayout
 from .devices import resolve_device
 
 
@@ -168,7 +168,7 @@ def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> lis
     the directory must be those bytes (an index naming the wrong file sends a client astray)."""
     import hashlib
 
-    from ..build.outputs import INDEX, side_files
+    from ..compiler.outputs import INDEX, side_files
 
     problems = []
     expected = side_files(layout)
@@ -199,7 +199,7 @@ def _digest(path: Path, entry: ShardEntry, pool: ThreadPoolExecutor | None = Non
 
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
     """The header checks, shared with every command that reads a build (``shard_problems``)."""
-    from ..build.inputs import shard_problems
+    from ..compiler.inputs import shard_problems
 
     for problem in shard_problems(path, layout, rl, res.checks):
         res.fail(problem)
@@ -210,7 +210,7 @@ def check_parsed_header(res: RankResult, header: dict[str, Any], meta: dict[str,
     """The same checks on a header already parsed (``load_shard`` parses it from the bytes it
     hashes): metadata, tensor set, dtypes and shapes against the Layout, the data layout against
     the ``data_length`` bytes after it."""
-    from ..build.inputs import header_problems
+    from ..compiler.inputs import header_problems
 
     for problem in header_problems(header, meta, data_length, layout, rl, res.checks):
         res.fail(problem)
@@ -259,9 +259,9 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
     import numpy as np
     from safetensors import safe_open
 
-    from ..build.arrays import as_bytes, from_torch
-    from ..build.materialize import Materializer, cut
-    from ..build.reshard import open_reference
+    from ..compiler.arrays import as_bytes, from_torch
+    from ..compiler.materialize import Materializer, cut
+    from ..compiler.reshard import open_reference
 
     source = open_reference(source_uri, layout)  # a checkpoint, or the build it was resharded from
     mat = Materializer(source, layout)

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import DeviceError, LayoutError, ManifestError, VerifyMismatch
 from ..formats.manifest import Manifest
 from ..formats.safetensors import METADATA
-from ..spec.layout import Layout, RankLayout
+from ..layout.ranks import Layout, RankLayout
 from .reader import HeaderCheck, RawShard, read_shard, tensors_of
 
 _FULL = "run shardc verify for the full report"

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO
 
 from ..errors import ShardFormatError, VerifyMismatch
 from ..formats.safetensors import MAX_HEADER, METADATA, parse_header
-from ..spec.dtypes import DTYPE_BYTES, DTYPES
+from ..layout.dtypes import DTYPE_BYTES, DTYPES
 
 CHUNK = 32 << 20  # bytes per read / hash / copy step into pinned memory (CUDA)
 HOST_CHUNK = 1 << 20  # bytes per read / hash step on CPU (stays in cache between the two)

@@ -1,6 +1,6 @@
 """What a checkpoint holds and how each tensor splits under tensor parallelism.
 
-Both come from the model's family module (spec/families/): its one table of tensors (``Row``:
+Both come from the model's family module (layout/families/): its one table of tensors (``Row``:
 name, shape from the config, split kind, quantizable). ``source_tensors`` lists every tensor a
 checkpoint of a model must contain, ``tensor_table`` maps each name to its row, and
 ``valid_tp_degrees`` says which TP degrees the model's shapes allow. Pure.

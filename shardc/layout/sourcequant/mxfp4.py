@@ -1,7 +1,7 @@
 """MXFP4 (``quant_method: mxfp4``): gpt-oss as OpenAI publishes it.
 
 Each layer's stacked experts ``mlp.experts.gate_up_proj`` / ``down_proj`` (weights [E, in, out],
-spec/families/gpt_oss.py) are stored transposed and packed: ``X_blocks`` U8 [E, out, in/32, 16],
+layout/families/gpt_oss.py) are stored transposed and packed: ``X_blocks`` U8 [E, out, in/32, 16],
 two E2M1 values per byte (low nibble first), and ``X_scales`` U8 [E, out, in/32], one E8M0 power
 of two per 32-value block (exponent + 127). Everything else (attention, router, norms, the expert
 biases, embeddings) is 16-bit. The reference is transformers' ``convert_moe_packed_tensors``

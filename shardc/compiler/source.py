@@ -29,11 +29,11 @@ from ..errors import SourceError
 from ..formats.files import safe_name, sha256_file, write_atomic
 from ..formats.manifest import FileEntry, SourceRecord
 from ..formats.safetensors import read_header
-from ..spec.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
-from ..spec.layout import source_tensors
-from ..spec.model import ModelSpec, read_config
-from ..spec.readfile import CONFIG_LIMIT, read_regular_file
-from ..spec.sourcequant import SourceQuantization
+from ..layout.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
+from ..layout.model import ModelSpec, read_config
+from ..layout.ranks import source_tensors
+from ..layout.readfile import CONFIG_LIMIT, read_regular_file
+from ..layout.sourcequant import SourceQuantization
 from .arrays import from_torch, np_dtype
 from .lease import Leases, read_leases
 from .sourcequant import check_stored
@@ -67,7 +67,7 @@ class Source:
     # under a running build is an error before its bytes are mapped, not a SIGBUS (view)
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _leases: Leases | None = field(default=None, repr=False)
-    # a quantized source (spec/sourcequant/): its format, and the [out, in] of each weight it stores quantized
+    # a quantized source (layout/sourcequant/): its format, and the [out, in] of each weight it stores quantized
     squant: SourceQuantization | None = field(default=None, repr=False)
     squant_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
 
@@ -146,7 +146,7 @@ class Source:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Hold read leases on the weight files while the build maps them, so another process
-        truncating one is a SourceError in ``view`` instead of SIGBUS (build/lease.py)."""
+        truncating one is a SourceError in ``view`` instead of SIGBUS (compiler/lease.py)."""
         with read_leases([self.directory / f for f in self.files if f != "config.json"]) as self._leases:
             try:
                 yield

@@ -31,8 +31,8 @@ from typing import Any
 from ..errors import ManifestError, OutputError, ShardcError
 from ..formats.files import fsync_dir, safe_name, write_atomic
 from ..formats.manifest import SWITCH_JOURNAL
-from ..spec.plan import canonical_json
-from ..spec.readfile import read_regular_file
+from ..layout.plan import canonical_json
+from ..layout.readfile import read_regular_file
 
 MANIFEST = "manifest.json"
 FORMAT = "shardc-switch"

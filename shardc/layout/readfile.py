@@ -2,7 +2,7 @@
 
 A path given by a user may name a FIFO (``open`` blocks forever), a device (``/dev/zero`` never
 ends) or a file far larger than any real plan or config. Only a regular file up to ``limit``
-bytes is read; anything else is one ShardcError naming the file. It lives in ``spec`` (the lowest
+bytes is read; anything else is one ShardcError naming the file. It lives in ``layout`` (the lowest
 layer) because the plan and config readers are here; formats, build and verify use it too.
 """
 

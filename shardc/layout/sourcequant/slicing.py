@@ -1,6 +1,6 @@
 """Cutting a quantized source's stored tensors per TP rank (``dtype: source`` plans). Pure.
 
-The Layout's cut of a weight (``spec/layout.py`` ``_slice_for_rank``: dim, start/stop or fused
+The Layout's cut of a weight (``layout/ranks.py`` ``_slice_for_rank``: dim, start/stop or fused
 pieces, in weight elements) becomes, for each stored tensor, the same cut divided by its grid
 (``Stored.cut``); the stored tensors are then plain slices of source tensors of their own, so the
 build, verify, reshard and export handle them like any other tensor.

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # ModelSpec is built from a family's answers; the type only
 
 RopeReader = Callable[[dict[str, Any]], tuple[float, dict[str, Any] | None]]
 
-# Split kinds (how a tensor is cut over tensor parallelism; spec/layout.py interprets them):
+# Split kinds (how a tensor is cut over tensor parallelism; layout/ranks.py interprets them):
 COLUMN = "column"  # dim 0 (output rows) split evenly; biases the same way
 KV_COLUMN = "kv_column"  # like column; when tp > kv_heads each rank holds one whole KV head
 ROW = "row"  # dim 1 (input columns) split evenly
@@ -161,7 +161,7 @@ class Preset:
 
 @dataclass(frozen=True)
 class Family:
-    """A model family: one module under spec/families/ defines one of these (``FAMILY``).
+    """A model family: one module under layout/families/ defines one of these (``FAMILY``).
 
     ``read`` turns a config into the family's options (every key that changes the math, both
     the transformers 4 and 5 spellings, refusing values it cannot honour with one line; the
@@ -176,7 +176,7 @@ class Family:
     forward: Callable[[ModelSpec], Forward]
     presets: dict[str, Preset] = field(default_factory=dict)  # name -> real-size config
     # The global rope (theta, scaling in rope_scaling's form) when the family spells it its own
-    # way (Gemma 3's per-layer-type rope_parameters), given spec/model.py's reader of one rope
+    # way (Gemma 3's per-layer-type rope_parameters), given layout/model.py's reader of one rope
     # object (both spellings) to apply to its parts; None: that reader on the whole config.
     rope: Callable[[dict[str, Any], RopeReader], tuple[float, dict[str, Any] | None]] | None = None
     # Checkpoint tensors outside the table that the forward never reads and a build leaves out, as

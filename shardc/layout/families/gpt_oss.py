@@ -17,10 +17,10 @@ columns holds whole gate/up pairs), its bias likewise, down's inter rows, and do
 whole (added once). The router (``mlp.router.weight`` and ``.bias``) is replicated: logits with
 the bias, the top ``num_experts_per_tok`` softmaxed in the model dtype.
 
-int8 / fp8 plans are refused (spec/quantization.py): the stacked experts have no int8/fp8 form
+int8 / fp8 plans are refused (layout/quantization.py): the stacked experts have no int8/fp8 form
 that transformers or vLLM loads, and quantizing only the attention is not what such a plan says.
 Sources published with MXFP4 experts (``quantization_config.quant_method: mxfp4``, tensors
-``*_blocks`` / ``*_scales``) are read by spec/sourcequant/mxfp4.py: dequantized as transformers
+``*_blocks`` / ``*_scales``) are read by layout/sourcequant/mxfp4.py: dequantized as transformers
 does, or kept as stored (``dtype: source``, whole experts per rank).
 """
 

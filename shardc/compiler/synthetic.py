@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.safetensors import ShardWriter
-from ..spec.dtypes import from_torch_name, torch_name
-from ..spec.layout import source_tensors
-from ..spec.model import model_from_config
+from ..layout.dtypes import from_torch_name, torch_name
+from ..layout.model import model_from_config
+from ..layout.ranks import source_tensors
 
 
 def llama_config(

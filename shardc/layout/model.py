@@ -1,7 +1,7 @@
 """Model description: the numbers from a Hugging Face config.json that sharding needs.
 
 The numbers every decoder has (sizes, heads, rope) are read here; which family a config belongs to,
-the keys only that family reads, and its tensors are the family module's (spec/families/).
+the keys only that family reads, and its tensors are the family module's (layout/families/).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PRESET_SOURCES: dict[str, str] = {k: f"hf://{p.repos[0]}" for f in FAMILIES
 @dataclass(frozen=True)
 class ModelSpec:
     """The shape of a model, as sharding sees it; ``family`` and ``options`` are its family
-    module's (spec/families/), which lists its tensors and the forward the runtime computes."""
+    module's (layout/families/), which lists its tensors and the forward the runtime computes."""
 
     architecture: str
     hidden_size: int

@@ -40,7 +40,7 @@ from ..errors import ManifestError, OutputError, ShardFormatError, VerifyMismatc
 from ..formats.files import HASH_BLOCK, safe_name, sha256_file, sha256_mapped
 from ..formats.manifest import FileEntry, Manifest, ShardEntry, read
 from ..formats.safetensors import extent_problem, read_header, shard_metadata
-from ..spec.layout import Layout, RankLayout
+from ..layout.ranks import Layout, RankLayout
 
 # sha256 is one core per file, and every input byte is hashed while reshard works on it: as many
 # threads as cores, up to one per file of a tp8 input.

@@ -8,17 +8,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..errors import SourceError
-from ..spec.model import ModelSpec
-from ..spec.sourcequant import detect_source
-from ..spec.tensors import source_tensors
+from ..layout.model import ModelSpec
+from ..layout.sourcequant import detect_source
+from ..layout.tensors import source_tensors
 
 if TYPE_CHECKING:
-    from ..spec.layout import Layout
+    from ..layout.ranks import Layout
     from .source import Source
 
 
 def read_quantization(src: Source, model: ModelSpec) -> bool:
-    """Read the source's quantization_config (spec/sourcequant/) into ``src.squant`` and
+    """Read the source's quantization_config (layout/sourcequant/) into ``src.squant`` and
     ``src.squant_shapes``; whether it is quantized."""
     src.squant = detect_source(src.config)
     if src.squant is not None:

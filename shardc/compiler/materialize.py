@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 
 from ..formats.safetensors import ShardWriter
-from ..spec.dtypes import DTYPE_BYTES
-from ..spec.layout import Layout, TensorSpec
+from ..layout.dtypes import DTYPE_BYTES
+from ..layout.ranks import Layout, TensorSpec
 from .arrays import np_dtype
 from .quantize import quantize_array, stored
 from .quantqueue import QuantQueue

@@ -23,9 +23,9 @@ from ..formats.files import final_name, fsync_dir, sha256_file, temp_files, writ
 from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, new_manifest
 from ..formats.manifest import read as read_manifest
 from ..formats.safetensors import ShardWriter
-from ..spec.layout import SCALE_SUFFIX, Layout, RankLayout, build_layout
-from ..spec.model import model_from_config
-from ..spec.plan import Plan, canonical_json
+from ..layout.model import model_from_config
+from ..layout.plan import Plan, canonical_json
+from ..layout.ranks import SCALE_SUFFIX, Layout, RankLayout, build_layout
 from .lock import take_lock
 from .materialize import Materializer
 from .outputs import (
@@ -300,7 +300,7 @@ def _write_stages(run: BuildRun, stages: list[list[RankLayout]], mat: Materializ
 
 def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
     """Side files, then the manifest: the commit point of the build (when replacing a build, both
-    are staged too and everything switches in at once: ``build/switch.py``)."""
+    are staged too and everything switches in at once: ``compiler/switch.py``)."""
     layout = run.layout
     # A resumed build skipped some tensors; recompute their error stats so the manifest is
     # identical to an uninterrupted build's.
@@ -365,7 +365,7 @@ def _replaced_files(out: Path, new: set[str]) -> list[str]:
 
 def _switch(run: BuildRun, manifest: Manifest) -> None:
     """Replacing a build: the new manifest is staged durably like every other file, then the
-    journal makes the switch one that always finishes (``build/switch.py``). Until the journal is
+    journal makes the switch one that always finishes (``compiler/switch.py``). Until the journal is
     written the old build is complete and a failure removes this run's files; after it, a failure
     keeps them for the rerun, which finishes the switch first."""
     out, staged = run.out, list(run.staged.values())

@@ -35,10 +35,10 @@ from ..errors import ManifestError, ModelError, OutputError, PlanError, ShardcEr
 from ..formats.files import temp_files
 from ..formats.manifest import Manifest, ReshardRecord, SourceRecord
 from ..formats.safetensors import read_header
-from ..spec.dtypes import DTYPE_BYTES
-from ..spec.layout import Layout, TensorSpec, source_tensors
-from ..spec.model import ModelSpec, model_for_source, model_from_config
-from ..spec.plan import Plan
+from ..layout.dtypes import DTYPE_BYTES
+from ..layout.model import ModelSpec, model_for_source, model_from_config
+from ..layout.plan import Plan
+from ..layout.ranks import Layout, TensorSpec, source_tensors
 from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput, shard_problems
 from .quantize import unpack_int8
@@ -182,7 +182,7 @@ class BuildSource(Source):
 
     def _assemble_stored(self, name: str, role: str, tiles: bool = False) -> np.ndarray | Tiles:
         """The full tensor as the files store it (int8 still packed: slices of packed columns);
-        with ``tiles``, pieces side by side are left where they are mapped (build/tiles.py)."""
+        with ``tiles``, pieces side by side are left where they are mapped (compiler/tiles.py)."""
         pieces = self.pieces[(name, role)]
         self._ready(sorted({p.file for p in pieces}))
         distinct: dict[tuple, tuple[Piece, np.ndarray]] = {}
@@ -303,7 +303,7 @@ def _need_order(src: BuildSource, out: Layout) -> list[str]:
 
 def _kept_source_quantization(src: BuildSource, model: ModelSpec, out: Layout) -> frozenset[str]:
     """A ``dtype: source`` input build holds its source's quantized weights as stored: the format
-    (spec/sourcequant/) re-slices them for a ``dtype: source`` output, and dequantizes them as its
+    (layout/sourcequant/) re-slices them for a ``dtype: source`` output, and dequantizes them as its
     reference does for any other (lossy: --dequantize, as for int8/fp8 inputs). Any other input
     no longer holds them, so a ``dtype: source`` output of it is refused."""
     held = src.in_layout.plan.dtype
@@ -372,7 +372,7 @@ def reshard(
     """Build ``plan`` from the input build instead of a checkpoint. Everything that can be
     checked before writing is (model, degrees, dtype rules); a failure later (a corrupted input
     file, replicas that differ) leaves no file of this run behind."""
-    from ..spec.layout import build_layout
+    from ..layout.ranks import build_layout
     from .compile import build
     from .lock import LOCK
 

@@ -2,7 +2,7 @@
 configs (``torch_dtype``), torch and numpy.
 
 Pure data (no numpy or torch import), so the planner and the CLI can read it for free; the
-numpy/torch crossover lives in ``shardc.build.arrays``.
+numpy/torch crossover lives in ``shardc.compiler.arrays``.
 """
 
 from __future__ import annotations

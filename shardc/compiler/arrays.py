@@ -4,7 +4,7 @@ A build only maps source tensors, slices them and casts them; numpy does that wi
 supplying bfloat16 and float8_e4m3fn, and imports in a fraction of torch's import time, which
 would be a large part of a build's budget (docs/performance.md §2). ml_dtypes casts round to
 nearest even, like torch, and release the GIL, so the per-rank writer threads run them in
-parallel. Quantization is numba (build/kernels.py); the runtime and verify's device checks use
+parallel. Quantization is numba (compiler/kernels.py); the runtime and verify's device checks use
 torch, and ``to_torch``/``from_torch`` cross over without copying.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..spec.dtypes import DTYPES
+from ..layout.dtypes import DTYPES
 
 NP_DTYPES: dict[str, Any] = {
     n: np.dtype(getattr(np, d.torch, None) or getattr(ml_dtypes, d.torch)) for n, d in DTYPES.items()

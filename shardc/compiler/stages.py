@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.safetensors import ShardWriter, shard_metadata
-from ..spec.layout import Layout, RankLayout, TensorSpec
+from ..layout.ranks import Layout, RankLayout, TensorSpec
 from .materialize import Materializer, stream_region
 
 

@@ -24,22 +24,22 @@ from ..formats.files import (
 )
 from ..formats.manifest import FileEntry, Manifest, SourceRecord, parse
 from ..formats.safetensors import read_header, shard_metadata
-from ..spec.dtypes import torch_name
-from ..spec.layout import Layout, RankLayout
-from ..spec.plan import Plan
+from ..layout.dtypes import torch_name
+from ..layout.plan import Plan
+from ..layout.ranks import Layout, RankLayout
 from .source import Source
 
 
 def output_config(layout: Layout) -> dict[str, Any]:
     """config.json next to the shards: the model config plus quantization_config when quantized."""
-    from ..spec.layout import base_dtype
+    from ..layout.ranks import base_dtype
 
     cfg = json.loads(json.dumps(layout.model.config))
     cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
     if layout.plan.dtype != "source":  # a quantized source's block describes weights no longer held
         cfg.pop("quantization_config", None)
     if layout.plan.quantized:
-        from ..spec.layout import quantizable
+        from ..layout.ranks import quantizable
         from .quantize import quantization_config
 
         specs = [t for rl in layout.ranks for t in rl.tensors]

@@ -8,7 +8,7 @@ from .. import lazy_seam
 _SEAM = {
     "Plan": "plan", "load_plan": "plan", "plan_from_dict": "plan", "canonical_json": "plan",
     "ModelSpec": "model", "model_from_config": "model", "load_model": "model",
-    "Layout": "layout", "RankLayout": "layout", "TensorSpec": "layout", "build_layout": "layout",
+    "Layout": "ranks", "RankLayout": "ranks", "TensorSpec": "ranks", "build_layout": "ranks",
     "DType": "dtypes", "DTYPES": "dtypes",
 }
 __all__ = sorted(_SEAM)

@@ -1,6 +1,6 @@
 """The Layout: which slice of which source tensor goes to which rank. Pure: no I/O, no torch.
 
-Split rules are data (each family's tensor table, spec/families/), interpreted by one function
+Split rules are data (each family's tensor table, layout/families/), interpreted by one function
 (``_slice_for_rank``); which tensors are quantized and how they are stored is quantization.py's.
 build, verify, the runtime and the planner all ask the Layout; none of them re-derives a rule
 (docs/architecture.md §4).

@@ -77,7 +77,7 @@ def rope(cfg: dict[str, Any], _rope: RopeReader) -> tuple[float, dict[str, Any] 
     """Gemma 3's rope: the global layers' theta and scaling (what ModelSpec records) and the
     sliding layers' base, from transformers 5's per-layer-type ``rope_parameters`` or the old
     ``rope_theta`` / ``rope_scaling`` / ``rope_local_base_freq``; ``_rope`` reads one rope
-    object in either spelling (spec/model.py's)."""
+    object in either spelling (layout/model.py's)."""
     params = _per_layer_rope(cfg)
     if params is None:
         glob = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in cfg}
@@ -115,7 +115,7 @@ def rope(cfg: dict[str, Any], _rope: RopeReader) -> tuple[float, dict[str, Any] 
 
 
 def _local_theta(cfg: dict[str, Any]) -> float:
-    """The sliding layers' base alone (the global rope is read by spec/model.py through
+    """The sliding layers' base alone (the global rope is read by layout/model.py through
     ``rope``): both spellings, checked as ``rope`` checks them."""
     def one(obj: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return 1.0, None  # the global rope is not wanted here

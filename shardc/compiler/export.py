@@ -17,7 +17,7 @@ a temp name (``formats/files.py`` ``create_temp``) and only then switches them i
 goes first, the files are renamed into place, stale files of the old export are removed, and the
 new index is renamed last. A failure before the switch leaves the old export byte for byte; a
 kill during it leaves no index (never one that names missing or other files), and a rerun writes
-the export again. build/switch.py's journal is not used: its commit point is a shardc manifest,
+the export again. compiler/switch.py's journal is not used: its commit point is a shardc manifest,
 which an HF checkpoint does not have, and export needs no roll-forward (a rerun is the recovery).
 """
 
@@ -37,10 +37,10 @@ from ..errors import ManifestError, OutputError, PlanError, VerifyMismatch
 from ..formats.files import fsync_dir, safe_name, temp_files, write_temp
 from ..formats.manifest import SWITCH_JOURNAL, Manifest
 from ..formats.safetensors import ShardWriter
-from ..spec.layout import TensorSpec, build_layout
-from ..spec.model import model_from_config
-from ..spec.plan import plan_from_dict
-from ..spec.readfile import read_regular_file
+from ..layout.model import model_from_config
+from ..layout.plan import plan_from_dict
+from ..layout.ranks import TensorSpec, build_layout
+from ..layout.readfile import read_regular_file
 from .inputs import BuildInput
 from .lock import LOCK, take_lock
 from .materialize import Materializer, stream_region
