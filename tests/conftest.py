@@ -37,7 +37,7 @@ def demo_model_dir() -> Path:
 @pytest.fixture(scope="module")
 def s3():
     """A real S3 server (moto, 127.0.0.1) and a fault proxy in front of it, one per test module:
-    (server, proxy). test_store.py has its own ``s3`` (the server alone) and ``proxy``."""
+    (server, proxy). store/test_push_pull.py has its own ``s3`` (the server alone) and ``proxy``."""
     from s3server import FaultProxy, S3Server
 
     server = S3Server().start()
