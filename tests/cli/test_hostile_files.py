@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_run import one_line
+from cli_run import shardc as run_shardc
 
 from shardc.compiler.source import open_source
 from shardc.errors import ShardcError, SourceError
@@ -26,16 +28,7 @@ PLAN = {
 
 
 def shardc(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
-
-
-def one_line(r: subprocess.CompletedProcess, needle: str, code: int = 2) -> None:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert needle in lines[0], lines[0]
+    return run_shardc(*args, timeout=timeout)
 
 
 def plan_file(tmp_path: Path, src: Path, **changes) -> Path:

@@ -12,22 +12,20 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from cli_run import shardc as run_shardc
+from plan_helpers import write_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def shardc(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=300, cwd=cwd,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+    return run_shardc(*args, env=env, cwd=cwd, timeout=300)
 
 
 def one_line(r: subprocess.CompletedProcess) -> str:
@@ -37,12 +35,7 @@ def one_line(r: subprocess.CompletedProcess) -> str:
 
 
 def _plan(root: Path, name: str, src: Path, tp: int = 1, pp: int = 1) -> Path:
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": "bf16",
-                          "gpus_per_replica": tp * pp},
-        "model": {"source": str(src)}}))
-    return path
+    return write_plan(root / f"{name}.yaml", tp, pp, name=name, source=src)
 
 
 @pytest.fixture(scope="module")

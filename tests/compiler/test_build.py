@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from plan_helpers import plan_data
 from reassemble import load_source, reassemble
 
 from shardc.cli import main
@@ -33,14 +34,6 @@ MODELS = {
 MATRIX = [("gqa", tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 2, 3)]
 MATRIX += [("tied", tp, pp) for tp in (1, 2, 4, 8) for pp in (1, 3)]
 MATRIX += [("qwen2", tp, pp) for tp in (1, 2, 4) for pp in (1, 2)]
-
-
-def plan_dict(tp: int, pp: int, dtype: str = "bf16", name: str = "t", **model) -> dict:
-    return {
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                          "gpus_per_replica": tp * pp},
-        "model": {"source": "synthetic", **model},
-    }
 
 
 def expected_shapes(cfg: dict, tp: int, pp: int) -> dict[tuple[int, int], dict[str, tuple]]:
@@ -86,7 +79,7 @@ def expected_shapes(cfg: dict, tp: int, pp: int) -> dict[tuple[int, int], dict[s
 def test_matrix_reassembles_and_shapes(make_ckpt, tmp_path, model, tp, pp):
     cfg = MODELS[model]
     ckpt = make_ckpt(model, num_files=2 if tp == 2 else 1, **cfg)
-    res = build(plan_from_dict(plan_dict(tp, pp)).with_source(str(ckpt)), tmp_path / "out")
+    res = build(plan_from_dict(plan_data(tp, pp)).with_source(str(ckpt)), tmp_path / "out")
     from safetensors import safe_open
 
     want = expected_shapes(cfg, tp, pp)
@@ -109,7 +102,7 @@ def test_matrix_reassembles_and_shapes(make_ckpt, tmp_path, model, tp, pp):
 
 def test_fp16_plan_casts_bf16_source(make_ckpt, tmp_path):
     ckpt = make_ckpt(**MODELS["gqa"])
-    res = build(plan_from_dict(plan_dict(2, 1, "fp16")).with_source(str(ckpt)), tmp_path / "o")
+    res = build(plan_from_dict(plan_data(2, 1, "fp16")).with_source(str(ckpt)), tmp_path / "o")
     src, rebuilt = load_source(ckpt), reassemble(res.out_dir)
     for name, t in src.items():
         assert rebuilt[name].dtype == torch.float16
@@ -119,9 +112,9 @@ def test_fp16_plan_casts_bf16_source(make_ckpt, tmp_path):
 
 def test_uneven_and_explicit_pp_layers(make_ckpt, tmp_path):
     ckpt = make_ckpt(**MODELS["gqa"])  # 4 layers
-    res = build(plan_from_dict(plan_dict(1, 3)).with_source(str(ckpt)), tmp_path / "a")
+    res = build(plan_from_dict(plan_data(1, 3)).with_source(str(ckpt)), tmp_path / "a")
     assert [list(s.layers) for s in res.manifest.shards] == [[0, 2], [2, 3], [3, 4]]
-    res = build(plan_from_dict(plan_dict(2, 2, pp_layers=[1, 3])).with_source(str(ckpt)), tmp_path / "b")
+    res = build(plan_from_dict(plan_data(2, 2, model={"pp_layers": [1, 3]})).with_source(str(ckpt)), tmp_path / "b")
     assert [list(s.layers) for s in res.manifest.shards] == [[0, 1], [0, 1], [1, 4], [1, 4]]
 
 
@@ -164,7 +157,7 @@ GOLDEN = {
 
 def test_determinism_and_golden_hashes(tmp_path):
     ckpt = _golden_ckpt(tmp_path / "src")
-    plan = plan_from_dict(plan_dict(2, 2, name="golden")).with_source(str(ckpt))
+    plan = plan_from_dict(plan_data(2, 2, name="golden")).with_source(str(ckpt))
     a = build(plan, tmp_path / "a")
     b = build(plan, tmp_path / "b", force=True)
     assert _digest_tree(a.out_dir) == _digest_tree(b.out_dir)  # shards, config and manifest
@@ -176,7 +169,7 @@ def test_determinism_and_golden_hashes(tmp_path):
 
 def test_up_to_date_and_force(make_ckpt, tmp_path):
     ckpt = make_ckpt(**MODELS["gqa"])
-    plan = plan_from_dict(plan_dict(2, 2)).with_source(str(ckpt))
+    plan = plan_from_dict(plan_data(2, 2)).with_source(str(ckpt))
     first = build(plan, tmp_path / "o")
     assert len(first.built) == 4 and not first.up_to_date
     again = build(plan, tmp_path / "o")
@@ -191,7 +184,7 @@ def test_manifest_copy_and_json_cli(make_ckpt, tmp_path):
     plan_file = tmp_path / "p.yaml"
     import yaml
 
-    plan_file.write_text(yaml.safe_dump(plan_dict(2, 1, name="cli-plan")))
+    plan_file.write_text(yaml.safe_dump(plan_data(2, 1, name="cli-plan")))
     r = CliRunner().invoke(main, ["build", str(plan_file), "--source", str(ckpt), "--out",
                                   str(tmp_path / "o"), "--manifests-dir", str(tmp_path / "m"), "--json"])
     assert r.exit_code == 0, r.output
@@ -211,7 +204,7 @@ def test_kill_and_resume_is_byte_identical(tmp_path):
     import yaml
 
     plan_file = tmp_path / "p.yaml"
-    plan_file.write_text(yaml.safe_dump(plan_dict(2, 4, name="resume")))
+    plan_file.write_text(yaml.safe_dump(plan_data(2, 4, name="resume")))
     args = ["build", str(plan_file), "--source", str(ckpt), "--out", str(tmp_path / "killed"),
             "--manifests-dir", str(tmp_path / "m"), "--quiet"]
     # The build runs under a wrapper that, once the first stage's resume record is in place, says so
@@ -240,7 +233,7 @@ def test_kill_and_resume_is_byte_identical(tmp_path):
     r = subprocess.run(cmd[:-1] + ["--json"], capture_output=True, text=True, check=True)
     resumed = json.loads(r.stdout)
     assert resumed["skipped"], "the rerun should keep the shards finished before the kill"
-    clean = build(plan_from_dict(plan_dict(2, 4, name="resume")).with_source(str(ckpt)), tmp_path / "clean")
+    clean = build(plan_from_dict(plan_data(2, 4, name="resume")).with_source(str(ckpt)), tmp_path / "clean")
     assert _digest_tree(tmp_path / "killed") == _digest_tree(clean.out_dir)
 
 
@@ -276,7 +269,7 @@ def test_source_hash_cache_follows_file_changes(make_ckpt, tmp_path):
     from safetensors.torch import load_file, save_file
 
     ckpt = make_ckpt(**MODELS["gqa"])
-    plan = plan_from_dict(plan_dict(2, 1)).with_source(str(ckpt))
+    plan = plan_from_dict(plan_data(2, 1)).with_source(str(ckpt))
     a = build(plan, tmp_path / "a")
     b = build(plan, tmp_path / "b")  # second plan from the same source: hashes come from the cache
     assert a.manifest.source == b.manifest.source

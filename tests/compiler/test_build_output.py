@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from plan_helpers import plan_data
 from reassemble import reassemble
 from safetensors.torch import load_file, save_file
 
@@ -20,14 +21,6 @@ from shardc.layout.plan import plan_from_dict
 
 TINY = dict(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
             vocab_size=256)
-
-
-def plan_dict(tp: int, pp: int, dtype: str = "bf16", name: str = "t") -> dict:
-    return {
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                          "gpus_per_replica": tp * pp},
-        "model": {"source": "synthetic"},
-    }
 
 
 def digests(d: Path) -> dict[str, str]:
@@ -56,7 +49,7 @@ def test_casts_match_torch_for_every_bit_pattern(make_ckpt, tmp_path, src_dtype,
     src = every_pattern(getattr(torch, src_dtype))
     sd["model.embed_tokens.weight"] = src
     save_file(sd, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
-    res = build(plan_from_dict(plan_dict(2, 1, plan_dtype)).with_source(str(ckpt)), tmp_path / "o")
+    res = build(plan_from_dict(plan_data(2, 1, plan_dtype)).with_source(str(ckpt)), tmp_path / "o")
     got = reassemble(res.out_dir)["model.embed_tokens.weight"]
     want = src.to({"fp16": torch.float16, "bf16": torch.bfloat16}[plan_dtype])
     nan = torch.isnan(want)
@@ -73,11 +66,11 @@ def test_direct_and_buffered_io_write_the_same_bytes(make_ckpt, tmp_path):
         pytest.skip("this filesystem refuses O_DIRECT: both runs would take the same path")
     ckpt = make_ckpt(hidden_size=1032, intermediate_size=2064, num_layers=3, num_heads=8,
                      num_kv_heads=4, vocab_size=1001)
-    plan = plan_from_dict(plan_dict(2, 2, "fp16")).with_source(str(ckpt))
+    plan = plan_from_dict(plan_data(2, 2, "fp16")).with_source(str(ckpt))
     script = ("import sys; from shardc.compiler.compile import build; from shardc.layout.plan import load_plan; "
               "build(load_plan(sys.argv[1]).with_source(sys.argv[2]), sys.argv[3])")
     plan_file = tmp_path / "p.yaml"
-    plan_file.write_text(yaml.safe_dump(plan_dict(2, 2, "fp16")))
+    plan_file.write_text(yaml.safe_dump(plan_data(2, 2, "fp16")))
     env_off = {**__import__("os").environ, "SHARDC_DIRECT_IO": "0"}
     subprocess.run([sys.executable, "-c", script, str(plan_file), str(ckpt), str(tmp_path / "buffered")],
                    check=True, env=env_off)
@@ -109,13 +102,13 @@ def _cli_build(plan_file: Path, ckpt: Path, out: Path) -> subprocess.CompletedPr
 
 def test_too_little_disk_is_refused_before_writing(make_ckpt, tmp_path, small_fs):
     plan_file = tmp_path / "p.yaml"
-    plan_file.write_text(yaml.safe_dump(plan_dict(2, 1)))
+    plan_file.write_text(yaml.safe_dump(plan_data(2, 1)))
     # a build that fits: tmpfs takes it, with or without O_DIRECT, byte for byte
     small = make_ckpt("small", **TINY)  # 2.5 MiB of shards
     r = _cli_build(plan_file, small, small_fs / "o")
     assert r.returncode == 0, r.stderr
     before = digests(small_fs / "o")
-    assert before == digests(build(plan_from_dict(plan_dict(2, 1)).with_source(str(small)), tmp_path / "ref").out_dir)
+    assert before == digests(build(plan_from_dict(plan_data(2, 1)).with_source(str(small)), tmp_path / "ref").out_dir)
     # one that does not: refused up front, and the build already there is left whole
     big = make_ckpt("big", **{**TINY, "vocab_size": 8192})  # 10.6 MiB
     r = _cli_build(plan_file, big, small_fs / "o")
@@ -131,7 +124,7 @@ def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_p
     """A directory squats on a stage-1 shard's name: the rename into place fails mid-build."""
     ckpt = make_ckpt(**TINY)
     plan_file = tmp_path / "p.yaml"
-    plan_file.write_text(yaml.safe_dump(plan_dict(2, 2, name="io")))
+    plan_file.write_text(yaml.safe_dump(plan_data(2, 2, name="io")))
     out = tmp_path / "o"
     (out / "model-tp01-pp01.safetensors").mkdir(parents=True)
     r = _cli_build(plan_file, ckpt, out)
@@ -148,7 +141,7 @@ def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_p
     summary = json.loads(r.stdout)
     assert {"model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"} <= set(summary["skipped"])
     assert "model-tp01-pp01.safetensors" in summary["built"]
-    clean = build(plan_from_dict(plan_dict(2, 2, name="io")).with_source(str(ckpt)), tmp_path / "clean")
+    clean = build(plan_from_dict(plan_data(2, 2, name="io")).with_source(str(ckpt)), tmp_path / "clean")
     assert digests(out) == digests(clean.out_dir)
 
 
@@ -159,7 +152,7 @@ def test_builds_never_import_torch(make_ckpt, tmp_path, dtype):
     ckpt = make_ckpt(**TINY)
     numba = dtype in ("int8", "fp8")
     code = ("import sys; from shardc.compiler.compile import build; from shardc.layout.plan import plan_from_dict; "
-            f"build(plan_from_dict({plan_dict(2, 2, dtype)!r}).with_source({str(ckpt)!r}), "
+            f"build(plan_from_dict({plan_data(2, 2, dtype)!r}).with_source({str(ckpt)!r}), "
             f"{str(tmp_path / 'o')!r}); assert 'torch' not in sys.modules, 'torch was imported'; "
             f"assert ('numba' in sys.modules) == {numba}, 'numba: expected {numba}'")
     subprocess.run([sys.executable, "-c", code], check=True)

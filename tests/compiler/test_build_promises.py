@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from plan_helpers import plan_data as shared_plan_data
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -25,11 +26,7 @@ MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, nu
 
 
 def plan_data(tp: int, pp: int, dtype: str = "bf16", name: str = "b", source: str = "synthetic", **extra) -> dict:
-    d = {"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                           "gpus_per_replica": tp * pp},
-         "model": {"source": source}}
-    d.update(extra)
-    return d
+    return shared_plan_data(tp, pp, dtype, name=name, source=source, **extra)
 
 
 def shard_tensors(path: Path) -> dict[str, torch.Tensor]:

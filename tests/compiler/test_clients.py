@@ -23,6 +23,7 @@ from compressed_tensors.quantization import (
     QuantizationScheme,
     QuantizationStatus,
 )
+from plan_helpers import plan
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from vllm_rules import Rejected, vllm_scheme, vllm_tensors
@@ -32,19 +33,14 @@ from shardc.compiler.compile import build
 from shardc.compiler.outputs import INDEX
 from shardc.compiler.quantize import pack_int8, quantization_config, unpack_int8
 from shardc.formats.manifest import read
-from shardc.layout.plan import plan_from_dict
 from shardc.verify.checks import verify_build
 
 SCHEMES = ("int8", "fp8")
 
 
 def make_plan(src: Path, tp: int, pp: int, dtype: str, **quant):
-    d = {"replica_group": {"name": f"{src.name}-tp{tp}pp{pp}-{dtype}", "tp_degree": tp, "pp_degree": pp,
-                           "dtype": dtype, "gpus_per_replica": tp * pp},
-         "model": {"source": str(src)}}
-    if quant:
-        d["quantization"] = quant
-    return plan_from_dict(d)
+    return plan(tp, pp, dtype, name=f"{src.name}-tp{tp}pp{pp}-{dtype}", source=src,
+                **({"quantization": quant} if quant else {}))
 
 
 def hf_load(directory: Path) -> torch.nn.Module:

@@ -22,13 +22,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_run import one_line as shared_one_line
+from cli_run import shardc
+from plan_helpers import plan as make_plan
 
 from shardc.compiler.compile import build
 from shardc.compiler.export import export
 from shardc.compiler.inputs import open_local_input
 from shardc.compiler.lock import LOCK
 from shardc.errors import VerifyMismatch
-from shardc.layout.plan import plan_from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
@@ -37,25 +39,14 @@ TOKENIZER = b'{"version": "1.0", "model": {"type": "BPE"}}\n'
 GENERATION = b'{"bos_token_id": 1}\n'
 
 
-def shardc(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("SHARDC_FAULT", None)
-    if fault:
-        env["SHARDC_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
-
-
 def cli_export(build_dir: Path, out: Path, *extra: str, fault: str | None = None) -> subprocess.CompletedProcess:
     return shardc("export", "--manifest", str(build_dir / "manifest.json"), "--out", str(out), *extra, fault=fault)
 
 
 def one_line(r: subprocess.CompletedProcess, needle: str, code: int) -> str:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert lines[0].startswith("error: ") and needle in lines[0], lines[0]
-    return lines[0]
+    line = shared_one_line(r, needle, code)
+    assert line.startswith("error: "), line
+    return line
 
 
 def files(d: Path) -> dict[str, bytes]:
@@ -68,8 +59,7 @@ def temps(d: Path) -> list[str]:
 
 
 def plan(src: Path, tp: int, pp: int = 1, dtype: str = "bf16"):
-    return plan_from_dict({"replica_group": {"name": "x", "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                                             "gpus_per_replica": tp * pp}, "model": {"source": str(src)}})
+    return make_plan(tp, pp, dtype, name="x", source=src)
 
 
 @pytest.fixture(scope="module")
@@ -520,13 +510,9 @@ def test_ctrl_c_mid_export_removes_its_temps_and_keeps_the_old_export(builds, re
 
 
 @pytest.fixture
-def aws_env(monkeypatch, tmp_path):
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-                 "AWS_CONFIG_FILE": str(tmp_path / "none"), "SHARDC_S3_MAX_ATTEMPTS": "2"}.items():
-        monkeypatch.setenv(k, v)
+def aws_env(aws_env):
+    """conftest's dummy credentials; two attempts, so the corrupted object fails fast."""
+    aws_env.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
 
 
 @pytest.mark.heavy
@@ -762,9 +748,7 @@ def test_report_seconds_and_pp_layers(builds, tmp_path):
     wall = time.perf_counter() - t0
     assert isinstance(res["seconds"], float) and 0 < res["seconds"] <= wall
     assert res["seconds"] == round(res["seconds"], 3) and res["seconds"] > wall - 0.5
-    p = plan_from_dict({"replica_group": {"name": "x", "tp_degree": 1, "pp_degree": 2, "dtype": "bf16",
-                                          "gpus_per_replica": 2},
-                        "model": {"source": str(builds["src-a"]), "pp_layers": [1, 1]}})
+    p = make_plan(1, 2, name="x", source=builds["src-a"], model={"pp_layers": [1, 1]})
     uneven = build(p, tmp_path / "pp").out_dir
     export(open_local_input(uneven / "manifest.json"), tmp_path / "hf2")
     assert files(tmp_path / "hf2")["model-00001-of-00001.safetensors"][8:] == \

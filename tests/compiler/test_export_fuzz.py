@@ -16,16 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import reseal
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
 
 from shardc.compiler.compile import build
 from shardc.compiler.export import export
 from shardc.compiler.inputs import open_local_input
 from shardc.compiler.lock import LOCK
 from shardc.errors import ShardcError
-from shardc.layout.plan import plan_from_dict
 
 FUZZ = settings(max_examples=60, deadline=10_000, suppress_health_check=[HealthCheck.too_slow],
                 database=None)
@@ -62,8 +62,7 @@ def world() -> dict[str, Any]:
 
     src = write_checkpoint(ROOT / "src", llama_config(**TINY), seed=5)
     (src / "tokenizer.json").write_bytes(b'{"model": {}}\n')
-    plan = plan_from_dict({"replica_group": {"name": "f", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 2}, "model": {"source": str(src)}})
+    plan = make_plan(2, name="f", source=src)
     pristine = build(plan, ROOT / "build").out_dir
     out = ROOT / "out"
     export(open_local_input(pristine / "manifest.json"), out, max_shard_size=LIMIT)

@@ -14,10 +14,10 @@ import os
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 from shardc.compiler.compile import build
 from shardc.compiler.synthetic import llama_config, write_checkpoint
-from shardc.layout.plan import plan_from_dict
 
 PLANS = {  # name: (tp, pp, dtype)
     "g-tp2pp2-bf16": (2, 2, "bf16"),
@@ -65,11 +65,7 @@ def _digests(d: Path) -> dict[str, str]:
 @pytest.mark.parametrize("name", sorted(PLANS))
 def test_build_bytes_are_golden(ckpt, tmp_path, name):
     tp, pp, dtype = PLANS[name]
-    plan = plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                          "gpus_per_replica": tp * pp},
-        "model": {"source": "synthetic"},
-    })
+    plan = make_plan(tp, pp, dtype, name=name)
     # the manifest records the plan's own words for the source, not the temporary path
     plan = dataclasses.replace(plan, source=str(ckpt), source_label="synthetic")
     got = _digests(build(plan, tmp_path / "o").out_dir)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import shutil
 
+from plan_helpers import plan as make_plan
 from reassemble import load_source, reassemble
 
 from shardc.compiler.compile import build
-from shardc.layout.plan import plan_from_dict
 
 REV = "0123456789abcdef0123456789abcdef01234567"
 
@@ -27,9 +27,7 @@ def test_hf_source_from_offline_cache(make_ckpt, tmp_path, monkeypatch):
 
     monkeypatch.setattr(c, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
-    plan = plan_from_dict({
-        "replica_group": {"name": "hub", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16", "gpus_per_replica": 2},
-        "model": {"source": "hf://acme/tiny-llama"}})
+    plan = make_plan(2, name="hub", source="hf://acme/tiny-llama")
     res = build(plan, tmp_path / "o")
     src = res.manifest.source
     assert src.uri == "hf://acme/tiny-llama" and src.revision == REV

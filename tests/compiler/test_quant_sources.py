@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -46,8 +47,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 
 
 def _plan(src: Path, dtype: str, tp: int = 1) -> object:
-    return plan_from_dict({"replica_group": {"name": "q", "tp_degree": tp, "pp_degree": 1, "dtype": dtype,
-                                             "gpus_per_replica": tp}, "model": {"source": str(src)}})
+    return plan(tp, 1, dtype, name="q", source=src)
 
 
 def _hf_state(path: Path) -> dict[str, torch.Tensor]:

@@ -8,11 +8,11 @@ import re
 import numpy as np
 import pytest
 import torch
+from plan_helpers import plan as make_plan
 from reassemble import load_source, reassemble
 from safetensors.torch import load_file, save_file
 
 from shardc.compiler.compile import build
-from shardc.layout.plan import plan_from_dict
 
 # The Llama family's linear projections, written out here as the oracle (the code derives them
 # from the family's tensor table).
@@ -23,12 +23,7 @@ CFG = dict(hidden_size=64, intermediate_size=128, num_layers=3, num_heads=8, num
 
 
 def plan(dtype: str, tp: int, pp: int = 1, **quant) -> object:
-    d = {"replica_group": {"name": f"q-{dtype}", "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                           "gpus_per_replica": tp * pp},
-         "model": {"source": "synthetic"}}
-    if quant:
-        d["quantization"] = quant
-    return plan_from_dict(d)
+    return make_plan(tp, pp, dtype, name=f"q-{dtype}", **({"quantization": quant} if quant else {}))
 
 
 def ref_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -17,7 +17,8 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan, write_plan
 
 from shardc.cli import main
 from shardc.compiler.compile import build
@@ -58,11 +59,7 @@ MATRIX = [
 
 
 def plan_of(ckpt: Path, tp: int, pp: int, dtype: str, pp_layers: list[int] | None = None, name: str = "t"):
-    model = {"source": str(ckpt)}
-    if pp_layers:
-        model["pp_layers"] = pp_layers
-    return plan_from_dict({"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                                             "gpus_per_replica": tp * pp}, "model": model})
+    return plan(tp, pp, dtype, name=name, source=ckpt, model={"pp_layers": pp_layers} if pp_layers else None)
 
 
 def digests(res) -> dict[str, str]:
@@ -162,10 +159,7 @@ def _cli(*args):
 
 
 def _plan_file(path: Path, ckpt: Path, tp: int, pp: int, dtype: str = "bf16") -> Path:
-    path.write_text(yaml.safe_dump({"replica_group": {"name": "t", "tp_degree": tp, "pp_degree": pp,
-                                                      "dtype": dtype, "gpus_per_replica": tp * pp},
-                                    "model": {"source": str(ckpt)}}))
-    return path
+    return write_plan(path, tp, pp, dtype, source=ckpt)
 
 
 def test_corrupted_input_is_exit_1_naming_the_file(make_ckpt, tmp_path):
@@ -377,18 +371,11 @@ def test_int8_export_loads_in_transformers(make_ckpt, tmp_path):
 # --- from object storage ------------------------------------------------------------------------
 
 @pytest.fixture
-def s3_env(monkeypatch, tmp_path):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parents[1]))
+def s3_env(aws_env):
+    """A fresh S3 server with a ``models`` bucket, under conftest's dummy credentials."""
     from s3server import S3Server
 
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-                 "AWS_CONFIG_FILE": str(tmp_path / "none"), "SHARDC_S3_MAX_ATTEMPTS": "3"}.items():
-        monkeypatch.setenv(k, v)
+    aws_env.setenv("SHARDC_S3_MAX_ATTEMPTS", "3")
     server = S3Server().start()
     server.client().create_bucket(Bucket="models")
     yield server

@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import reseal
-
-sys.path.insert(0, str(Path(__file__).parents[1]))  # s3server
+from manifest_edits import reseal
+from plan_helpers import plan_data as shared_plan_data
 
 from shardc.compiler.compile import build
 from shardc.compiler.inputs import SPOOL_PREFIX, Spool, open_local_input
@@ -43,8 +42,7 @@ DAMAGED_HINT = "the input build is damaged; run shardc verify on it"
 
 
 def plan_data(ckpt: Path, tp: int, pp: int, name: str = "t") -> dict:
-    return {"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": "bf16",
-                              "gpus_per_replica": tp * pp}, "model": {"source": str(ckpt)}}
+    return shared_plan_data(tp, pp, name=name, source=ckpt)
 
 
 @pytest.fixture(autouse=True)
@@ -448,14 +446,9 @@ def test_a_rerun_removes_the_spool_of_a_killed_s3_reshard(work, tmp_path, s3, aw
 # --- S3 helpers ---------------------------------------------------------------------------------
 
 @pytest.fixture
-def aws(monkeypatch, tmp_path):
-    """Dummy credentials (for this process and the shardc subprocesses), isolated from any config."""
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    for k, v in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
-                 "AWS_EC2_METADATA_DISABLED": "true", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
-                 "AWS_CONFIG_FILE": str(tmp_path / "none"), "SHARDC_S3_MAX_ATTEMPTS": "3"}.items():
-        monkeypatch.setenv(k, v)
+def aws(aws_env):
+    """conftest's dummy credentials (for this process and the shardc subprocesses); three attempts."""
+    aws_env.setenv("SHARDC_S3_MAX_ATTEMPTS", "3")
 
 
 def push(work, server, prefix: str) -> str:

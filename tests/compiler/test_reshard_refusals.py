@@ -12,7 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
 
 from shardc.compiler.compile import build
 from shardc.compiler.inputs import open_local_input
@@ -20,7 +21,6 @@ from shardc.compiler.reshard import BuildSource, _need_order, reshard
 from shardc.compiler.synthetic import llama_config, write_checkpoint
 from shardc.errors import ManifestError, PlanError, VerifyMismatch
 from shardc.layout.model import model_from_config
-from shardc.layout.plan import plan_from_dict
 from shardc.layout.ranks import build_layout
 
 GQA = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=2, vocab_size=100)
@@ -29,8 +29,7 @@ EDITED = "the manifest was edited or is damaged; run shardc verify on the input"
 
 
 def plan(ckpt: Path, tp: int, pp: int, dtype: str = "bf16", name: str = "t"):
-    return plan_from_dict({"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                                             "gpus_per_replica": tp * pp}, "model": {"source": str(ckpt)}})
+    return make_plan(tp, pp, dtype, name=name, source=ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -17,27 +17,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from cli_run import one_line, shardc
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
 JOURNAL = ".shardc-switch.json"
 INTERRUPTED = "a rebuild was interrupted while switching its files in"
-
-
-def shardc(*args: str, fault: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("SHARDC_FAULT", None)
-    if fault:
-        env["SHARDC_FAULT"] = fault
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
-
-
-def one_line(r: subprocess.CompletedProcess, needle: str, code: int = 2) -> None:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
+from plan_helpers import plan_data
 
 from shardc.cli import main
 from shardc.compiler.compile import build
@@ -28,9 +29,7 @@ def _cli(*args: str, env: dict | None = None):
 
 
 def _plan(tp: int, pp: int, name: str = "c", **rg) -> dict:
-    return {"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": "bf16",
-                              "gpus_per_replica": tp * pp, **rg},
-            "model": {"source": "synthetic"}}
+    return plan_data(tp, pp, name=name, group=rg)
 
 
 # -- inspect ---------------------------------------------------------------------------------------------

@@ -16,13 +16,13 @@ import json
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from shardc.compiler.compile import build  # noqa: E402
 from shardc.layout.model import model_from_config  # noqa: E402
-from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
 
 T = 40  # tokens per sequence: past the sliding windows below
@@ -71,10 +71,7 @@ def _hf_logits(src: Path, x: torch.Tensor, as_llama: bool = False) -> torch.Tens
 
 def _build(src: Path, out: Path, tp: int) -> Path:
     name = f"{src.name}-tp{tp}"
-    plan = plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": 1, "dtype": "bf16",
-                          "gpus_per_replica": tp},
-        "model": {"source": str(src)}})
+    plan = make_plan(tp, name=name, source=src)
     return build(plan, out / name).manifest_path
 
 

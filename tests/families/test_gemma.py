@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -23,7 +24,6 @@ transformers = pytest.importorskip("transformers")
 from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
 from shardc.layout.model import load_model, model_from_config  # noqa: E402
-from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,10 +75,7 @@ def _ids(seed: int) -> torch.Tensor:
 
 
 def _plan(src: Path, name: str, tp: int, dtype: str = "bf16"):
-    return plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": 1, "dtype": dtype,
-                          "gpus_per_replica": tp},
-        "model": {"source": str(src)}})
+    return plan(tp, 1, dtype, name=name, source=src)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,7 +31,6 @@ from shardc.cli import main  # noqa: E402
 from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
 from shardc.layout.model import load_model, model_from_config  # noqa: E402
-from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.layout.ranks import build_layout  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
 from shardc.runtime.support import check_supported  # noqa: E402
@@ -72,10 +72,7 @@ def _hf_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(src: Path, tp: int, dtype: str = "bf16"):
-    return plan_from_dict({
-        "replica_group": {"name": f"phi3-tp{tp}-{dtype}", "tp_degree": tp, "pp_degree": 1, "dtype": dtype,
-                          "gpus_per_replica": tp},
-        "model": {"source": str(src)}})
+    return plan(tp, 1, dtype, name=f"phi3-tp{tp}-{dtype}", source=src)
 
 
 @pytest.fixture(scope="module")

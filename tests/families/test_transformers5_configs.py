@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -26,7 +27,6 @@ transformers = pytest.importorskip("transformers")
 from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
 from shardc.layout.model import model_from_config  # noqa: E402
-from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,10 +64,7 @@ def _hf_logits(src: Path, x: torch.Tensor) -> torch.Tensor:
 
 def _build(src: Path, out: Path, tp: int):
     name = f"{src.name}-tp{tp}"
-    plan = plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": 1, "dtype": "bf16",
-                          "gpus_per_replica": tp},
-        "model": {"source": str(src)}})
+    plan = make_plan(tp, name=name, source=src)
     return build(plan, out / name).manifest_path
 
 
@@ -135,10 +132,7 @@ def test_both_spellings_must_agree():
 def demo_build(tmp_path_factory, demo_model_dir):
     """The demo's tp=1 build, copied per refusal with one config key changed."""
     out = tmp_path_factory.mktemp("tf5-refuse")
-    plan = plan_from_dict({
-        "replica_group": {"name": "tf5-demo", "tp_degree": 1, "pp_degree": 1, "dtype": "bf16",
-                          "gpus_per_replica": 1},
-        "model": {"source": str(demo_model_dir)}})
+    plan = make_plan(1, name="tf5-demo", source=demo_model_dir)
     return out, build(plan, out / "base").manifest_path
 
 

@@ -13,7 +13,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import edit_at, reseal
+from manifest_edits import edit_at, reseal
+from plan_helpers import plan as make_plan
 
 from shardc.errors import ManifestError, VerifyMismatch
 
@@ -27,13 +28,11 @@ def built(tmp_path_factory) -> Path:
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.formats import chunks
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("chunks")
     src = write_checkpoint(root / "src", llama_config(num_layers=6, hidden_size=32, intermediate_size=64,
                                                       num_heads=4, num_kv_heads=2, vocab_size=64))
-    plan = plan_from_dict({"replica_group": {"name": "ck", "tp_degree": 1, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 1}, "model": {"source": str(src)}})
+    plan = make_plan(1, name="ck", source=src)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(chunks, "CHUNK_SIZE", CHUNK)
         out = build(plan, out_dir=root / "b").out_dir

@@ -8,7 +8,7 @@ import copy
 import json
 
 import pytest
-from conftest import edit_at
+from manifest_edits import edit_at
 
 from shardc.errors import ManifestError
 from shardc.formats.manifest import Manifest, dumps, loads, parse, read, read_manifest, typed

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 from shardc.errors import ManifestError
 
@@ -39,12 +40,10 @@ def built(tmp_path_factory) -> Path:
     """One tiny real build (tp=2, 2 layers): the manifest every crafted one starts from."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("bounds")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
-    plan = plan_from_dict({"replica_group": {"name": "bounds", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 2}, "model": {"source": str(src)}})
+    plan = make_plan(2, name="bounds", source=src)
     return build(plan, out_dir=root / "b").manifest_path
 
 

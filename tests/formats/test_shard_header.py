@@ -9,7 +9,8 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import edit_at
+from manifest_edits import edit_at
+from plan_helpers import plan as make_plan
 from safetensors.numpy import save_file
 
 from shardc.errors import ShardFormatError
@@ -67,12 +68,10 @@ def test_one_temp_scheme(tmp_path):
 def built(tmp_path_factory):
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     base = tmp_path_factory.mktemp("m")
     ckpt = write_checkpoint(base / "src", llama_config(num_layers=2))
-    plan = plan_from_dict({"replica_group": {"name": "m", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 2}, "model": {"source": "x"}})
+    plan = make_plan(2, name="m", source="x")
     return build(plan.with_source(str(ckpt)), base / "o")
 
 

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
@@ -24,12 +23,6 @@ PLAN_YAML = """\
 replica_group: {name: eff, tp_degree: 1, pp_degree: 2, dtype: bf16, gpus_per_replica: 2}
 model: {source: weights}
 """
-
-
-def shardc(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=120, env=env, cwd=ROOT)
 
 
 def sha_of(obj) -> str:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from plan_helpers import plan
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardc.compiler.compile import build
-from shardc.layout.plan import plan_from_dict
 
 # hidden 32, 4 heads of 8, 2 KV heads, intermediate 64, vocab 10, 2 layers; tp=4, pp=2.
 CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -71,11 +71,7 @@ def _source(path: Path, tied: bool = False) -> dict[str, torch.Tensor]:
 
 
 def _plan(src: Path, name: str = "oracle"):
-    return plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": TP, "pp_degree": PP, "dtype": "bf16",
-                          "gpus_per_replica": TP * PP},
-        "model": {"source": str(src)},
-    })
+    return plan(TP, PP, name=name, source=src)
 
 
 def expected_shard(src: dict[str, torch.Tensor], t: int, s: int, tied: bool) -> dict[str, torch.Tensor]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from plan_helpers import plan
 
 from shardc.compiler.synthetic import llama_config
 from shardc.errors import LayoutError, QuantizationError
 from shardc.layout.model import model_from_config
-from shardc.layout.plan import plan_from_dict
 from shardc.layout.ranks import (
     RankLayout,
     TensorSpec,
@@ -35,14 +35,9 @@ def _model(**over):
 
 
 def _plan(tp, pp, dtype="bf16", pp_layers=None, quant=None):
-    d = {"replica_group": {"name": "m", "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                           "gpus_per_replica": tp * pp},
-         "model": {"source": "/nonexistent"}}
-    if pp_layers is not None:
-        d["model"]["pp_layers"] = pp_layers
-    if quant is not None:
-        d["quantization"] = quant
-    return plan_from_dict(d)
+    return plan(tp, pp, dtype, name="m", source="/nonexistent",
+                model=None if pp_layers is None else {"pp_layers": pp_layers},
+                **({} if quant is None else {"quantization": quant}))
 
 
 def _records(rl: RankLayout) -> dict[str, dict]:

@@ -8,11 +8,11 @@ written here, never derived by calling the code under test (docs/mutation-testin
 from __future__ import annotations
 
 import pytest
+from plan_helpers import plan
 
 from shardc.compiler.synthetic import llama_config
 from shardc.errors import LayoutError, QuantizationError
 from shardc.layout.model import model_from_config
-from shardc.layout.plan import plan_from_dict
 from shardc.layout.quantization import _ignore_matches, base_dtype, check_packing, quantized_names
 from shardc.layout.ranks import build_layout, check_degrees
 from shardc.layout.tensors import layer_of, source_tensors, split_kind, valid_tp_degrees
@@ -26,12 +26,7 @@ def _model(arch="LlamaForCausalLM", **over):
 
 
 def _plan(tp, dtype="bf16", quant=None, pp=1):
-    d = {"replica_group": {"name": "m", "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                           "gpus_per_replica": tp * pp},
-         "model": {"source": "/nonexistent"}}
-    if quant is not None:
-        d["quantization"] = quant
-    return plan_from_dict(d)
+    return plan(tp, pp, dtype, name="m", source="/nonexistent", **({} if quant is None else {"quantization": quant}))
 
 
 # ---- split kinds -----------------------------------------------------------------------------

@@ -13,12 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 
 from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import DistributedError  # noqa: E402
-from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
 
 # tp1: same kernels as transformers; tp2: bf16 partial sums of the row-parallel projections.
@@ -27,9 +27,7 @@ ATOL = {1: 2e-3, 2: 0.02}
 
 def _build(src: Path, out: Path, tp: int, pp: int = 1):
     name = f"{src.name}-tp{tp}pp{pp}"
-    plan = plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": "bf16", "gpus_per_replica": tp * pp},
-        "model": {"source": str(src)}})
+    plan = make_plan(tp, pp, name=name, source=src)
     return open_build(build(plan, out / name).manifest_path)
 
 

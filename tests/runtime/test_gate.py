@@ -10,7 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
 
 from shardc.errors import ManifestError
 from shardc.runtime.gate import (
@@ -112,14 +113,9 @@ def _gate(*args: str) -> subprocess.CompletedProcess:
 
 def _build(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> Path:
     from shardc.compiler.compile import build
-    from shardc.layout.plan import plan_from_dict
 
     name = f"{src.name}-tp{tp}pp{pp}-{dtype}"
-    plan = plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                          "gpus_per_replica": tp * pp},
-        "model": {"source": str(src)},
-    })
+    plan = make_plan(tp, pp, dtype, name=name, source=src)
     return build(plan, out_dir=out / name).manifest_path
 
 

@@ -220,12 +220,12 @@ def test_disk_failures_are_one_error(tmp_path):
 
 # -- where a cache may live (real builds) ------------------------------------------------------------------
 def _build(src: Path, out: Path, pp: int) -> Path:
+    from plan_helpers import plan as make_plan
+
     from shardc.compiler.compile import build
-    from shardc.layout.plan import plan_from_dict
 
     name = f"{src.name}-pp{pp}"
-    plan = plan_from_dict({"replica_group": {"name": name, "tp_degree": 1, "pp_degree": pp, "dtype": "bf16",
-                                             "gpus_per_replica": pp}, "model": {"source": str(src)}})
+    plan = make_plan(1, pp, name=name, source=src)
     return build(plan, out_dir=out / name).manifest_path
 
 

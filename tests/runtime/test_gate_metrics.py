@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from plan_helpers import plan as make_plan
 
 from shardc.runtime.gate import Thresholds, paired_bootstrap_ci, summarize
 
@@ -114,7 +115,6 @@ def peaked(tmp_path_factory):
 
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("gate-oracle")
     words = ("the a of to in is it and for on with as by at from that this be are was not or "
@@ -137,10 +137,7 @@ def peaked(tmp_path_factory):
         st["lm_head.weight"] = w.to(torch.bfloat16)
         save_file(st, str(src / "model.safetensors"))
         tok.save(str(src / "tokenizer.json"))
-        plan = plan_from_dict({
-            "replica_group": {"name": name, "tp_degree": tp, "pp_degree": 1, "dtype": "bf16", "gpus_per_replica": tp},
-            "model": {"source": str(src)},
-        })
+        plan = make_plan(tp, name=name, source=src)
         srcs[name], manifests[name] = src, build(plan, root / f"b-{name}").manifest_path
     return {"src": srcs, "manifest": manifests, "golden": golden, "tokenizer": srcs["base"] / "tokenizer.json"}
 

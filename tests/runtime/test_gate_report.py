@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 
@@ -107,11 +108,9 @@ def test_check_cache_verdicts(tmp_path):
 # -- on real builds -------------------------------------------------------------------------------------------
 def _build(src: Path, out: Path, tp: int, pp: int) -> Path:
     from shardc.compiler.compile import build
-    from shardc.layout.plan import plan_from_dict
 
     name = f"mg-tp{tp}pp{pp}"
-    plan = plan_from_dict({"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": "bf16",
-                                             "gpus_per_replica": tp * pp}, "model": {"source": str(src)}})
+    plan = make_plan(tp, pp, name=name, source=src)
     return build(plan, out_dir=out / name).manifest_path
 
 

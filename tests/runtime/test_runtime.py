@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 
 from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import DistributedError, ManifestError  # noqa: E402
-from shardc.layout.plan import plan_from_dict  # noqa: E402
 from shardc.runtime.api import BuildRef, generate, open_build, score  # noqa: E402
 
 EXACT_ATOL = 1e-3
@@ -40,11 +40,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 def build_plan(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> BuildRef:
     """Build a plan of ``src`` into ``out`` and open it (the same call `shardc build` makes)."""
     name = f"{src.name}-tp{tp}pp{pp}-{dtype}"
-    plan = plan_from_dict({
-        "replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp, "dtype": dtype,
-                          "gpus_per_replica": tp * pp},
-        "model": {"source": str(src)},
-    })
+    plan = make_plan(tp, pp, dtype, name=name, source=src)
     res = build(plan, out_dir=out / name)
     return open_build(res.manifest_path)
 

@@ -21,14 +21,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from s3server import Faults
 
 from shardc.cli import main
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
 from shardc.formats.manifest import dumps, loads
 from shardc.store import S3Settings, parse_uri, pull_build, push_build, split_object_uri
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from s3server import FaultProxy, Faults, S3Server  # noqa: E402
 
 SECRET = "shardc-test-secret-DO-NOT-PRINT"
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,31 +38,24 @@ needs_zstd = pytest.mark.skipif(importlib.util.find_spec("zstandard") is None,
 # --- fixtures -----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    yield server
-    server.stop()
+def s3(s3_server):
+    """The module's S3 server (conftest), by the name this file's tests use."""
+    return s3_server
 
 
 @pytest.fixture(scope="module")
-def proxy(s3):
-    p = FaultProxy(s3.endpoint).start()
-    yield p
-    p.stop()
+def proxy(s3_proxy):
+    """conftest's fault proxy in front of it."""
+    return s3_proxy
 
 
 @pytest.fixture(autouse=True)
-def aws_env(monkeypatch, tmp_path):
-    """Dummy credentials, isolated from any real AWS config on the machine; small parts."""
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN",
-                "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"):
-        monkeypatch.delenv(var, raising=False)
+def aws_env(aws_env):
+    """conftest's isolated dummy credentials with a secret the tests look for in every output;
+    small parts."""
+    monkeypatch = aws_env
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "shardc-test-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("SHARDC_MULTIPART_THRESHOLD", str(1 << 20))
     monkeypatch.setenv("SHARDC_MULTIPART_CHUNKSIZE", str(5 << 20))
     monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "8")

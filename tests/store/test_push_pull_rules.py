@@ -28,14 +28,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
+from s3server import Faults
 
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
 from shardc.store import S3Settings, pull_build, push_build
 from shardc.store.pull import fetch_manifest
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from s3server import Faults  # noqa: E402
 
 needs_zstd = pytest.mark.skipif(importlib.util.find_spec("zstandard") is None,
                                 reason="zstandard is not installed (pip install 'shardc[zstd]')")
@@ -55,16 +54,12 @@ def twins(tmp_path_factory):
     different bytes. Each build sits at <root>/build/mtwin with its record in <root>/manifests."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     base = tmp_path_factory.mktemp("mtwins")
     out = {}
     for name, seed in (("a", 0), ("b", 1)):
         src = write_checkpoint(base / f"src-{name}", llama_config(**TINY), seed=seed)
-        plan = plan_from_dict({
-            "replica_group": {"name": NAME, "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                              "gpus_per_replica": 2},
-            "model": {"source": str(src)}})
+        plan = make_plan(2, name=NAME, source=src)
         root = base / name
         out[name] = build(plan, root / "build" / NAME, manifests_dir=root / "manifests")
     for f in FILES:
@@ -74,17 +69,11 @@ def twins(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def aws_env(monkeypatch, tmp_path):
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN",
-                "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS", "SHARDC_FSYNC_DOWNLOADS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
+def aws_env(aws_env):
+    """conftest's dummy credentials, for every test here; two attempts, and downloads synced as
+    by default."""
+    aws_env.delenv("SHARDC_FSYNC_DOWNLOADS", raising=False)
+    aws_env.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
 
 
 def bucket(s3) -> str:

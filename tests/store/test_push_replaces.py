@@ -10,16 +10,14 @@ it no longer describes. Checked on the local store and on a real S3 server (moto
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 from shardc.errors import ShardcError
 from shardc.formats.manifest import Manifest
 from shardc.store import pull_build, push_build
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
 
 
 @pytest.fixture(scope="module")
@@ -27,16 +25,12 @@ def twins(tmp_path_factory):
     """Same plan, checkpoints of different seeds: same files, same sizes, different bytes."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("twins")
     out = {}
     for name, seed in (("a", 0), ("b", 1)):
         src = write_checkpoint(root / f"src-{name}", llama_config(num_layers=2), seed=seed)
-        plan = plan_from_dict({
-            "replica_group": {"name": "twin", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                              "gpus_per_replica": 2},
-            "model": {"source": str(src)}})
+        plan = make_plan(2, name="twin", source=src)
         out[name] = build(plan, root / f"build-{name}")
     a, b = out["a"].manifest, out["b"].manifest
     assert [(s.file, s.size) for s in a.shards] == [(s.file, s.size) for s in b.shards]
@@ -46,18 +40,6 @@ def twins(tmp_path_factory):
 
 def _digests(d: Path, manifest: Manifest) -> dict[str, str]:
     return {s.file: hashlib.sha256((d / s.file).read_bytes()).hexdigest() for s in manifest.shards}
-
-
-@pytest.fixture
-def aws_env(monkeypatch, tmp_path):
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
 
 
 def _dest(kind: str, tmp_path: Path, s3, name: str) -> tuple[str, dict]:

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import one_line, shardc
 
 from shardc.errors import ManifestError, StoreError
 from shardc.store import pull_build, push_build
@@ -30,19 +28,6 @@ ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=64)
 A_SHARD = "model-tp00-pp00.safetensors"  # the default shard_prefix, tp1 pp1
 B_SHARDS = ["b-00-00.safetensors", "b-00-01.safetensors"]
-
-
-def shardc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    full = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          timeout=120, env=full, cwd=ROOT)
-
-
-def one_line(r: subprocess.CompletedProcess, code: int = 2) -> str:
-    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
-    return lines[0]
 
 
 def tree(d: Path) -> dict[str, str]:
@@ -140,9 +125,8 @@ def test_pull_of_an_honest_build_writes_exactly_its_files(builds, tmp_path):
     assert tree(tmp_path / "dest") == tree(builds["b"])
 
 
-def test_pull_from_s3_refuses_a_planted_file(builds, s3, tmp_path, monkeypatch):
+def test_pull_from_s3_refuses_a_planted_file(builds, s3, tmp_path, s3_env):
     server, _ = s3
-    _s3_env(monkeypatch)
     server.client().create_bucket(Bucket="hostile-pull")
     push_build(builds["a"] / "manifest.json", "s3://hostile-pull/a", endpoint_url=server.endpoint)
     cl = server.client()
@@ -158,14 +142,12 @@ def test_pull_from_s3_refuses_a_planted_file(builds, s3, tmp_path, monkeypatch):
 
 # --- item 12: push does not replace another plan's build without being asked ---------------------
 
-def _s3_env(monkeypatch) -> None:
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "shardc-test-key")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "shardc-test-secret")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
+@pytest.fixture
+def s3_env(aws_env) -> None:
+    """conftest's isolated dummy credentials, under this file's key names; two attempts."""
+    aws_env.setenv("AWS_ACCESS_KEY_ID", "shardc-test-key")
+    aws_env.setenv("AWS_SECRET_ACCESS_KEY", "shardc-test-secret")
+    aws_env.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
 
 
 def test_push_of_another_plan_is_refused_locally_then_replaced(builds, tmp_path):
@@ -235,9 +217,8 @@ def test_push_over_an_unreadable_manifest_needs_replace(builds, tmp_path):
     assert res["removed"] == [] and tree(store) == tree(builds["a"])
 
 
-def test_push_to_s3_refuses_another_plan_then_replaces_only_its_objects(builds, s3, tmp_path, monkeypatch):
+def test_push_to_s3_refuses_another_plan_then_replaces_only_its_objects(builds, s3, tmp_path, s3_env):
     server, _ = s3
-    _s3_env(monkeypatch)
     cl = server.client()
     cl.create_bucket(Bucket="hostile-push")
     uri = "s3://hostile-push/model"

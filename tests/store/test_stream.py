@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
+from plan_helpers import plan as make_plan
 
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
@@ -22,16 +23,9 @@ S1 = "model-tp01-pp00.safetensors"
 
 
 @pytest.fixture(autouse=True)
-def aws_env(monkeypatch, tmp_path):
-    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN", "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
-    monkeypatch.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
+def aws_env(aws_env):
+    """conftest's dummy credentials, for every test here; two attempts, so a fault shows fast."""
+    aws_env.setenv("SHARDC_S3_MAX_ATTEMPTS", "2")
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +34,10 @@ def built(tmp_path_factory) -> Path:
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.formats import chunks
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("stream")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
-    plan = plan_from_dict({"replica_group": {"name": "st", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 2}, "model": {"source": str(src)}})
+    plan = make_plan(2, name="st", source=src)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(chunks, "CHUNK_SIZE", CHUNK)
         return build(plan, out_dir=root / "b").out_dir

@@ -9,6 +9,7 @@ import importlib.util
 import json
 
 import pytest
+from plan_helpers import plan as make_plan
 
 from shardc.store import pull_build
 from shardc.store.transfer import progress_bar
@@ -47,13 +48,11 @@ def test_pull_strips_compressed_records_of_side_files(make_ckpt, tmp_path):
     import zstandard
 
     from shardc.compiler.compile import build
-    from shardc.layout.plan import plan_from_dict
     from shardc.store import push_build
 
     src = make_ckpt(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                     vocab_size=64)
-    plan = plan_from_dict({"replica_group": {"name": "t", "tp_degree": 1, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 1}, "model": {"source": str(src)}})
+    plan = make_plan(1, name="t", source=src)
     b = build(plan, tmp_path / "o")
     store = tmp_path / "store"
     push_build(b.manifest_path, str(store), compress="zstd")

@@ -8,7 +8,8 @@ import struct
 from pathlib import Path
 
 import pytest
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan_data
 
 from shardc.compiler.compile import build
 from shardc.verify.checks import plan_mismatch, verify_build
@@ -19,10 +20,7 @@ TENSOR_REC = {"dtype": "BF16", "shape": [1], "source": "bogus.weight", "split": 
 
 
 def _plan_data(name: str, cap: float | None) -> dict:
-    rg = {"name": name, "tp_degree": 1, "pp_degree": 1, "dtype": "bf16", "gpus_per_replica": 1}
-    if cap is not None:
-        rg["kv_cache_cap_gb"] = cap
-    return {"replica_group": rg, "model": {"source": "synthetic"}}
+    return plan_data(1, 1, name=name, group={} if cap is None else {"kv_cache_cap_gb": cap})
 
 
 def _host_memory() -> int:

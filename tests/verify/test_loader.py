@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 
@@ -36,16 +37,13 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 def builds(tmp_path_factory):
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("loader")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
     out = {}
     for tp, pp, dtype in ((2, 1, "bf16"), (1, 2, "int8"), (1, 1, "fp8")):
         name = f"ld-tp{tp}pp{pp}-{dtype}"
-        plan = plan_from_dict({"replica_group": {"name": name, "tp_degree": tp, "pp_degree": pp,
-                                                 "dtype": dtype, "gpus_per_replica": tp * pp},
-                               "model": {"source": str(src)}})
+        plan = make_plan(tp, pp, dtype, name=name, source=src)
         out[dtype] = build(plan, out_dir=root / name).manifest_path
     return out
 

@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 
@@ -35,12 +36,10 @@ def built(tmp_path_factory) -> Path:
     """One tiny real build, tp=2 bf16: two valid shards of one size."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("hostile-loader")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
-    plan = plan_from_dict({"replica_group": {"name": "hl", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 2}, "model": {"source": str(src)}})
+    plan = make_plan(2, name="hl", source=src)
     out = build(plan, out_dir=root / "b").out_dir
     assert (out / S0).stat().st_size == (out / S1).stat().st_size
     return out
@@ -52,12 +51,10 @@ def built_chunked(tmp_path_factory) -> Path:
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.formats import chunks
-    from shardc.layout.plan import plan_from_dict
 
     root = tmp_path_factory.mktemp("hostile-loader-chunked")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
-    plan = plan_from_dict({"replica_group": {"name": "hl", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 2}, "model": {"source": str(src)}})
+    plan = make_plan(2, name="hl", source=src)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(chunks, "CHUNK_SIZE", 4096)
         return build(plan, out_dir=root / "b").out_dir

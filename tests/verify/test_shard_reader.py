@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 
@@ -252,12 +253,10 @@ def test_verify_device_reports_a_damaged_span_in_one_line(tmp_path):
     from shardc.cli import main
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.layout.plan import plan_from_dict
 
     src = write_checkpoint(tmp_path / "src", llama_config(hidden_size=32, intermediate_size=64, num_layers=1,
                                                           num_heads=4, num_kv_heads=2, vocab_size=64))
-    plan = plan_from_dict({"replica_group": {"name": "odd", "tp_degree": 1, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 1}, "model": {"source": str(src)}})
+    plan = make_plan(1, name="odd", source=src)
     res = build(plan, tmp_path / "o")
     file = res.manifest.shards[0].file
     path = res.out_dir / file

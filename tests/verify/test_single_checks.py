@@ -15,23 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardc.cli import main
 from shardc.compiler.compile import build
-from shardc.layout.plan import plan_from_dict
 
 # vocab 10 at tp=4: 12 padded rows, rank 3 holds row 9 and two zero rows; 2 KV heads replicated.
 CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=10)
 
 
 def _plan(tp: int, pp: int, dtype: str):
-    return plan_from_dict({
-        "replica_group": {"name": f"o-tp{tp}pp{pp}-{dtype}", "tp_degree": tp, "pp_degree": pp,
-                          "dtype": dtype, "gpus_per_replica": tp * pp},
-        "model": {"source": "synthetic"}})
+    return plan(tp, pp, dtype, name=f"o-tp{tp}pp{pp}-{dtype}")
 
 
 @pytest.fixture(scope="module")

@@ -16,23 +16,20 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import reseal
+from manifest_edits import reseal
+from plan_helpers import plan as make_plan
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardc.cli import main
 from shardc.compiler.compile import build
-from shardc.layout.plan import plan_from_dict
 
 CFG = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8,
            vocab_size=96)
 
 
 def plan(tp: int, pp: int, dtype: str = "bf16"):
-    return plan_from_dict({
-        "replica_group": {"name": f"v-tp{tp}pp{pp}-{dtype}", "tp_degree": tp, "pp_degree": pp,
-                          "dtype": dtype, "gpus_per_replica": tp * pp},
-        "model": {"source": "synthetic"}})
+    return make_plan(tp, pp, dtype, name=f"v-tp{tp}pp{pp}-{dtype}")
 
 
 @pytest.fixture(scope="module")
