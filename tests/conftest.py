@@ -35,16 +35,48 @@ def demo_model_dir() -> Path:
 
 
 @pytest.fixture(scope="module")
-def s3():
-    """A real S3 server (moto, 127.0.0.1) and a fault proxy in front of it, one per test module:
-    (server, proxy). test_store.py has its own ``s3`` (the server alone) and ``proxy``."""
-    from s3server import FaultProxy, S3Server
+def s3_server():
+    """A real S3 server (moto on 127.0.0.1, real HTTP), one per test module."""
+    from s3server import S3Server
 
     server = S3Server().start()
-    proxy = FaultProxy(server.endpoint).start()
-    yield server, proxy
-    proxy.stop()
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3_proxy(s3_server):
+    """The fault proxy (tests/s3server.py) in front of the module's S3 server."""
+    from s3server import FaultProxy
+
+    proxy = FaultProxy(s3_server.endpoint).start()
+    yield proxy
+    proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(s3_server, s3_proxy):
+    """(server, proxy). store/test_push_pull.py names them ``s3`` (the server alone) and ``proxy``."""
+    return s3_server, s3_proxy
+
+
+@pytest.fixture
+def aws_env(monkeypatch, tmp_path):
+    """Dummy S3 credentials for this process and the shardc subprocesses it starts, isolated from
+    any AWS configuration of the machine (profile, endpoint, session, retry settings, config files):
+    a test must never reach a real account. Yields the monkeypatch, so that a file's own
+    ``aws_env`` (same name, requesting this one) sets what it needs on top, such as
+    ``SHARDC_S3_MAX_ATTEMPTS``."""
+    for var in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN",
+                "AWS_RETRY_MODE", "AWS_MAX_ATTEMPTS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    return monkeypatch
 
 
 @pytest.fixture
@@ -62,36 +94,3 @@ def make_ckpt(tmp_path):
 def _isolated_hash_cache(tmp_path_factory):
     """Keep the source-hash cache of test runs out of the user's ~/.cache."""
     os.environ["SHARDC_CACHE_DIR"] = str(tmp_path_factory.mktemp("shardc-cache"))
-
-
-def edit_at(d: dict, path: tuple, value) -> None:
-    """Plant a fault in a manifest held as data: set ``d[path...]`` to ``value``, or delete that
-    key when ``value`` is ``KeyError``."""
-    *head, last = path
-    for k in head:
-        d = d[k]
-    if value is KeyError:
-        del d[last]
-    else:
-        d[last] = value
-
-
-def sealed(data: bytes, chunk_size: int | None) -> dict:
-    """What a manifest's shard entry records of these bytes: size, sha256 and, with a chunk size
-    (format_version 3), the sha256 of every chunk (cut here, independently of shardc)."""
-    import hashlib
-
-    out = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    if chunk_size is not None:
-        out["chunks"] = [hashlib.sha256(data[i : i + chunk_size]).hexdigest() for i in range(0, len(data), chunk_size)]
-    return out
-
-
-def reseal(entry, data: bytes) -> None:
-    """Make a shard entry (a manifest dict's or a ShardEntry) match ``data``: a test that plants
-    bytes the hashes must not catch (a NaN under a matching sha256) reseals the entry."""
-    if isinstance(entry, dict):
-        entry.update(sealed(data, entry.get("chunk_size")))
-        return
-    for key, value in sealed(data, entry.chunk_size).items():
-        setattr(entry, key, tuple(value) if key == "chunks" else value)
