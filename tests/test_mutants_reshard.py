@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 from conftest import reseal
 
+from shardc.compiler.buildsource import BuildSource, _need_order
 from shardc.compiler.compile import build
 from shardc.compiler.inputs import open_local_input
-from shardc.compiler.reshard import BuildSource, _need_order, reshard
+from shardc.compiler.reshard import reshard
 from shardc.compiler.synthetic import llama_config, write_checkpoint
 from shardc.errors import ManifestError, PlanError, VerifyMismatch
 from shardc.layout.model import model_from_config

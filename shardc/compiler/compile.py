@@ -40,8 +40,9 @@ from .outputs import (
     up_to_date,
     write_side_files,
 )
-from .source import Source, open_source
-from .sourcequant import check_kept
+from .source import open_source
+from .sourcequant import check_kept, with_quantization
+from .sources import Source
 from .stages import stage_order, write_stage
 from .switch import apply_switch, finish_switch, write_journal
 
@@ -119,10 +120,13 @@ def build(
     """Compile ``plan`` into shard files. Validates everything before writing anything."""
     t0 = time.perf_counter()
     if source is None:  # reshard passes an input build as the source
-        source = open_source(plan.source, allow_pickle=allow_pickle,
-                             key="source" if "model.source" in plan.overrides else "model.source")
-        source.uri = plan.source_uri
-    model = model_from_config(source.config)
+        checkpoint = open_source(plan.source, allow_pickle=allow_pickle,
+                                 key="source" if "model.source" in plan.overrides else "model.source")
+        checkpoint.uri = plan.source_uri
+        model = model_from_config(checkpoint.config)
+        source = with_quantization(checkpoint, model)  # a quantized checkpoint: read by its format
+    else:
+        model = model_from_config(source.config)
     layout = build_layout(model, plan)
     source.check(model)
     check_kept(source, layout)  # a quantized source kept as stored: every tensor copied exactly
