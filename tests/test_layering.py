@@ -1,12 +1,15 @@
 """The package layering holds: no import cycle, nothing imports a layer above its own.
 
 Every module of shardc is parsed (not imported) and every static import counts, function-local
-ones included: a lazy import upward is still a dependency upward.
+ones included: a lazy import upward is still a dependency upward. Imports under ``if TYPE_CHECKING:``
+count for cycles too: a loop that only the type checker follows is still two modules that cannot be
+understood one without the other. And no module is over 400 lines (#32).
 """
 
 from __future__ import annotations
 
 import ast
+from fnmatch import fnmatch
 from pathlib import Path
 
 import shardc
@@ -25,7 +28,15 @@ LAYERS = {
 # Known violations, each to be removed by the change that fixes it (the goal is none).
 KNOWN_UPWARD: set[str] = set()
 KNOWN_CYCLES: set[str] = set()
+# Typing-only imports (under TYPE_CHECKING) that close a loop, as (importer pattern, imported): the
+# family modules annotate with ModelSpec, whose module imports the family registry. layout/ is
+# another change's (#32); that change moves the shared type and empties this set.
+KNOWN_TYPING_LOOPS: set[tuple[str, str]] = {("shardc.layout.families.*", "shardc.layout.model")}
 ALLOWED_ONLY = {"shardc.planner": {"shardc", "shardc.errors", "shardc.layout", "shardc.planner"}}
+MAX_LINES = 400
+# Modules over MAX_LINES that other changes of #32 split; the merge of that work empties this list.
+KNOWN_OVERSIZE = {"shardc/formats/manifest.py", "shardc/runtime/gate.py", "shardc/store/s3.py",
+                  "shardc/layout/plan.py"}
 
 
 def _module_name(path: Path) -> str:
@@ -38,8 +49,9 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(path: Path, name: str) -> set[str]:
-    """Absolute names of the shardc modules ``path`` imports, anywhere in its body."""
+def _imports(path: Path, name: str, typing: bool = False) -> set[str]:
+    """Absolute names of the shardc modules ``path`` imports, anywhere in its body; with
+    ``typing``, those under ``if TYPE_CHECKING:`` too."""
     is_pkg = path.name == "__init__.py"
     package = name if is_pkg else name.rpartition(".")[0]
     found = set()
@@ -48,7 +60,7 @@ def _imports(path: Path, name: str) -> set[str]:
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and _is_type_checking(node.test)
                    for stmt in node.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not typing:
             continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
@@ -65,11 +77,11 @@ def _imports(path: Path, name: str) -> set[str]:
     return {m for m in found if m == "shardc" or m.startswith("shardc.")}
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(typing: bool = False) -> dict[str, set[str]]:
     files = {_module_name(p): p for p in PKG.rglob("*.py")}
     graph = {}
     for name, path in files.items():
-        graph[name] = {m for m in _imports(path, name) if m in files and m != name}
+        graph[name] = {m for m in _imports(path, name, typing) if m in files and m != name}
     return graph
 
 
@@ -98,7 +110,10 @@ def test_no_upward_imports():
 
 
 def test_no_import_cycles():
-    graph = _graph()
+    graph, runtime = _graph(typing=True), _graph()
+    for mod, deps in graph.items():  # the known typing-only loops, and only typing-only edges of them
+        graph[mod] = {d for d in deps if d in runtime[mod]
+                      or not any(fnmatch(mod, a) and d == b for a, b in KNOWN_TYPING_LOOPS)}
     cycles, state = [], {}
 
     def visit(node: str, stack: list[str]) -> None:
@@ -132,3 +147,22 @@ def test_package_seams_are_light_and_complete():
             "assert not missing, missing\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PKG.parent)
     assert r.returncode == 0, r.stderr
+
+
+def test_typing_only_imports_count_for_cycles(tmp_path):
+    """The parser sees an import under ``if TYPE_CHECKING:`` (and ``typing.TYPE_CHECKING``) only
+    when asked: the cycle check asks, the layering check does not."""
+    mod = tmp_path / "m.py"
+    mod.write_text("import typing\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from shardc.layout import plan\nif typing.TYPE_CHECKING:\n    import shardc.formats\n")
+    assert _imports(mod, "shardc.x.m") == set()
+    assert _imports(mod, "shardc.x.m", typing=True) == {"shardc.layout", "shardc.layout.plan", "shardc.formats"}
+
+
+def test_no_module_over_400_lines():
+    """Small modules (#32): a module over MAX_LINES lines is split along its concerns."""
+    sizes = {p.relative_to(PKG.parent).as_posix(): len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    big = {f"{name}: {n} lines" for name, n in sorted(sizes.items()) if n > MAX_LINES and name not in KNOWN_OVERSIZE}
+    assert not big, "modules over 400 lines:\n" + "\n".join(sorted(big))
+    fixed = {name for name in KNOWN_OVERSIZE if sizes.get(name, 0) <= MAX_LINES}
+    assert not fixed, f"no longer over {MAX_LINES} lines: remove from KNOWN_OVERSIZE: {sorted(fixed)}"

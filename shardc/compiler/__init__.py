@@ -8,7 +8,7 @@ from .. import lazy_seam
 
 _SEAM = {
     "build": "compile", "BuildResult": "compile",
-    "Source": "source", "open_source": "source",
+    "Source": "sources", "CheckpointSource": "source", "open_source": "source",
     "llama_config": "synthetic", "write_checkpoint": "synthetic",
 }
 __all__ = sorted(_SEAM)

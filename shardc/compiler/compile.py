@@ -19,31 +19,28 @@ from typing import Any
 
 from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
-from ..formats.files import final_name, fsync_dir, sha256_file, temp_files, write_atomic, write_temp
-from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, new_manifest
-from ..formats.manifest import read as read_manifest
+from ..formats.files import final_name, temp_files
+from ..formats.manifest import Manifest, ShardEntry, new_manifest
 from ..formats.safetensors import ShardWriter
 from ..layout.model import model_from_config
-from ..layout.plan import Plan, canonical_json
+from ..layout.plan import Plan
 from ..layout.ranks import SCALE_SUFFIX, Layout, RankLayout, build_layout
+from .commit import Committer, choose_committer, output_error
 from .lock import take_lock
 from .materialize import Materializer
 from .outputs import (
-    INDEX,
     LAYOUT_REVISION,
     check_space,
     copy_manifest,
-    done_path,
     remove_files,
     stage_done,
-    stage_side_files,
     up_to_date,
-    write_side_files,
 )
-from .source import Source, open_source
-from .sourcequant import check_kept
+from .source import open_source
+from .sourcequant import check_kept, with_quantization
+from .sources import Source
 from .stages import stage_order, write_stage
-from .switch import apply_switch, finish_switch, write_journal
+from .switch import finish_switch
 
 
 @dataclass
@@ -97,10 +94,7 @@ class BuildRun:
     hashes: dict[str, tuple[int, str, int, tuple[str, ...]]] = field(default_factory=dict)
     key: dict[str, Any] = field(default_factory=dict)  # what a resume record must match
     bar: Any = None
-    # A complete build is already there: it stays, untouched, until this one is complete. Every
-    # new file waits at its temp name (staged: final -> temp), and all switch at the end.
-    replacing: bool = False
-    staged: dict[Path, Path] = field(default_factory=dict)
+    commit: Committer | None = None  # fresh or switch (compiler/commit.py), chosen once
 
     def __post_init__(self) -> None:
         self.result = BuildResult(self.out, self.out / "manifest.json", None)
@@ -119,10 +113,13 @@ def build(
     """Compile ``plan`` into shard files. Validates everything before writing anything."""
     t0 = time.perf_counter()
     if source is None:  # reshard passes an input build as the source
-        source = open_source(plan.source, allow_pickle=allow_pickle,
-                             key="source" if "model.source" in plan.overrides else "model.source")
-        source.uri = plan.source_uri
-    model = model_from_config(source.config)
+        checkpoint = open_source(plan.source, allow_pickle=allow_pickle,
+                                 key="source" if "model.source" in plan.overrides else "model.source")
+        checkpoint.uri = plan.source_uri
+        model = model_from_config(checkpoint.config)
+        source = with_quantization(checkpoint, model)  # a quantized checkpoint: read by its format
+    else:
+        model = model_from_config(source.config)
     layout = build_layout(model, plan)
     source.check(model)
     check_kept(source, layout)  # a quantized source kept as stored: every tensor copied exactly
@@ -164,7 +161,6 @@ def _run(run: BuildRun) -> BuildResult:
         run.result.manifest, run.result.up_to_date = m, True
         run.result.skipped = [s.file for s in m.shards]
         return _finish(run)
-    run.replacing = (run.out / "manifest.json").is_file()
     _prepare_output(run)
     mat = Materializer(run.source, run.layout)
     try:
@@ -187,11 +183,12 @@ def _current_manifest(run: BuildRun) -> Manifest | None:
 
 
 def _prepare_output(run: BuildRun) -> None:
-    # Before anything is touched: a refused build loses nothing.
-    check_space(run.out, run.layout, replacing=run.replacing)
-    _remove_leftovers(run.out)
     run.key = {"plan_sha256": run.plan.sha256, "source": run.source.fingerprint(), "shardc_version": __version__,
                "layout_revision": LAYOUT_REVISION}
+    run.commit = choose_committer(run.out, run.key)
+    # Before anything is touched: a refused build loses nothing.
+    check_space(run.out, run.layout, replacing=run.commit.replacing)
+    _remove_leftovers(run.out)
     if run.progress:
         from tqdm import tqdm
 
@@ -229,19 +226,16 @@ def _stages_to_write(run: BuildRun) -> list[list[RankLayout]]:
 
 def _commit(run: BuildRun, todo: list[RankLayout],
             writers: dict[str, ShardWriter]) -> dict[str, tuple[int, str, int, tuple[str, ...]]]:
-    """Rename a written stage's shards into place, each with its resume record (when replacing a
-    build: make them durable at their temp names, to be switched with the rest at the end)."""
+    """Make a written stage's shards durable as the committer does (renamed into place with a
+    resume record, or kept at their temp names for the switch)."""
     done = {}
+    assert run.commit is not None
     try:
         run.source.confirm()  # nothing derived from an unchecked input byte is committed
         for rl in todo:
             w = writers[rl.file]
-            size, sha = w.commit(rename=not run.replacing)
+            size, sha = run.commit.shard(rl, w)
             done[rl.file] = (size, sha, w.chunk_size, tuple(w.chunks))
-            if run.replacing:
-                run.staged[run.out / rl.file] = writers[rl.file].tmp
-                continue
-            write_atomic(done_path(run.out, rl.file), canonical_json({"key": run.key, "size": size, "sha256": sha}))
     except BaseException:
         for w in writers.values():
             w.abort()  # the ones not committed yet: no temp file stays behind
@@ -255,15 +249,16 @@ def _write_stages(run: BuildRun, stages: list[list[RankLayout]], mat: Materializ
     """Write the stages in order. A stage's shards are committed (fsync, rename, resume record)
     on a background thread while the next stage is written: the fsync waits for the disk, not
     for the CPU."""
-    out = run.out
+    out, commit = run.out, run.commit
+    assert commit is not None
     committer = ThreadPoolExecutor(1, thread_name_prefix="shardc-commit")
     commits: list[tuple[list[RankLayout], Future]] = []
     try:
         for todo in stages:
             # Old files in the way are deleted on the commit thread while the stage is written
             # (slow on a filesystem mounted with discard), before its renames.
-            if not run.replacing:
-                committer.submit(remove_files, [out / rl.file for rl in todo if (out / rl.file).exists()])
+            if old := commit.in_the_way(todo):
+                committer.submit(remove_files, old)
             writers = write_stage(run.layout, todo, out, mat, run.bar)
             commits.append((todo, committer.submit(_commit, run, todo, writers)))
         for todo, fut in commits:
@@ -274,34 +269,24 @@ def _write_stages(run: BuildRun, stages: list[list[RankLayout]], mat: Materializ
     except ShardcError:
         # Bad input found mid-build (NaN in a late layer): leave nothing of this run behind.
         committer.shutdown(wait=True)
-        if run.replacing:
-            remove_files(list(run.staged.values()))
-        else:
-            for todo, _ in commits:
-                for rl in todo:
-                    (out / rl.file).unlink(missing_ok=True)
-                    done_path(out, rl.file).unlink(missing_ok=True)
+        commit.discard([rl.file for todo, _ in commits for rl in todo])
         raise
     except OSError as exc:
         # The disk, not the input: keep the committed stages, a rerun resumes from them; when
         # replacing a build, drop this run's files instead: the old build is still complete.
         committer.shutdown(wait=True)
         what = final_name(exc.filename2 or exc.filename) if exc.filename else "the shards"
-        if run.replacing:
-            remove_files(list(run.staged.values()))
-        raise OutputError(
-            f"cannot write {what} in {out}: {exc.strerror or exc}",
-            hint=("free space or fix the disk; the build already there is untouched" if run.replacing
-                  else "free space or fix the disk, then rerun the same build: finished stages are kept"),
-        ) from None
+        commit.disk_failed()
+        raise OutputError(f"cannot write {what} in {out}: {exc.strerror or exc}", hint=commit.disk_hint) from None
     finally:
         committer.shutdown(wait=True)
 
 
 def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
     """Side files, then the manifest: the commit point of the build (when replacing a build, both
-    are staged too and everything switches in at once: ``compiler/switch.py``)."""
-    layout = run.layout
+    are staged too and everything switches in at once: ``compiler/commit.py``)."""
+    layout, commit = run.layout, run.commit
+    assert commit is not None
     # A resumed build skipped some tensors; recompute their error stats so the manifest is
     # identical to an uninterrupted build's.
     if run.plan.quantized:
@@ -310,9 +295,9 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
                 mat.quantize(name, run.plan.dtype)
     run.source.confirm()  # every input byte behind the manifest (committed stages were confirmed)
     try:
-        side = _stage_side_files(run) if run.replacing else write_side_files(layout, run.source, run.out)
+        side = commit.side_files(layout, run.source)
     except OSError as exc:
-        raise _output_error(run, exc, "config.json and the tokenizer files") from None
+        raise output_error(run.out, exc, "config.json and the tokenizer files") from None
     shards = []
     for rl in layout.ranks:
         size, sha, chunk_size, chunks = run.hashes[rl.file]
@@ -327,74 +312,8 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
                                  experts=rl.experts, dp_rank=rl.dp_rank if layout.plan.dp > 1 else None,
                                  chunk_size=chunk_size, chunks=chunks))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
-    if run.replacing:
-        _switch(run, manifest)
-        return manifest
-    try:
-        manifest.write(run.out / "manifest.json")  # the commit point
-    except OSError as exc:
-        raise _output_error(run, exc, "manifest.json") from None
-    for rl in layout.ranks:
-        done_path(run.out, rl.file).unlink(missing_ok=True)
+    commit.manifest(manifest, layout)
     return manifest
-
-
-def _stage_side_files(run: BuildRun) -> list[FileEntry]:
-    """Replacing a build: the side files go to temp names too; their entries are their temp
-    files' sizes and hashes under their final names."""
-    try:
-        staged = stage_side_files(run.layout, run.source, run.out)
-    except BaseException:
-        remove_files(list(run.staged.values()))
-        raise
-    run.staged.update(staged)
-    return [FileEntry(final.name, tmp.stat().st_size, sha256_file(tmp)) for final, tmp in staged.items()]
-
-
-def _replaced_files(out: Path, new: set[str]) -> list[str]:
-    """Files of the build being replaced that the new one does not have, removed by the switch: a
-    tp 1 x pp 2 build rebuilt as tp 2 x pp 1 leaves no model-tp00-pp01 behind, a tp > 1 build no
-    HF index. Names come from the old manifest (validated on read: plain names in ``out``)."""
-    try:
-        old = read_manifest(out / "manifest.json")
-        names = {INDEX, *(s.file for s in old.shards), *(f.name for f in old.files)}
-    except ShardcError:
-        names = {INDEX}  # an unreadable old manifest: only what no new build can leave behind
-    return sorted(n for n in names - new if n != "manifest.json")
-
-
-def _switch(run: BuildRun, manifest: Manifest) -> None:
-    """Replacing a build: the new manifest is staged durably like every other file, then the
-    journal makes the switch one that always finishes (``compiler/switch.py``). Until the journal is
-    written the old build is complete and a failure removes this run's files; after it, a failure
-    keeps them for the rerun, which finishes the switch first."""
-    out, staged = run.out, list(run.staged.values())
-    try:
-        staged.append(tmp := write_temp(out / "manifest.json", manifest.dumps()))
-        stale = _replaced_files(out, {p.name for p in run.staged})
-        journal = write_journal(out, run.staged, tmp, stale)
-    except BaseException as exc:
-        # Interrupted before the switch began: the old build is all there is. A journal already
-        # on disk (it is ours: the lock is held) goes first, so no rerun acts on it.
-        remove_files([out / SWITCH_JOURNAL])
-        fsync_dir(out)
-        remove_files(staged)
-        if isinstance(exc, OSError):
-            what = final_name(exc.filename) if exc.filename else "manifest.json"
-            raise OutputError(f"cannot write {what} in {out}: {exc.strerror or exc}",
-                              hint="free space or fix the disk; the build already there is untouched") from None
-        raise
-    try:
-        apply_switch(out, *journal)
-    except OSError as exc:
-        raise OutputError(f"cannot switch the new build into {out}: {exc.strerror or exc}",
-                          hint="fix the disk, then rerun the build: it finishes the switch first") from None
-
-
-def _output_error(run: BuildRun, exc: OSError, what: str) -> OutputError:
-    what = final_name(exc.filename) if exc.filename else what
-    return OutputError(f"cannot write {what} in {run.out}: {exc.strerror or exc}",
-                       hint="free space or fix the disk, then rerun the same build")
 
 
 def _finish(run: BuildRun) -> BuildResult:

@@ -41,11 +41,12 @@ from ..layout.model import model_from_config
 from ..layout.plan import plan_from_dict
 from ..layout.ranks import TensorSpec, build_layout
 from ..layout.readfile import read_regular_file
+from .buildsource import BuildSource
 from .inputs import BuildInput
 from .lock import LOCK, take_lock
 from .materialize import Materializer, stream_region
 from .outputs import INDEX, TOKENIZER_FILES, output_config
-from .reshard import BuildSource
+from .sources import Source
 
 DEFAULT_MAX_SHARD = "5GB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -102,13 +103,13 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
     try:
         plan = export_plan(inp.manifest)
         layout = build_layout(model_from_config(inp.manifest.config), plan)
-        source = BuildSource(inp, layout)
+        build_source = BuildSource(inp, layout)
         out = Path(out_dir)
         _refuse_input_dir(out, inp)
         inp.side_directory()  # config and tokenizer files checked (and copied) first: small
-        source.schedule(layout)
+        build_source.schedule(layout)
         with _locked(out):
-            result = _export_locked(inp, source, layout, out, max_shard_size)
+            result = _export_locked(inp, build_source.as_source(), layout, out, max_shard_size)
     finally:
         inp.close()
     result["seconds"] = round(time.perf_counter() - t0, 3)
@@ -170,7 +171,7 @@ def _remove_created(out: Path, created: bool) -> None:
         pass  # something else is in it now: left as it is
 
 
-def _export_locked(inp: BuildInput, source: BuildSource, layout, out: Path, limit: int) -> dict[str, Any]:
+def _export_locked(inp: BuildInput, source: Source, layout, out: Path, limit: int) -> dict[str, Any]:
     """The export under the lock: clean up, stage every file, switch them in."""
     if os.path.lexists(out / "manifest.json") or os.path.lexists(out / SWITCH_JOURNAL):
         raise PlanError(f"the output directory {out} holds a shardc build, which the export would break",
@@ -205,7 +206,7 @@ def _export_locked(inp: BuildInput, source: BuildSource, layout, out: Path, limi
             "dtype": layout.plan.dtype, "source": {"uri": inp.uri, "manifest_sha256": inp.manifest_sha256}}
 
 
-def _stage(inp: BuildInput, source: BuildSource, layout, out: Path, limit: int,
+def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,
            staged: list[tuple[Path, str]]) -> list[dict[str, Any]]:
     """Every file of the export, durably at its temp name (appended to ``staged`` as it is
     made, so the caller can remove them on failure): shards, config.json, tokenizer, index."""

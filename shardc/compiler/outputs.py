@@ -27,7 +27,7 @@ from ..formats.safetensors import read_header, shard_metadata
 from ..layout.dtypes import torch_name
 from ..layout.plan import Plan
 from ..layout.ranks import Layout, RankLayout
-from .source import Source
+from .sources import Source
 
 
 def output_config(layout: Layout) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Checkpoint readers: a local Hugging Face directory or ``hf://org/repo[@rev]``.
 
 safetensors validates each file and lists its tensors; the build then reads a tensor as a
-zero-copy view of a mapping of just that tensor's bytes (``Source.view``), released with the
+zero-copy view of a mapping of just that tensor's bytes (``CheckpointSource.view``), released with the
 view, so the page-cache pages it pins in our RSS stay bounded by the largest tensor rather than
 by the model. Pickled ``.bin`` checkpoints are refused unless explicitly allowed, and then loaded
 with ``weights_only=True``.
@@ -17,11 +17,12 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -33,27 +34,20 @@ from ..layout.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
 from ..layout.model import ModelSpec, read_config
 from ..layout.ranks import source_tensors
 from ..layout.readfile import CONFIG_LIMIT, read_regular_file
-from ..layout.sourcequant import SourceQuantization
 from .arrays import from_torch, np_dtype
 from .lease import Leases, read_leases
 from .sourcequant import check_stored
+from .sources import Source, TensorInfo
 
 _HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.
 _BENIGN = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
-@dataclass(frozen=True)
-class TensorInfo:
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int | None = None  # where the tensor's bytes start in a safetensors file
-
-
 @dataclass
-class Source:
-    """A resolved checkpoint: local directory, its config and a tensor index (names -> file)."""
+class CheckpointSource:
+    """A resolved checkpoint: local directory, its config and a tensor index (names -> file).
+    A ``Source`` (compiler/sources.py); a quantized checkpoint is wrapped in a QuantizedSource."""
 
     uri: str
     directory: Path
@@ -67,17 +61,19 @@ class Source:
     # under a running build is an error before its bytes are mapped, not a SIGBUS (view)
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _leases: Leases | None = field(default=None, repr=False)
-    # a quantized source (layout/sourcequant/): its format, and the [out, in] of each weight it stores quantized
-    squant: SourceQuantization | None = field(default=None, repr=False)
-    squant_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict, repr=False)
+    # nothing stored quantized as such: QuantizedSource (compiler/sourcequant.py) says otherwise
+    squant: ClassVar[None] = None
+    squant_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = MappingProxyType({})
 
     # -- validation ---------------------------------------------------------------------------
-    def check(self, model: ModelSpec) -> None:
-        """Every tensor the model needs is there with the right shape; nothing unknown."""
+    def check(self, model: ModelSpec, quantized: Source | None = None) -> None:
+        """Every tensor the model needs is there with the right shape; nothing unknown. A quantized
+        checkpoint's stored tensors are checked against its format (``quantized``, the wrapper)."""
         expected = {t.name: t.shape for t in source_tensors(model)}
-        known = check_stored(self, model, expected)  # + a quantized source's stored tensors, checked
+        known = check_stored(quantized, model, expected) if quantized is not None else expected
+        skip = quantized.squant_shapes if quantized is not None else {}
         for name, shape in expected.items():
-            if name in self.squant_shapes:
+            if name in skip:
                 continue
             info = self.tensors.get(name)
             if info is None:
@@ -154,10 +150,8 @@ class Source:
                 self._leases = None
 
     def dense(self, name: str) -> np.ndarray:
-        """``view``, or a quantized weight's float32 dequantization by its format's reference."""
-        if name not in self.squant_shapes or self.squant is None:
-            return self.view(name)
-        return self.squant.dequantize(name, self.squant_shapes[name], self.view)
+        """``view``: a checkpoint's tensors are dense as stored (QuantizedSource dequantizes)."""
+        return self.view(name)
 
     def read(self, name: str):
         """The whole tensor as a torch tensor (a copy; the file mapping is closed again)."""
@@ -288,7 +282,7 @@ def _resolve_hf(uri: str) -> tuple[Path, str]:
     return Path(path), Path(path).name  # snapshot dirs are named by commit hash
 
 
-def open_source(uri: str, *, allow_pickle: bool = False, key: str = "model.source") -> Source:
+def open_source(uri: str, *, allow_pickle: bool = False, key: str = "model.source") -> CheckpointSource:
     """Resolve a source URI and index its tensors (headers only; no tensor data is read).
     ``key``: where the URI came from, for errors (``source`` when the command line overrode the
     plan's ``model.source``)."""
@@ -338,7 +332,8 @@ def open_source(uri: str, *, allow_pickle: bool = False, key: str = "model.sourc
             raise SourceError(f"source file {directory / fname} is not a regular file", key="model.source")
         stamps[fname] = (st.st_size, st.st_ino)
     tensors = _index_pickles(directory, files) if pickled else _index_safetensors(directory, files)
-    return Source(uri, directory, revision, config, tensors, ["config.json", *files], pickled, stamps=stamps)
+    return CheckpointSource(uri, directory, revision, config, tensors, ["config.json", *files], pickled,
+                            stamps=stamps)
 
 
 def _weight_files(directory: Path) -> list[str]:

@@ -5,35 +5,113 @@ block size is one line naming both, never a misread)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from ..errors import SourceError
+from ..formats.manifest import SourceRecord
 from ..layout.model import ModelSpec
-from ..layout.sourcequant import detect_source
+from ..layout.ranks import Layout
+from ..layout.sourcequant import SourceQuantization, detect_source
 from ..layout.tensors import source_tensors
-
-if TYPE_CHECKING:
-    from ..layout.ranks import Layout
-    from .source import Source
+from .sources import Source, TensorInfo
 
 
-def read_quantization(src: Source, model: ModelSpec) -> bool:
-    """Read the source's quantization_config (layout/sourcequant/) into ``src.squant`` and
-    ``src.squant_shapes``; whether it is quantized."""
-    src.squant = detect_source(src.config)
-    if src.squant is not None:
-        names = src.squant.quantized(model)
-        src.squant_shapes = {t.name: t.shape for t in source_tensors(model) if t.name in names}
-    return src.squant is not None
+class QuantizedSource:
+    """A source whose config.json declares a quantization (layout/sourcequant/): the inner
+    source's tensors as stored, plus each quantized weight dense (``dense``: dequantized by the
+    format's reference). Everything else is the inner source's; a ``Source`` (compiler/sources.py)."""
+
+    def __init__(self, inner: Source, squant: SourceQuantization, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.inner, self.squant, self.squant_shapes = inner, squant, shapes
+
+    @property
+    def uri(self) -> str:
+        return self.inner.uri
+
+    @uri.setter
+    def uri(self, value: str) -> None:
+        self.inner.uri = value
+
+    @property
+    def directory(self) -> Path:
+        return self.inner.directory
+
+    @directory.setter
+    def directory(self, value: Path) -> None:
+        self.inner.directory = value
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.inner.config
+
+    @property
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        return self.inner.tensors
+
+    def check(self, model: ModelSpec, quantized: Source | None = None) -> None:
+        """The inner source's check, with this format's stored tensors checked and known."""
+        self.inner.check(model, quantized=self)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        with self.inner.guard():
+            yield
+
+    def view(self, name: str) -> np.ndarray:
+        return self.inner.view(name)
+
+    def dense(self, name: str) -> np.ndarray:
+        """``view``, or a quantized weight's float32 dequantization by its format's reference."""
+        if name not in self.squant_shapes:
+            return self.inner.dense(name)
+        return self.squant.dequantize(name, self.squant_shapes[name], self.inner.view)
+
+    def holds_quantized(self, name: str, scheme: str) -> bool:
+        return self.inner.holds_quantized(name, scheme)
+
+    def quantized(self, name: str, scheme: str) -> tuple[np.ndarray, np.ndarray, dict]:
+        return self.inner.quantized(name, scheme)
+
+    def confirm(self) -> None:
+        self.inner.confirm()
+
+    def start_hashing(self) -> None:
+        self.inner.start_hashing()
+
+    def identity(self) -> SourceRecord:
+        return self.inner.identity()
+
+    def fingerprint(self) -> list[list]:
+        return self.inner.fingerprint()
+
+
+def quantization_of(config: dict[str, Any], model: ModelSpec) -> tuple[SourceQuantization, dict[str, tuple[int, ...]]] | None:
+    """A config.json's source quantization (layout/sourcequant/) and the [out, in] of each weight
+    it quantizes; None for a 16-bit source."""
+    squant = detect_source(config)
+    if squant is None:
+        return None
+    names = squant.quantized(model)
+    return squant, {t.name: t.shape for t in source_tensors(model) if t.name in names}
+
+
+def with_quantization(src: Source, model: ModelSpec) -> Source:
+    """``src`` as a QuantizedSource when its config.json declares a quantization, else itself."""
+    q = quantization_of(src.config, model)
+    return src if q is None else QuantizedSource(src, *q)
 
 
 def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Check a quantized source's weights; return ``expected`` with their stored tensors added (so
-    the caller's unknown-tensor check accepts them). A 16-bit source: ``expected`` as it is."""
-    if not read_quantization(src, model):
-        return expected
+    """Check a quantized source's (a QuantizedSource's) weights; return ``expected`` with their
+    stored tensors added (so the caller's unknown-tensor check accepts them)."""
     sq = src.squant
-    assert sq is not None
+    if sq is None:
+        return expected
     out = dict(expected)
     for name in sorted(src.squant_shapes):
         full = expected[name]

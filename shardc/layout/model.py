@@ -93,6 +93,17 @@ class ModelSpec:
         } | ({} if self.family == "llama" else {"family": self.family})
 
 
+# summary() field -> the config.json key a user knows (the one home of the renames summary() makes)
+_CONFIG_KEY = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads", "architecture": "architectures",
+               "qkv_bias": "attention_bias", "o_bias": "attention_bias"}
+
+
+def config_key(field: str) -> str:
+    """The config.json key behind a ``ModelSpec.summary()`` field, for messages a user acts on."""
+    return _CONFIG_KEY.get(field, field)
+
+
 # Sane upper bounds, checked before anything is sized from a config (a manifest's config too):
 # ``num_hidden_layers: 1000000000`` would otherwise allocate per-layer tables until MemoryError.
 # Each is far above any published model (Llama 3.1 405B: 126 layers, 16384 hidden, 128256 vocab).

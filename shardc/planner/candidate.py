@@ -12,20 +12,14 @@ draft model are sharded like the weights.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import LayoutError, QuantizationError
 from ..layout.model import ModelSpec
-from ..layout.plan import Plan, plan_from_dict
+from ..layout.plan import plan_from_dict
 from .formulas import (
     ACT_BYTES,
-    Cost,
-    GpuMemory,
-    KvFigures,
-    Speed,
     Workload,
     custom_allreduce_s,
     demand_tokens,
@@ -43,77 +37,9 @@ from .formulas import (
     sequences_at,
 )
 from .gpus import GIB, rates
-from .serving import Serving, Step, choose, serving_at, sweep
-from .weights import RankWeights, plan_dict, plan_name, rank_weights
-
-if TYPE_CHECKING:
-    from .search import Search
-
-@dataclass
-class Candidate:
-    """One (tp, pp, dtype): its figures when it was worked out, else the reasons it is out."""
-
-    tp: int
-    pp: int | None  # None: the reason holds for every pp and dtype at this tp
-    dtype: str | None
-    reasons: list[str] = field(default_factory=list)
-    skipped: str | None = None
-    plan: Plan | None = None
-    weights: list[RankWeights] = field(default_factory=list)
-    memory: GpuMemory | None = None
-    kv: KvFigures | None = None
-    speed: Speed | None = None
-    cost: Cost | None = None
-    meets_target: bool = False
-    ep: int = 1  # expert-parallel degree: > 1 is an EP unit (tp 1, dp = ep GPUs, experts spread over them)
-    dp: int = 1  # attention data-parallel groups (the plan's dp_degree)
-    ep_detail: Any = None  # ep.EpWeights of an EP unit: what --explain restates
-    serving: Serving | None = None  # the workload's figures at the chosen concurrency
-    curve: tuple[Serving, ...] = ()  # the figures at concurrency 1, 2, 4, ... the cap (--plot)
-
-    @property
-    def gpus(self) -> int:
-        """GPUs of one replica: tp x pp x dp (every dp group holds its own KV)."""
-        return self.tp * (self.pp or 1) * self.dp
-
-    @property
-    def fits(self) -> bool:
-        return not self.reasons and self.kv is not None
-
-    @property
-    def status(self) -> str:
-        if self.reasons:
-            return "infeasible"
-        if self.skipped:
-            return "skipped"
-        return "ok" if self.meets_target else "slow"
-
-    @property
-    def label(self) -> str:
-        if self.ep > 1:
-            return f"ep={self.ep} dp={self.dp} {self.dtype or '*'}"
-        return f"tp={self.tp} pp={self.pp if self.pp else '*'} {self.dtype or '*'}"
-
-    def to_json(self) -> dict[str, Any]:
-        """Every figure of the candidate, plain JSON types."""
-        out: dict[str, Any] = {
-            "tp": self.tp, "pp": self.pp, "ep": self.ep, "dp": self.dp, "dtype": self.dtype,
-            "status": self.status, "reasons": self.reasons, "skipped": self.skipped,
-            "gpus": self.gpus if self.pp else None,
-            "kv_demand_bytes": self.kv.demand_bytes if self.kv is not None else None,
-        }
-        for name in ("memory", "kv", "speed", "cost"):
-            part = getattr(self, name)
-            out[name] = dataclasses.asdict(part) if part is not None else None
-        v = self.serving
-        for key in ("ttft_ms", "tpot_ms", "tokens_per_s_per_gpu", "requests_per_s", "concurrency"):
-            out[key] = v.to_json()[key] if v is not None else None
-        out["serving"] = v.to_json() if v is not None else None
-        if self.memory is not None:
-            m = self.memory
-            out["memory"].update(usable=m.usable, overhead=m.overhead, used=m.used, used_fraction=m.used_fraction)
-        out["ranks"] = [dataclasses.asdict(w) for w in self.weights]
-        return out
+from .records import Candidate, Cost, GpuMemory, KvFigures, Search, Speed
+from .serving import Step, choose, serving_at, sweep
+from .weights import plan_dict, plan_name, rank_weights
 
 
 def lora_bytes(model: Any, w: Workload, layers: int) -> int:

@@ -12,13 +12,10 @@ from __future__ import annotations
 import math
 import re
 import shlex
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .gpus import GIB
-
-if TYPE_CHECKING:
-    from .candidate import Candidate
-    from .search import Search
+from .records import Candidate, Search
 
 SHM_PER_GPU = 2 * GIB  # /dev/shm per GPU: NCCL's shared-memory transport and vLLM's broadcast queue
 HOST_BASE = 16 * GIB  # host memory besides the shards: Python, CUDA host allocations, the tokenizer

@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import LayoutError, PlanError, QuantizationError
 from ..layout.model import ModelSpec
@@ -43,9 +42,6 @@ from ..layout.tensors import STACKED, tensor_table
 from .candidate import Candidate, attn_flops, kv_bpt, lora_bytes, memory_reasons, routing, unit_cost
 from .formulas import (
     ACT_BYTES,
-    GpuMemory,
-    KvFigures,
-    Speed,
     Workload,
     all_to_all_s,
     experts_touched,
@@ -57,11 +53,9 @@ from .formulas import (
     sequences_at,
 )
 from .gpus import rates
+from .records import GpuMemory, KvFigures, Search, Speed
 from .serving import Step, choose, serving_at, sweep
 from .weights import RankWeights, plan_dict, plan_name
-
-if TYPE_CHECKING:
-    from .search import Search
 
 
 def linear_block(experts: int, ranks: int, r: int) -> range:

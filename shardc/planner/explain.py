@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from .candidate import Candidate, attn_flops, kv_bpt, routing
+from .candidate import attn_flops, kv_bpt, routing
 from .ep import ep_demand_words, linear_block
 from .formulas import SpeedParams, demand_words, experts_touched, rate_dtype
 from .gpus import GB, GIB, GPU, gemm_flops
 from .policy import OBJECTIVE_WORDS
+from .records import Candidate, Search
 from .report import gib
-from .search import Search
 
 
 def explain(s: Search, c: Candidate) -> list[str]:

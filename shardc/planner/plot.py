@@ -12,14 +12,10 @@ Returns the bytes (SVG with text kept as text, or PNG); the CLI writes them atom
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
 
 from ..errors import PlanError
 from .gpus import GIB
-
-if TYPE_CHECKING:
-    from .candidate import Candidate
-    from .search import Search
+from .records import Candidate, Search
 
 FORMATS = ("svg", "png")
 

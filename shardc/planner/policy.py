@@ -30,16 +30,15 @@ small model).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .formulas import DEFAULT_TPOT_MS, DTYPE_ORDER
+from ..layout.plan import plan_from_dict
+from .candidate import kv_bpt, lora_bytes
+from .formulas import DEFAULT_TPOT_MS, DTYPE_ORDER, demand_tokens, demand_words, min_cards
 from .gpus import GIB
-
-if TYPE_CHECKING:
-    from .search import Candidate, Search
+from .records import Candidate, FitTrail, Search
+from .weights import plan_dict, rank_weights
 
 OBJECTIVES = ("fit", "cost", "latency")
 OBJECTIVE_WORDS = {
@@ -47,43 +46,6 @@ OBJECTIVE_WORDS = {
     "cost": "the cheapest $/Mtok meeting the TPOT target",
     "latency": "the lowest TPOT at batch 1",
 }
-
-
-@dataclass
-class FitTrail:
-    """The fit rules worked for one dtype, as --explain and --json show them."""
-
-    dtype: str
-    weights: int  # the whole model at this dtype (tp=1, pp=1)
-    lora: int
-    draft: int
-    kv_demand: int  # the whole KV demand (every KV head), sharded; 0 for MLA
-    kv_replicated: int  # MLA: the latent demand every GPU holds whole; 0 otherwise
-    demand_tokens: int
-    demand: str  # the demand in words
-    usable: float  # memory x gpu_memory_utilization: vLLM's budget
-    limit: float  # memory x max_memory_fraction
-    in_budget: int  # overheads vLLM counts in its budget (activations, NCCL)
-    replicated: int  # every overhead on a GPU of a multi-GPU unit
-    room: float  # what a card of a multi-GPU unit has for the sharded part
-    one_card_room: float  # the same on a single card (no NCCL)
-    minimum: int | None  # cards; None: the replicated part alone fills a card
-    tp_limit: int
-    valid_tps: list[int]
-    outside: int = 0  # the CUDA context and graphs: in vLLM's headroom, outside its budget
-    headroom: float = 0.0  # memory x (1 - utilization): where they must fit for vLLM to start
-    # MoE: the EP ladder walked before the dense path: (label, weights per GPU, in use per GPU, verdict)
-    ep_ladder: list[tuple[str, int, float, str]] = field(default_factory=list)
-    steps: list[tuple[str, str]] = field(default_factory=list)  # (label, verdict)
-    chosen: str | None = None
-    rejected: list[tuple[str, str]] = field(default_factory=list)  # smaller units and why they are out
-
-    @property
-    def sharded(self) -> int:
-        return self.weights + self.lora + self.draft + self.kv_demand
-
-    def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "sharded": self.sharded}
 
 
 def _dtype_rank(c: Candidate) -> int:
@@ -108,7 +70,7 @@ def _fit(s: Search) -> Candidate | None:
     for d in sorted(s.dtypes, key=DTYPE_ORDER.index):
         mine = {(c.tp, c.pp): c for c in s.candidates if c.dtype == d and c.pp is not None and c.ep == 1}
         ladder = sorted((c for c in s.candidates if c.dtype == d and c.ep > 1), key=lambda c: c.ep)
-        trail = s.fit_trail(d)
+        trail = fit_trail(s, d)
         s.trails.append(trail)
         _rejected(trail, mine.values())
         if w.kv_memory is None and trail.outside > trail.headroom:
@@ -199,3 +161,37 @@ def recommend(s: Search) -> None:
     cards, tpot1 = rec.gpus, rec.speed.tpot1_s
     s.alternative = _fastest([c for c in fitting if c.pp == 1 and c.dtype == rec.dtype and c.tp > cards
                               and c.speed.tpot1_s < tpot1])  # more GPUs are only worth naming when faster
+
+
+def fit_trail(s: Search, dtype: str) -> FitTrail:
+    """Rules 1 and 2 for one dtype: sharded and replicated memory, and the minimum card count.
+
+    Sharded: weights, LoRA, the draft model and (GQA/MHA) the KV demand, whole, which TP splits
+    by KV head; an MLA latent is whole on every GPU, so its demand is replicated. Replicated: the
+    overheads. A card's room is what vLLM's budget (memory x utilization) leaves after the
+    in-budget overheads; the CUDA context and graphs must fit in the headroom outside it. With a
+    measured pool (`kv_memory`) the room is what the 95% limit leaves after every overhead.
+    """
+    w, sp, gpu, ov = s.workload, s.speed, s.cluster.gpu, s.overheads
+    weights = rank_weights(s.model, plan_from_dict(plan_dict("probe", "src", 1, 1, dtype)))[0].nbytes
+    lora = lora_bytes(s.model, w, s.model.num_layers)
+    need = demand_tokens(w, s.model.max_position_embeddings)
+    kv = need * kv_bpt(s.model, s.model.num_layers, 1, w.kv_bytes)
+    kv_sharded, kv_rep = (0, kv) if s.model.forward.mla is not None else (kv, 0)
+    if w.kv_memory is not None:  # the measured pool is a fixed block on every GPU; the demand is in it
+        kv_sharded, kv_rep = 0, int(w.kv_memory)
+    usable, limit = gpu.memory * w.gpu_memory_utilization, gpu.memory * sp.max_memory_fraction
+
+    def room(world: int) -> float:
+        if w.kv_memory is not None:  # the engine measured it: only the memory limit applies
+            return limit - sum(ov.per_gpu(world).values()) - kv_rep
+        return usable - ov.in_budget(world) - kv_rep  # the context and graphs sit in the headroom
+
+    sharded = weights + lora + 2 * s.draft_params + kv_sharded
+    one, many = room(1), room(2)
+    minimum = 1 if sharded <= one else min_cards(sharded, many, 0)
+    valid = sorted({c.tp for c in s.candidates if c.dtype == dtype and c.pp == 1})
+    return FitTrail(dtype, weights, lora, 2 * s.draft_params, kv_sharded, kv_rep, need,
+                    demand_words(w, s.model.max_position_embeddings), usable, limit,
+                    ov.in_budget(2), sum(ov.per_gpu(2).values()), many, one, minimum,
+                    s.cluster.tp_limit, valid, ov.outside(2), gpu.memory - usable)

@@ -8,11 +8,12 @@ line with the values substituted, the way one checks it on paper against vLLM's 
 
 from __future__ import annotations
 
-from .candidate import Candidate, routing
+from .candidate import routing
 from .formulas import demand_tokens, demand_words
 from .gpus import GB, GIB
 from .policy import OBJECTIVE_WORDS
-from .search import Search, default_dtypes
+from .records import Candidate, Search
+from .search import default_dtypes
 
 BAR_WIDTH = 24
 BAR_LEGEND = ("bar: # weights  = KV cache  + overheads  . free  (whole GPU as CUDA reports it; | where vLLM's "

@@ -16,16 +16,16 @@ produces a vocabulary slice of the logits that is gathered before any softmax.
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from ..errors import ModelError
 from ..layout.families.base import Forward
-from .support import ROPE_TYPES, activation_fn
+from .moe import route, stacked_expert
+from .rankweights import Dims, LayerWeights, MoeWeights, StageWeights
+from .rope import rope_tables
+from .support import activation_fn
 
 
 class TPComm(Protocol):
@@ -39,142 +39,6 @@ class TPComm(Protocol):
     def all_reduce_experts(self, x: torch.Tensor, what: str) -> torch.Tensor: ...
 
     def gather_vocab(self, x: torch.Tensor, what: str, everyone: bool) -> torch.Tensor | None: ...
-
-
-@dataclass
-class MoeWeights:
-    """One sparse layer's router (replicated), the routed experts this rank holds (all of them, each
-    split over TP like a dense MLP; or, with expert parallelism, its own whole experts) as
-    (gate, up, down) or, stacked (gpt-oss), (gate_up, gate_up bias, down, down bias or None: the
-    bias of an expert split over TP is added by TP rank 0 only), and a shared expert with its
-    sigmoid gate (Qwen2-MoE)."""
-
-    router: torch.Tensor
-    experts: dict[int, tuple[torch.Tensor | None, ...]]
-    shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-    shared_gate: torch.Tensor | None = None
-    score_bias: torch.Tensor | None = None  # e_score_correction_bias (DeepSeek-V3), the choice only
-    router_bias: torch.Tensor | None = None  # gpt-oss: added to the router logits
-
-
-@dataclass
-class LayerWeights:
-    """One decoder layer's local slices. q/k/v and gate/up stay separate (as in the shard files)."""
-
-    index: int
-    ln1: torch.Tensor
-    ln2: torch.Tensor
-    q: torch.Tensor  # MLA: q_b_proj (or q_proj), this rank's heads
-    k: torch.Tensor | None  # None with MLA: ``mla`` holds the latent projections
-    v: torch.Tensor | None
-    o: torch.Tensor
-    gate: torch.Tensor | None  # None on a sparse layer: ``moe`` holds its MLP
-    up: torch.Tensor | None
-    down: torch.Tensor | None
-    bias: dict[str, torch.Tensor] = field(default_factory=dict)  # q, k, v, o, gate, up, down
-    # q_norm, k_norm (per head); post_attn, post_ffw (sandwich norms; ln2 is then the pre-MLP norm)
-    norms: dict[str, torch.Tensor] = field(default_factory=dict)
-    moe: MoeWeights | None = None
-    # MLA (Forward.mla): q_a, q_a_norm (when q_lora_rank), kv_a, kv_a_norm (replicated), kv_b (this
-    # rank's heads)
-    mla: dict[str, torch.Tensor] = field(default_factory=dict)
-    sinks: torch.Tensor | None = None  # this rank's heads' attention sinks (Forward.sinks)
-
-
-@dataclass
-class StageWeights:
-    """Everything one rank holds: its layers, and the embedding / final norm / lm_head if it owns them."""
-
-    layers: list[LayerWeights]
-    embed: torch.Tensor | None  # [padded_vocab / tp, hidden] on the first stage
-    vocab_start: int  # first vocabulary row of this rank's slice
-    norm: torch.Tensor | None  # final norm on the last stage
-    lm_head: torch.Tensor | None  # [padded_vocab / tp, hidden] on the last stage (tied: the embed slice)
-
-
-@dataclass(frozen=True)
-class Dims:
-    """Local sizes for one rank."""
-
-    hidden: int
-    heads: int  # local query heads
-    kv_heads: int  # local KV heads (1 when tp > num_key_value_heads: a replicated head)
-    head_dim: int
-    vocab: int  # true vocabulary (logits beyond it are padding and dropped)
-    eps: float
-    latent: tuple[int, int] | None = None  # MLA: the cache holds (kv_lora_rank, qk_rope_head_dim) per token
-
-
-def rope_inv_freq(model: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for default, linear and llama3 rope (HF's formulas)."""
-    dim = model["head_dim"]
-    base = float(model["rope_theta"])
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = model.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv, 1.0
-    if kind == "linear":
-        return inv / float(scaling["factor"]), 1.0
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old / low, old / high
-        wavelen = 2 * math.pi / inv
-        inv_l = torch.where(wavelen > low_wavelen, inv / factor, inv)
-        smooth = (old / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        return torch.where(medium, smoothed, inv_l), 1.0
-    if kind == "yarn":  # transformers' _compute_yarn_parameters, step for step
-        return _yarn(model, scaling, dim, base)
-    raise ModelError(
-        f"rope_scaling type {kind!r} is not supported by the shardc runtime",
-        key="rope_scaling",
-        hint=f"supported: {', '.join(ROPE_TYPES)}",  # support.py refuses it before a rank starts
-    )
-
-
-def _yarn(model: dict[str, Any], p: dict[str, Any], dim: int, base: float) -> tuple[torch.Tensor, float]:
-    orig = p.get("original_max_position_embeddings") or model["max_position_embeddings"]
-    factor = p.get("factor")
-    if factor is None:
-        factor = model["max_position_embeddings"] / orig
-
-    def get_mscale(scale: float, mscale: float = 1) -> float:
-        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-    attention = p.get("attention_factor")
-    mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
-    if attention is None:
-        attention = (float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-                     if mscale and mscale_all_dim else get_mscale(factor))
-    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
-
-    def correction_dim(rotations: float) -> float:
-        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if p.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # transformers' guard against a zero-width ramp
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
-    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
-    keep = 1 - ramp
-    return interpolation * (1 - keep) + extrapolation * keep, attention
-
-
-def rope_tables(model: dict[str, Any], length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [length, head_dim] for positions 0..length-1, in fp32 then cast (as HF does)."""
-    inv, scale = rope_inv_freq(model)
-    pos = torch.arange(length, dtype=torch.int64).float()
-    freqs = pos[:, None] * inv[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -441,20 +305,7 @@ class StageModel:
         assert moe is not None
         shape = h.shape
         x = h.reshape(-1, shape[-1])
-        if moe.scoring == "sigmoid":
-            logits, weights, chosen = self._grouped_route(mw, x)
-        elif moe.scoring == "topk_softmax":  # gpt-oss: softmax over the top k logits, model dtype
-            logits = F.linear(x, mw.router, mw.router_bias)
-            top, chosen = torch.topk(logits, moe.top_k, dim=-1)
-            weights = F.softmax(top, dim=1, dtype=top.dtype)
-        else:
-            logits = F.linear(x, mw.router)
-            probs = F.softmax(logits, dim=-1, dtype=torch.float)
-            weights, chosen = torch.topk(probs, moe.top_k, dim=-1)
-            if moe.norm_topk:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not moe.weights_fp32:
-            weights = weights.to(logits.dtype)
+        weights, chosen = route(moe, mw, x)
         # Experts split over TP give partial sums: those are added in fp32 and rounded once, after
         # the all-reduce (as the dense MLP's row-parallel sums are); whole experts (tp = 1, or
         # expert parallelism) are added in the model dtype, as transformers adds them.
@@ -464,7 +315,7 @@ class StageModel:
             slot, token = torch.where(chosen.T == e)  # by slot, then token: transformers' order
             if token.numel() == 0:
                 continue
-            y = self._stacked_expert(x[token], *w) if moe.stacked else \
+            y = stacked_expert(moe, x[token], *w) if moe.stacked else \
                 F.linear(self._act(F.linear(x[token], w[0])) * F.linear(x[token], w[1]), w[2])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
         out = self.comm.all_reduce_experts(out, what).to(x.dtype)
@@ -477,42 +328,6 @@ class StageModel:
                 shared = torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
             out = out + shared
         return out.reshape(shape)
-
-    def _stacked_expert(self, y: torch.Tensor, gate_up: torch.Tensor, gate_up_bias: torch.Tensor,
-                        down: torch.Tensor, down_bias: torch.Tensor | None) -> torch.Tensor:
-        """One gpt-oss expert (transformers' GptOssExperts, operation for operation): x @ W + b,
-        gate and up interleaved, the clamped SwiGLU, then down (its bias added when this rank
-        adds it: the whole expert, or TP rank 0 of a split one)."""
-        moe = self.f.moe
-        assert moe is not None and moe.swiglu is not None
-        alpha, limit = moe.swiglu
-        gu = y @ gate_up + gate_up_bias
-        gate, up = gu[..., ::2].clamp(min=None, max=limit), gu[..., 1::2].clamp(min=-limit, max=limit)
-        out = ((up + 1) * (gate * torch.sigmoid(gate * alpha))) @ down
-        return out if down_bias is None else out + down_bias
-
-    def _grouped_route(self, mw: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, step for step, all in fp32):
-        sigmoid scores; the correction bias added for the choice only; the best ``topk_groups``
-        groups by the sum of their two best biased scores; top-k among their experts; the weights
-        are the chosen experts' unbiased scores, renormalized when ``norm_topk``, times
-        ``scaling``. Returns (logits, weights, chosen expert ids)."""
-        moe = self.f.moe
-        assert moe is not None and mw.score_bias is not None
-        e, g = moe.experts, moe.groups
-        logits = F.linear(x.float(), mw.router.float())
-        scores = logits.sigmoid()
-        choice = scores + mw.score_bias.float()
-        group_scores = choice.view(-1, g, e // g).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=moe.topk_groups, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
-        keep = group_mask.unsqueeze(-1).expand(-1, g, e // g).reshape(-1, e)
-        choice = choice.masked_fill(~keep.bool(), float("-inf"))
-        chosen = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, chosen)
-        if moe.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return logits, weights * moe.scaling, chosen
 
     def _row(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, what: str) -> torch.Tensor:
         """Row-parallel projection: local partial sum, all-reduced; the (replicated) bias added once

@@ -27,7 +27,7 @@ from ..layout.ranks import (
     RankLayout,
     tensor_table,
 )
-from .decoder import Dims, LayerWeights, MoeWeights, StageWeights
+from .rankweights import Dims, LayerWeights, MoeWeights, StageWeights
 
 _PROJ = {
     "q": "self_attn.q_proj",

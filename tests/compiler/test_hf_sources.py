@@ -1,4 +1,5 @@
-"""Checkpoint sources other than a plain directory: hf:// through huggingface_hub's real cache."""
+"""Checkpoint sources other than a plain directory: hf:// through huggingface_hub's real cache; and every
+kind of compiler input (checkpoint, build, quantized checkpoint) as the one Source protocol."""
 
 from __future__ import annotations
 
@@ -98,3 +99,54 @@ def test_hf_revision_from_the_cli_reads_safetensors_config_and_tokenizer_only(ma
             "config.json", "tokenizer_config.json", "manifest.json",
             "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"}
         assert json.loads((out / "tokenizer_config.json").read_text()) == {"rev": rev}
+
+
+def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
+    """The compiler's input is declared once (compiler/sources.py ``Source``): a checkpoint, a build
+    (reshard's and export's input) and a quantized checkpoint each have every member of the
+    protocol, without inheriting one another; only a quantized config.json gets the wrapper, whose
+    quantized weights read dense by their format and whose other tensors are the checkpoint's own."""
+    import json
+
+    import numpy as np
+    from quant_sources import fp8_block_source, save_tiny
+
+    from shardc.compiler.buildsource import BuildSource
+    from shardc.compiler.inputs import open_local_input
+    from shardc.compiler.source import CheckpointSource, open_source
+    from shardc.compiler.sourcequant import QuantizedSource, with_quantization
+    from shardc.compiler.sources import Source
+    from shardc.layout.model import model_from_config
+
+    members = set(Source.__annotations__) | {n for n, v in vars(Source).items()
+                                             if callable(v) and not n.startswith("_")}
+    assert {"tensors", "squant_shapes", "check", "view", "dense", "confirm", "identity"} <= members
+    assert not ({CheckpointSource, QuantizedSource} & set(BuildSource.__mro__))
+    assert CheckpointSource not in QuantizedSource.__mro__
+    ckpt = make_ckpt(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     vocab_size=40)
+    plan = plan_from_dict({"replica_group": {"name": "p", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
+                                             "gpus_per_replica": 2}, "model": {"source": str(ckpt)}})
+    res = build(plan, tmp_path / "o")
+    model = model_from_config(res.manifest.config)
+    checkpoint = open_source(str(ckpt))
+    assert with_quantization(checkpoint, model) is checkpoint  # a 16-bit checkpoint: no wrapper
+    inp = open_local_input(res.out_dir)
+    try:
+        built = BuildSource(inp, res.manifest.to_layout())
+        assert built.as_source() is built and built.squant is None and not built.squant_shapes
+        name = "model.layers.0.self_attn.q_proj.weight"
+        assert np.array_equal(np.asarray(built.dense(name)), checkpoint.view(name))  # reassembled from tp 2
+        fp8 = fp8_block_source(save_tiny(tmp_path / "bf16"), tmp_path / "fp8")
+        quant = with_quantization(open_source(str(fp8)), model_from_config(json.loads((fp8 / "config.json").read_text())))
+        assert isinstance(quant, QuantizedSource) and isinstance(quant.inner, CheckpointSource)
+        for src in (checkpoint, built, quant):
+            missing = sorted(m for m in members if not hasattr(src, m))
+            assert not missing, (type(src).__name__, missing)
+        assert name in quant.squant_shapes and quant.view(name).dtype != np.float32
+        dense = quant.dense(name)
+        assert dense.dtype == np.float32 and dense.shape == quant.squant_shapes[name]
+        norm = "model.norm.weight"
+        assert norm not in quant.squant_shapes and np.array_equal(quant.dense(norm), quant.inner.view(norm))
+    finally:
+        inp.close()

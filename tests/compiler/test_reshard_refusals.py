@@ -15,9 +15,10 @@ import pytest
 from manifest_edits import reseal
 from plan_helpers import plan as make_plan
 
+from shardc.compiler.buildsource import BuildSource, _need_order
 from shardc.compiler.compile import build
 from shardc.compiler.inputs import open_local_input
-from shardc.compiler.reshard import BuildSource, _need_order, reshard
+from shardc.compiler.reshard import reshard
 from shardc.compiler.synthetic import llama_config, write_checkpoint
 from shardc.errors import ManifestError, PlanError, VerifyMismatch
 from shardc.layout.model import model_from_config

@@ -456,3 +456,20 @@ def test_a_running_builds_temps_are_never_removed(plans, tmp_path):
     finally:
         os.close(fd)
     assert built(plans["A"], out)["up_to_date"] and not writing.exists()  # lock free: a leftover
+
+
+def test_the_committer_is_chosen_once_by_the_manifest_file(tmp_path):
+    """compiler/commit.py: a directory without a complete build (no manifest.json file) gets the
+    fresh commit (final names, resume records keyed by the run's key); one with a manifest gets the
+    switch, which stages everything and counts the old build in the space check."""
+    from shardc.compiler.commit import FreshCommit, SwitchCommit, choose_committer
+
+    fresh = choose_committer(tmp_path, {"plan_sha256": "x"})
+    assert isinstance(fresh, FreshCommit) and fresh.replacing is False and fresh.key == {"plan_sha256": "x"}
+    (tmp_path / "manifest.json").mkdir()  # not a file: no complete build
+    assert isinstance(choose_committer(tmp_path, {}), FreshCommit)
+    (tmp_path / "manifest.json").rmdir()
+    (tmp_path / "manifest.json").write_text("{}")
+    switch = choose_committer(tmp_path, {})
+    assert isinstance(switch, SwitchCommit) and switch.replacing is True and switch.staged == {}
+    assert switch.in_the_way([]) == [] and "untouched" in switch.disk_hint and "kept" in fresh.disk_hint

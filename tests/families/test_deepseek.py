@@ -248,7 +248,7 @@ def test_refusals_are_one_line(ds):
 def test_softmax_scale_and_yarn_follow_transformers(ds):
     """The attention scale (mscale² correction) and the YaRN tables, against transformers' modules."""
     from shardc.layout.families.deepseek import softmax_scale
-    from shardc.runtime.decoder import rope_tables
+    from shardc.runtime.rope import rope_tables
 
     _, srcs, _ = ds
     for name in CASES:

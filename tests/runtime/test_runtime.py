@@ -208,7 +208,7 @@ def test_llama3_rope_frequencies_match_transformers(synth):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from shardc.layout.model import load_model
-    from shardc.runtime.decoder import rope_inv_freq
+    from shardc.runtime.rope import rope_inv_freq
 
     spec = load_model(synth["llama3rope"]).summary()
     ours, _ = rope_inv_freq(spec)
