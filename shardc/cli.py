@@ -19,9 +19,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
-from . import __version__
 from .commands.output import echo_json, error_line, error_object, remember_json
 from .errors import ShardcError
+from .version import __version__
 
 COMMAND_MODULES = ("build", "reshard", "verify", "store", "plan", "runtime")
 

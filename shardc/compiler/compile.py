@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
 from ..formats.files import final_name, fsync_dir, sha256_file, temp_files, write_atomic, write_temp
 from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, new_manifest
@@ -26,6 +25,7 @@ from ..formats.safetensors import ShardWriter
 from ..layout.model import model_from_config
 from ..layout.plan import Plan, canonical_json
 from ..layout.ranks import SCALE_SUFFIX, Layout, RankLayout, build_layout
+from ..version import __version__
 from .lock import take_lock
 from .materialize import Materializer
 from .outputs import (
