@@ -239,7 +239,7 @@ def hashing_rates(manifest: Path) -> dict[str, float]:
             t0 = time.perf_counter()
             r = verify_build(m, manifest.parent, jobs=jobs)
             best = min(best, time.perf_counter() - t0)
-            assert r["ok"], r["problems"]
+            assert r.ok, r.problems
         out[f"{jobs}_core"] = m.total_bytes / best / 1e9
     return out
 
@@ -274,7 +274,7 @@ def measure(manifest: Path, rank: int, device: str, repeat: int = 5) -> dict[str
 
     def verify() -> Any:
         r = verify_build(m, manifest.parent, [rl], device=device)
-        assert r["ok"], r["problems"]
+        assert r.ok, r.problems
         return r
 
     runs = {"baseline_s": baseline,

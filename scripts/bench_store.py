@@ -152,7 +152,7 @@ def bench_transfer(args: argparse.Namespace) -> dict[str, Any]:
                 else:
                     out = pull_build(f"s3://bench/{prefix}/manifest.json", dl, endpoint_url=endpoint,
                                      settings=settings)
-                    assert out["verify"]["ok"]
+                    assert out.verify.ok
                 times[f"{side}_pull"].append(time.perf_counter() - t)
                 shutil.rmtree(dl)
                 clear_prefix(client, "bench", prefix)

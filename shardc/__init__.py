@@ -1,30 +1,29 @@
 """shardc: compile a Hugging Face checkpoint into per-rank TP x PP shard files, verify and ship them.
 
-``shardc.load_shard(manifest, tp_rank, pp_stage, device=...)`` is the loader a serving runtime calls
-(shardc.verify.loader; an ``s3://`` manifest is streamed by shardc.store.stream). It is resolved
-lazily so that ``import shardc`` never imports torch.
+``shardc.load_shard(manifest, tp_rank, pp_stage, device=...)`` is the loader a serving runtime calls.
+This module is the package's facade and sits above every package (tests/test_layering.py): it
+imports its implementation inside the function, so ``import shardc`` (which every ``import
+shardc.<package>`` runs first) stays free of torch, numpy and the store.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__version__ = "0.1.0"
-__all__ = ["load_shard"]
+from .version import __version__
+
+__all__ = ["__version__", "load_shard"]
 
 
-def lazy_seam(package: str, seam: dict[str, str]) -> Callable[[str], Any]:
-    """A package's ``__getattr__`` that imports a public name from its module on first use, so
-    ``import shardc.compiler`` stays free (no numpy, numba or torch until a name is touched)."""
+def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cuda",
+               directory: str | Path | None = None, dp_rank: int = 0,
+               endpoint_url: str | None = None) -> dict[str, Any]:
+    """One rank's tensors ``{name: torch.Tensor}`` on ``device``, every byte checked against the
+    manifest first. ``manifest``: a manifest path, a build directory, a ``Manifest``, or an
+    ``s3://`` URI (streamed by shardc.store.stream, nothing written to disk); local ones are read
+    by shardc.verify.loader. Raises ShardcError subclasses (VerifyMismatch for damaged bytes)."""
+    from .store.stream import load_shard as load
 
-    def __getattr__(name: str) -> Any:
-        if name not in seam:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{seam[name]}"), name)
-
-    return __getattr__
-
-
-__getattr__ = lazy_seam("shardc", {"load_shard": "store.stream"})
+    return load(manifest, tp_rank, pp_stage, device=device, directory=directory, dp_rank=dp_rank,
+                endpoint_url=endpoint_url)

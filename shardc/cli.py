@@ -19,9 +19,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import click
 
-from . import __version__
-from .commands.output import echo_json, error_line, error_object, remember_json
+from .commands.output import echo_json, error_line, error_object
 from .errors import ShardcError
+from .version import __version__
 
 COMMAND_MODULES = ("build", "reshard", "verify", "store", "plan", "runtime")
 
@@ -45,9 +45,10 @@ class ShardcGroup(click.Group):
         except ShardcError as exc:
             if ctx.meta.get("shardc.debug"):
                 raise
+            command = ctx.meta.get("shardc.command")  # the running command (commands/options.py)
             if ctx.meta.get("shardc.json"):  # a CI step parsing stdout gets the error as data too
-                echo_json(error_object(exc))
-            click.echo(f"error: {error_line(exc)}", err=True)
+                echo_json(error_object(exc, command))
+            click.echo(f"error: {error_line(exc, command)}", err=True)
             ctx.exit(exc.exit_code)
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)
@@ -71,7 +72,6 @@ for _name in COMMAND_MODULES:
             raise
         continue
     for _cmd in _mod.COMMANDS:
-        remember_json(_cmd)
         main.add_command(_cmd)
 
 

@@ -20,10 +20,11 @@ PKG = Path(shardc.__file__).resolve().parent
 # and anything in a lower layer; store, runtime and planner sit side by side and never import
 # each other; planner uses layout only.
 LAYERS = {
-    "shardc": 0, "shardc.errors": 0,
+    "shardc.version": 0, "shardc.errors": 0, "shardc.results": 0,
     "shardc.layout": 1, "shardc.formats": 2, "shardc.compiler": 3, "shardc.verify": 4,
     "shardc.store": 5, "shardc.runtime": 5, "shardc.planner": 5,
     "shardc.commands": 6, "shardc.cli": 7,
+    "shardc": 8,  # the facade (shardc/__init__: shardc.load_shard) sits above every package
 }
 # Known violations, each to be removed by the change that fixes it (the goal is none).
 KNOWN_UPWARD: set[str] = set()
@@ -103,7 +104,7 @@ def test_no_upward_imports():
                 continue
             if g in ALLOWED_ONLY and d not in ALLOWED_ONLY[g]:
                 bad.append(f"{mod} -> {dep}")
-            elif LAYERS[d] >= LAYERS[g] and d not in ("shardc", "shardc.errors"):
+            elif LAYERS[d] >= LAYERS[g] and d not in ("shardc.version", "shardc.errors"):
                 bad.append(f"{mod} -> {dep}")
     bad = [b for b in bad if b not in KNOWN_UPWARD]
     assert not bad, "imports across the layering:\n" + "\n".join(bad)

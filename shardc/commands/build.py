@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from ..formats.files import human_size
+from .options import endpoint_option, json_option, quiet_option
 
 
 @click.command("build", epilog="""\b
@@ -31,19 +32,19 @@ Examples:
 @click.option("--allow-pickle", is_flag=True, help="Accept pickled .bin checkpoints of a local directory (loaded weights_only; never from hf://).")
 @click.option("--upload", is_flag=True, help="Push the build to object storage afterwards.")
 @click.option("--to", "to_uri", help="With --upload: destination [default: the plan's manifest_uri directory].")
-@click.option("--endpoint-url", help="With --upload: S3 endpoint (or AWS_ENDPOINT_URL).")
+@endpoint_option
 @click.option("--replace", is_flag=True, help="With --upload: replace another plan's build at the "
               "destination (as push --replace).")
 @click.option("--dry-run", is_flag=True, help="Validate the plan against the model and print the "
               "per-rank layout; reads no weights (hub sources use the built-in presets).")
 @click.option("--model", "model_ref", help="With --dry-run: model preset or config.json to check against.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@quiet_option
+@json_option
 def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, upload, to_uri,
               endpoint_url, replace, dry_run, model_ref, quiet, as_json) -> None:
     """Compile PLAN_FILE into per-rank safetensors shards, config.json and manifest.json."""
     from ..layout.plan import load_plan
-    from .output import echo_json, push_lines, show_progress, summary_lines
+    from .output import emit, push_lines, show_progress, summary_lines
 
     plan = load_plan(plan_file)
     if source:
@@ -57,25 +58,24 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
                    allow_pickle=allow_pickle, manifests_dir=manifests_dir)
     summary = result.summary()
+    pushed = None
     if upload:
         from ..store import push_build
 
-        summary["upload"] = push_build(result.manifest_path, to_uri, endpoint_url=endpoint_url,
-                                       progress=show_progress(quiet) and not as_json, replace=replace)
-    if as_json:
-        echo_json(summary)
-        return
-    if quiet:
-        return
-    state = "up to date" if result.up_to_date else f"built in {summary['seconds']:.1f}s"
-    click.echo("\n".join(summary_lines(summary, state, result.out_dir)))
-    if result.skipped and not result.up_to_date:
-        click.echo(f"  resumed: {len(result.skipped)} shard(s) already complete were kept")
-    click.echo(f"manifest: {result.manifest_path}")
-    if manifests_dir is not None:
-        click.echo(f"record:   {Path(manifests_dir) / (summary['plan'] + '.json')}")
-    if upload:
-        click.echo("\n".join(push_lines(summary["upload"])))
+        pushed = push_build(result.manifest_path, to_uri, endpoint_url=endpoint_url,
+                            progress=show_progress(quiet) and not as_json, replace=replace)
+
+    def text() -> list[str]:
+        state = "up to date" if result.up_to_date else f"built in {summary['seconds']:.1f}s"
+        lines = summary_lines(summary, state, result.out_dir)
+        if result.skipped and not result.up_to_date:
+            lines.append(f"  resumed: {len(result.skipped)} shard(s) already complete were kept")
+        lines.append(f"manifest: {result.manifest_path}")
+        if manifests_dir is not None:
+            lines.append(f"record:   {Path(manifests_dir) / (summary['plan'] + '.json')}")
+        return lines + (push_lines(pushed) if pushed is not None else [])
+
+    emit(summary if pushed is None else {**summary, "upload": pushed}, as_json, text, quiet=quiet)
 
 
 def _check_same_words(plan, source: str) -> None:
@@ -95,21 +95,18 @@ def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
     from ..formats.safetensors import shard_file_size
     from ..layout.model import model_for_source
     from ..layout.ranks import build_layout
-    from .output import echo_json
+    from .output import emit
 
     layout = build_layout(model_for_source(plan.source, model_ref), plan)
     ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
               "layers": list(r.layers), "tensors": len(r.tensors), "bytes": r.nbytes,
               "file_bytes": shard_file_size(layout, r)} for r in layout.ranks]
-    if as_json:
-        echo_json({"plan": plan.name, "plan_sha256": plan.sha256, "effective_plan_sha256": plan.effective_sha256,
-                   "overrides": plan.overrides, "valid": True, "ranks": ranks})
-        return
-    click.echo(f"{plan.name}: valid (tp={plan.tp} pp={plan.pp} dtype={plan.dtype}, "
-               f"{layout.model.architecture} {layout.model.num_layers} layers)")
-    for r in ranks:
-        click.echo(f"  {r['file']}  rank {r['rank']:>3}  layers {r['layers'][0]}:{r['layers'][1]}  "
-                   f"{r['tensors']:4d} tensors  {human_size(r['file_bytes']):>12} file")
+    emit({"plan": plan.name, "plan_sha256": plan.sha256, "effective_plan_sha256": plan.effective_sha256,
+          "overrides": plan.overrides, "valid": True, "ranks": ranks}, as_json, lambda: [
+        f"{plan.name}: valid (tp={plan.tp} pp={plan.pp} dtype={plan.dtype}, "
+        f"{layout.model.architecture} {layout.model.num_layers} layers)",
+        *(f"  {r['file']}  rank {r['rank']:>3}  layers {r['layers'][0]}:{r['layers'][1]}  "
+          f"{r['tensors']:4d} tensors  {human_size(r['file_bytes']):>12} file" for r in ranks)])
 
 
 @click.command("inspect", epilog="""\b
@@ -119,21 +116,16 @@ Examples:
 """)
 @click.argument("path", type=click.Path(exists=True, dir_okay=True, path_type=Path))
 @click.option("--tensors", is_flag=True, help="List every tensor.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 def inspect_cmd(path: Path, tensors: bool, as_json: bool) -> None:
     """Summarize a manifest, a build directory or one shard file."""
     from ..verify.inspect import describe
-    from .output import echo_json
+    from .output import emit
 
     info = describe(path)
-    if as_json:
-        echo_json(info)
-        return
-    for line in info["lines"]:
-        click.echo(line)
-    if tensors:
-        for t in info["tensors"]:
-            click.echo(f"    {t['name']:<60} {t['dtype']:<8} {t['shape']}  {t.get('split', '')}")
+    emit(info, as_json, lambda: [*info["lines"], *(
+        f"    {t['name']:<60} {t['dtype']:<8} {t['shape']}  {t.get('split', '')}"
+        for t in (info["tensors"] if tensors else []))])
 
 
 COMMANDS = [build_cmd, inspect_cmd]

@@ -1,62 +1,93 @@
-"""What every command shares: JSON for machines, progress bars only for people, the choice of
-ranks from flags, and the one table that turns a library error's field into the flag a user typed.
+"""What every command shares: the one printer (text for people, ``--json`` for machines), progress
+bars only for people, the choice of ranks from flags, and the one table that turns a library
+error's field into the flag a user typed.
 
-The library raises domain errors whose ``key`` names a field (``rank``, ``tp_rank``); it never
-names a flag. ``error_line`` maps the field to the command line's words.
+The library returns frozen result types (``shardc.results``) and raises domain errors whose ``key``
+names a field (``rank``, ``tp_rank``, the planner's ``block_size``); it never names a flag.
+``emit`` prints a result, ``error_line`` an error, in the command line's words.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..errors import ShardcError
+from ..results import to_json
 
-# library field -> the flag that sets it (like huggingface_hub's CLI error mapping)
+if TYPE_CHECKING:
+    from ..store.results import PushResult
+
+# library field -> the flag that sets it (like huggingface_hub's CLI error mapping), for every
+# command: a field is shown as the flag only where the running command has that flag (flag_for).
 FLAGS = {
-    "rank": "--rank",
-    "tp_rank": "--tp-rank",
-    "pp_stage": "--pp-stage",
-    "block_size": "--block-size",
-    "source": "--source",
+    "rank": "--rank", "tp_rank": "--tp-rank", "pp_stage": "--pp-stage", "source": "--source",
     "reference": "--reference",
+    # shardc plan's inputs (the planner's errors, and `field` mentions in its hints and warnings)
+    "model": "--model", "gpu": "--gpu", "gpus_per_node": "--gpus-per-node", "nodes": "--nodes",
+    "dtype": "--dtype", "kv_dtype": "--kv-dtype", "max_model_len": "--max-model-len",
+    "avg_context": "--avg-context", "kv_cache_cap": "--kv-cache-cap", "kv_memory": "--kv-memory",
+    "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size",
+    "price_per_gpu_hour": "--price-per-gpu-hour", "target_tpot_ms": "--target-tpot-ms",
+    "demand_tokens_per_s": "--demand-tokens-per-s", "objective": "--objective",
+    "lora_adapters": "--lora-adapters", "lora_rank": "--lora-rank", "draft_model": "--draft-model",
+    "gpu_memory": "--gpu-memory", "hbm_bandwidth": "--hbm-bandwidth", "interconnect": "--interconnect",
+    "fabric": "--fabric", "microbatches": "--param microbatches", "tp": "--tp", "pp": "--pp",
+    "concurrency": "--concurrency", "allow_long_context": "--param allow_long_context=1",
+    "isl": "--isl", "osl": "--osl", "ttft_ms": "--ttft-ms",
 }
+
+
+def flag_for(field: str | None, command: click.Command | None) -> str | None:
+    """The flag that sets ``field`` in ``command``, or None where that command has no such flag
+    (a ``rank`` error of ``shardc run`` is not about a --rank it does not take); ``command`` None:
+    the table's flag."""
+    flag = FLAGS.get(field or "")
+    if flag is None or command is None:
+        return flag
+    return flag if flag.split()[0] in {o for p in command.params for o in p.opts} else None
 
 
 class UsageError(ShardcError):
     """Flags that do not go together (a command-line mistake, not a domain one): exit 2."""
 
 
-def error_line(exc: ShardcError) -> str:
+class Stderr(str):
+    """A line of a command's text output that goes to stderr (a verify problem, run's timing)."""
+
+
+def emit(result: Any, as_json: bool, text: Callable[[], Iterable[str]] | None = None, *,
+         quiet: bool = False) -> None:
+    """The one printer: with ``--json`` the result's JSON form (``shardc.results.to_json``) as one
+    document on stdout; otherwise, unless ``quiet``, the lines ``text()`` makes (a ``Stderr``
+    line to stderr). ``text`` is called only when the text is shown."""
+    if as_json:
+        echo_json(result)
+    elif not quiet and text is not None:
+        for line in text():
+            click.echo(line, err=isinstance(line, Stderr))
+
+
+def error_line(exc: ShardcError, command: click.Command | None = None) -> str:
     """The one line the CLI prints for an expected error, in the command line's words (a message
     quoting another library's multi-line text is folded onto the line)."""
-    if exc.key in FLAGS:
-        text = f"{FLAGS[exc.key]}: {exc.message}"
+    flag = flag_for(exc.key, command)
+    if flag is not None:
+        text = f"{flag}: {exc.message}"
         text = f"{text} (hint: {exc.hint})" if exc.hint else text
     else:
         text = exc.one_line()
     return " ".join(text.splitlines())
 
 
-def error_object(exc: ShardcError) -> dict[str, Any]:
+def error_object(exc: ShardcError, command: click.Command | None = None) -> dict[str, Any]:
     """An expected error as data, for ``--json``: what the one line says, field by field."""
-    key = FLAGS.get(exc.key, exc.key) if exc.key is not None else None
+    key = (flag_for(exc.key, command) or exc.key) if exc.key is not None else None
     return {"error": exc.message, "key": key, "hint": exc.hint, "exit": exc.exit_code}
-
-
-def remember_json(cmd: click.Command) -> None:
-    """Make a command's ``--json`` flag known to the error handler (``cli.py``), which runs in the
-    group's context: the flag's value is kept in the contexts' shared ``meta``."""
-    for param in cmd.params:
-        if param.name == "as_json":
-            def keep(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
-                ctx.meta["shardc.json"] = bool(value)
-                return value
-
-            param.callback = keep
 
 
 def chosen_ranks(rank: list[int] | tuple[int, ...] | int | None, tp_rank: int | None,
@@ -77,9 +108,10 @@ def chosen_ranks(rank: list[int] | tuple[int, ...] | int | None, tp_rank: int | 
 
 
 def echo_json(obj: Any) -> None:
-    """Machine-readable output for CI: one JSON document on stdout. Once it is out, an error that
-    follows is the stderr line only (the handler would print a second document)."""
-    click.echo(json.dumps(obj, indent=1, sort_keys=True))
+    """Machine-readable output for CI: one JSON document on stdout (``obj`` through
+    ``results.to_json``). Once it is out, an error that follows is the stderr line only (the
+    handler would print a second document)."""
+    click.echo(json.dumps(to_json(obj), indent=1, sort_keys=True))
     ctx = click.get_current_context(silent=True)
     if ctx is not None:
         ctx.meta["shardc.json"] = False
@@ -105,15 +137,15 @@ def summary_lines(summary: dict[str, Any], state: str, out_dir: Any) -> list[str
     return lines
 
 
-def push_lines(res: dict[str, Any]) -> list[str]:
+def push_lines(res: PushResult) -> list[str]:
     """What ``push`` (and ``build --upload``) did, as text."""
     from ..formats.files import human_size
 
-    lines = [f"pushed {res['uploaded']} file(s), {human_size(res['bytes_uploaded'])} "
-             f"({res['present']} already present) in {res['seconds']:.1f}s",
-             f"manifest: {res['manifest_uri']} ({res['manifest']})"]
-    if res.get("removed"):
-        lines.append(f"removed {len(res['removed'])} object(s) of the replaced build")
+    lines = [f"pushed {res.uploaded} file(s), {human_size(res.bytes_uploaded)} "
+             f"({res.present} already present) in {res.seconds:.1f}s",
+             f"manifest: {res.manifest_uri} ({res.manifest})"]
+    if res.removed:
+        lines.append(f"removed {len(res.removed)} object(s) of the replaced build")
     return lines
 
 

@@ -2,8 +2,8 @@
 
 Flag values are parsed by small click types that raise ``PlanError``, so a bad value ends as one
 line on stderr with exit code 2 (the ShardcGroup contract) instead of click's usage block. The
-planner names its inputs by field (``key="block_size"``, hints quote fields in backticks); ``FLAGS``
-maps them to this command's flags. Nothing here imports torch: the planner is arithmetic.
+planner names its inputs by field (``key="block_size"``, hints quote fields in backticks); the one
+field-to-flag table (output.py ``FLAGS``) maps them to this command's flags. Nothing here imports torch: the planner is arithmetic.
 """
 
 from __future__ import annotations
@@ -18,33 +18,21 @@ import click
 from ..errors import PlanError, ShardcError
 from ..formats.files import write_atomic
 from ..layout.model import PRESETS
+from .options import json_option
+from .output import flag_for
 
-# planner field -> the flag that sets it (errors' keys and `field` mentions in hints and warnings)
-FLAGS = {
-    "model": "--model", "gpu": "--gpu", "gpus_per_node": "--gpus-per-node", "nodes": "--nodes",
-    "dtype": "--dtype", "kv_dtype": "--kv-dtype", "max_model_len": "--max-model-len",
-    "avg_context": "--avg-context", "kv_cache_cap": "--kv-cache-cap", "kv_memory": "--kv-memory",
-    "gpu_memory_utilization": "--gpu-memory-utilization", "block_size": "--block-size",
-    "price_per_gpu_hour": "--price-per-gpu-hour", "target_tpot_ms": "--target-tpot-ms",
-    "demand_tokens_per_s": "--demand-tokens-per-s", "objective": "--objective",
-    "lora_adapters": "--lora-adapters", "lora_rank": "--lora-rank", "draft_model": "--draft-model",
-    "gpu_memory": "--gpu-memory", "hbm_bandwidth": "--hbm-bandwidth", "interconnect": "--interconnect",
-    "fabric": "--fabric", "microbatches": "--param microbatches", "tp": "--tp", "pp": "--pp",
-    "concurrency": "--concurrency", "allow_long_context": "--param allow_long_context=1",
-    "isl": "--isl", "osl": "--osl", "ttft_ms": "--ttft-ms",
-}
 _FIELD = re.compile(r"`([a-z_]+)`")
 DEFAULT_GPUS_PER_NODE = 8  # one node of eight, as the presets' servers come
 
 
 def flags(text: str) -> str:
     """`field` -> its flag, in a hint, a warning or a report line (unknown names are left alone)."""
-    return _FIELD.sub(lambda m: FLAGS.get(m.group(1), m.group(0)), text)
+    return _FIELD.sub(lambda m: flag_for(m.group(1), plan_cmd) or m.group(0), text)
 
 
 def _as_flags(exc: ShardcError, key: str | None = None) -> ShardcError:
     """The planner's error, its key and hint in this command's terms."""
-    exc.key = key or FLAGS.get(exc.key or "", exc.key)
+    exc.key = key or flag_for(exc.key, plan_cmd) or exc.key
     exc.hint = flags(exc.hint) if exc.hint else exc.hint
     return exc
 
@@ -207,7 +195,7 @@ Examples:
               "hbm_efficiency, compute_efficiency, link_efficiency, layer_overhead_us, step_overhead_ms, "
               "max_num_batched_tokens, microbatches, max_num_seqs, max_memory_fraction; allow_long_context=1 allows --max-model-len beyond the model's.")
 @click.option("--explain", is_flag=True, help="Print the arithmetic line by line with the numbers substituted.")
-@click.option("--json", "as_json", is_flag=True, help="Every figure of every candidate as JSON.")
+@json_option
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the recommended plan here (a plan file for `shardc build`).")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False, path_type=Path),

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from .options import endpoint_option, json_option, quiet_option
+
 
 @click.command("reshard", epilog="""\b
 Reads only the input build (never its source) and only the files its manifest lists: every one
@@ -33,36 +35,33 @@ Examples:
               default=Path("manifests"), show_default=True,
               help="Where the copy of the manifest (the rollout record) goes.")
 @click.option("--force", is_flag=True, help="Rebuild even if the output is complete and up to date.")
-@click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@endpoint_option
+@quiet_option
+@json_option
 def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, force, endpoint_url,
                 quiet, as_json) -> None:
     """Build PLAN from an existing build instead of the Hugging Face source."""
     from ..compiler.reshard import reshard
     from ..layout.plan import load_plan
     from ..store.reshard_input import open_input
-    from .output import echo_json, show_progress, summary_lines
+    from .output import emit, show_progress, summary_lines
 
     plan = load_plan(plan_file)
     out = out_dir or Path("build") / plan.name
     inp = open_input(manifest_ref, endpoint_url=endpoint_url, spool_parent=out.parent)
     result = reshard(inp, plan, out, dequantize=dequantize, force=force, manifests_dir=manifests_dir,
                      progress=show_progress(quiet) and not as_json)
-    summary = result.summary()
-    summary["input"] = result.manifest.source.to_dict()
-    if hasattr(inp, "bytes_fetched"):
-        summary["input_bytes_fetched"] = inp.bytes_fetched
-    if as_json:
-        echo_json(summary)
-        return
-    if quiet:
-        return
-    state = "up to date" if result.up_to_date else f"resharded in {summary['seconds']:.1f}s"
-    click.echo("\n".join(summary_lines(summary, f"{state} from {manifest_ref}", result.out_dir)))
-    if summary["input"]["reshard_of"]["dequantized"]:
-        click.echo(f"  dequantized (lossy): {len(summary['input']['reshard_of']['dequantized'])} tensors")
-    click.echo(f"manifest: {result.manifest_path}")
+    fetched = {"input_bytes_fetched": inp.bytes_fetched} if hasattr(inp, "bytes_fetched") else {}
+    summary = {**result.summary(), "input": result.manifest.source.to_dict(), **fetched}
+
+    def text() -> list[str]:
+        state = "up to date" if result.up_to_date else f"resharded in {summary['seconds']:.1f}s"
+        lines = summary_lines(summary, f"{state} from {manifest_ref}", result.out_dir)
+        if summary["input"]["reshard_of"]["dequantized"]:
+            lines.append(f"  dequantized (lossy): {len(summary['input']['reshard_of']['dequantized'])} tensors")
+        return [*lines, f"manifest: {result.manifest_path}"]
+
+    emit(summary, as_json, text, quiet=quiet)
 
 
 @click.command("export", epilog="""\b
@@ -81,27 +80,23 @@ Examples:
               help="Directory for the Hugging Face checkpoint.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest file (5GB = 5e9 bytes, 5GiB = 5*2^30); a larger tensor gets its own file.")
-@click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
-@click.option("--quiet", "-q", is_flag=True, help="No summary text.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@endpoint_option
+@quiet_option
+@json_option
 def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, quiet, as_json) -> None:
     """Write a build as one Hugging Face checkpoint: model-0000i-of-0000n.safetensors + index."""
     from ..compiler.export import export, parse_size
     from ..store.reshard_input import open_input
-    from .output import echo_json
+    from .output import emit
 
     limit = parse_size(max_shard_size)
     inp = open_input(manifest_ref, endpoint_url=endpoint_url, spool_parent=out_dir.parent)
-    summary = export(inp, out_dir, max_shard_size=limit)
-    if as_json:
-        echo_json(summary)
-        return
-    if quiet:
-        return
-    click.echo(f"exported {len(summary['files'])} file(s), {summary['total_bytes'] / 2**30:.2f} GiB "
-               f"({summary['dtype']}) to {summary['out_dir']} in {summary['seconds']:.1f}s")
-    for f in summary["files"]:
-        click.echo(f"  {f['name']}  {f['tensors']:5d} tensors  {f['size'] / 2**20:10.1f} MiB  {f['sha256'][:12]}")
+    res = export(inp, out_dir, max_shard_size=limit)
+    emit(res, as_json, lambda: [
+        f"exported {len(res.files)} file(s), {res.total_bytes / 2**30:.2f} GiB ({res.dtype}) to {res.out_dir} "
+        f"in {res.seconds:.1f}s",
+        *(f"  {f.name}  {f.tensors:5d} tensors  {f.size / 2**20:10.1f} MiB  {f.sha256[:12]}" for f in res.files)],
+        quiet=quiet)
 
 
 COMMANDS = [reshard_cmd, export_cmd]

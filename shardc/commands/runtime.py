@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from .options import json_option
+
 _TIMEOUT_HELP = "Seconds any collective or pipeline wait may take before it is an error naming the rank."
 
 
@@ -29,14 +31,14 @@ Examples:
               help="cpu (gloo), or cuda (nccl; rank r on cuda:LOCAL_RANK, one GPU per rank).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help=_TIMEOUT_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print tokens and text as JSON.")
+@json_option
 def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...],
             prompt_ids: tuple[str, ...], max_new_tokens: int, tokenizer: Path | None, device: str,
             timeout_s: float, as_json: bool) -> None:
     """Generate text greedily from a built plan: every rank loads only its own shard file."""
     from ..errors import ManifestError
     from ..runtime.api import generate, load_tokenizer, open_build
-    from .output import echo_json
+    from .output import Stderr, emit
 
     ref = open_build(manifest_path, directory)
     if not prompts and not prompt_ids:
@@ -58,23 +60,19 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
     labels = list(prompts) + [",".join(map(str, p)) for p in encoded[len(prompts):]]
     texts = [tok.decode(t) if tok else None for t in res["tokens"]]
     n = sum(len(t) for t in res["tokens"])
-    if as_json:
-        echo_json({
-            "plan": ref.name, "outputs": [
-                {"prompt": lab, "prompt_ids": p, "tokens": t, "text": x}
-                for lab, p, t, x in zip(labels, encoded, res["tokens"], texts, strict=True)
-            ],
-            "seconds": res["seconds"], "load_seconds": res["load_seconds"],
-            "tokens_per_s": n / res["seconds"] if res["seconds"] else None,
-        })
-        return
-    several = len(labels) > 1
-    for i, (lab, t, x) in enumerate(zip(labels, res["tokens"], texts, strict=True)):
-        if several:  # a continuation may span lines: say where each output starts
-            click.echo(f"{'' if i == 0 else chr(10)}--- output {i + 1} of {len(labels)} ---")
-        click.echo(f"{lab}{x}" if x is not None else f"[{lab}] -> {','.join(map(str, t))}")
-    click.echo(f"({ref.name}: {n} tokens in {res['seconds']:.2f}s after {res['load_seconds']:.2f}s load)",
-               err=True)
+    outputs = [{"prompt": lab, "prompt_ids": p, "tokens": list(t), "text": x}
+               for lab, p, t, x in zip(labels, encoded, res["tokens"], texts, strict=True)]
+
+    def text() -> list[str]:
+        lines: list[str] = []
+        for i, (lab, t, x) in enumerate(zip(labels, res["tokens"], texts, strict=True)):
+            if len(labels) > 1:  # a continuation may span lines: say where each output starts
+                lines.append(f"{'' if i == 0 else chr(10)}--- output {i + 1} of {len(labels)} ---")
+            lines.append(f"{lab}{x}" if x is not None else f"[{lab}] -> {','.join(map(str, t))}")
+        return [*lines, Stderr(f"({ref.name}: {n} tokens in {res['seconds']:.2f}s after {res['load_seconds']:.2f}s load)")]
+
+    emit({"plan": ref.name, "outputs": outputs, "seconds": res["seconds"], "load_seconds": res["load_seconds"],
+          "tokens_per_s": n / res["seconds"] if res["seconds"] else None}, as_json, text)
 
 
 @click.command("gate", epilog="""\b
@@ -117,7 +115,7 @@ Examples:
                    "so a runtime bug cannot pass both sides. The candidate is always scored by shardc.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help=_TIMEOUT_HELP)
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+@json_option
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the JSON report to this file (for CI artifacts).")
 @click.pass_context
@@ -128,8 +126,10 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
              timeout_s: float, as_json: bool, report_path: Path | None) -> None:
     """Compare a candidate plan with a baseline plan on a golden text; exit 1 if it drifts."""
     from ..layout.plan import canonical_json
-    from ..runtime.gate import Thresholds, format_report, run_gate
-    from .output import echo_json, ensure_parent
+    from ..results import to_json
+    from ..runtime.gate import Thresholds, run_gate
+    from ..runtime.gate_report import format_report
+    from .output import emit, ensure_parent
 
     for path, flag in ((report_path, "--report"), (baseline_cache, "--baseline-cache")):
         if path is not None:
@@ -140,17 +140,14 @@ def gate_cmd(ctx: click.Context, baseline: str, candidate: str, baseline_dir: Pa
         candidate_dir=candidate_dir, tokenizer=tokenizer, timeout_s=timeout_s, device=device,
         baseline_cache=baseline_cache, note=lambda line: click.echo(line, err=True), reference=reference,
     )
-    if not report:  # under torchrun, only the rank that holds the comparison reports
+    if report is None:  # under torchrun, only the rank that holds the comparison reports
         return
     if report_path is not None:
         from ..formats.files import write_atomic
 
-        write_atomic(report_path, canonical_json(report))
-    if as_json:
-        echo_json(report)
-    else:
-        click.echo(format_report(report))
-    ctx.exit(0 if report["pass"] else 1)
+        write_atomic(report_path, canonical_json(to_json(report)))
+    emit(report, as_json, lambda: [format_report(report)])
+    ctx.exit(0 if report.passed else 1)
 
 
 COMMANDS = [run_cmd, gate_cmd]

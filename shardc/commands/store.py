@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..formats.files import human_size
+from .options import endpoint_option, json_option, quiet_option
+
+if TYPE_CHECKING:
+    from ..store.results import PullResult
 
 
 @click.command("push", epilog="""\b
@@ -29,29 +33,26 @@ unless --replace is given.
               "[default: the directory of the plan's checkpoint.manifest_uri].")
 @click.option("--build-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Where the shards are, if not next to --manifest (nor in build/<plan name>).")
-@click.option("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS).")
+@endpoint_option
 @click.option("--compress", type=click.Choice(["none", "zstd"]), default="none", show_default=True,
               help="Store shards as .zst objects: ~20% smaller, but zstd runs at ~0.3-0.7 GB/s "
               "per core, so it pays only on links slower than that.")
 @click.option("--replace", is_flag=True,
               help="Replace another plan's build at the destination: once the new manifest is in "
               "place, the objects the old manifest named and the new one does not are removed.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@quiet_option
+@json_option
 def push_cmd(manifest_path: Path, to_uri: str | None, build_dir: Path | None, endpoint_url: str | None,
              compress: str, replace: bool, quiet: bool, as_json: bool) -> None:
     """Upload a build to object storage, manifest last."""
     from ..store import push_build
-    from .output import echo_json, push_lines, show_progress
+    from .output import emit, push_lines, show_progress
 
     res = push_build(manifest_path, to_uri, endpoint_url=endpoint_url,
                      compress=None if compress == "none" else compress,
                      progress=show_progress(quiet) and not as_json, build_dir=build_dir,
                      replace=replace)
-    if as_json:
-        echo_json(res)
-    elif not quiet:
-        click.echo("\n".join(push_lines(res)))
+    emit(res, as_json, lambda: push_lines(res), quiet=quiet)
 
 
 @click.command("pull", epilog="""\b
@@ -72,14 +73,14 @@ are kept. Exit codes: 0 ok, 1 the store's data does not match its manifest, 2 ba
 @click.option("--all", "all_ranks", is_flag=True, help="Fetch every rank's shard.")
 @click.option("--dest", required=True, type=click.Path(file_okay=False, path_type=Path),
               help="Local directory to put the files in.")
-@click.option("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL or AWS).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary text.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@endpoint_option
+@quiet_option
+@json_option
 def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_stage: int | None,
              all_ranks: bool, dest: Path, endpoint_url: str | None, quiet: bool, as_json: bool) -> None:
     """Download a build's shards for some ranks (or all), verified, then check them like verify."""
     from ..store import pull_build
-    from .output import chosen_ranks, echo_json, show_progress
+    from .output import chosen_ranks, emit, show_progress
 
     ranks, pairs = chosen_ranks(rank, tp_rank, pp_stage, all_ranks, required=True)
     kwargs: dict[str, Any] = {}
@@ -89,14 +90,15 @@ def pull_cmd(manifest_uri: str, rank: tuple[int, ...], tp_rank: int | None, pp_s
         kwargs["ranks"] = pairs
     res = pull_build(manifest_uri, dest, endpoint_url=endpoint_url,
                      progress=show_progress(quiet) and not as_json, **kwargs)
-    if as_json:
-        echo_json(res)
-    elif not quiet:
-        ranks = ", ".join(str(r["rank"]) for r in res["ranks"])
-        click.echo(f"pulled rank(s) {ranks}: {res['downloaded']} file(s) downloaded, "
-                   f"{res['present']} already present, {human_size(res['bytes_downloaded'])} in "
-                   f"{res['seconds']:.1f}s; verified OK")
-        click.echo(f"manifest: {res['manifest']}")
+    emit(res, as_json, lambda: _pull_lines(res), quiet=quiet)
+
+
+def _pull_lines(res: PullResult) -> list[str]:
+    """What ``pull`` did, as text."""
+    ranks = ", ".join(str(r.rank) for r in res.ranks)
+    return [f"pulled rank(s) {ranks}: {res.downloaded} file(s) downloaded, {res.present} already present, "
+            f"{human_size(res.bytes_downloaded)} in {res.seconds:.1f}s; verified OK",
+            f"manifest: {res.manifest}"]
 
 
 COMMANDS = [push_cmd, pull_cmd]

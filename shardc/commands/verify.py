@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+from .options import endpoint_option, json_option
+
+if TYPE_CHECKING:
+    from ..verify.report import VerifyReport
 
 
 @click.command("verify", epilog="""\b
@@ -38,15 +44,15 @@ Examples:
 @click.option("--distributed", is_flag=True, help="One process per rank (torchrun env); the group agrees.")
 @click.option("--timeout", "timeout_s", type=float, default=60.0, show_default=True,
               help="Seconds any distributed wait may take before it is an error.")
-@click.option("--endpoint-url", help="S3 endpoint for an s3:// manifest (or AWS_ENDPOINT_URL).")
-@click.option("--json", "as_json", is_flag=True, help="Per-rank result objects for orchestration.")
+@endpoint_option
+@json_option
 @click.pass_context
 def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, pp_stage, all_ranks, device,
                deep_source, jobs, distributed, timeout_s, endpoint_url, as_json) -> None:
     """Check shard files against the manifest and the plan: bytes, header, tensors, shapes."""
     from ..errors import ManifestError
     from ..verify.checks import verify_build
-    from .output import UsageError, chosen_ranks, echo_json
+    from .output import UsageError, chosen_ranks, emit
 
     manifest, default_dir = _load_manifest(manifest_path, endpoint_url)
     directory = directory or default_dir
@@ -83,30 +89,31 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, 
             report = verify_streamed(manifest_path, manifest, ranks, device, endpoint_url=endpoint_url)
         else:
             report = verify_build(manifest, directory, ranks, device=device, deep=deep_source, jobs=jobs)
-    if plan_record is not None:
-        report["plan_check"] = plan_record
-        if not plan_record["ok"]:  # the shards may be sound, but they are not what this node expects: exit 1
-            report["ok"] = False
-            report["problems"].insert(0, plan_record["problem"])
-    if as_json:
-        echo_json(report)
-    else:
-        for r in report["ranks"]:
-            where = f"{r['file']} (rank {r['rank']}: tp {r['tp_rank']}, pp {r['pp_stage']})"
-            if r["ok"]:
-                click.echo(f"ok   {where}  {' '.join(r['checks'])}")
-            else:  # the check that failed and why, on the line (the passed ones would mislead)
-                reasons = [p.removeprefix(f"{r['file']}: ") for p in r["problems"]] or ["failed"]
-                click.echo(f"FAIL {where}  {reasons[0]}")
-                for more in reasons[1:]:
-                    click.echo(f"     also: {more}")
-            for w in r["warnings"]:
-                click.echo(f"     warning: {w}")
-        for p in report["problems"]:
-            click.echo(f"error: {p}", err=True)
-        verdict = "all good" if report["ok"] else f"{len(report['problems'])} problem(s)"
-        click.echo(f"{report['plan']}: {verdict}")
-    ctx.exit(0 if report["ok"] else 1)
+    if plan_record is not None:  # a new report: the shards may be sound, yet not what this node expects
+        report = report.with_plan_check(plan_record)
+    emit(report, as_json, lambda: _text(report))
+    ctx.exit(0 if report.ok else 1)
+
+
+def _text(report: VerifyReport) -> list[str]:
+    """The verdict for people: a line per rank (the check that failed and why, on the line: the
+    passed ones would mislead), the problems on stderr, then the verdict."""
+    from .output import Stderr
+
+    lines: list[str] = []
+    for r in report.ranks:
+        where = f"{r.file} (rank {r.rank}: tp {r.tp_rank}, pp {r.pp_stage})"
+        if r.ok:
+            lines.append(f"ok   {where}  {' '.join(r.checks)}")
+        else:
+            reasons = [p.removeprefix(f"{r.file}: ") for p in r.problems] or ["failed"]
+            lines.append(f"FAIL {where}  {reasons[0]}")
+            lines += [f"     also: {more}" for more in reasons[1:]]
+        lines += [f"     warning: {w}" for w in r.warnings]
+    lines += [Stderr(f"error: {p}") for p in report.problems]
+    verdict = "all good" if report.ok else f"{len(report.problems)} problem(s)"
+    return [*lines, f"{report.plan}: {verdict}"]
+
 
 
 def _load_manifest(ref: str, endpoint_url: str | None):

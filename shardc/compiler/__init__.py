@@ -1,15 +1,10 @@
 """The compiler: source checkpoint -> per-rank shard files (+ quantization) -> manifest.
 
 ``compile.build`` is the entry point; ``source`` reads checkpoints, ``materialize`` and ``stages``
-produce the bytes, ``outputs`` writes the side files. Importing this package imports nothing heavy.
+produce the bytes, ``outputs`` writes the side files. No re-exports: the compiler's modules import
+numpy at import time, and ``import shardc.compiler`` must stay free of it (a 16-bit build imports
+neither numba nor torch, and ``shardc --help`` no numpy), so callers import from the module
+(``from shardc.compiler.compile import build``), where go-to-definition leads.
 """
 
-from .. import lazy_seam
-
-_SEAM = {
-    "build": "compile", "BuildResult": "compile",
-    "Source": "sources", "CheckpointSource": "source", "open_source": "source",
-    "llama_config": "synthetic", "write_checkpoint": "synthetic",
-}
-__all__ = sorted(_SEAM)
-__getattr__ = lazy_seam(__name__, _SEAM)
+__all__: list[str] = []

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
 from ..formats.files import final_name, temp_files
 from ..formats.manifest import Manifest, ShardEntry, new_manifest
@@ -25,6 +24,7 @@ from ..formats.safetensors import ShardWriter
 from ..layout.model import model_from_config
 from ..layout.plan import Plan
 from ..layout.ranks import SCALE_SUFFIX, Layout, RankLayout, build_layout
+from ..version import __version__
 from .commit import Committer, choose_committer, output_error
 from .lock import take_lock
 from .materialize import Materializer

@@ -30,6 +30,7 @@ import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,38 @@ def _groups(specs: tuple[TensorSpec, ...], limit: int) -> list[list[TensorSpec]]
     return groups
 
 
-def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10**9) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ExportedFile:
+    """A weights file of the export (``tensors``: how many it holds)."""
+
+    name: str
+    size: int
+    sha256: str
+    tensors: int
+
+
+@dataclass(frozen=True)
+class ExportSource:
+    """The input build: where it was read from and its manifest's sha256."""
+
+    uri: str
+    manifest_sha256: str
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    """What ``export`` wrote (``shardc export --json`` is its ``results.to_json`` form)."""
+
+    out_dir: str
+    index: str
+    files: tuple[ExportedFile, ...]
+    total_bytes: int
+    dtype: str
+    source: ExportSource
+    seconds: float
+
+
+def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10**9) -> ExportResult:
     """Write the input build as one Hugging Face checkpoint in ``out_dir``. Bad input is found
     before the output directory is touched; any later failure leaves the export that was there
     (if any) as it was, and removes what this run created."""
@@ -109,11 +141,12 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
         inp.side_directory()  # config and tokenizer files checked (and copied) first: small
         build_source.schedule(layout)
         with _locked(out):
-            result = _export_locked(inp, build_source.as_source(), layout, out, max_shard_size)
+            files, total = _export_locked(inp, build_source.as_source(), layout, out, max_shard_size)
     finally:
         inp.close()
-    result["seconds"] = round(time.perf_counter() - t0, 3)
-    return result
+    return ExportResult(str(out), str(out / INDEX), tuple(ExportedFile(**f) for f in files), total,
+                        layout.plan.dtype, ExportSource(inp.uri, inp.manifest_sha256),
+                        round(time.perf_counter() - t0, 3))
 
 
 def _refuse_input_dir(out: Path, inp: BuildInput) -> None:
@@ -171,8 +204,10 @@ def _remove_created(out: Path, created: bool) -> None:
         pass  # something else is in it now: left as it is
 
 
-def _export_locked(inp: BuildInput, source: Source, layout, out: Path, limit: int) -> dict[str, Any]:
-    """The export under the lock: clean up, stage every file, switch them in."""
+def _export_locked(inp: BuildInput, source: Source, layout, out: Path,
+                   limit: int) -> tuple[list[dict[str, Any]], int]:
+    """The export under the lock: clean up, stage every file, switch them in. Returns the weights
+    files written and their total bytes."""
     if os.path.lexists(out / "manifest.json") or os.path.lexists(out / SWITCH_JOURNAL):
         raise PlanError(f"the output directory {out} holds a shardc build, which the export would break",
                         key="--out", hint="export into another directory")
@@ -201,9 +236,7 @@ def _export_locked(inp: BuildInput, source: Source, layout, out: Path, limit: in
         _unlink([tmp for tmp, _ in staged])
         raise OutputError(f"cannot switch the export into {out}: {exc.strerror or exc}; it has no "
                           f"index now", hint="fix the disk, then rerun the export") from None
-    total = sum(t.nbytes for t in layout.ranks[0].tensors)
-    return {"out_dir": str(out), "index": str(out / INDEX), "files": files, "total_bytes": total,
-            "dtype": layout.plan.dtype, "source": {"uri": inp.uri, "manifest_sha256": inp.manifest_sha256}}
+    return files, sum(t.nbytes for t in layout.ranks[0].tensors)
 
 
 def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,

@@ -10,7 +10,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import OutputError, ShardcError
 from ..formats import chunks
 from ..formats.files import (
@@ -27,6 +26,7 @@ from ..formats.safetensors import read_header, shard_metadata
 from ..layout.dtypes import torch_name
 from ..layout.plan import Plan
 from ..layout.ranks import Layout, RankLayout
+from ..version import __version__
 from .sources import Source
 
 

@@ -1,17 +1,10 @@
 """File formats shardc writes and reads: safetensors shards, the manifest, file helpers.
 
-``safetensors`` owns the shard-file format, ``manifest`` the typed build record, ``files`` the
-hashing, temp-file and atomic-write helpers every writer uses.
+``safetensors`` owns the shard-file format (``ShardWriter``, ``read_header``, ``shard_metadata``),
+``manifest`` the typed build record (``Manifest``, ``read``, ``parse``), ``chunks`` the chunk
+digests, ``files`` the hashing, temp-file and atomic-write helpers every writer uses. No
+re-exports: callers import from the module (where go-to-definition leads), and a command that only
+needs ``files.human_size`` does not load the manifest's validators at start-up.
 """
 
-from .. import lazy_seam
-
-_SEAM = {
-    "ShardWriter": "safetensors", "read_header": "safetensors", "shard_metadata": "safetensors",
-    "Manifest": "manifest", "ShardEntry": "manifest", "FileEntry": "manifest", "read": "manifest",
-    "parse": "manifest",
-    "sha256_file": "files", "write_atomic": "files", "create_temp": "files", "safe_name": "files",
-    "human_size": "files",
-}
-__all__ = sorted(_SEAM)
-__getattr__ = lazy_seam(__name__, _SEAM)
+__all__: list[str] = []

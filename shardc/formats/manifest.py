@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import ManifestError
 from ..layout.model import model_from_config
 from ..layout.plan import OVERRIDABLE, apply_overrides, canonical_json, plan_from_dict
 from ..layout.ranks import Layout, base_dtype, build_layout
 from ..layout.readfile import MANIFEST_LIMIT, read_regular_file
+from ..version import __version__
 from .chunks import chunk_count, chunk_size_problem
 from .files import fsync_dir, safe_name, write_atomic  # noqa: F401 - fsync_dir: store imports it here
 

@@ -29,10 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .. import __version__
 from ..errors import ShardFormatError
 from ..layout.dtypes import DTYPE_BYTES
 from ..layout.ranks import Layout, RankLayout
+from ..version import __version__
 from . import chunks as _chunks
 from .files import create_temp
 

@@ -1,15 +1,14 @@
 """Specifications: the plan schema, model configs, the Layout (split rules as data), dtypes.
 
 Pure data and arithmetic: everything else reads these, nothing here reads files it was not given.
+The re-exports are plain imports (go-to-definition works); none of these modules imports numpy or
+torch at import time.
 """
 
-from .. import lazy_seam
+from .dtypes import DTYPES, DType
+from .model import ModelSpec, load_model, model_from_config
+from .plan import Plan, canonical_json, load_plan, plan_from_dict
+from .ranks import Layout, RankLayout, TensorSpec, build_layout
 
-_SEAM = {
-    "Plan": "plan", "load_plan": "plan", "plan_from_dict": "plan", "canonical_json": "plan",
-    "ModelSpec": "model", "model_from_config": "model", "load_model": "model",
-    "Layout": "ranks", "RankLayout": "ranks", "TensorSpec": "ranks", "build_layout": "ranks",
-    "DType": "dtypes", "DTYPES": "dtypes",
-}
-__all__ = sorted(_SEAM)
-__getattr__ = lazy_seam(__name__, _SEAM)
+__all__ = ["DTYPES", "DType", "Layout", "ModelSpec", "Plan", "RankLayout", "TensorSpec", "build_layout",
+           "canonical_json", "load_model", "load_plan", "model_from_config", "plan_from_dict"]

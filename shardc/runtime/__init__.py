@@ -8,4 +8,6 @@ import torch.
 
 from __future__ import annotations
 
-__all__ = ["api", "comm", "engine", "launch", "llama", "weights", "worker"]
+# the modules (not imported here: they import torch); the library entry points are in ``api``
+__all__ = ["api", "comm", "decoder", "engine", "gate", "gate_cache", "gate_report", "launch", "reference",
+           "support", "weights", "worker"]

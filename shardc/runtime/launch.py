@@ -22,7 +22,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from .. import errors
+import shardc.errors as errors
+
 from ..errors import DistributedError, ShardcError
 
 POLL_S = 0.05

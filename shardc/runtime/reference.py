@@ -95,8 +95,8 @@ def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | 
 
     t_load = time.perf_counter()
     report = verify_build(base.manifest, base.directory)
-    if not report["ok"]:
-        raise VerifyMismatch(f"baseline {base.name}: {report['problems'][0]}",
+    if not report.ok:
+        raise VerifyMismatch(f"baseline {base.name}: {report.problems[0]}",
                              hint="run shardc verify for the full report; re-pull or rebuild the baseline")
     dtype = compute_dtype(base.manifest)
     dev = torch.device(resolve_device(device) or "cpu")

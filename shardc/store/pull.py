@@ -14,6 +14,7 @@ from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
 from ..formats.chunks import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, parse
+from ..verify.report import VerifyReport
 from .base import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -24,6 +25,7 @@ from .base import (
 )
 from .codec import CODECS, VerifiedSink, remove_stale_partials, zstd_module
 from .local import LocalStore
+from .results import FileAction, PulledFile, PulledRank, PullResult
 from .transfer import entries, os_errors, progress_bar, strip_compressed
 from .uri import open_store, split_object_uri
 
@@ -81,7 +83,7 @@ def pull_build(
     global_ranks: list[int] | None = None,
     settings: S3Settings | None = None,
     fsync_downloads: bool | None = None,
-) -> dict[str, Any]:
+) -> PullResult:
     """Fetch the manifest and the requested ranks' shards (default: all) plus the side files into
     ``dest_dir``, every file verified before it gets its final name; then verify the ranks.
     ``fsync_downloads`` None: from SHARDC_FSYNC_DOWNLOADS."""
@@ -103,24 +105,18 @@ def pull_build(
     digests.update(_download(store, dest, todo, total, fsync, progress))
     write_atomic(dest / MANIFEST_NAME, local_bytes)
     report = verify_pulled(local, dest, shards, digests)
-    if not report["ok"]:
-        raise VerifyMismatch(report["problems"][0], hint="run shardc verify for the full report")
+    if not report.ok:
+        raise VerifyMismatch(report.problems[0], hint="run shardc verify for the full report")
     fetched = {w.name for w in todo}
-    files = [{"name": w.name, "size": w.size, "action": "downloaded" if w.name in fetched else "present"}
+    files = [PulledFile(w.name, w.size, FileAction.DOWNLOADED if w.name in fetched else FileAction.PRESENT)
              for w in wanted]
-    return {
-        "manifest_uri": manifest_uri,
-        "dest": str(dest),
-        "manifest": str(dest / MANIFEST_NAME),
-        "ranks": [{"file": s.file, "tp_rank": s.tp_rank, "pp_stage": s.pp_stage, "rank": s.rank}
-                  for s in shards],
-        "files": sorted(files, key=lambda f: f["name"]),
-        "downloaded": len(todo),
-        "present": len(wanted) - len(todo),
-        "bytes_downloaded": total,
-        "seconds": round(time.perf_counter() - t0, 3),
-        "verify": report,
-    }
+    return PullResult(
+        manifest_uri=manifest_uri, dest=str(dest), manifest=str(dest / MANIFEST_NAME),
+        ranks=tuple(PulledRank(s.file, s.tp_rank, s.pp_stage, s.rank) for s in shards),
+        files=tuple(sorted(files, key=lambda f: f.name)), downloaded=len(todo),
+        present=len(wanted) - len(todo), bytes_downloaded=total,
+        seconds=round(time.perf_counter() - t0, 3), verify=report,
+    )
 
 
 # --- steps --------------------------------------------------------------------------------------
@@ -312,7 +308,7 @@ def _ranged(store: Store, w: Wanted) -> bool:
 
 
 def verify_pulled(manifest: Manifest, dest: Path, shards: list[ShardEntry],
-                  digests: dict[str, str]) -> dict[str, Any]:
+                  digests: dict[str, str]) -> VerifyReport:
     """The checks of ``shardc verify`` for the pulled ranks, without hashing their shards again:
     each was hashed while it was downloaded (or found present), and ``digests`` holds those
     sha256s, so re-reading every byte is spared."""

@@ -15,6 +15,7 @@ from ..formats.files import safe_name, sha256_file
 from ..formats.manifest import Manifest, ShardEntry, parse, read
 from .base import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
 from .codec import CODECS, ZSTD_LEVEL, compress_file, zstd_module
+from .results import ManifestState, ObjectAction, PushedObject, PushResult
 from .transfer import entries, os_errors, progress_bar, strip_compressed
 from .uri import open_store, parse_uri, split_object_uri
 
@@ -30,7 +31,7 @@ class Upload:
     local: Path
     codec: str | None
     stored: ObjectInfo | None = None  # what the store holds (present) or will hold (uploaded)
-    action: str = "uploaded"  # or "present"
+    action: ObjectAction = ObjectAction.UPLOADED
 
     def matches(self, info: ObjectInfo) -> bool:
         """Whether a stored object already is this file (recorded hashes, not just the size)."""
@@ -52,7 +53,7 @@ def push_build(
     build_dir: Path | None = None,
     settings: S3Settings | None = None,
     replace: bool = False,
-) -> dict[str, Any]:
+) -> PushResult:
     """Upload a build (shards, side files, manifest last). Idempotent: a rerun resumes.
 
     A destination holding another plan's build (or the same plan built from another source) is
@@ -77,27 +78,21 @@ def push_build(
     _upload(store, todo, progress)
     _check_stored(store, uploads)
     data = _remote_manifest(manifest, uploads).dumps()
-    state = "unchanged"
+    state = ManifestState.UNCHANGED
     if data != old or todo:
         store.put_bytes(manifest_name, data, {"sha256": hashlib.sha256(data).hexdigest()})
-        state = "uploaded"
+        state = ManifestState.UPLOADED
     removed = sorted(stale - {u.object for u in uploads} - {manifest_name})
     for name in removed:  # after the new manifest: a reader never sees one whose objects are gone
         store.delete(name)
-    return {
-        "dest": store.uri,
-        "manifest_uri": store.object_uri(manifest_name),
-        "manifest": state,
-        "compress": compress,
-        "objects": [{"file": u.file, "object": u.object, "size": _stored(u).size, "action": u.action}
-                    for u in uploads],
-        "uploaded": sum(u.action == "uploaded" for u in uploads),
-        "present": sum(u.action == "present" for u in uploads),
-        "bytes_uploaded": sum(_stored(u).size for u in todo),
-        "bytes_total": sum(_stored(u).size for u in uploads),
-        "removed": removed,
-        "seconds": round(time.perf_counter() - t0, 3),
-    }
+    return PushResult(
+        dest=store.uri, manifest_uri=store.object_uri(manifest_name), manifest=state, compress=compress,
+        objects=tuple(PushedObject(u.file, u.object, _stored(u).size, u.action) for u in uploads),
+        uploaded=sum(u.action == ObjectAction.UPLOADED for u in uploads),
+        present=sum(u.action == ObjectAction.PRESENT for u in uploads),
+        bytes_uploaded=sum(_stored(u).size for u in todo), bytes_total=sum(_stored(u).size for u in uploads),
+        removed=tuple(removed), seconds=round(time.perf_counter() - t0, 3),
+    )
 
 
 # --- steps --------------------------------------------------------------------------------------
@@ -213,9 +208,9 @@ def _find_missing(store: Store, uploads: list[Upload]) -> list[Upload]:
         if info is not None and info.sha256 is None and (u.codec or info.size == u.size):
             info = store.head(u.object, digest=True)  # a backend without recorded hashes
         if info is not None and u.matches(info):
-            u.stored, u.action = info, "present"
+            u.stored, u.action = info, ObjectAction.PRESENT
         else:
-            u.action = "uploaded"
+            u.action = ObjectAction.UPLOADED
             todo.append(u)
     return todo
 

@@ -99,7 +99,7 @@ class RemoteBuildInput(BuildInput):
             report = pull_build(self.uri, self.directory, global_ranks=[self._rank[f] for f in files],
                                 endpoint_url=self.endpoint_url)
             # each pull reads the manifest again: counted too
-            self.bytes_fetched += report["bytes_downloaded"] + len(self._manifest_bytes)
+            self.bytes_fetched += report.bytes_downloaded + len(self._manifest_bytes)
             self._check_same_manifest()
 
     def _check_same_manifest(self) -> None:

@@ -19,13 +19,13 @@ Why it looks the way it does:
   ``S3Settings.stall_limit`` (a ``needs-retry`` hook that stops retrying timeouts), not only by
   ``max_attempts x read_timeout``.
 * Credentials in an endpoint URL (``http://user:secret@host``) are never echoed: every message
-  passes through :func:`redact`.
+  passes through :func:`shardc.store.s3_errors.redact` (s3_errors.py: what an S3 failure means,
+  as one StoreError with a hint).
 """
 
 from __future__ import annotations
 
 import random
-import re
 import threading
 import time
 from collections import deque
@@ -35,20 +35,7 @@ from typing import Any
 
 from ..errors import ShardcError, StoreError, VerifyMismatch
 from .base import GetItem, ObjectInfo, PutItem, S3Settings, Store
-
-_CRED_HINT = (
-    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run where an instance role "
-    "provides them"
-)
-_RETRY_HINT = "the object store kept failing; check it and rerun (a rerun resumes), or raise SHARDC_S3_MAX_ATTEMPTS"
-_STALL_HINT = ("if the store is only slow, raise SHARDC_S3_READ_TIMEOUT (per try) or "
-               "SHARDC_S3_STALL_LIMIT (per request); otherwise check the endpoint")
-_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/@\s\"']*@")
-
-
-def redact(text: str) -> str:
-    """``scheme://user:secret@host`` -> ``scheme://***@host``: no credentials in any message."""
-    return _USERINFO.sub(r"\1***@", text)
+from .s3_errors import code_of, redact, status_of, translate
 
 
 def _boto3() -> Any:
@@ -152,7 +139,7 @@ class S3Store(Store):
         try:
             return self.client.head_object(Bucket=self.bucket, Key=self.key(name))
         except Exception as exc:
-            if _status(exc) == 404:
+            if status_of(exc) == 404:
                 return None
             raise self._error(exc, f"checking {self.object_uri(name)}") from None
 
@@ -187,7 +174,7 @@ class S3Store(Store):
             except ShardcError:
                 raise
             except Exception as exc:
-                if _code(exc) in ("NoSuchKey", "404"):
+                if code_of(exc) in ("NoSuchKey", "404"):
                     return None
                 if not isinstance(exc, (ResponseStreamingError, ProtocolError)) or attempt == self.settings.max_attempts:
                     raise self._error(exc, f"reading {self.object_uri(name)}") from None
@@ -220,7 +207,7 @@ class S3Store(Store):
                     body.close()
                 return got
             except Exception as exc:
-                if _status(exc) == 412 or _code(exc) == "PreconditionFailed":
+                if status_of(exc) == 412 or code_of(exc) == "PreconditionFailed":
                     raise StoreError(f"{uri} changed while it was read (its ETag is no longer {etag})",
                                      hint="it was pushed again meanwhile; load it again once the push has "
                                           "finished") from None
@@ -345,7 +332,7 @@ class S3Store(Store):
                 except ShardcError as exc:  # raised by our sink (too many bytes, bad zstd stream)
                     errors.append(exc)
                 except Exception as exc:
-                    if _status(exc) == 404:
+                    if status_of(exc) == 404:
                         errors.append(VerifyMismatch(
                             f"{item.name}: named by the manifest but missing from {self.uri}",
                             hint="the store was changed after the push; push the build again"))
@@ -384,70 +371,3 @@ class _Progress:
 
     def on_done(self, future: Any, **kwargs: Any) -> None:
         pass
-
-
-def _code(exc: BaseException) -> str | None:
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, dict):
-        return str((resp.get("Error") or {}).get("Code") or "") or None
-    return None
-
-
-def _status(exc: BaseException) -> int | None:
-    resp = getattr(exc, "response", None)
-    if isinstance(resp, dict):
-        return (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-    return None
-
-
-def translate(exc: BaseException, what: str, *, bucket: str, endpoint: str,
-              settings: S3Settings) -> ShardcError:
-    """Map a boto3/botocore/s3transfer exception to a typed error with a hint, credentials redacted."""
-    if isinstance(exc, ShardcError):
-        return exc
-    err = _translate(exc, what, bucket=bucket, endpoint=redact(endpoint), settings=settings)
-    return StoreError(redact(err.message), hint=err.hint and redact(err.hint))
-
-
-def _translate(exc: BaseException, what: str, *, bucket: str, endpoint: str,
-               settings: S3Settings) -> ShardcError:
-    from botocore import exceptions as bce
-
-    attempts = settings.max_attempts
-    if isinstance(exc, (bce.NoCredentialsError, bce.PartialCredentialsError)):
-        return StoreError(f"{what}: no AWS credentials found", hint=_CRED_HINT)
-    code, status = _code(exc), _status(exc)
-    if code == "NoSuchBucket":
-        return StoreError(f"{what}: bucket {bucket!r} does not exist at {endpoint}",
-                          hint="create the bucket or fix the URI")
-    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
-                "InvalidToken") or status == 403:
-        return StoreError(f"{what}: access denied ({code or 'HTTP 403'})",
-                          hint="check the credentials and the bucket policy")
-    if isinstance(exc, bce.ClientError):
-        msg = (exc.response.get("Error") or {}).get("Message") or ""
-        if status is not None and (status >= 500 or code in ("Throttling", "SlowDown", "RequestTimeout")):
-            detail = f": {msg}" if msg else ""
-            return StoreError(f"{what}: HTTP {status} {code or ''} after {attempts} attempts{detail}",
-                              hint=_RETRY_HINT)
-        return StoreError(f"{what}: {code or status}: {msg}".rstrip(": "))
-    from s3transfer.exceptions import RetriesExceededError
-    from urllib3.exceptions import ProtocolError
-
-    if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
-        return StoreError(f"{what}: cannot reach {endpoint} after {attempts} attempts ({type(exc).__name__})",
-                          hint="check the endpoint (--endpoint-url / AWS_ENDPOINT_URL) and that the server is up")
-    if isinstance(exc, bce.ReadTimeoutError):
-        return StoreError(f"{what}: {endpoint} stopped answering (no reply within "
-                          f"{settings.read_timeout:g} s per try, {settings.stall_limit:g} s per "
-                          f"request at most)", hint=_STALL_HINT)
-    if isinstance(exc, RetriesExceededError):
-        exc = getattr(exc, "last_exception", None) or exc
-    if isinstance(exc, (bce.HTTPClientError, ProtocolError, RetriesExceededError)):
-        return StoreError(f"{what}: the connection to {endpoint} kept breaking off after {attempts} "
-                          f"attempts ({type(exc).__name__})", hint=_RETRY_HINT)
-    if isinstance(exc, bce.BotoCoreError):
-        return StoreError(f"{what}: {type(exc).__name__}: {exc}", hint=_RETRY_HINT)
-    if isinstance(exc, OSError):
-        return StoreError(f"{what}: {exc.strerror or exc}")
-    return StoreError(f"{what}: {type(exc).__name__}: {exc}")

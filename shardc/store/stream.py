@@ -26,6 +26,7 @@ from ..formats.manifest import Manifest
 from ..verify.chunked import load_chunks
 from ..verify.loader import header_check, rank_of
 from ..verify.reader import RawShard, nonfinite, tensors_of
+from ..verify.report import VerifyReport
 from .base import S3Settings
 from .ranged import RangedChunks
 from .s3 import S3Store
@@ -83,7 +84,7 @@ def stream_rank(manifest_uri: str, tp_rank: int, pp_stage: int, *, device: str, 
 
 
 def verify_streamed(manifest_uri: str, manifest: Manifest, ranks: list[Any], device: str,
-                    endpoint_url: str | None = None) -> dict[str, Any]:
+                    endpoint_url: str | None = None) -> VerifyReport:
     """``shardc verify --manifest s3://... --device D`` without ``--dir``: each rank streamed onto
     ``device`` (one after another, nothing written), checked, finite-checked; the report has
     ``verify_build``'s form. A mismatch is a failed rank; a store error (an object replaced while
@@ -110,6 +111,5 @@ def verify_streamed(manifest_uri: str, manifest: Manifest, ranks: list[Any], dev
             res.ok = False
             res.problems.append(exc.message if exc.message.startswith(rl.file) else f"{rl.file}: {exc.message}")
         results.append(res)
-    all_problems = problems + [p for r in results for p in r.problems]
-    return {"ok": not all_problems, "plan": layout.plan.name, "plan_sha256": layout.plan.sha256,
-            "problems": all_problems, "ranks": [r.as_dict() for r in results], "streamed_from": manifest_uri}
+    return VerifyReport.of(layout.plan.name, layout.plan.sha256, problems, [r.verdict() for r in results],
+                           streamed_from=manifest_uri)

@@ -1,12 +1,12 @@
-"""Checks of a build: per rank, distributed, and the human-readable inspector."""
+"""Checks of a build: per rank, distributed, and the human-readable inspector.
 
-from .. import lazy_seam
+Plain imports (go-to-definition works); torch is imported inside the functions that load tensors.
+"""
 
-_SEAM = {
-    "verify_build": "checks", "verify_rank": "checks", "load_shard": "loader",
-    "check_manifest_against_layout": "checks",
-    "distributed_verify": "distributed", "open_rendezvous": "distributed",
-    "describe": "inspect",
-}
-__all__ = sorted(_SEAM)
-__getattr__ = lazy_seam(__name__, _SEAM)
+from .checks import check_manifest_against_layout, verify_build, verify_rank
+from .distributed import distributed_verify, open_rendezvous
+from .inspect import describe
+from .loader import load_shard
+
+__all__ = ["check_manifest_against_layout", "describe", "distributed_verify", "load_shard", "open_rendezvous",
+           "verify_build", "verify_rank"]

@@ -25,6 +25,7 @@ from ..formats.manifest import Manifest, ShardEntry, typed
 from ..layout.plan import Plan, data_sha256
 from ..layout.ranks import Layout, RankLayout
 from .devices import resolve_device
+from .report import PlanCheck, RankVerdict, VerifyReport
 
 
 @dataclass(frozen=True)
@@ -71,30 +72,26 @@ class RankResult:
         self.ok = False
         self.problems.append(f"{self.file}: {msg}")
 
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "file": self.file, "tp_rank": self.tp_rank, "pp_stage": self.pp_stage, "rank": self.rank,
-            "ok": self.ok, "problems": self.problems, "warnings": self.warnings, "checks": self.checks,
-        }
+    def verdict(self) -> RankVerdict:
+        """What the checks found, frozen: the form that leaves the package."""
+        return RankVerdict(self.file, self.tp_rank, self.pp_stage, self.rank, self.ok,
+                           tuple(self.problems), tuple(self.warnings), tuple(self.checks))
 
 
-def plan_check(manifest: Manifest, plan: Plan, plan_file: str) -> dict[str, Any]:
+def plan_check(manifest: Manifest, plan: Plan, plan_file: str) -> PlanCheck:
     """Is the manifest of exactly the plan this node expects, as applied (``plan`` carries the
     ``--source`` verify was given, if any)? The effective plans' hashes are compared, so a build
-    made with ``build --source`` is of its plan only together with that source. Returns the
-    --json record: ``ok``, the hashes and overrides on both sides, and ``problem`` (one line)."""
-    record = {"ok": True, "plan_file": plan_file, "expected_effective_plan_sha256": plan.effective_sha256,
-              "expected_overrides": dict(plan.overrides), "effective_plan_sha256": manifest.effective_sha256,
-              "overrides": dict(manifest.overrides), "problem": None}
-    if plan.effective_sha256 != manifest.effective_sha256:
-        record.update(ok=False, problem=_plan_problem(manifest, plan, plan_file))
-    return record
+    made with ``build --source`` is of its plan only together with that source. ``ok``, the hashes
+    and overrides on both sides, and ``problem`` (one line) when it is not."""
+    same = plan.effective_sha256 == manifest.effective_sha256
+    return PlanCheck(same, plan_file, plan.effective_sha256, dict(plan.overrides), manifest.effective_sha256,
+                     dict(manifest.overrides), None if same else _plan_problem(manifest, plan, plan_file))
 
 
 def plan_mismatch(manifest: Manifest, plan: Plan, plan_file: str) -> str | None:
     """Why the manifest is not of the plan this node expects (another plan's file, or the plan
     built from another source, is a mismatch, exit 1, not bad input), or None when it is."""
-    return plan_check(manifest, plan, plan_file)["problem"]
+    return plan_check(manifest, plan, plan_file).problem
 
 
 def _plan_problem(manifest: Manifest, plan: Plan, plan_file: str) -> str:
@@ -335,10 +332,10 @@ def verify_build(
     manifest: Manifest | dict[str, Any], directory: str | Path, ranks: list[RankLayout] | None = None, *,
     device: str | None = None, deep: str | None = None, jobs: int | None = None,
     hashed: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+) -> VerifyReport:
     """Verify ranks (default: all): the manifest against the Layout, then each rank's file.
 
-    Returns {"ok", "plan", "plan_sha256", "problems", "ranks": [...]}; never raises for mismatches
+    Returns the verdict (``ok``, ``plan``, ``plan_sha256``, ``problems``, ``ranks``); never raises for mismatches
     (the caller maps ok=False to exit code 1). ``hashed`` gives sha256s already computed (by
     file name, e.g. while a pull downloaded them): those files are not read again."""
     manifest = typed(manifest)
@@ -369,11 +366,4 @@ def verify_build(
         verify_rank(manifest, directory, layout, rl, device=device, deep=deep, hashed=d)
         for rl, d in zip(ranks, digests, strict=True)
     ]
-    all_problems = problems + [p for r in results for p in r.problems]
-    return {
-        "ok": not all_problems,
-        "plan": layout.plan.name,
-        "plan_sha256": layout.plan.sha256,
-        "problems": all_problems,
-        "ranks": [r.as_dict() for r in results],
-    }
+    return VerifyReport.of(layout.plan.name, layout.plan.sha256, problems, [r.verdict() for r in results])

@@ -19,8 +19,10 @@ from typing import Any
 
 from ..errors import DistributedError, ManifestError
 from ..formats.manifest import Manifest, typed
+from ..results import to_json
 from .checks import verify_build
 from .devices import check_gpus, node_ranks, resolve_device
+from .report import RankVerdict, VerifyReport
 
 
 def _env_int(name: str) -> int:
@@ -104,7 +106,7 @@ class _Bounded:
 def distributed_verify(
     manifest: Manifest | dict[str, Any], directory: Path, *, device: str | None = None, deep: str | None = None,
     timeout_s: float = 60.0,
-) -> dict[str, Any]:
+) -> VerifyReport:
     """Verify this process's rank and gather every rank's verdict. Raises DistributedError when a
     peer is missing or hung; returns the combined report otherwise (ok=False if any rank failed)."""
     # c10d logs its own connect retries and timeouts on stderr, with C++ stack frames; the caller gets
@@ -163,7 +165,7 @@ def distributed_verify(
     mine = verify_build(manifest, directory, [layout.ranks[rank]], device=device, deep=deep)
     try:
         phase = "report"
-        store.set(f"report/{rank}", json.dumps(mine))
+        store.set(f"report/{rank}", json.dumps(to_json(mine)))
         store.wait(keys("report"), wait)
         reports = [json.loads(store.get(k)) for k in keys("report")]
         phase = "read"
@@ -179,17 +181,12 @@ def distributed_verify(
             store.wait(keys("left")[1:], wait)
         except Exception:
             pass  # a peer that stopped after reading every verdict does not change them
-    failed_ranks = [r for r, rep in enumerate(reports) if not rep["ok"]]
-    problems = [p for rep in reports for p in rep["problems"]]
-    return {
-        "ok": not failed_ranks,
-        "plan": layout.plan.name,
-        "plan_sha256": layout.plan.sha256,
-        "this_rank": rank,
-        "failed_ranks": failed_ranks,
-        "problems": sorted(set(problems)),
-        "ranks": [rep["ranks"][0] for rep in reports],
-    }
+    # each peer's report (its JSON form): a rank fails for its file or for the build's own problems
+    failed_ranks = tuple(r for r, rep in enumerate(reports) if not rep["ok"])
+    problems = tuple(sorted({p for rep in reports for p in rep["problems"]}))
+    return VerifyReport(not failed_ranks, layout.plan.name, layout.plan.sha256, problems,
+                        tuple(RankVerdict.from_json(rep["ranks"][0]) for rep in reports),
+                        this_rank=rank, failed_ranks=failed_ranks)
 
 
 def _diagnose(store: Any, rank: int, world: int, phase: str, timeout_s: float, *, hosts: bool) -> str:

@@ -415,9 +415,9 @@ def _killed_state(out: Path, plan, src: Path, forge: dict[str, Path] | None = No
     puts another file under a shard's name first, with a record made to match it."""
     import hashlib
 
-    from shardc import __version__
     from shardc.compiler.outputs import LAYOUT_REVISION, done_path
     from shardc.layout.plan import canonical_json
+    from shardc.version import __version__
 
     (out / "manifest.json").unlink()
     key = {"plan_sha256": plan.sha256, "source": open_source(str(src)).fingerprint(), "shardc_version": __version__,

@@ -31,6 +31,7 @@ from shardc.compiler.export import export
 from shardc.compiler.inputs import open_local_input
 from shardc.compiler.lock import LOCK
 from shardc.errors import VerifyMismatch
+from shardc.results import to_json
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
@@ -442,18 +443,18 @@ def test_library_export_over_an_old_one(builds, reference, tmp_path):
     out = old_export(reference, tmp_path, "a")
     res = export(open_local_input(builds["b"] / "manifest.json"), out, max_shard_size=60_000)
     assert files(out) == reference["b"] and not temps(out)
-    assert res["out_dir"] == str(out) and res["index"] == str(out / INDEX) and res["dtype"] == "bf16"
-    assert res["source"] == {"uri": str(builds["b"] / "manifest.json"),
+    assert res.out_dir == str(out) and res.index == str(out / INDEX) and res.dtype == "bf16"
+    assert to_json(res.source) == {"uri": str(builds["b"] / "manifest.json"),
                              "manifest_sha256": hashlib.sha256((builds["b"] / "manifest.json").read_bytes()).hexdigest()}
     src = load((builds["src-b"] / "model.safetensors").read_bytes())
-    assert res["total_bytes"] == sum(t.numel() * t.element_size() for t in src.values())
-    assert [f["name"] for f in res["files"]] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
-    for f in res["files"]:
-        data = (out / f["name"]).read_bytes()
-        assert f["size"] == len(data) and f["sha256"] == hashlib.sha256(data).hexdigest()
-        assert f["tensors"] == len(load(data))
-    assert json.loads((out / INDEX).read_bytes())["metadata"] == {"total_size": res["total_bytes"]}
-    assert res["seconds"] >= 0
+    assert res.total_bytes == sum(t.numel() * t.element_size() for t in src.values())
+    assert [f.name for f in res.files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for f in res.files:
+        data = (out / f.name).read_bytes()
+        assert f.size == len(data) and f.sha256 == hashlib.sha256(data).hexdigest()
+        assert f.tensors == len(load(data))
+    assert json.loads((out / INDEX).read_bytes())["metadata"] == {"total_size": res.total_bytes}
+    assert res.seconds >= 0
 
 
 def test_library_refusals_touch_nothing(builds, reference, tmp_path):
@@ -485,7 +486,7 @@ def test_library_refusals_touch_nothing(builds, reference, tmp_path):
     link = out / ".tokenizer.json.00112233445566ff.tmp"
     link.symlink_to(builds["one"] / "manifest.json")  # a link is removed, its target kept
     res = export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
-    assert res["files"] and planted.is_dir() and not os.path.lexists(link)
+    assert res.files and planted.is_dir() and not os.path.lexists(link)
     planted.rmdir()
     assert files(out) == reference["a"]  # the stale temp is gone with the lock free
     assert (builds["one"] / "manifest.json").is_file()
@@ -746,8 +747,8 @@ def test_report_seconds_and_pp_layers(builds, tmp_path):
     t0 = time.perf_counter()
     res = export(open_local_input(builds["a"] / "manifest.json"), tmp_path / "hf")
     wall = time.perf_counter() - t0
-    assert isinstance(res["seconds"], float) and 0 < res["seconds"] <= wall
-    assert res["seconds"] == round(res["seconds"], 3) and res["seconds"] > wall - 0.5
+    assert isinstance(res.seconds, float) and 0 < res.seconds <= wall
+    assert res.seconds == round(res.seconds, 3) and res.seconds > wall - 0.5
     p = make_plan(1, 2, name="x", source=builds["src-a"], model={"pp_layers": [1, 1]})
     uneven = build(p, tmp_path / "pp").out_dir
     export(open_local_input(uneven / "manifest.json"), tmp_path / "hf2")

@@ -22,7 +22,7 @@ from manifest_edits import reseal
 from plan_helpers import plan as make_plan
 
 from shardc.compiler.compile import build
-from shardc.compiler.export import export
+from shardc.compiler.export import ExportResult, export
 from shardc.compiler.inputs import open_local_input
 from shardc.compiler.lock import LOCK
 from shardc.errors import ShardcError
@@ -107,17 +107,17 @@ def _run(world: dict[str, Any], work: Path) -> None:
         (out / name).write_bytes(data)
 
 
-def _check_export(out: Path, result: dict[str, Any]) -> None:
+def _check_export(out: Path, result: ExportResult) -> None:
     from safetensors import safe_open
 
     index = json.loads((out / INDEX).read_bytes())
     shards = sorted(p.name for p in out.glob("model-*.safetensors"))
-    assert sorted(set(index["weight_map"].values())) == shards == sorted(f["name"] for f in result["files"])
-    for f in result["files"]:
-        data = (out / f["name"]).read_bytes()
-        assert len(data) == f["size"] and hashlib.sha256(data).hexdigest() == f["sha256"]
-        with safe_open(out / f["name"], "np") as st_file:
-            assert set(st_file.keys()) == {k for k, v in index["weight_map"].items() if v == f["name"]}
+    assert sorted(set(index["weight_map"].values())) == shards == sorted(f.name for f in result.files)
+    for f in result.files:
+        data = (out / f.name).read_bytes()
+        assert len(data) == f.size and hashlib.sha256(data).hexdigest() == f.sha256
+        with safe_open(out / f.name, "np") as st_file:
+            assert set(st_file.keys()) == {k for k, v in index["weight_map"].items() if v == f.name}
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
 
 

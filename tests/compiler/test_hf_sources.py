@@ -125,8 +125,7 @@ def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
     assert CheckpointSource not in QuantizedSource.__mro__
     ckpt = make_ckpt(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      vocab_size=40)
-    plan = plan_from_dict({"replica_group": {"name": "p", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
-                                             "gpus_per_replica": 2}, "model": {"source": str(ckpt)}})
+    plan = make_plan(2, 1, "bf16", name="p", source=ckpt)
     res = build(plan, tmp_path / "o")
     model = model_from_config(res.manifest.config)
     checkpoint = open_source(str(ckpt))

@@ -333,7 +333,7 @@ def test_a_shard_verify_rejects_is_refused_with_verify_s_line(work, tmp_path, ed
     problem = edit(victim)
     rehash(inp, victim.name)
     report = verify_build(read(inp / "manifest.json"), inp)
-    assert report["problems"] == [f"{victim.name}: {problem}"]
+    assert list(report.problems) == [f"{victim.name}: {problem}"]
     out = tmp_path / "r"
     res = shardc(*reshard_args(inp, out, work["plan"]))
     assert res.returncode == 1, res.stderr
@@ -532,11 +532,11 @@ def test_verify_deep_takes_every_form_of_reference(work, tmp_path, form):
     ref = {"directory": str(src), "file-uri": f"file://{src / 'manifest.json'}", "file-uri-directory": f"file://{src}",
            "checkpoint": str(ckpt), "dequantized": str(src)}[form]
     report = verify_build(read(out / "manifest.json"), out, deep=ref)
-    assert report["ok"], report["problems"]
-    assert all("deep" in r["checks"] for r in report["ranks"])
+    assert report.ok, report.problems
+    assert all("deep" in r.checks for r in report.ranks)
     other = write_checkpoint(tmp_path / "other", llama_config(**GQA), seed=3)
     report = verify_build(read(out / "manifest.json"), out, deep=str(other))
-    assert not report["ok"] and "deep check" in report["problems"][0]
+    assert not report.ok and "deep check" in report.problems[0]
 
 
 def test_ranks_that_hold_only_vocabulary_padding(tmp_path):

@@ -293,5 +293,5 @@ def test_a_nan_payload_survives_reshard_and_the_deep_reference(tmp_path):
     b, e = _tensor_span(shard, name)
     assert shard.read_bytes()[b:e] == want
     report = verify_build(read(out / "manifest.json"), out, deep=str(a))
-    assert report["ok"] and report["problems"] == []
-    assert all(r["ok"] and "deep" in r["checks"] for r in report["ranks"])
+    assert report.ok and report.problems == ()
+    assert all(r.ok and "deep" in r.checks for r in report.ranks)

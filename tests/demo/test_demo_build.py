@@ -40,7 +40,7 @@ def test_demo_16bit_reassembles(demo_src, tmp_path, plan_name):
     if plan.pp > 1:  # tied embeddings: the last stage carries lm_head cut from the embedding
         assert torch.equal(rebuilt["lm_head.weight"], src["model.embed_tokens.weight"])
     report = verify_build(read(res.manifest_path), res.out_dir)
-    assert report["ok"], report["problems"]
+    assert report.ok, report.problems
     assert (res.out_dir / "tokenizer.json").is_file()
 
 

@@ -33,7 +33,7 @@ def test_demo_reshard_export_and_transformers_logits(demo_model_dir, tmp_path):
 
     out = tmp_path / "hf"
     info = export(open_local_input(a.manifest_path), out, max_shard_size=100 * 10**6)
-    assert len(info["files"]) == 3  # 269 MB of bf16 in files of at most 100 MB
+    assert len(info.files) == 3  # 269 MB of bf16 in files of at most 100 MB
     assert (out / "tokenizer.json").read_bytes() == (demo_model_dir / "tokenizer.json").read_bytes()
 
     tok = AutoTokenizer.from_pretrained(out)

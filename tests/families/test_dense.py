@@ -220,5 +220,5 @@ def test_qwen3_reshard_and_gate_against_transformers(tmp_path, demo_model_dir):
     assert digests(resharded) == digests(direct.parent) and len(digests(direct.parent)) == 2
     report = run_gate(base, resharded / "manifest.json", max_tokens=256, window=128, timeout_s=60,
                       reference="transformers")
-    assert report["pass"] and report["baseline"]["scored_by"]["name"] == "transformers"
-    assert abs(report["ppl_delta_pct"]) < 0.5 and report["top1_agreement"] > 0.9
+    assert report.passed and report.baseline.scored_by["name"] == "transformers"
+    assert abs(report.ppl_delta_pct) < 0.5 and report.top1_agreement > 0.9

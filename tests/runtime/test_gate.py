@@ -14,6 +14,7 @@ from manifest_edits import reseal
 from plan_helpers import plan as make_plan
 
 from shardc.errors import ManifestError
+from shardc.results import to_json
 from shardc.runtime.gate import (
     GoldenError,
     Thresholds,
@@ -66,21 +67,21 @@ def _res(nb: np.ndarray, nc: np.ndarray, kl: float = 0.0, agree: float = 1.0) ->
 def test_identical_plans_pass_with_zero_delta():
     nb = np.random.default_rng(0).gamma(2.0, 1.5, size=(8, 63))
     r = summarize(_res(nb, nb.copy()), 8, Thresholds())
-    assert r["pass"] and r["ppl_delta_pct"] == 0.0 and r["ppl_delta_ci95_pct"] == [0.0, 0.0]
-    assert r["baseline_ppl"] == pytest.approx(math.exp(nb.mean()))
-    assert r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0
+    assert r.passed and r.ppl_delta_pct == 0.0 and r.ppl_delta_ci95_pct == (0.0, 0.0)
+    assert r.baseline_ppl == pytest.approx(math.exp(nb.mean()))
+    assert r.kl_mean == 0.0 and r.top1_agreement == 1.0
 
 
 def test_drift_fails_and_thresholds_apply():
     nb = np.random.default_rng(1).gamma(2.0, 1.5, size=(8, 63))
     r = summarize(_res(nb, nb + 0.01, kl=0.02, agree=0.9), 8, Thresholds())
-    assert r["ppl_delta_pct"] == pytest.approx((math.exp(0.01) - 1) * 100)  # +1.005%
-    assert not r["pass"] and [c["name"] for c in r["checks"]] == ["ppl_delta_pct"]
-    lo, hi = r["ppl_delta_ci95_pct"]
-    assert lo == pytest.approx(hi) == pytest.approx(r["ppl_delta_pct"])  # a constant shift
+    assert r.ppl_delta_pct == pytest.approx((math.exp(0.01) - 1) * 100)  # +1.005%
+    assert not r.passed and [c.name for c in r.checks] == ["ppl_delta_pct"]
+    lo, hi = r.ppl_delta_ci95_pct
+    assert lo == pytest.approx(hi) == pytest.approx(r.ppl_delta_pct)  # a constant shift
     r = summarize(_res(nb, nb, kl=0.02, agree=0.9), 8, Thresholds(0.5, max_kl=0.01, min_top1=0.95))
-    assert not r["pass"]
-    assert {c["name"]: c["ok"] for c in r["checks"]} == {
+    assert not r.passed
+    assert {c.name: c.ok for c in r.checks} == {
         "ppl_delta_pct": True, "kl_mean": False, "top1_agreement": False}
 
 
@@ -172,7 +173,7 @@ def test_gate_cli_pass_fail_and_bad_input(synth_builds, tmp_path):
 
 def _numbers(r: dict) -> dict:
     """The report without what may differ between equal runs (timings, the cache's own status)."""
-    return {k: v for k, v in r.items() if k not in ("seconds", "baseline_cache")}
+    return {k: v for k, v in to_json(r).items() if k not in ("seconds", "baseline_cache")}
 
 
 @pytest.mark.heavy
@@ -188,20 +189,20 @@ def test_baseline_cache_is_identical_and_keyed(synth_builds, tmp_path):
     kw = {"max_tokens": 256, "window": 64, "timeout_s": 60.0}
     base, cand = synth_builds["tp1pp1"], synth_builds["tp2pp2"]
     fresh = run_gate(base, cand, **kw)
-    assert fresh["baseline_cache"]["status"] == "none"
+    assert fresh.baseline_cache.status == "none"
     cache = tmp_path / "base.safetensors"
     notes: list[str] = []
     written = run_gate(base, cand, baseline_cache=cache, note=notes.append, **kw)
-    assert written["baseline_cache"]["status"] == "new" and cache.is_file() and not notes
+    assert written.baseline_cache.status == "new" and cache.is_file() and not notes
     hit = run_gate(base, cand, baseline_cache=cache, note=notes.append, **kw)
-    assert hit["baseline_cache"]["status"] == "hit" and hit["seconds"]["baseline_compute"] is None
+    assert hit.baseline_cache.status == "hit" and hit.seconds.baseline_compute is None
     assert _numbers(fresh) == _numbers(written) == _numbers(hit)
 
     other = run_gate(synth_builds["other"], cand, baseline_cache=cache, note=notes.append, **kw)
-    assert other["baseline_cache"]["status"] == "stale"
+    assert other.baseline_cache.status == "stale"
     assert len(notes) == 1 and "another baseline" in notes[0] and "recomputing" in notes[0]
     assert _numbers(other) == _numbers(run_gate(synth_builds["other"], cand, **kw))
-    assert other["baseline_ppl"] != fresh["baseline_ppl"]
+    assert other.baseline_ppl != fresh.baseline_ppl
 
     windows = torch.tensor(make_windows(_ids(base), 64, 256))
     lb, lc = (torch.log_softmax(score(open_build(m), windows, return_logits=True)["logits"][:, :-1]
@@ -379,7 +380,7 @@ def _hf_baseline_ppl(build: Path, windows: list[list[int]]) -> float:
         torch.set_num_threads(threads)
     nll = -lp.gather(-1, rows[:, 1:, None])[..., 0].double()
     res = {"nll_base": nll, "nll_cand": nll, "kl": torch.zeros_like(nll), "top1": torch.ones_like(nll, dtype=torch.bool)}
-    return summarize(res, len(windows), Thresholds())["baseline_ppl"]
+    return summarize(res, len(windows), Thresholds()).baseline_ppl
 
 
 REF = {"max_tokens": 512, "window": 256, "timeout_s": 120.0}
@@ -397,17 +398,17 @@ def test_demo_reference_transformers_agrees_with_shardc(demo_builds, tmp_path):
     base = demo_builds["tp1pp1"]
     cache = tmp_path / "baseline.safetensors"
     ours = run_gate(base, base, baseline_cache=cache, **REF)
-    assert ours["baseline_cache"]["status"] == "new" and "scored_by" not in ours["baseline"]
-    assert ours["pass"] and ours["baseline_ppl"] == ours["candidate_ppl"] and ours["kl_mean"] == 0.0
+    assert ours.baseline_cache.status == "new" and ours.baseline.scored_by is None
+    assert ours.passed and ours.baseline_ppl == ours.candidate_ppl and ours.kl_mean == 0.0
     notes: list[str] = []
     theirs = run_gate(base, base, baseline_cache=cache, note=notes.append, reference="transformers", **REF)
-    assert theirs["baseline_cache"]["status"] == "stale"
+    assert theirs.baseline_cache.status == "stale"
     assert notes == [f"baseline cache {cache} is of another baseline (reference shardc != transformers); recomputing it"]
-    assert theirs["baseline"]["scored_by"]["name"] == "transformers" and theirs["pass"]
-    assert theirs["candidate_ppl"] == ours["baseline_ppl"]
+    assert theirs.baseline.scored_by["name"] == "transformers" and theirs.passed
+    assert theirs.candidate_ppl == ours.baseline_ppl
     windows = make_windows(_ids(base), REF["window"], REF["max_tokens"])
-    assert theirs["baseline_ppl"] == _hf_baseline_ppl(base.parent, windows)
-    assert theirs["ppl_delta_pct"] == 0.0 and theirs["kl_mean"] == 0.0 and theirs["top1_agreement"] == 1.0
+    assert theirs.baseline_ppl == _hf_baseline_ppl(base.parent, windows)
+    assert theirs.ppl_delta_pct == 0.0 and theirs.kl_mean == 0.0 and theirs.top1_agreement == 1.0
 
 
 @pytest.mark.heavy

@@ -25,14 +25,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from shardc.runtime.gate import (  # noqa: E402
+from shardc.runtime.gate import golden_text  # noqa: E402
+from shardc.runtime.gate_cache import (  # noqa: E402
     CACHE_DIGEST,
     CACHE_META,
     SECRET_ENV,
     GateCacheError,
     check_cache,
     check_cache_location,
-    golden_text,
     seal_cache,
 )
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch")
 
 from shardc.errors import ShardcError  # noqa: E402
-from shardc.runtime.gate import CACHE_META, check_cache, seal_cache  # noqa: E402
+from shardc.runtime.gate_cache import CACHE_META, check_cache, seal_cache  # noqa: E402
 
 FUZZ = settings(max_examples=100, deadline=2000, suppress_health_check=[HealthCheck.too_slow],
                 database=None)

@@ -54,8 +54,8 @@ def test_summarize_equals_torch_recomputation():
     res = {k: want[k].numpy() for k in ("nll_base", "nll_cand", "kl", "top1")}
     got = summarize(res, 4, Thresholds())
     for k in ("baseline_ppl", "candidate_ppl", "ppl_delta_pct", "kl_mean", "kl_p99", "top1_agreement"):
-        assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
-    assert got["positions"] == 200
+        assert getattr(got, k) == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
+    assert got.positions == 200
 
 
 def test_bootstrap_interval_is_the_extreme_window_deltas():
@@ -87,18 +87,18 @@ def test_the_limit_applies_to_the_absolute_delta(pct, ok):
     nb = np.full((2, 10), 2.0)
     nc = nb + math.log(1 + pct / 100)
     r = summarize({"nll_base": nb, "nll_cand": nc, "kl": np.zeros(20), "top1": np.ones(20, bool)}, 2, Thresholds())
-    assert r["ppl_delta_pct"] == pytest.approx(pct, rel=1e-9)
-    assert r["pass"] is ok
+    assert r.ppl_delta_pct == pytest.approx(pct, rel=1e-9)
+    assert r.passed is ok
 
 
 def test_max_kl_and_min_top1_are_inclusive_limits():
     nb = np.full((1, 8), 2.0)
     res = {"nll_base": nb, "nll_cand": nb, "kl": np.full(8, 0.25), "top1": np.arange(8) < 6}
-    assert summarize(res, 1, Thresholds(max_kl=0.25, min_top1=0.75))["pass"]
+    assert summarize(res, 1, Thresholds(max_kl=0.25, min_top1=0.75)).passed
     r = summarize(res, 1, Thresholds(max_kl=0.2499))
-    assert not r["pass"] and [c["ok"] for c in r["checks"]] == [True, False]
+    assert not r.passed and [c.ok for c in r.checks] == [True, False]
     r = summarize(res, 1, Thresholds(min_top1=0.7501))
-    assert not r["pass"] and [c["name"] for c in r["checks"] if not c["ok"]] == ["top1_agreement"]
+    assert not r.passed and [c.name for c in r.checks if not c.ok] == ["top1_agreement"]
 
 
 # -- end to end: the CLI's report against transformers on the source checkpoints ------------------------------

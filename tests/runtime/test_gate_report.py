@@ -22,13 +22,13 @@ from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
 
+from shardc.results import to_json  # noqa: E402
 from shardc.runtime.gate import (  # noqa: E402
     GATE_CPU_THREADS,
     GoldenError,
     Thresholds,
     cache_key,
     check_cache,
-    format_report,
     golden_text,
     make_windows,
     paired_bootstrap_ci,
@@ -36,24 +36,38 @@ from shardc.runtime.gate import (  # noqa: E402
     run_gate,
     summarize,
 )
+from shardc.runtime.gate_report import (  # noqa: E402
+    CacheRecord,
+    CacheStatus,
+    GateCheck,
+    GateReport,
+    GateSeconds,
+    GateSide,
+    GoldenRecord,
+    Metric,
+    format_report,
+)
 
 
 # -- format_report ----------------------------------------------------------------------------------------
-def _report(passed: bool) -> dict:
-    return {
-        "pass": passed,
-        "baseline": {"plan": "b-plan", "tp": 1, "pp": 2, "dtype": "bf16"},
-        "candidate": {"plan": "c-plan", "tp": 4, "pp": 1, "dtype": "int8"},
-        "golden": {"source": "pydoc", "windows": 3, "window": 64},
-        "positions": 189,
-        "baseline_ppl": 12.345678, "candidate_ppl": 12.5,
-        "ppl_delta_pct": 1.2500049, "ppl_delta_ci95_pct": [-0.25, 2.75],
-        "kl_mean": 0.00123456, "kl_p99": 0.0456, "top1_agreement": 0.98765,
-        "checks": [
-            {"name": "ppl_delta_pct", "value": 1.2500049, "limit": 0.5, "rule": "abs(value) <= limit", "ok": False},
-            {"name": "kl_mean", "value": 0.00123456, "limit": 0.01, "rule": "value <= limit", "ok": True},
-        ],
-    }
+def _report(passed: bool) -> GateReport:
+    """A report with the figures the text shows (the rest: placeholders the text does not read)."""
+    return GateReport(
+        passed=passed,
+        baseline=GateSide("b-plan", "b/manifest.json", "0" * 64, 1, 2, "bf16"),
+        candidate=GateSide("c-plan", "c/manifest.json", "1" * 64, 4, 1, "int8"),
+        golden=GoldenRecord("pydoc", "2" * 64, 200, 3, 64, 192),
+        positions=189,
+        baseline_ppl=12.345678, candidate_ppl=12.5,
+        ppl_delta_pct=1.2500049, ppl_delta_ci95_pct=(-0.25, 2.75),
+        kl_mean=0.00123456, kl_p99=0.0456, top1_agreement=0.98765,
+        checks=(
+            GateCheck(Metric.PPL_DELTA_PCT, 1.2500049, 0.5, "abs(value) <= limit", False),
+            GateCheck(Metric.KL_MEAN, 0.00123456, 0.01, "value <= limit", True),
+        ),
+        thresholds=Thresholds(0.5, max_kl=0.01), baseline_cache=CacheRecord(None, CacheStatus.NONE),
+        seconds=GateSeconds(1.0, 0.5, 0.1, 0.5, 0.1),
+    )
 
 
 def test_format_report_text_is_exact():
@@ -186,7 +200,7 @@ def test_run_gate_report_and_cache(builds, tmp_path):
     t0 = time.perf_counter()
     first = run_gate(builds["tp1pp1"], builds["tp1pp2"], baseline_cache=cache, note=notes.append, **kw)
     elapsed = time.perf_counter() - t0
-    assert first["baseline_cache"] == {"path": str(cache), "status": "stale"}
+    assert to_json(first.baseline_cache) == {"path": str(cache), "status": "stale"}
     assert len(notes) == 1 and notes[0].startswith(f"baseline cache {cache} is of another baseline (unreadable")
     assert notes[0].endswith("; recomputing it")
     windows = make_windows(ids, 32, 96)
@@ -200,34 +214,35 @@ def test_run_gate_report_and_cache(builds, tmp_path):
         "golden_sha256": hashlib.sha256(text.encode()).hexdigest(), "window": 32, "max_tokens": 96,
         "windows_sha256": hashlib.sha256(json.dumps(windows).encode()).hexdigest()}
     assert GATE_CPU_THREADS == 1
-    assert first["golden"] == {"source": str(builds["golden"]), "sha256": hashlib.sha256(text.encode()).hexdigest(),
+    assert to_json(first.golden) == {"source": str(builds["golden"]), "sha256": hashlib.sha256(text.encode()).hexdigest(),
                                "text_tokens": len(ids), "windows": 3, "window": 32, "tokens": 96}
     assert len(ids) == 151 and ids[-1] == 0  # "zzz" is unknown to the word-level vocabulary
-    assert first["thresholds"] == {"max_ppl_delta_pct": 0.75, "max_kl": 0.5, "min_top1": 0.25}
-    assert [c["name"] for c in first["checks"]] == ["ppl_delta_pct", "kl_mean", "top1_agreement"]
-    assert first["positions"] == 3 * 31 and first["pass"]
+    assert to_json(first.thresholds) == {"max_ppl_delta_pct": 0.75, "max_kl": 0.5, "min_top1": 0.25}
+    assert [c.name for c in first.checks] == ["ppl_delta_pct", "kl_mean", "top1_agreement"]
+    assert first.positions == 3 * 31 and first.passed
     for side, name, tp, pp in (("baseline", "mg-tp1pp1", 1, 1), ("candidate", "mg-tp1pp2", 1, 2)):
         m = json.loads(builds[f"tp{tp}pp{pp}"].read_text())
-        assert first[side] == {"plan": name, "manifest": str(builds[f"tp{tp}pp{pp}"].resolve()),
+        assert to_json(getattr(first, side)) == {"plan": name, "manifest": str(builds[f"tp{tp}pp{pp}"].resolve()),
                                "plan_sha256": m["plan_sha256"], "tp": tp, "pp": pp, "dtype": "bf16"}
-    s = first["seconds"]
+    s = to_json(first.seconds)
     assert set(s) == {"wall", "compute", "load", "baseline_compute", "baseline_load"}
     assert all(isinstance(s[k], float) and s[k] > 0 for k in s)
     assert s["compute"] < s["wall"] <= elapsed and s["baseline_compute"] < s["wall"]
 
     hit = run_gate(builds["tp1pp1"], builds["tp1pp2"], baseline_cache=cache, note=notes.append, **kw)
-    assert hit["baseline_cache"] == {"path": str(cache), "status": "hit"} and len(notes) == 1
-    assert hit["seconds"]["baseline_compute"] is None and hit["seconds"]["baseline_load"] is None
+    assert to_json(hit.baseline_cache) == {"path": str(cache), "status": "hit"} and len(notes) == 1
+    assert hit.seconds.baseline_compute is None and hit.seconds.baseline_load is None
     plain = run_gate(builds["tp1pp1"], builds["tp1pp2"], **kw)
-    assert plain["baseline_cache"] == {"path": None, "status": "none"}
+    assert to_json(plain.baseline_cache) == {"path": None, "status": "none"}
     assert _tmp_gate_files() == before  # the scratch logits are gone (outside torchrun, whatever the plan)
     assert cache.is_file()  # a named cache is kept
     drop = ("seconds", "baseline_cache")
-    assert {k: v for k, v in first.items() if k not in drop} == {k: v for k, v in hit.items() if k not in drop} \
-        == {k: v for k, v in plain.items() if k not in drop}
+    assert {k: v for k, v in to_json(first).items() if k not in drop} \
+        == {k: v for k, v in to_json(hit).items() if k not in drop} \
+        == {k: v for k, v in to_json(plain).items() if k not in drop}
     # a default-threshold report has the delta check alone
     assert summarize({"nll_base": np.ones((1, 4)), "nll_cand": np.ones((1, 4)), "kl": np.zeros(4),
-                      "top1": np.ones(4, bool)}, 1, Thresholds())["checks"][0]["limit"] == 0.5
+                      "top1": np.ones(4, bool)}, 1, Thresholds()).checks[0].limit == 0.5
 
 
 # -- pure parts the earlier tests left loose -------------------------------------------------------------------
@@ -237,11 +252,11 @@ def test_summarize_p99_and_positions_from_hand_arrays():
     nc = np.full((1, 100), math.log(1.01))
     r = summarize({"nll_base": nb, "nll_cand": nc, "kl": np.arange(100.0), "top1": np.arange(100) < 37}, 1,
                   Thresholds(1.5))
-    assert r["kl_p99"] == pytest.approx(98.01, rel=1e-12) and r["kl_mean"] == pytest.approx(49.5)
-    assert r["top1_agreement"] == pytest.approx(0.37) and r["positions"] == 100
-    assert r["ppl_delta_pct"] == pytest.approx(1.0, rel=1e-9) and r["pass"]
-    assert r["baseline_ppl"] == 1.0 and r["candidate_ppl"] == pytest.approx(1.01)
-    assert r["ppl_delta_ci95_pct"] == pytest.approx([1.0, 1.0], rel=1e-9)
+    assert r.kl_p99 == pytest.approx(98.01, rel=1e-12) and r.kl_mean == pytest.approx(49.5)
+    assert r.top1_agreement == pytest.approx(0.37) and r.positions == 100
+    assert r.ppl_delta_pct == pytest.approx(1.0, rel=1e-9) and r.passed
+    assert r.baseline_ppl == 1.0 and r.candidate_ppl == pytest.approx(1.01)
+    assert r.ppl_delta_ci95_pct == pytest.approx((1.0, 1.0), rel=1e-9)
 
 
 def test_single_window_bootstrap_resamples_positions():
@@ -374,9 +389,9 @@ def test_summarize_sums_float32_inputs_in_float64():
     exact = math.fsum(a.astype(np.float64).tolist()) / a.size
     r = summarize({"nll_base": a, "nll_cand": a * np.float32(2), "kl": a,
                    "top1": np.ones(a.size, bool)}, 4, Thresholds())
-    assert r["kl_mean"] == pytest.approx(exact, rel=1e-12)
-    assert r["baseline_ppl"] == pytest.approx(math.exp(exact), rel=1e-12)
-    assert r["candidate_ppl"] == pytest.approx(math.exp(2 * exact), rel=1e-12)
+    assert r.kl_mean == pytest.approx(exact, rel=1e-12)
+    assert r.baseline_ppl == pytest.approx(math.exp(exact), rel=1e-12)
+    assert r.candidate_ppl == pytest.approx(math.exp(2 * exact), rel=1e-12)
 
 
 def test_different_models_message_is_exact(builds):
@@ -410,18 +425,18 @@ def test_summarize_checks_are_exact_records_and_reproducible():
     res = {"nll_base": nb, "nll_cand": nc, "kl": np.full(120, 0.25), "top1": np.arange(120) < 90}
     r = summarize(res, 6, Thresholds(2.0, max_kl=0.3, min_top1=0.8))
     delta = (math.exp((nc.sum() - nb.sum()) / nb.size) - 1) * 100
-    assert r["checks"] == [
+    assert to_json(r.checks) == [
         {"name": "ppl_delta_pct", "value": pytest.approx(delta, rel=1e-9), "limit": 2.0,
          "rule": "abs(value) <= limit", "ok": abs(delta) <= 2.0},
         {"name": "kl_mean", "value": 0.25, "limit": 0.3, "rule": "value <= limit", "ok": True},
         {"name": "top1_agreement", "value": 0.75, "limit": 0.8, "rule": "value >= limit", "ok": False},
     ]
-    assert r["pass"] is False
+    assert r.passed is False
     again = summarize({k: v.copy() for k, v in res.items()}, 6, Thresholds())
-    assert again["ppl_delta_ci95_pct"] == r["ppl_delta_ci95_pct"]
-    assert again["ppl_delta_ci95_pct"][0] < delta < again["ppl_delta_ci95_pct"][1]
+    assert again.ppl_delta_ci95_pct == r.ppl_delta_ci95_pct
+    assert again.ppl_delta_ci95_pct[0] < delta < again.ppl_delta_ci95_pct[1]
     # identical plans: delta exactly 0, and a 0% limit is met (the limit is inclusive)
-    assert summarize({**res, "nll_cand": nb.copy()}, 6, Thresholds(0.0))["pass"] is True
+    assert summarize({**res, "nll_cand": nb.copy()}, 6, Thresholds(0.0)).passed is True
 
 
 def test_two_windows_are_resampled_as_blocks():

@@ -143,18 +143,18 @@ def test_local_round_trip(builds, tmp_path, dtype, scheme, compress):
     store = tmp_path / "store"
     uri = f"file://{store}" if scheme == "file" else str(store)
     res = push_build(b.manifest_path, uri, compress=compress)
-    assert res["uploaded"] == len(res["objects"]) and (store / "manifest.json").is_file()
-    assert all((store / o["object"]).is_file() for o in res["objects"])
+    assert res.uploaded == len(res.objects) and (store / "manifest.json").is_file()
+    assert all((store / o.object).is_file() for o in res.objects)
     again = push_build(b.manifest_path, uri, compress=compress)
-    assert again["uploaded"] == 0 and again["manifest"] == "unchanged"
+    assert again.uploaded == 0 and again.manifest == "unchanged"
 
     dest = tmp_path / "node"
     out = pull_build(f"{uri}/manifest.json", dest, fsync_downloads=dtype == "fp8")  # both commits
-    assert out["verify"]["ok"] and len(out["verify"]["ranks"]) == len(b.manifest.shards)
+    assert out.verify.ok and len(out.verify.ranks) == len(b.manifest.shards)
     assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
     again = pull_build(uri, dest)  # a directory URI means its manifest.json
-    assert again["downloaded"] == 0 and again["present"] == len(out["files"])
+    assert again.downloaded == 0 and again.present == len(out.files)
 
 
 @needs_zstd
@@ -183,7 +183,7 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
     b = builds[dtype]
     uri = f"s3://{bucket}/models/{dtype}"
     res = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint, compress=compress, progress=True)
-    assert res["manifest_uri"] == f"{uri}/manifest.json" and res["uploaded"] == len(res["objects"])
+    assert res.manifest_uri == f"{uri}/manifest.json" and res.uploaded == len(res.objects)
 
     c = s3.client()
     shard = b.manifest.shards[0].to_dict(version=1)
@@ -223,11 +223,11 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
     assert run_cli("verify", "--manifest", f"{uri}/manifest.json", "--endpoint-url", s3.endpoint).exit_code == 2
 
     full = pull_build(f"{uri}/manifest.json", dest, endpoint_url=s3.endpoint)
-    assert full["present"] == 2 + len(index) and full["downloaded"] == len(b.manifest.shards) - 1
+    assert full.present == 2 + len(index) and full.downloaded == len(b.manifest.shards) - 1
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
 
     again = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint, compress=compress)
-    assert again["uploaded"] == 0 and again["bytes_uploaded"] == 0 and again["manifest"] == "unchanged"
+    assert again.uploaded == 0 and again.bytes_uploaded == 0 and again.manifest == "unchanged"
 
 
 def test_cli_push_pull_and_build_upload(builds, s3, bucket, tmp_path, monkeypatch):
@@ -268,7 +268,7 @@ def test_default_destination_is_plan_manifest_uri(builds, tmp_path):
     data["model"]["source"] = src["source"]["uri"]
     b = build(plan_from_dict(data), out_dir=tmp_path / "b")
     res = push_build(b.manifest_path)
-    assert res["manifest_uri"] == f"{tmp_path}/pub/v1/manifest.json"
+    assert res.manifest_uri == f"{tmp_path}/pub/v1/manifest.json"
     assert (tmp_path / "pub" / "v1" / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
 
 
@@ -301,8 +301,8 @@ def test_repush_replaces_changed_objects_behind_the_manifest(builds, s3, bucket)
     c = s3.client()
     c.delete_object(Bucket=bucket, Key=f"re/{b.manifest.shards[1].file}")
     res = push_build(b.manifest_path, uri, endpoint_url=s3.endpoint)
-    assert res["uploaded"] == 1 and res["present"] == 2 and res["manifest"] == "uploaded"
-    assert [o["action"] for o in res["objects"]] == ["present", "present", "uploaded"]
+    assert res.uploaded == 1 and res.present == 2 and res.manifest == "uploaded"
+    assert [o.action for o in res.objects] == ["present", "present", "uploaded"]
 
 
 @pytest.mark.heavy
@@ -337,7 +337,7 @@ def test_interrupted_push_resumes(builds, s3, proxy, bucket, tmp_path):
     assert res.exit_code == 0, res.output
     assert c.list_multipart_uploads(Bucket=bucket).get("Uploads") is None  # leftovers aborted
     out = pull_build(f"{uri}/manifest.json", tmp_path / "node", endpoint_url=s3.endpoint)
-    assert out["verify"]["ok"]
+    assert out.verify.ok
     assert {k: v for k, v in tree(tmp_path / "node").items() if k != "manifest.json"} == build_files(b)
 
 
@@ -397,7 +397,7 @@ def test_corrupted_local_store_and_bad_local_files(builds, tmp_path):
     good = (b.out_dir / victim).read_bytes()
     (dest / victim).write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
     out = pull_build(str(tmp_path / "good" / "manifest.json"), dest)
-    assert out["verify"]["ok"] and (dest / victim).read_bytes() == good
+    assert out.verify.ok and (dest / victim).read_bytes() == good
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])
@@ -448,7 +448,7 @@ def test_push_and_pull_survive_faults(builds, s3, proxy, tmp_path, compress):
         proxy.faults = Faults()
     statuses = {str(r.status) for r in proxy.log}
     assert {"500", "reset", "cut"} <= statuses  # the faults really happened
-    assert out["verify"]["ok"]
+    assert out.verify.ok
     assert {k: v for k, v in tree(tmp_path / "a").items() if k != "manifest.json"} == build_files(b)
 
 
@@ -581,7 +581,7 @@ def test_pull_of_many_parts_per_file_completes(builds, s3, bucket, tmp_path, mon
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         fut = pool.submit(pull_build, f"{uri}/manifest.json", dest, endpoint_url=s3.endpoint)
         out = fut.result(timeout=120)
-    assert out["verify"]["ok"]
+    assert out.verify.ok
     assert {k: v for k, v in tree(dest).items() if k != "manifest.json"} == build_files(b)
 
 
@@ -720,7 +720,7 @@ def test_planted_symlinks_at_temp_names_redirect_nothing(builds, tmp_path):
             (d / f".{name}.partial-{pid}").symlink_to(victim)
     push_build(b.manifest_path, str(store))
     out = pull_build(str(store / "manifest.json"), dest)
-    assert out["verify"]["ok"] and out["downloaded"] == len(build_files(b))
+    assert out.verify.ok and out.downloaded == len(build_files(b))
     assert victim.read_bytes() == b"precious"
     for d in (store, dest):
         assert (d / "manifest.json").read_bytes() == b.manifest_path.read_bytes()

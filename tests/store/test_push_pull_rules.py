@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from manifest_edits import reseal
@@ -33,6 +34,7 @@ from plan_helpers import plan as make_plan
 from s3server import Faults
 
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
+from shardc.results import to_json
 from shardc.store import S3Settings, pull_build, push_build
 from shardc.store.pull import fetch_manifest
 
@@ -127,7 +129,8 @@ def _expected_report(store: Path, src: Path, sizes: dict[str, int], objects: dic
             "removed": []}  # nothing replaced (#25 item 12: store/test_store_hostile.py)
 
 
-def _seconds(res: dict) -> dict:
+def _seconds(res: Any) -> dict:
+    res = to_json(res)  # the report's JSON form, the keys --json prints
     s = res.pop("seconds")
     assert isinstance(s, float) and 0 <= s < 60 and s == round(s, 3)
     return res
@@ -185,7 +188,7 @@ def test_compressed_push_over_a_same_size_build_replaces_every_shard(twins, tmp_
     push_build(twins["a"].manifest_path, str(store), compress="zstd")
     # b is built from another source: replacing a's build must be asked for (#25 item 12)
     res = push_build(twins["b"].manifest_path, str(store), compress="zstd", replace=True)
-    assert [o["action"] for o in res["objects"]] == ["present", "uploaded", "uploaded"]
+    assert [o.action for o in res.objects] == ["present", "uploaded", "uploaded"]
     for f in (SHARD0, SHARD1):
         assert unzstd(store / (f + ".zst")) == (twins["b"].out_dir / f).read_bytes()
 
@@ -197,7 +200,7 @@ def test_a_changed_manifest_alone_is_rewritten(twins, tmp_path):
     push_build(a.manifest_path, str(store))
     (store / "manifest.json").write_bytes(b"{}")
     res = push_build(a.manifest_path, str(store), replace=True)  # unreadable: asked for (#25 item 12)
-    assert res["manifest"] == "uploaded" and res["uploaded"] == 0 and res["present"] == 3
+    assert res.manifest == "uploaded" and res.uploaded == 0 and res.present == 3
     assert (store / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
 
@@ -207,8 +210,8 @@ def test_a_missing_object_is_uploaded_and_the_manifest_rewritten(twins, tmp_path
     push_build(a.manifest_path, str(store))
     (store / SHARD1).unlink()
     res = push_build(a.manifest_path, str(store))
-    assert [o["action"] for o in res["objects"]] == ["present", "present", "uploaded"]
-    assert res["manifest"] == "uploaded" and res["bytes_uploaded"] == (a.out_dir / SHARD1).stat().st_size
+    assert [o.action for o in res.objects] == ["present", "present", "uploaded"]
+    assert res.manifest == "uploaded" and res.bytes_uploaded == (a.out_dir / SHARD1).stat().st_size
     assert (store / SHARD1).read_bytes() == (a.out_dir / SHARD1).read_bytes()
     assert (store / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
@@ -237,7 +240,7 @@ def test_s3_object_with_the_right_sha256_but_wrong_size_is_replaced(twins, s3):
     good = (a.out_dir / SHARD0).read_bytes()
     c.put_object(Bucket=bkt, Key=f"p/{SHARD0}", Body=good[:-1], Metadata={"sha256": sha(good)})
     res = push_build(a.manifest_path, uri, endpoint_url=server.endpoint)
-    assert [o["action"] for o in res["objects"]] == ["present", "uploaded", "present"]
+    assert [o.action for o in res.objects] == ["present", "uploaded", "present"]
     assert c.get_object(Bucket=bkt, Key=f"p/{SHARD0}")["Body"].read() == good
 
 
@@ -256,14 +259,14 @@ def test_s3_zst_object_without_its_own_sha256_is_replaced(twins, s3, tmp_path):
     assert meta["content-sha256"] == sha(a.out_dir / SHARD0) and meta["codec"] == "zstd"
     c.put_object(Bucket=bkt, Key=key, Body=body, Metadata={k: v for k, v in meta.items() if k != "sha256"})
     res = push_build(a.manifest_path, uri, endpoint_url=server.endpoint, compress="zstd")
-    assert [o["action"] for o in res["objects"]] == ["present", "uploaded", "present"]
+    assert [o.action for o in res.objects] == ["present", "uploaded", "present"]
     stored = c.get_object(Bucket=bkt, Key=key)
     data = stored["Body"].read()
     assert stored["Metadata"]["sha256"] == sha(data)
     remote = json.loads(c.get_object(Bucket=bkt, Key="z/manifest.json")["Body"].read())
     assert remote["shards"][SHARD0]["compressed"]["sha256"] == sha(data)
     pulled = pull_build(f"{uri}/manifest.json", tmp_path / "node", endpoint_url=server.endpoint)
-    assert pulled["verify"]["ok"]
+    assert pulled.verify.ok
 
 
 def _manifest_requests(log, bkt: str) -> list[str]:
@@ -376,11 +379,11 @@ def test_push_destinations(twins, tmp_path):
     a = twins["a"]
     store = tmp_path / "store"
     res = push_build(a.manifest_path, f"{store}/v1.json")
-    assert res["manifest_uri"] == f"{store}/v1.json" and res["dest"] == str(store)
+    assert res.manifest_uri == f"{store}/v1.json" and res.dest == str(store)
     assert (store / "v1.json").read_bytes() == a.manifest_path.read_bytes()
     assert not (store / "manifest.json").exists()
     res = push_build(a.manifest_path, f"{tmp_path}/otherX/")  # only the slash is stripped
-    assert res["dest"] == f"{tmp_path}/otherX" and res["manifest_uri"] == f"{tmp_path}/otherX/manifest.json"
+    assert res.dest == f"{tmp_path}/otherX" and res.manifest_uri == f"{tmp_path}/otherX/manifest.json"
     assert (tmp_path / "otherX" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
     from shardc.formats.manifest import read
@@ -468,9 +471,9 @@ def test_pull_report_of_one_rank_then_all(twins, tmp_path, compress):
     size = {f: (a.out_dir / f).stat().st_size for f in FILES}
 
     res = pull_build(uri, dest, ranks=[(1, 0)])
-    verify = res.pop("verify")
-    assert verify["ok"] and [r["rank"] for r in verify["ranks"]] == [1]
-    assert _seconds(res) == {
+    verify = res.verify
+    assert verify.ok and [r.rank for r in verify.ranks] == [1]
+    assert {k: v for k, v in _seconds(res).items() if k != "verify"} == {
         "manifest_uri": uri, "dest": str(dest), "manifest": str(dest / "manifest.json"),
         "ranks": [{"file": SHARD1, "tp_rank": 1, "pp_stage": 0, "rank": 1}],
         "files": [{"name": f, "size": size[f], "action": "downloaded"} for f in ("config.json", SHARD1)],
@@ -479,11 +482,11 @@ def test_pull_report_of_one_rank_then_all(twins, tmp_path, compress):
     kept = {f: stat_key(dest / f) for f in ("config.json", SHARD1)}
 
     res = pull_build(uri, dest)
-    assert res["files"] == [{"name": "config.json", "size": size["config.json"], "action": "present"},
+    assert to_json(res.files) == [{"name": "config.json", "size": size["config.json"], "action": "present"},
                             {"name": SHARD0, "size": size[SHARD0], "action": "downloaded"},
                             {"name": SHARD1, "size": size[SHARD1], "action": "present"}]
-    assert res["downloaded"] == 1 and res["present"] == 2 and res["bytes_downloaded"] == stored[SHARD0]
-    assert [r["rank"] for r in res["ranks"]] == [0, 1]
+    assert res.downloaded == 1 and res.present == 2 and res.bytes_downloaded == stored[SHARD0]
+    assert [r.rank for r in res.ranks] == [0, 1]
     assert {f: stat_key(dest / f) for f in ("config.json", SHARD1)} == kept
     for f in [*FILES, "manifest.json"]:
         assert (dest / f).read_bytes() == (a.out_dir / f).read_bytes()
@@ -492,11 +495,11 @@ def test_pull_report_of_one_rank_then_all(twins, tmp_path, compress):
 def test_pull_rank_selection(twins, tmp_path):
     uri = _pushed(twins, tmp_path)
     res = pull_build(uri, tmp_path / "n1", ranks=[(1, 0), (0, 0), (1, 0)])
-    assert [r["rank"] for r in res["ranks"]] == [0, 1]
+    assert [r.rank for r in res.ranks] == [0, 1]
     res = pull_build(uri, tmp_path / "n2", ranks=[(1, 0)], global_ranks=[0, 1])
-    assert [r["file"] for r in res["ranks"]] == [SHARD0, SHARD1]
+    assert [r.file for r in res.ranks] == [SHARD0, SHARD1]
     res = pull_build(uri, tmp_path / "n3", global_ranks=[0])
-    assert [r["file"] for r in res["ranks"]] == [SHARD0]
+    assert [r.file for r in res.ranks] == [SHARD0]
     assert sorted(os.listdir(tmp_path / "n3")) == sorted(["config.json", SHARD0, "manifest.json"])
 
     with pytest.raises(ManifestError) as exc:
@@ -606,7 +609,7 @@ def test_a_present_file_must_match_by_hash(twins, tmp_path):
     with open(dest / SHARD1, "ab") as f:
         f.write(b"\0")  # other size
     res = pull_build(uri, dest)
-    assert [f["action"] for f in res["files"]] == ["present", "downloaded", "downloaded"]
+    assert [f.action for f in res.files] == ["present", "downloaded", "downloaded"]
     for f in FILES:
         assert (dest / f).read_bytes() == (a.out_dir / f).read_bytes()
 
@@ -703,7 +706,7 @@ def test_pushing_a_manifest_in_the_stores_form_records_only_what_it_stored(twins
         else:
             assert "compressed" not in second["shards"][f] and (store / f).is_file()
     res = pull_build(str(store), tmp_path / "node")
-    assert res["verify"]["ok"]
+    assert res.verify.ok
     assert (tmp_path / "node" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
 

@@ -56,7 +56,7 @@ def test_push_over_a_same_size_build_replaces_every_shard(twins, tmp_path, s3, a
     uri, kw = _dest(kind, tmp_path, s3, f"same-size-{kind}")
     push_build(twins["a"].manifest_path, uri, **kw)
     res = push_build(twins["b"].manifest_path, uri, replace=True, **kw)  # another source (#25 item 12)
-    shard_actions = {o["file"]: o["action"] for o in res["objects"] if o["file"].endswith(".safetensors")}
+    shard_actions = {o.file: o.action for o in res.objects if o.file.endswith(".safetensors")}
     assert set(shard_actions.values()) == {"uploaded"}, shard_actions
     pull_build(f"{uri}/manifest.json", tmp_path / "pulled", **kw)
     assert _digests(tmp_path / "pulled", twins["b"].manifest) == _digests(twins["b"].out_dir, twins["b"].manifest)

@@ -183,7 +183,7 @@ def test_repush_of_the_same_plan_and_source_is_allowed(builds, tmp_path):
     store = tmp_path / "store"
     push_build(builds["a"] / "manifest.json", str(store))
     again = push_build(builds["a_again"] / "manifest.json", str(store))  # a rebuild, elsewhere
-    assert again["manifest"] == "unchanged" and again["removed"] == []
+    assert again.manifest == "unchanged" and again.removed == ()
     assert shardc("push", "--manifest", str(builds["a"] / "manifest.json"), "--to", str(store), "-q").returncode == 0
 
 
@@ -195,7 +195,7 @@ def test_push_of_the_same_plan_from_another_source_is_refused(builds, tmp_path):
         push_build(builds["a_other_source"] / "manifest.json", str(store))
     assert "--replace" in exc.value.hint and tree(store) == before
     res = push_build(builds["a_other_source"] / "manifest.json", str(store), replace=True)
-    assert res["removed"] == []  # same file names: every old object was overwritten
+    assert res.removed == ()  # same file names: every old object was overwritten
     assert tree(store) == tree(builds["a_other_source"])
 
 
@@ -214,7 +214,7 @@ def test_push_over_an_unreadable_manifest_needs_replace(builds, tmp_path):
     assert exc.value.one_line() == want
     assert (store / "manifest.json").read_text() == "{ not json" and (store / A_SHARD).read_bytes() == b"old"
     res = push_build(builds["a"] / "manifest.json", str(store), replace=True)
-    assert res["removed"] == [] and tree(store) == tree(builds["a"])
+    assert res.removed == () and tree(store) == tree(builds["a"])
 
 
 def test_push_to_s3_refuses_another_plan_then_replaces_only_its_objects(builds, s3, tmp_path, s3_env):
@@ -253,7 +253,7 @@ def test_replace_removes_exactly_the_old_objects_plain_and_compressed(builds, tm
     nothing outside, and the other old objects still go."""
     plain = tmp_path / "plain"
     push_build(builds["a"] / "manifest.json", str(plain))
-    assert push_build(builds["b"] / "manifest.json", str(plain), replace=True)["removed"] == [A_SHARD]
+    assert push_build(builds["b"] / "manifest.json", str(plain), replace=True).removed == (A_SHARD,)
     assert tree(plain) == tree(builds["b"])
 
     hostile = tmp_path / "hostile" / "store"
@@ -263,7 +263,7 @@ def test_replace_removes_exactly_the_old_objects_plain_and_compressed(builds, tm
     m = json.loads((hostile / "manifest.json").read_text())
     m["files"][0]["compressed"] = {"codec": "zstd", "size": 1, "sha256": "0" * 64, "object": "../victim"}
     (hostile / "manifest.json").write_text(json.dumps(m))
-    assert push_build(builds["b"] / "manifest.json", str(hostile), replace=True)["removed"] == [A_SHARD]
+    assert push_build(builds["b"] / "manifest.json", str(hostile), replace=True).removed == (A_SHARD,)
     assert victim.read_text() == "outside the prefix" and tree(hostile) == tree(builds["b"])
 
     pytest.importorskip("zstandard")
@@ -271,4 +271,4 @@ def test_replace_removes_exactly_the_old_objects_plain_and_compressed(builds, tm
     push_build(builds["a"] / "manifest.json", str(packed), compress="zstd")
     assert (packed / f"{A_SHARD}.zst").is_file()
     res = push_build(builds["b"] / "manifest.json", str(packed), replace=True)
-    assert res["removed"] == [f"{A_SHARD}.zst"] and tree(packed) == tree(builds["b"])
+    assert res.removed == (f"{A_SHARD}.zst",) and tree(packed) == tree(builds["b"])

@@ -156,7 +156,7 @@ def test_pull_downloads_by_the_same_ranged_chunks(built, pushed, s3, tmp_path):
 
     uri, bkt = pushed
     res = pull_build(uri, tmp_path / "node", ranks=[(1, 0)])
-    assert res["verify"]["ok"] and (tmp_path / "node" / S1).read_bytes() == (built / S1).read_bytes()
+    assert res.verify.ok and (tmp_path / "node" / S1).read_bytes() == (built / S1).read_bytes()
     size = (built / S1).stat().st_size
     gets = [r for r in s3[1].log if r.method == "GET" and r.path.split("?")[0].endswith(S1)]
     assert len(gets) == -(-size // CHUNK)

@@ -66,6 +66,6 @@ def test_pull_strips_compressed_records_of_side_files(make_ckpt, tmp_path):
     (store / "manifest.json").write_text(json.dumps(remote))
     dest = tmp_path / "node"
     res = pull_build(f"{store}/manifest.json", dest)
-    assert res["verify"]["ok"]
+    assert res.verify.ok
     assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
     assert (dest / "config.json").read_bytes() == (b.out_dir / "config.json").read_bytes()

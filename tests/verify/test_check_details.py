@@ -12,6 +12,7 @@ from manifest_edits import reseal
 from plan_helpers import plan_data
 
 from shardc.compiler.compile import build
+from shardc.results import to_json
 from shardc.verify.checks import plan_mismatch, verify_build
 
 CFG = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=64)
@@ -48,9 +49,9 @@ def _warnings(src: Path, out: Path, cap: float | None) -> tuple[list[str], int]:
     from shardc.layout.plan import plan_from_dict
 
     res = build(plan_from_dict(_plan_data("c", cap)).with_source(str(src)), out)
-    (rank,) = verify_build(res.manifest, res.out_dir, device="cpu")["ranks"]
-    assert rank["ok"], rank
-    return rank["warnings"], _data_bytes(res.out_dir / res.manifest.shards[0].file)
+    (rank,) = verify_build(res.manifest, res.out_dir, device="cpu").ranks
+    assert rank.ok, rank
+    return list(rank.warnings), _data_bytes(res.out_dir / res.manifest.shards[0].file)
 
 
 def _gib(n: float) -> str:
@@ -95,10 +96,10 @@ def test_deep_against_a_build_as_the_reference(src, tmp_path):
     d["replica_group"].update(tp_degree=2, gpus_per_replica=2)
     res = build(plan_from_dict(d).with_source(str(src)), tmp_path / "tp2")
     out = verify_build(res.manifest, res.out_dir, deep=str(ref.out_dir))
-    assert out["ok"], out["problems"]
-    assert all("deep" in r["checks"] for r in out["ranks"])
+    assert out.ok, out.problems
+    assert all("deep" in r.checks for r in out.ranks)
     out = verify_build(res.manifest, res.out_dir, deep=str(ref.manifest_path))
-    assert out["ok"], out["problems"]
+    assert out.ok, out.problems
 
 
 BASE_CHECKS = ["present", "size", "sha256", "header", "metadata", "tensor-set", "dtype-shape", "extent"]
@@ -117,10 +118,10 @@ def test_checks_run_are_listed_and_deep_trims_vocab_padding(src, tmp_path):
     res = build(plan_from_dict(d).with_source(str(ck)), tmp_path / "o")
     assert res.manifest.model["padded_vocab_size"] == 64
     out = verify_build(res.manifest, res.out_dir, deep=str(ck))
-    assert out["ok"], out["problems"]
-    assert [r["checks"] for r in out["ranks"]] == [BASE_CHECKS + ["deep"]] * 4
+    assert out.ok, out.problems
+    assert [list(r.checks) for r in out.ranks] == [BASE_CHECKS + ["deep"]] * 4
     out = verify_build(res.manifest, res.out_dir, device="cpu")
-    assert [r["checks"] for r in out["ranks"]] == [BASE_CHECKS + ["load:cpu"]] * 4
+    assert [list(r.checks) for r in out.ranks] == [BASE_CHECKS + ["load:cpu"]] * 4
 
 
 def _rehash(d: Path, file: str) -> None:
@@ -148,14 +149,14 @@ def test_header_problems_are_named(src, tmp_path):
     save_file(tensors, str(path), metadata=meta)
     _rehash(res.out_dir, file)
     out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
-    assert out["problems"] == [f"{file}: missing tensor model.norm.weight"]
-    assert out["ranks"] == [{"file": file, "tp_rank": 0, "pp_stage": 0, "rank": 0, "ok": False,
-                             "problems": out["problems"], "warnings": [],
+    assert list(out.problems) == [f"{file}: missing tensor model.norm.weight"]
+    assert to_json(out.ranks) == [{"file": file, "tp_rank": 0, "pp_stage": 0, "rank": 0, "ok": False,
+                             "problems": list(out.problems), "warnings": [],
                              "checks": BASE_CHECKS}]  # the checks that ran, not only those passed
     path.write_bytes(struct.pack("<Q", 2) + b"[]")  # a header that is JSON but not an object
     _rehash(res.out_dir, file)
     out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
-    (problem,) = out["problems"]
+    (problem,) = out.problems
     assert problem.startswith(f"{file}: safetensors header does not parse (") and "JSON object" in problem
 
 
@@ -193,8 +194,8 @@ def test_a_shard_cut_short_is_named_with_or_without_device(src, tmp_path):
             f"section holds {end - 2} bytes (the file is cut short)"]
     for device in (None, "cpu"):
         out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir, device=device)
-        assert out["problems"] == want
-        assert out["ranks"][0]["ok"] is False  # the rank's own verdict, not only the build's
+        assert list(out.problems) == want
+        assert out.ranks[0].ok is False  # the rank's own verdict, not only the build's
 
 
 def test_extent_problems_follow_the_safetensors_rule():
@@ -258,7 +259,7 @@ def test_side_file_problems_each_named(src, tmp_path):
     lacking = dataclasses.replace(res2.manifest, shards=res2.manifest.shards[:1])
     out = verify_build(lacking, res2.out_dir)
     lost = res2.manifest.shards[1].file
-    assert out["problems"] == [f"manifest lacks shard {lost} that the plan requires", f"{lost}: not in the manifest"]
+    assert list(out.problems) == [f"manifest lacks shard {lost} that the plan requires", f"{lost}: not in the manifest"]
     from shardc.verify.checks import check_manifest_against_layout
 
     s0, s1 = res2.manifest.shards
@@ -283,10 +284,10 @@ def test_digests_given_are_used_and_ranks_can_be_chosen(src, tmp_path):
     s0, s1 = res.manifest.shards
     wrong = "f" * 64
     out = verify_build(res.manifest, res.out_dir, hashed={s0.file: wrong})
-    assert out["problems"] == [f"{s0.file}: sha256 {wrong[:16]}..., expected {s0.sha256[:16]}... (corrupted bytes)"]
+    assert list(out.problems) == [f"{s0.file}: sha256 {wrong[:16]}..., expected {s0.sha256[:16]}... (corrupted bytes)"]
     (res.out_dir / s1.file).unlink()  # only rank 0 is here, as after a pull of one rank
     layout = res.manifest.to_layout()
     out = verify_build(res.manifest, res.out_dir, ranks=[layout.ranks[0]])
-    assert out["ok"] and [r["file"] for r in out["ranks"]] == [s0.file]
-    assert {k: v for k, v in out.items() if k != "ranks"} == {
+    assert out.ok and [r.file for r in out.ranks] == [s0.file]
+    assert {k: v for k, v in to_json(out).items() if k != "ranks"} == {
         "ok": True, "plan": "r", "plan_sha256": res.manifest.plan_sha256, "problems": []}
