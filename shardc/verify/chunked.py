@@ -30,16 +30,27 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from ..errors import ShardFormatError, VerifyMismatch
 from ..formats import chunks as ch
+from ..formats.manifest import ShardEntry
 from ..formats.safetensors import MAX_HEADER, METADATA, disable_direct, enable_direct, parse_header
 from .reader import HeaderCheck, RawShard
 
 ALIGN = ch.CHUNK_ALIGN  # O_DIRECT: buffer address, file offset and length in whole pages
 PIECE = 1 << 20  # a local file's chunk is read and hashed in pieces of this many bytes (cache-hot)
 HINT = "re-pull the shard, or rebuild it; shardc verify gives the full report"
+
+
+class DamagedChunks(VerifyMismatch):
+    """Chunks whose sha256 differs from the manifest: the one line, and their indices (verify's
+    report names them its own way, load_shard raises this line)."""
+
+    def __init__(self, message: str, indices: tuple[int, ...]) -> None:
+        super().__init__(message, hint=HINT)
+        self.indices = indices
 
 
 def read_chunked(fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str], device: str,
@@ -52,6 +63,29 @@ def read_chunked(fd: int, name: str, size: int, chunk_size: int, digests: Sequen
     source = FileChunks(fd, name, size, chunk_size, digests)
     source.where = where or name
     return load_chunks(source, device, on_header)
+
+
+def load_for_verify(path: Path, entry: ShardEntry, device: str) -> RawShard | tuple[int, ...]:
+    """``verify --device``'s one read of a shard with chunk digests: this loader's parallel read,
+    then the non-finite tensors found (``RawShard.nonfinite``); damaged chunks are returned as
+    their indices (verify reports them its own way, with the rest of its report)."""
+    from .reader import nonfinite, tensors_of
+
+    assert entry.chunk_size is not None
+    with open(path, "rb", buffering=0) as f:
+        try:
+            raw = read_chunked(f.fileno(), path.name, entry.size, entry.chunk_size, entry.chunks, device,
+                               where=str(path))
+        except DamagedChunks as exc:
+            return exc.indices
+    if raw.header is not None:
+        try:
+            tensors = tensors_of(raw)
+        except VerifyMismatch:  # the caller's own tensors_of reports it
+            return raw
+        dtypes = {k: v.get("dtype") for k, v in raw.header.items() if isinstance(v, dict)}
+        raw.nonfinite = nonfinite(tensors, dtypes)
+    return raw
 
 
 def load_chunks(source: ChunkSource, device: str, on_header: HeaderCheck | None = None) -> RawShard:
@@ -150,7 +184,7 @@ class ChunkSource:
         if bad:
             line = ch.chunk_problem(bad, self.size, self.chunk_size,
                                     lambda lo, hi: ch.tensors_in(header or {}, start, lo, hi))
-            raise VerifyMismatch(f"{self.name}: {line}", hint=HINT)
+            raise DamagedChunks(f"{self.name}: {line}", tuple(bad))
 
     # -- CPU --------------------------------------------------------------------------------------
     def to_host(self, on_header: HeaderCheck | None) -> RawShard:
