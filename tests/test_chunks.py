@@ -233,8 +233,8 @@ def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
     from shardc.verify.checks import verify_build
 
     calls = []
-    real = chunked.read_chunked
-    monkeypatch.setattr(chunked, "read_chunked", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = chunked.load_chunks
+    monkeypatch.setattr(chunked, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
     monkeypatch.setattr(reader, "read_shard", lambda *a, **k: pytest.fail("whole-file pass on a chunked shard"))
     (rank,) = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu")["ranks"]
     assert rank["ok"] and {"sha256", "load:cpu"} <= set(rank["checks"]) and calls == [S0]

@@ -44,15 +44,6 @@ PIECE = 1 << 20  # a local file's chunk is read and hashed in pieces of this man
 HINT = "re-pull the shard, or rebuild it; shardc verify gives the full report"
 
 
-class DamagedChunks(VerifyMismatch):
-    """Chunks whose sha256 differs from the manifest: the one line, and their indices (verify's
-    report names them its own way, load_shard raises this line)."""
-
-    def __init__(self, message: str, indices: tuple[int, ...]) -> None:
-        super().__init__(message, hint=HINT)
-        self.indices = indices
-
-
 def read_chunked(fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str], device: str,
                  on_header: HeaderCheck | None = None, *, where: str | None = None) -> RawShard:
     """Read a shard of ``size`` bytes from ``fd`` (the caller's one descriptor, size already
@@ -73,11 +64,11 @@ def load_for_verify(path: Path, entry: ShardEntry, device: str) -> RawShard | tu
 
     assert entry.chunk_size is not None
     with open(path, "rb", buffering=0) as f:
-        try:
-            raw = read_chunked(f.fileno(), path.name, entry.size, entry.chunk_size, entry.chunks, device,
-                               where=str(path))
-        except DamagedChunks as exc:
-            return exc.indices
+        source = _Reporting(f.fileno(), path.name, entry.size, entry.chunk_size, entry.chunks)
+        source.where = str(path)
+        raw = load_chunks(source, device)
+    if source.bad:
+        return source.bad
     if raw.header is not None:
         try:
             tensors = tensors_of(raw)
@@ -184,7 +175,7 @@ class ChunkSource:
         if bad:
             line = ch.chunk_problem(bad, self.size, self.chunk_size,
                                     lambda lo, hi: ch.tensors_in(header or {}, start, lo, hi))
-            raise DamagedChunks(f"{self.name}: {line}", tuple(bad))
+            raise VerifyMismatch(f"{self.name}: {line}", hint=HINT)
 
     # -- CPU --------------------------------------------------------------------------------------
     def to_host(self, on_header: HeaderCheck | None) -> RawShard:
@@ -357,6 +348,17 @@ class FileChunks(ChunkSource):
                 break
             got += k
         return mv[: min(got, want)]
+
+
+class _Reporting(FileChunks):
+    """verify's read: the damaged chunks are kept in ``bad`` rather than raised (a file that
+    changed size while it was read still raises)."""
+
+    bad: tuple[int, ...] = ()
+
+    def fail(self, bad: list[int], header: dict[str, Any] | None, start: int) -> None:
+        self.bad = tuple(bad)
+        super().fail([], header, start)
 
 
 def _cached(fd: int, size: int, probes: int = 16) -> bool:
