@@ -100,9 +100,17 @@ def _safe_open(path: Path | str, device: str) -> dict[str, Any]:
 
 
 def child(name: str, path: str, manifest: str, tp: int, pp: int, device: str) -> None:
-    """Import torch, then time one load; print the seconds as JSON."""
+    """Import torch, collect its import's garbage, then time one load; print the seconds as JSON.
+
+    Why the collection: importing torch leaves a full (generation 2) garbage collection of its
+    objects pending, and the first loader to allocate enough after it pays it inside its timing
+    (0.1-0.3 s here; shardc's imports trigger it, fastsafetensors' happen not to). A serving
+    process has long paid it by the time it loads weights, so every loader starts without it."""
+    import gc
+
     import torch
 
+    gc.collect()
     t0 = time.perf_counter()
     out = load(name, path, manifest, tp, pp, device)
     if device.startswith("cuda"):
@@ -137,6 +145,7 @@ def warm_cache(path: Path) -> None:
 def run_child(name: str, path: Path | str, manifest: Path | str, tp: int, pp: int, device: str,
               extra_env: dict[str, str] | None = None) -> float:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(extra_env or {})}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # bytecode goes to main()'s PYTHONPYCACHEPREFIX
     p = subprocess.run([sys.executable, __file__, "--child", name, "--path", str(path), "--manifest", str(manifest),
                         "--tp", str(tp), "--pp", str(pp), "--device", device],
                        capture_output=True, text=True, env=env, timeout=600)
@@ -165,6 +174,8 @@ def compare(manifest: Path, rank: int, device: str, repeat: int, loaders: list[s
     rl = read(manifest).to_layout().ranks[rank]
     path = manifest.parent / rl.file
     results: dict[str, Any] = {"bytes": path.stat().st_size, "file": rl.file}
+    for n in loaders:  # untimed: each loader's bytecode compiled, its code paths run once
+        run_child(n, path, manifest, rl.tp_rank, rl.pp_stage, device)
     for temp in ("cold", "warm"):
         times: dict[str, list[float]] = {n: [] for n in loaders}
         how = ""
@@ -331,6 +342,11 @@ def main() -> None:
         child(a.child, a.path, a.manifest, a.tp, a.pp, a.device)
         return
     with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=os.environ.get("BENCH_DIR")) as tmp:
+        # compiled bytecode of every loader's modules, kept for the run: an installed package (the
+        # peers; shardc from a wheel) has its .pyc files, but a checkout run with
+        # PYTHONDONTWRITEBYTECODE=1 would compile shardc's ~40 modules from source in every timed
+        # process (0.1-0.2 s of CPU), which no user's process does
+        os.environ["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         manifest = Path(a.manifest) if a.manifest else synthetic(Path(tmp), a.layers, a.hidden, a.tp)
         loaders = available([n.strip() for n in a.loaders.split(",") if n.strip()])
         r = compare(manifest, a.rank, a.device, a.repeat, loaders)

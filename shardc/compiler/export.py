@@ -263,7 +263,10 @@ def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,
             w.abort()
             raise
         staged.append((w.tmp, fname))
-        files.append({"name": fname, "size": size, "sha256": sha, "tensors": len(group)})
+        # the writer cut its chunk digests (#30) while writing: a loader of the export checks
+        # chunks on every core with them, as it does a build's
+        files.append({"name": fname, "size": size, "sha256": sha, "tensors": len(group),
+                      "chunk_size": w.chunk_size, "chunks": list(w.chunks)})
         _fault(f"stage:{len(staged)}")
     cfg = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
     _stage_bytes(out, "config.json", cfg, staged)

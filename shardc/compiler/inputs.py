@@ -5,7 +5,10 @@ through :class:`BuildInput`: ``schedule`` says in which order files will be need
 in the background, in that order), ``prepare`` blocks until the named files are local and their
 sha256 matches the input manifest. A local build is hashed where it lies; a build in object
 storage is fetched by the store layer (``shardc.store.reshard_input``), which hashes while it
-downloads, so every input byte is checked exactly once.
+downloads, so every input byte is checked exactly once. A shard whose manifest entry has chunk
+digests (format_version 3, docs/architecture.md §3.3) is checked chunk by chunk on every core
+(``formats/chunks.py``), and a damaged chunk is named with the tensors in it; other files by their
+sha256, one core each.
 
 ``ready`` is the speculative form reshard uses for a local input: it blocks only until a file is
 there with the manifest's size (so a mapping cannot fault), and its sha256 is checked on another
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, OutputError, ShardFormatError, VerifyMismatch
+from ..formats import chunks
 from ..formats.files import HASH_BLOCK, safe_name, sha256_file, sha256_mapped
 from ..formats.manifest import FileEntry, Manifest, ShardEntry, read
 from ..formats.safetensors import extent_problem, read_header, shard_metadata
@@ -257,8 +261,12 @@ class LocalBuildInput(BuildInput):
 
     def _check(self, name: str) -> None:
         path = self._check_size(name)
+        shard = self.manifest.shard(name)
+        if shard is not None and shard.chunk_size is not None:  # its chunks, on every core
+            _check_chunks(path, shard)
+            return
         # shards are mapped by the reader anyway: hash them from the mapping (no copy)
-        digest = (sha256_mapped if self.manifest.shard(name) else sha256_file)(path)
+        digest = (sha256_mapped if shard else sha256_file)(path)
         entry = self.entry(safe_name(name))
         if digest != entry.sha256:
             raise VerifyMismatch(f"input file {path} is corrupted: sha256 {digest[:16]}..., the input "
@@ -319,6 +327,28 @@ class LocalBuildInput(BuildInput):
         self._pool.shutdown(wait=True, cancel_futures=True)
         if self._spool is not None:
             self._spool.close()
+
+
+def _check_chunks(path: Path, entry: ShardEntry) -> None:
+    """A shard input with chunk digests (format_version 3): every chunk hashed in parallel
+    (one whole-file sha256 is one core's worth); a damaged one is named with its tensors."""
+    assert entry.chunk_size is not None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise VerifyMismatch(f"input file {path} cannot be read: {exc.strerror}",
+                             hint="the input build is damaged; run shardc verify on it") from None
+    with open(fd, "rb", buffering=0):
+        bad = chunks.check_chunks(fd, entry.size, entry.chunk_size, entry.chunks)
+    if bad:
+        try:
+            tensors, _, start = read_header(path)
+        except ShardFormatError:
+            tensors, start = {}, 0
+        line = chunks.chunk_problem(bad, entry.size, entry.chunk_size,
+                                    lambda lo, hi: chunks.tensors_in(tensors, start, lo, hi))
+        raise VerifyMismatch(f"input file {path} is corrupted: {line}",
+                             hint="restore the file (shardc pull) or rebuild the input")
 
 
 def open_local_input(ref: str | Path, spool_parent: str | Path | None = None) -> LocalBuildInput:

@@ -2,9 +2,9 @@
 
 Only the store's public pull interface is used: the manifest comes from ``fetch_manifest``, and
 the shards of one input pipeline stage at a time from ``pull_build`` (parallel ranged GETs, every
-file hashed on the way and renamed into place only when it matches the manifest). A file's
-sha256 covers all of its bytes, so a file is fetched whole before any tensor of it is used; each
-input byte is fetched once. A background thread fetches stages in the order the output needs
+file hashed on the way and renamed into place only when it matches the manifest; a shard with
+chunk digests is checked chunk by chunk on every core as its chunks arrive, store/ranged.py). A
+file is fetched whole before any tensor of it is used; each input byte is fetched once. A background thread fetches stages in the order the output needs
 them, so downloading overlaps writing; the copies live in a locked temporary directory next to the
 output (``build.inputs.Spool``), removed at the end, or by the next run if this one is killed.
 

@@ -213,23 +213,32 @@ def check_parsed_header(res: RankResult, header: dict[str, Any], meta: dict[str,
         res.fail(problem)
 
 
-def _load_on_device(res: RankResult, path: Path, device: str) -> str:
+def _load_on_device(res: RankResult, path: Path, device: str, entry: ShardEntry) -> str | BadChunks:
     """One pass over the file: hash it, land its data on ``device`` and check finiteness (min/max
-    per tensor, no fp32 copies). Returns the sha256 of the bytes read."""
+    per tensor, no fp32 copies). Returns the sha256 of the bytes read, or with chunk digests the
+    damaged chunks (read and hashed in parallel: verify/chunked.py, load_shard's read)."""
+    from .chunked import load_for_verify
     from .reader import read_shard, tensors_of
 
-    raw = read_shard(path, device, finite=True, keep=False)  # checked, not returned: nothing kept on CPU
+    if entry.chunk_size is not None:
+        raw = load_for_verify(path, entry, device)
+        if isinstance(raw, tuple):
+            return BadChunks(raw)
+        digest: str | BadChunks = BadChunks(())
+    else:
+        raw = read_shard(path, device, finite=True, keep=False)  # checked, not returned: nothing kept on CPU
+        digest = raw.sha256
     if raw.header is None:
-        return raw.sha256
+        return digest
     try:
         tensors_of(raw)
     except VerifyMismatch as exc:
         res.fail(exc.message)
-        return raw.sha256
+        return digest
     for name in raw.nonfinite:
         res.fail(f"tensor {name} holds NaN or Inf on {device}")
     res.checks.append(f"load:{device}")
-    return raw.sha256
+    return digest
 
 
 def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -> None:
@@ -296,9 +305,9 @@ def verify_rank(
         return res
     res.checks.append("size")
     loaded = None
-    if device:  # hash while loading: each byte is read once
+    if device:  # hash while loading: each byte is read once (chunks on every core when recorded)
         loaded = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-        digest = _load_on_device(loaded, path, device)
+        digest = _load_on_device(loaded, path, device, entry)
     else:
         digest = hashed if hashed is not None else _digest(path, entry)
     if isinstance(digest, BadChunks):

@@ -30,10 +30,12 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from ..errors import ShardFormatError, VerifyMismatch
 from ..formats import chunks as ch
+from ..formats.manifest import ShardEntry
 from ..formats.safetensors import MAX_HEADER, METADATA, disable_direct, enable_direct, parse_header
 from .reader import HeaderCheck, RawShard
 
@@ -52,6 +54,29 @@ def read_chunked(fd: int, name: str, size: int, chunk_size: int, digests: Sequen
     source = FileChunks(fd, name, size, chunk_size, digests)
     source.where = where or name
     return load_chunks(source, device, on_header)
+
+
+def load_for_verify(path: Path, entry: ShardEntry, device: str) -> RawShard | tuple[int, ...]:
+    """``verify --device``'s one read of a shard with chunk digests: this loader's parallel read,
+    then the non-finite tensors found (``RawShard.nonfinite``); damaged chunks are returned as
+    their indices (verify reports them its own way, with the rest of its report)."""
+    from .reader import nonfinite, tensors_of
+
+    assert entry.chunk_size is not None
+    with open(path, "rb", buffering=0) as f:
+        source = _Reporting(f.fileno(), path.name, entry.size, entry.chunk_size, entry.chunks)
+        source.where = str(path)
+        raw = load_chunks(source, device)
+    if source.bad:
+        return source.bad
+    if raw.header is not None:
+        try:
+            tensors = tensors_of(raw)
+        except VerifyMismatch:  # the caller's own tensors_of reports it
+            return raw
+        dtypes = {k: v.get("dtype") for k, v in raw.header.items() if isinstance(v, dict)}
+        raw.nonfinite = nonfinite(tensors, dtypes)
+    return raw
 
 
 def load_chunks(source: ChunkSource, device: str, on_header: HeaderCheck | None = None) -> RawShard:
@@ -323,6 +348,17 @@ class FileChunks(ChunkSource):
                 break
             got += k
         return mv[: min(got, want)]
+
+
+class _Reporting(FileChunks):
+    """verify's read: the damaged chunks are kept in ``bad`` rather than raised (a file that
+    changed size while it was read still raises)."""
+
+    bad: tuple[int, ...] = ()
+
+    def fail(self, bad: list[int], header: dict[str, Any] | None, start: int) -> None:
+        self.bad = tuple(bad)
+        super().fail([], header, start)
 
 
 def _cached(fd: int, size: int, probes: int = 16) -> bool:

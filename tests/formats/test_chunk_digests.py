@@ -207,3 +207,81 @@ def test_a_resealed_edit_passes_the_chunk_check(build_dir):
     reseal(m["shards"][S0], f.read_bytes())
     (build_dir / "manifest.json").write_text(json.dumps(m))
     assert sorted(shardc.load_shard(build_dir, 0, 0, device="cpu"))
+
+
+def _chunk_line(f: Path, offsets: list[int]) -> str:
+    """The damaged-chunk line for ``offsets`` of file ``f``, cut here (names from the header)."""
+    size = f.stat().st_size
+    idx = sorted({o // CHUNK for o in offsets})
+    parts = []
+    for i in idx:
+        lo, hi = i * CHUNK, min(size, (i + 1) * CHUNK)
+        names = _names_in(f, lo, hi)
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"chunk {i} (bytes {lo}..{hi}: {shown})")
+    return (f"sha256 of {len(idx)} of {-(-size // CHUNK)} chunk(s) differs from the manifest: {'; '.join(parts)} "
+            "(corrupted bytes)")
+
+
+def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
+    """verify --device cpu of a build with chunk digests loads it through the chunked parallel
+    read (never the one-core whole-file pass): clean, it passes with its load and sha256 checks;
+    one damaged chunk is the line verify without --device gives, naming the chunk and tensors."""
+    from shardc.formats.manifest import read
+    from shardc.verify import chunked, reader
+    from shardc.verify.checks import verify_build
+
+    calls = []
+    real = chunked.load_chunks
+    monkeypatch.setattr(chunked, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
+    monkeypatch.setattr(reader, "read_shard", lambda *a, **k: pytest.fail("whole-file pass on a chunked shard"))
+    (rank,) = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu")["ranks"]
+    assert rank["ok"] and {"sha256", "load:cpu"} <= set(rank["checks"]) and calls == [S0]
+    f = build_dir / S0
+    _damage(f, [f.stat().st_size - 5])
+    on_device = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu")
+    plain = verify_build(read(build_dir / "manifest.json"), build_dir)
+    assert not on_device["ok"] and on_device["problems"] == plain["problems"]
+    assert on_device["problems"] == [f"{S0}: {_chunk_line(f, [f.stat().st_size - 5])}"]
+
+
+def test_reshard_input_checks_chunks_and_names_the_damaged_one(built, build_dir, tmp_path):
+    """A reshard input with chunk digests is checked chunk by chunk: a flipped byte is the input's
+    corruption, named by chunk and tensors, and nothing is written under the output's name."""
+    from shardc.compiler.inputs import open_local_input
+    from shardc.compiler.reshard import reshard
+    from shardc.layout.plan import plan_from_dict
+
+    f = build_dir / S0
+    at = f.stat().st_size - 3 * CHUNK - 7
+    _damage(f, [at])
+    plan = plan_from_dict({"replica_group": {"name": "ck2", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
+                                             "gpus_per_replica": 2}, "model": {"source": str(built.parent / "src")}})
+    inp = open_local_input(build_dir)
+    try:
+        with pytest.raises(VerifyMismatch) as exc:
+            reshard(inp, plan, tmp_path / "r")
+    finally:
+        inp.close()
+    assert exc.value.message == f"input file {f} is corrupted: {_chunk_line(f, [at])}"
+    assert not (tmp_path / "r" / "manifest.json").exists()
+
+
+def test_export_reports_the_chunk_digests_of_what_it_wrote(built, tmp_path):
+    """The export's shard writer cut chunk digests while writing (no extra pass): its report lists
+    them per file, and they are the sha256 of every CHUNK_SIZE bytes of the file."""
+    from shardc.compiler.export import export
+    from shardc.compiler.inputs import open_local_input
+    from shardc.formats import chunks
+
+    inp = open_local_input(built)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(chunks, "CHUNK_SIZE", CHUNK)
+            res = export(inp, tmp_path / "hf", max_shard_size=40_000)
+    finally:
+        inp.close()
+    assert len(res["files"]) >= 2
+    for rec in res["files"]:
+        data = (tmp_path / "hf" / rec["name"]).read_bytes()
+        assert rec["chunk_size"] == CHUNK and rec["chunks"] == _oracle_chunks(data, CHUNK)
