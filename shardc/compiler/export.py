@@ -98,12 +98,15 @@ def _groups(specs: tuple[TensorSpec, ...], limit: int) -> list[list[TensorSpec]]
 
 @dataclass(frozen=True)
 class ExportedFile:
-    """A weights file of the export (``tensors``: how many it holds)."""
+    """A weights file of the export (``tensors``: how many it holds) with the chunk digests its
+    writer cut while writing (``chunk_size``, ``chunks``: a loader checks them on every core)."""
 
     name: str
     size: int
     sha256: str
     tensors: int
+    chunk_size: int
+    chunks: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -266,7 +269,7 @@ def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,
         # the writer cut its chunk digests (#30) while writing: a loader of the export checks
         # chunks on every core with them, as it does a build's
         files.append({"name": fname, "size": size, "sha256": sha, "tensors": len(group),
-                      "chunk_size": w.chunk_size, "chunks": list(w.chunks)})
+                      "chunk_size": w.chunk_size, "chunks": tuple(w.chunks)})
         _fault(f"stage:{len(staged)}")
     cfg = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
     _stage_bytes(out, "config.json", cfg, staged)

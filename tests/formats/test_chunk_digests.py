@@ -235,14 +235,14 @@ def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
     real = chunked.load_chunks
     monkeypatch.setattr(chunked, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
     monkeypatch.setattr(reader, "read_shard", lambda *a, **k: pytest.fail("whole-file pass on a chunked shard"))
-    (rank,) = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu")["ranks"]
-    assert rank["ok"] and {"sha256", "load:cpu"} <= set(rank["checks"]) and calls == [S0]
+    (rank,) = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu").ranks
+    assert rank.ok and {"sha256", "load:cpu"} <= set(rank.checks) and calls == [S0]
     f = build_dir / S0
     _damage(f, [f.stat().st_size - 5])
     on_device = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu")
     plain = verify_build(read(build_dir / "manifest.json"), build_dir)
-    assert not on_device["ok"] and on_device["problems"] == plain["problems"]
-    assert on_device["problems"] == [f"{S0}: {_chunk_line(f, [f.stat().st_size - 5])}"]
+    assert not on_device.ok and on_device.problems == plain.problems
+    assert list(on_device.problems) == [f"{S0}: {_chunk_line(f, [f.stat().st_size - 5])}"]
 
 
 def test_reshard_input_checks_chunks_and_names_the_damaged_one(built, build_dir, tmp_path):
@@ -281,7 +281,7 @@ def test_export_reports_the_chunk_digests_of_what_it_wrote(built, tmp_path):
             res = export(inp, tmp_path / "hf", max_shard_size=40_000)
     finally:
         inp.close()
-    assert len(res["files"]) >= 2
-    for rec in res["files"]:
-        data = (tmp_path / "hf" / rec["name"]).read_bytes()
-        assert rec["chunk_size"] == CHUNK and rec["chunks"] == _oracle_chunks(data, CHUNK)
+    assert len(res.files) >= 2
+    for rec in res.files:
+        data = (tmp_path / "hf" / rec.name).read_bytes()
+        assert rec.chunk_size == CHUNK and list(rec.chunks) == _oracle_chunks(data, CHUNK)
