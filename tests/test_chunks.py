@@ -93,7 +93,7 @@ def test_bad_chunk_records_are_one_line_exit_2(built, tmp_path, path, value, key
     from click.testing import CliRunner
 
     from shardc.cli import main
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
     m = json.loads((built / "manifest.json").read_text())
     edit_at(m, ("shards", S0, *path), value)
@@ -101,7 +101,7 @@ def test_bad_chunk_records_are_one_line_exit_2(built, tmp_path, path, value, key
     shutil.copytree(built, d)
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError) as exc:
-        read(d / "manifest.json")
+        load(d / "manifest.json")
     assert exc.value.key == f"shards.{S0}.{key}" and says in exc.value.message
     r = CliRunner().invoke(main, ["verify", "--manifest", str(d / "manifest.json")])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and f"shards.{S0}.{key}" in r.stderr, r.output
@@ -112,28 +112,28 @@ def test_bad_chunk_records_are_one_line_exit_2(built, tmp_path, path, value, key
     (2, False, f"shards.{S0}.chunks"),  # version 2 with them (an older shardc would refuse it)
 ])
 def test_version_and_chunk_digests_agree(built, version, strip, key):
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
 
     m = json.loads((built / "manifest.json").read_text())
     m["format_version"] = version
     if strip:
         del m["shards"][S0]["chunk_size"], m["shards"][S0]["chunks"]
     with pytest.raises(ManifestError) as exc:
-        parse(json.dumps(m))
+        loads(json.dumps(m))
     assert exc.value.key == key
 
 
 def test_manifest_without_digests_stays_version_2(built):
     """An older build's manifest (no chunk digests) passed through the reader and writer keeps its
     version and bytes, so a pull of it is byte-identical."""
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
     from shardc.layout.plan import canonical_json
 
     m = json.loads((built / "manifest.json").read_text())
     m["format_version"] = 2
     del m["shards"][S0]["chunk_size"], m["shards"][S0]["chunks"]
     old = canonical_json(m)
-    assert parse(old).dumps() == old
+    assert loads(old).dumps() == old
 
 
 def _damage(path: Path, offsets: list[int]) -> None:

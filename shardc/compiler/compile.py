@@ -20,8 +20,7 @@ from typing import Any
 from .. import __version__
 from ..errors import OutputError, ShardcError, SourceError
 from ..formats.files import final_name, fsync_dir, sha256_file, temp_files, write_atomic, write_temp
-from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, new_manifest
-from ..formats.manifest import read as read_manifest
+from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest, ShardEntry, load, new_manifest
 from ..formats.safetensors import ShardWriter
 from ..layout.model import model_from_config
 from ..layout.plan import Plan, canonical_json
@@ -331,7 +330,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
         _switch(run, manifest)
         return manifest
     try:
-        manifest.write(run.out / "manifest.json")  # the commit point
+        manifest.save(run.out / "manifest.json")  # the commit point
     except OSError as exc:
         raise _output_error(run, exc, "manifest.json") from None
     for rl in layout.ranks:
@@ -356,7 +355,7 @@ def _replaced_files(out: Path, new: set[str]) -> list[str]:
     tp 1 x pp 2 build rebuilt as tp 2 x pp 1 leaves no model-tp00-pp01 behind, a tp > 1 build no
     HF index. Names come from the old manifest (validated on read: plain names in ``out``)."""
     try:
-        old = read_manifest(out / "manifest.json")
+        old = load(out / "manifest.json")
         names = {INDEX, *(s.file for s in old.shards), *(f.name for f in old.files)}
     except ShardcError:
         names = {INDEX}  # an unreadable old manifest: only what no new build can leave behind

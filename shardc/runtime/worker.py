@@ -31,12 +31,12 @@ from ..errors import DistributedError, ShardcError
 
 
 def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    from ..formats.manifest import read
+    from ..formats.manifest import load
     from .comm import Replica
 
     reps, manifests, base = [], [], 0
     for i, spec in enumerate(job["replicas"]):
-        m = read(spec["manifest"])
+        m = load(spec["manifest"])
         tp, pp, dp = m.layout.tp_degree, m.layout.pp_degree, m.layout.dp_degree
         reps.append(Replica(i, spec.get("name") or m.name, tp, pp, base, dp))
         manifests.append(m)
