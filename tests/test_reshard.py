@@ -234,7 +234,7 @@ def test_replicas_that_differ_are_exit_1_naming_the_tensor(make_ckpt, tmp_path):
     victim.write_bytes(bytes(data))
     m = load(a.manifest_path)
     reseal(m.shard(victim.name), bytes(data))
-    m.write(a.manifest_path)
+    m.save(a.manifest_path)
     out = tmp_path / "r"
     res = _cli("--manifest", a.manifest_path, "--plan", _plan_file(tmp_path / "p.yaml", ckpt, 2, 1),
                "--out", out, "--manifests-dir", tmp_path / "m")
