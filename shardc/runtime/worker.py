@@ -25,12 +25,15 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, ShardcError
 
+if TYPE_CHECKING:  # the types only: the worker imports them when it runs
+    from ..formats.manifest import Manifest
 
-def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]]]:
+
+def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[Manifest]]:
     from ..formats.manifest import load
     from .comm import Replica
 
