@@ -33,10 +33,11 @@ def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | 
     if cut.pad_rows:
         return None  # vocabulary padding has no scales to pad with
     if cut.pieces:
-        pieces = [st.cut(dim, a, b, full[dim]) for a, b in cut.pieces]
-        if None in pieces:
+        cuts = [st.cut(dim, a, b, full[dim]) for a, b in cut.pieces]
+        pieces = [p for p in cuts if p is not None]
+        if len(pieces) != len(cuts):
             return None
-        rows = sum(b - a for a, b in pieces)  # type: ignore[misc]
+        rows = sum(b - a for a, b in pieces)
         return {"shape": (rows, *whole[1:]), "dim": dim, "pieces": tuple(pieces), "kv_head": cut.kv_head}
     assert cut.start is not None and cut.stop is not None  # a cut along dim has its bounds
     ab = st.cut(dim, cut.start, cut.stop, full[dim])
