@@ -23,9 +23,10 @@ demo: setup
 	$(BIN)/shardc run --manifest build/demo-tp3pp2-bf16 --prompt "The capital of France is" --max-new-tokens 12
 
 # The suite runs on both cores (pytest-xdist), each test file on one worker so that a file's
-# module-scoped builds are made once; ruff first, as CI does.
+# module-scoped builds are made once; ruff and mypy (strict on layout/ and formats/: [tool.mypy]) first, as CI does.
 test: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/python scripts/setup_demo.py
 	$(BIN)/python -m pytest -q -rs --durations=15 -n 2 --dist loadfile
 
@@ -34,6 +35,7 @@ test-fast: setup
 
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # Mutation testing (mutmut, [tool.mutmut] in pyproject.toml) of the modules that decide bytes and
 # verdicts; each mutant runs against the fast tests that reach it. Narrow with

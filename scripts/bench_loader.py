@@ -169,9 +169,9 @@ def available(names: list[str]) -> list[str]:
 
 def compare(manifest: Path, rank: int, device: str, repeat: int, loaders: list[str]) -> dict[str, Any]:
     """Median seconds per loader, cold and warm, and ratios against the fastest unchecked one."""
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
-    rl = read(manifest).to_layout().ranks[rank]
+    rl = load(manifest).to_layout().ranks[rank]
     path = manifest.parent / rl.file
     results: dict[str, Any] = {"bytes": path.stat().st_size, "file": rl.file}
     for n in loaders:  # untimed: each loader's bytecode compiled, its code paths run once
@@ -203,7 +203,7 @@ def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str,
 
     from moto.server import ThreadedMotoServer
 
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.store import push_build
 
     if importlib.util.find_spec("runai_model_streamer_s3") is None:
@@ -221,7 +221,7 @@ def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str,
 
         boto3.client("s3").create_bucket(Bucket="bench")
         push_build(manifest, "s3://bench/b")
-        rl = read(manifest).to_layout().ranks[rank]
+        rl = load(manifest).to_layout().ranks[rank]
         uri, obj = "s3://bench/b/manifest.json", f"s3://bench/b/{rl.file}"
         loaders = ["shardc-s3", "runai-s3"]
         times: dict[str, list[float]] = {n: [] for n in loaders}
@@ -237,10 +237,10 @@ def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str,
 def hashing_rates(manifest: Path) -> dict[str, float]:
     """verify's hashing of the whole build, GB/s, on 1 core and on every core (page cache warm)."""
     from shardc.formats.chunks import workers
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 
-    m = read(manifest)
+    m = load(manifest)
     for s in m.shards:
         warm_cache(manifest.parent / s.file)
     out = {}
@@ -261,10 +261,10 @@ def measure(manifest: Path, rank: int, device: str, repeat: int = 5) -> dict[str
     import torch
 
     import shardc
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 
-    m = read(manifest)
+    m = load(manifest)
     rl = m.to_layout().ranks[rank]
     path = manifest.parent / rl.file
 

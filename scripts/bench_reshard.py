@@ -195,7 +195,7 @@ def bench_s3(work: Path, inp: Path, target: Path) -> dict:
     """Push the input to moto, reshard from s3://, count the bytes fetched."""
     from s3server import S3Server
 
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.store.push import push_build
 
     env = {**ENV, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
@@ -213,7 +213,7 @@ def bench_s3(work: Path, inp: Path, target: Path) -> dict:
     finally:
         server.stop()
     summary = json.loads(out)
-    m = read(inp / "manifest.json")
+    m = load(inp / "manifest.json")
     input_bytes = m.total_bytes + sum(f.size for f in m.files)
     fetched = summary["input_bytes_fetched"]
     print(f"  reshard from s3: {dt:.2f} s, fetched {fetched} bytes for an input of {input_bytes}", flush=True)

@@ -143,9 +143,9 @@ def verify_all(manifests: dict[str, Path]) -> None:
 
 
 def flipped_byte(manifest: Path) -> None:
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
-    f = manifest.parent / read(manifest).to_layout().ranks[0].file
+    f = manifest.parent / load(manifest).to_layout().ranks[0].file
     with open(f, "r+b") as fh:
         fh.seek(-5, os.SEEK_END)
         b = fh.read(1)
@@ -280,9 +280,9 @@ def chunked_load(manifest: Path) -> None:
 
     import shardc
     from shardc.errors import VerifyMismatch
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
-    m = read(manifest)
+    m = load(manifest)
     rl = m.to_layout().ranks[0]
     entry = m.shard(rl.file)
     expect(entry is not None and entry.chunk_size is not None, "the build's manifest has no chunk digests")

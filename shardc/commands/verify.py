@@ -118,16 +118,16 @@ def _text(report: VerifyReport) -> list[str]:
 
 def _load_manifest(ref: str, endpoint_url: str | None):
     """A local manifest path (its directory is the default --dir), or a URI fetched from a store."""
-    from ..formats.manifest import read, typed
+    from ..formats.manifest import load
 
     if "://" in ref and not ref.startswith("file://"):
         from ..store import fetch_manifest
 
-        return typed(fetch_manifest(ref, endpoint_url=endpoint_url)), None
+        return fetch_manifest(ref, endpoint_url=endpoint_url), None
     path = Path(ref.removeprefix("file://"))
     if path.is_dir():
         path = path / "manifest.json"
-    return read(path), path.parent
+    return load(path), path.parent
 
 
 COMMANDS = [verify_cmd]

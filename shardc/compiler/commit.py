@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from ..errors import OutputError, ShardcError
 from ..formats.files import final_name, fsync_dir, sha256_file, write_atomic, write_temp
 from ..formats.manifest import SWITCH_JOURNAL, FileEntry, Manifest
-from ..formats.manifest import read as read_manifest
+from ..formats.manifest import load as load_manifest
 from ..formats.safetensors import ShardWriter
 from ..layout.plan import canonical_json
 from ..layout.ranks import Layout, RankLayout
@@ -103,7 +103,7 @@ class FreshCommit:
 
     def manifest(self, manifest: Manifest, layout: Layout) -> None:
         try:
-            manifest.write(self.out / "manifest.json")  # the commit point
+            manifest.save(self.out / "manifest.json")  # the commit point
         except OSError as exc:
             raise output_error(self.out, exc, "manifest.json") from None
         for rl in layout.ranks:
@@ -178,7 +178,7 @@ def _replaced_files(out: Path, new: set[str]) -> list[str]:
     tp 1 x pp 2 build rebuilt as tp 2 x pp 1 leaves no model-tp00-pp01 behind, a tp > 1 build no
     HF index. Names come from the old manifest (validated on read: plain names in ``out``)."""
     try:
-        old = read_manifest(out / "manifest.json")
+        old = load_manifest(out / "manifest.json")
         names = {INDEX, *(s.file for s in old.shards), *(f.name for f in old.files)}
     except ShardcError:
         names = {INDEX}  # an unreadable old manifest: only what no new build can leave behind

@@ -42,7 +42,7 @@ from typing import Any
 from ..errors import ManifestError, OutputError, ShardFormatError, VerifyMismatch
 from ..formats import chunks
 from ..formats.files import HASH_BLOCK, safe_name, sha256_file, sha256_mapped
-from ..formats.manifest import FileEntry, Manifest, ShardEntry, read
+from ..formats.manifest import FileEntry, Manifest, ShardEntry, load
 from ..formats.safetensors import extent_problem, read_header, shard_metadata
 from ..layout.ranks import Layout, RankLayout
 
@@ -224,7 +224,7 @@ class LocalBuildInput(BuildInput):
     def __init__(self, manifest_path: str | Path, uri: str | None = None,
                  spool_parent: str | Path | None = None) -> None:
         path = Path(manifest_path)
-        self.manifest = read(path)
+        self.manifest = load(path)
         self.uri = uri or str(manifest_path)
         self.directory = path.parent
         self.spool_parent = spool_parent  # where side_directory's copies go (None: the temp dir)

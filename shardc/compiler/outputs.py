@@ -21,7 +21,7 @@ from ..formats.files import (
     write_atomic,
     write_temp,
 )
-from ..formats.manifest import FileEntry, Manifest, SourceRecord, parse
+from ..formats.manifest import FileEntry, Manifest, SourceRecord, loads
 from ..formats.safetensors import read_header, shard_metadata
 from ..layout.dtypes import torch_name
 from ..layout.plan import Plan
@@ -116,7 +116,7 @@ def stage_done(out_dir: Path, layout: Layout, rl: RankLayout,
 def up_to_date(out_dir: Path, plan: Plan, layout: Layout, identity: SourceRecord) -> Manifest | None:
     mpath = out_dir / "manifest.json"
     try:
-        m = parse(mpath.read_bytes(), str(mpath))
+        m = loads(mpath.read_bytes(), str(mpath))
     except (OSError, ShardcError):
         return None
     if (m.plan_sha256 != plan.sha256 or m.effective_sha256 != plan.effective_sha256
@@ -218,4 +218,4 @@ def copy_manifest(manifest: Manifest, manifests_dir: str | Path | None) -> None:
         return
     d = Path(manifests_dir)
     d.mkdir(parents=True, exist_ok=True)
-    manifest.write(d / f"{manifest.name}.json")
+    manifest.save(d / f"{manifest.name}.json")

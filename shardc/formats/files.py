@@ -17,10 +17,10 @@ import secrets
 from pathlib import Path
 
 from ..errors import ManifestError
+from ..layout.plan import SAFE_FILE_NAME
 
 HASH_BLOCK = 16 << 20
 TEMP_SUFFIX = ".tmp"
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]*$")
 _TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.[0-9a-f]{16}\.tmp$")
 
 
@@ -141,7 +141,7 @@ def fsync_dir(path: str | Path) -> None:
 def safe_name(name: str, what: str = "file name") -> str:
     """A name read from a file (manifest, index) may never escape its directory."""
     # fullmatch: "$" alone would let a trailing newline through
-    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or name in (".", ".."):
+    if not isinstance(name, str) or not SAFE_FILE_NAME.fullmatch(name) or name in (".", ".."):
         raise ManifestError(
             f"unsafe {what} {name!r}", hint="names must be plain file names without directories"
         )

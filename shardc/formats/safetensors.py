@@ -203,19 +203,22 @@ class ShardWriter:
         self._fill = 0  # bytes in the current buffer
         self._offset = 0  # file offset of the current buffer
         self._io = ThreadPoolExecutor(1, thread_name_prefix="shardc-io")
-        self._pending: Future | None = None
+        self._pending: Future[None] | None = None
         self.closed = False
         self.written = 0
         self.write(head)
 
-    def write(self, buf) -> None:
-        """Append bytes (copied into the staging buffer)."""
+    def write(self, buf: Any) -> None:
+        """Append bytes (copied into the staging buffer): anything with the buffer protocol
+        (bytes, a numpy array's memory), hence Any (typing.Buffer is Python 3.12)."""
         mv = memoryview(buf).cast("B")
         n = mv.nbytes
         pos = 0
         while pos < n:
             k = min(n - pos, STAGE_BYTES - self._fill)
-            self.reserve(k)[:] = mv[pos : pos + k]
+            view = self.reserve(k)
+            assert view is not None  # k fits: it is at most the room left
+            view[:] = mv[pos : pos + k]
             self.advance(k)
             pos += k
 
@@ -285,6 +288,7 @@ class ShardWriter:
             padded = -(-tail // DIRECT_ALIGN) * DIRECT_ALIGN
             self._bufs[0][tail:padded] = bytes(padded - tail)
             self._flush(padded, tail)
+            assert self._pending is not None  # _flush just handed the tail to the I/O thread
             self._pending.result()
             self.chunks = self._chunker.finish()
             os.ftruncate(self._fd, self.written)

@@ -2,7 +2,8 @@
 
 The schema is data (``_SCHEMA``): every key with its type, whether it is required, and a check. An
 unknown key anywhere is an error that names it. Model-dependent checks (heads divisible by tp, ...)
-live in layout.py, because they need the model too.
+live in ranks.py (the Layout), because they need the model too. The document is read with bounds
+first (plan_document.py).
 """
 
 from __future__ import annotations
@@ -17,27 +18,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..errors import PlanError
-from .readfile import PLAN_LIMIT, decode_text, read_regular_file
+from .dtypes import PLAN_DTYPE
+from .plan_document import check_plain, read_plan_yaml
 
-DTYPES = ("fp16", "bf16", "int8", "fp8", "source")  # source: a quantized source kept as stored
+# The plan's words for an output dtype (the dtype table's, layout/dtypes.py), and "source": a
+# quantized source kept as stored.
+PLAN_DTYPES = (*PLAN_DTYPE, "source")
 QUANTIZED_DTYPES = ("int8", "fp8")
 DEFAULT_SHARD_PREFIX = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 # with attention data parallelism (dp_degree > 1) each DP group's ranks hold their own experts
 DP_SHARD_PREFIX = "model-dp{dp_rank:02d}-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# What every reader of a build accepts as a shard file name (formats/manifest.py ``safe_name``):
-# a plan whose names it would refuse must not build.
-_FILE_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+# A plain file name, the one pattern for every name shardc writes or reads back from a manifest or an
+# index (formats/files.py ``safe_name``): no directory, no leading dot. A plan's shard names are
+# also at most MAX_FILE_NAME characters.
+SAFE_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+MAX_FILE_NAME = 200
 # Bounds that keep a hostile plan from costing memory or time before it is refused.
 MAX_TP = 4096
 MAX_PP = 4096
 MAX_WORLD = 65536
-MAX_YAML_NODES = 10_000  # scalars + collections, counted with aliases expanded
-MAX_DEPTH = 32
 _SPEC_RE = re.compile(r"0?[1-9]?d?")
 
 
@@ -102,7 +104,7 @@ def _shard_prefix(value: Any) -> str | None:
             sample = value.format(tp_rank=tp_rank, pp_stage=pp_stage, dp_rank=tp_rank)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             return f"is not a valid format string ({exc})"
-        if not sample.endswith(".safetensors") or not _FILE_RE.match(sample):
+        if not sample.endswith(".safetensors") or not SAFE_FILE_NAME.fullmatch(sample) or len(sample) > MAX_FILE_NAME:
             return ("must give plain file names ending in .safetensors: letters, digits, '.', '_', "
                     "'-', not starting with '.' (no directories, no spaces)")
     return None
@@ -132,7 +134,7 @@ _SCHEMA: dict[str, Any] = {
         "name": (True, _name),
         "tp_degree": (True, _bounded_int(MAX_TP)),
         "pp_degree": (True, _bounded_int(MAX_PP)),
-        "dtype": (True, _one_of(*DTYPES)),
+        "dtype": (True, _one_of(*PLAN_DTYPES)),
         "gpus_per_replica": (True, _bounded_int(MAX_WORLD)),
         "nvlink_domain": (False, _string),
         "kv_cache_cap_gb": (False, _positive_number),
@@ -248,7 +250,7 @@ OVERRIDABLE = {"model.source": "--source"}
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:
     """A copy of ``data`` with each dotted key set to its override (``data`` is not changed)."""
-    out = json.loads(json.dumps(data))
+    out: dict[str, Any] = json.loads(json.dumps(data))
     for dotted, value in overrides.items():
         if dotted not in OVERRIDABLE:
             raise PlanError(f"cannot be overridden (only {', '.join(OVERRIDABLE)})", key=dotted)
@@ -288,59 +290,6 @@ def _validate(section: dict[str, Any], schema: dict[str, Any], path: str) -> Non
             raise PlanError(f"{problem}, found {section[key]!r}", key=where)
 
 
-def _check_plain(raw: dict[str, Any]) -> None:
-    """The plan is recorded as canonical JSON: only JSON values (string keys, finite numbers; no
-    dates or binary from YAML tags), bounded in depth and size, are accepted anywhere in it,
-    ``autoscaling`` included. Iterative, so a deep document is an error and not a RecursionError."""
-    stack: list[tuple[Any, str, int]] = [(raw, "", 0)]
-    seen = 0
-    while stack:
-        value, where, depth = stack.pop()
-        seen += 1
-        if seen > MAX_YAML_NODES:
-            raise PlanError(f"the plan has more than {MAX_YAML_NODES} values", key=where or None,
-                            hint="a plan is a few dozen keys")
-        if depth > MAX_DEPTH:
-            raise PlanError(f"nested deeper than {MAX_DEPTH} levels", key=where, hint="a plan is a few levels deep")
-        if isinstance(value, dict):
-            for k, v in value.items():
-                if not isinstance(k, str):
-                    raise PlanError(f"has a key that is not a string ({k!r})", key=where or None)
-                stack.append((v, f"{where}.{k}" if where else k, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise PlanError(f"must be a finite number, found {value!r}", key=where)
-        elif value is not None and not isinstance(value, (str, int, float)):
-            raise PlanError(f"must be a plain YAML value (string, number, list, mapping), found "
-                            f"{type(value).__name__}", key=where, hint="quote dates and drop !!binary tags")
-
-
-def _safe_yaml(text: str, path: Path) -> Any:
-    """``yaml.safe_load`` with the document bounded before it is expanded: aliases make a
-    10-line file into billions of values (an alias bomb), so nodes are counted with aliases
-    expanded, stopping at the limit, before any Python object is built."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        count, depth_stack = 0, [(node, 0)]
-        while depth_stack:
-            n, depth = depth_stack.pop()
-            count += 1
-            if count > MAX_YAML_NODES or depth > MAX_DEPTH:
-                raise PlanError(f"{path} has more than {MAX_YAML_NODES} values or {MAX_DEPTH} levels "
-                                "(counting YAML aliases expanded)", hint="a plan is a few dozen keys")
-            if isinstance(n, yaml.MappingNode):
-                depth_stack.extend((x, depth + 1) for kv in n.value for x in kv)
-            elif isinstance(n, yaml.SequenceNode):
-                depth_stack.extend((x, depth + 1) for x in n.value)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
 def _example_hint() -> str:
     return "see plans/tp4pp2-fp16.yaml for a complete example"
 
@@ -349,7 +298,7 @@ def plan_from_dict(raw: Any) -> Plan:
     """Validate a plan dict (as parsed from YAML) and normalize it."""
     if not isinstance(raw, dict):
         raise PlanError("a plan must be a YAML mapping with replica_group and model sections")
-    _check_plain(raw)
+    check_plain(raw)
     _validate(raw, _SCHEMA, "")
     rg = raw["replica_group"]
     tp, pp, dp = rg["tp_degree"], rg["pp_degree"], rg.get("dp_degree", 1)
@@ -414,18 +363,7 @@ def plan_from_dict(raw: Any) -> Plan:
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan file. A relative local ``model.source`` is relative to the plan file."""
     path = Path(path)
-    data = read_regular_file(path, limit=PLAN_LIMIT, what="plan file", error=PlanError)
-    text = decode_text(data, path, what="plan file", error=PlanError)
-    try:
-        raw = _safe_yaml(text, path)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise PlanError(f"{path} is not valid YAML{where}", hint="fix the YAML syntax") from None
-    except RecursionError:
-        raise PlanError(f"{path} is nested too deeply", hint="a plan is a few levels deep") from None
-    except (ValueError, OverflowError) as exc:  # a YAML value its constructor refuses (a 5000-digit int)
-        raise PlanError(f"{path} holds a value that cannot be read: {exc}", hint="fix the value") from None
+    raw = read_plan_yaml(path)
     plan = plan_from_dict(raw)
     src = plan.source
     if "://" not in src and not Path(src).is_absolute():

@@ -13,7 +13,7 @@ from ..errors import LayoutError, QuantizationError
 from .dtypes import PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
-from .tensors import ROW, STACKED, tensor_table, valid_tp_degrees
+from .tensors import ROW, STACKED, Row, tensor_table, valid_tp_degrees
 
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 # int8 is stored as compressed-tensors "pack-quantized": X.weight_packed holds the int8 values
@@ -55,7 +55,7 @@ def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
     }
 
 
-def _refuse_stacked(model: ModelSpec, plan: Plan, table: dict) -> None:
+def _refuse_stacked(model: ModelSpec, plan: Plan, table: dict[str, Row]) -> None:
     """Experts stacked in one tensor per layer (gpt-oss: [E, in, out]) have no int8/fp8 form the
     clients load (compressed-tensors quantizes Linear modules; transformers and vLLM read such
     experts as bf16 or MXFP4), so an int8/fp8 plan would quantize only the attention and leave

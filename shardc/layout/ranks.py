@@ -1,7 +1,7 @@
 """The Layout: which slice of which source tensor goes to which rank. Pure: no I/O, no torch.
 
 Split rules are data (each family's tensor table, layout/families/), interpreted by one function
-(``_slice_for_rank``); which tensors are quantized and how they are stored is quantization.py's.
+(cuts.py ``slice_for_rank``); which tensors are quantized and how they are stored is quantization.py's.
 build, verify, the runtime and the planner all ask the Layout; none of them re-derives a rule
 (docs/architecture.md §4).
 """
@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..errors import LayoutError
+from .cuts import Cut, padded_vocab, slice_for_rank
 from .dtypes import DTYPE_BYTES, PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
@@ -33,11 +34,10 @@ from .quantization import (  # noqa: F401
 from .sourcequant import detect_source
 from .sourcequant.slicing import check_source_cuts, source_specs
 from .tensors import (  # noqa: F401
-    EXPERT,
     MAX_TP_HINT,
-    STACKED,
-    VOCAB,
+    Row,
     SourceTensor,
+    Split,
     _tp_problems,
     layer_of,
     source_tensors,
@@ -55,7 +55,7 @@ class TensorSpec:
     dtype: str  # safetensors dtype: F16, BF16, F32, I8, F8_E4M3
     shape: tuple[int, ...]
     source: str  # source tensor name in the checkpoint
-    split: str  # column | kv_column | row | vocab | replicated | fused
+    split: Split
     dim: int | None = None  # sliced dimension of the source (None: whole tensor)
     start: int | None = None
     stop: int | None = None
@@ -166,63 +166,6 @@ def check_degrees(model: ModelSpec, plan: Plan) -> None:
     stage_ranges(model, plan)
 
 
-def padded_vocab(model: ModelSpec, tp: int) -> int:
-    return -(-model.vocab_size // tp) * tp
-
-
-def _slice_for_rank(kind: str, shape: tuple[int, ...], r: int, model: ModelSpec, tp: int,
-                    parts: tuple[tuple[int, str], ...] = (), tp_dim: int | None = None) -> dict:
-    """Interpret one split rule for TP rank r: the slice of the source and the local shape."""
-    if kind in ("replicated", "expert") or tp == 1 and kind != "vocab":
-        return {"dim": None, "start": None, "stop": None, "shape": shape}
-    if kind == "stacked":  # without expert parallelism: TP cuts tp_dim, or the tensor is whole
-        if tp_dim is None:
-            return {"dim": None, "start": None, "stop": None, "shape": shape}
-        n = shape[tp_dim] // tp
-        local = tuple(n if i == tp_dim else s for i, s in enumerate(shape))
-        return {"dim": tp_dim, "start": r * n, "stop": (r + 1) * n, "shape": local}
-    if kind == "fused":  # each part cut by its own kind; the rank's pieces end to end
-        pieces, at, kv_head = [], 0, None
-        for rows, part in parts:
-            c = _slice_for_rank(part, (rows, *shape[1:]), r, model, tp)
-            pieces.append((at + c["start"], at + c["stop"]))
-            kv_head = c.get("kv_head", kv_head)
-            at += rows
-        if at != shape[0]:
-            raise AssertionError(f"fused parts cover {at} of {shape[0]} rows")
-        out = {"dim": 0, "start": None, "stop": None, "pieces": tuple(pieces),
-               "shape": (sum(b - a for a, b in pieces), *shape[1:])}
-        return out | ({"kv_head": kv_head} if kv_head is not None else {})
-    if kind == "column" or (kind == "kv_column" and model.num_kv_heads >= tp):
-        n = shape[0] // tp
-        return {"dim": 0, "start": r * n, "stop": (r + 1) * n, "shape": (n, *shape[1:])}
-    if kind == "kv_column":  # tp > kv_heads: one whole KV head per rank, replicated
-        head = r // (tp // model.num_kv_heads)
-        hd = model.head_dim
-        return {
-            "dim": 0,
-            "start": head * hd,
-            "stop": (head + 1) * hd,
-            "shape": (hd, *shape[1:]),
-            "kv_head": head,
-        }
-    if kind == "row":
-        n = shape[1] // tp
-        return {"dim": 1, "start": r * n, "stop": (r + 1) * n, "shape": (shape[0], n)}
-    if kind == "vocab":
-        per = padded_vocab(model, tp) // tp
-        start = min(r * per, shape[0])
-        stop = min((r + 1) * per, shape[0])
-        return {
-            "dim": 0,
-            "start": start,
-            "stop": stop,
-            "shape": (per, *shape[1:]),
-            "pad_rows": per - (stop - start),
-        }
-    raise AssertionError(kind)
-
-
 @dataclass(frozen=True)
 class Layout:
     model: ModelSpec
@@ -278,7 +221,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     """Check every precondition, then list every rank's tensors."""
     check_degrees(model, plan)
     sq = detect_source(model.config)  # a quantization_config no format reads: refused here
-    kept_q = check_source_cuts(model, plan, sq, _slice_for_rank)
+    kept_q = check_source_cuts(model, plan, sq)
     stages = stage_ranges(model, plan)
     quantized = quantized_names(model, plan)
     check_packing(model, plan, quantized)
@@ -304,12 +247,14 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     n_ep = plan.tp * plan.dp
     held = {e: tuple(x for x in range(moe.experts) if moe.owner(x, n_ep) == e) if place and moe else ()
             for e in range(n_ep)}
-    entries = [(r.name, r.name, r.shape, EXPERT if place and r.expert is not None else r.split, r,
-                moe.owner(r.expert, n_ep) if place and moe is not None and r.expert is not None else None)
-               for r in sorted(tensor_table(model).values(), key=lambda r: r.name)]
+    Entry = tuple[str, str, tuple[int, ...], Split, Row | None, int | None]
+    entries: list[Entry] = [
+        (r.name, r.name, r.shape, Split.EXPERT if place and r.expert is not None else r.split, r,
+         moe.owner(r.expert, n_ep) if place and moe is not None and r.expert is not None else None)
+        for r in sorted(tensor_table(model).values(), key=lambda r: r.name)]
     if model.tie_word_embeddings and plan.pp > 1:
         entries.append(("lm_head.weight", "model.embed_tokens.weight",
-                        (model.vocab_size, model.hidden_size), VOCAB, None, None))
+                        (model.vocab_size, model.hidden_size), Split.VOCAB, None, None))
 
     kept = {r.name: r.dtype for r in tensor_table(model).values() if r.dtype}  # Row.dtype: fixed
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
@@ -319,16 +264,16 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
         for s in stage_of(name):
             for e in range(n_ep) if owner is None else (owner,):
                 r = e % plan.tp
-                if kind == STACKED and place:  # the EP rank's experts: a contiguous block of dim 0
+                if kind == Split.STACKED and place:  # the EP rank's experts: a contiguous block of dim 0
                     a, b = held[e][0], held[e][-1] + 1
-                    cut = {"dim": 0, "start": a, "stop": b, "shape": (b - a, *shape[1:])}
+                    cut = Cut((b - a, *shape[1:]), 0, a, b)
                 else:
-                    cut = _slice_for_rank(kind, shape, r, model, plan.tp, row.parts if row else (),
-                                          row.tp_dim if row else None)
-                local = cut.pop("shape")
-                common = dict(name=name, source=source, split=kind, **cut)
+                    cut = slice_for_rank(kind, shape, r, model, plan.tp, row.parts if row else (),
+                                         row.tp_dim if row else None)
+                local = cut.shape
+                common = dict(name=name, source=source, split=kind, **cut.spec_fields())
                 if source in kept_q and name == source and sq is not None:
-                    per_rank[s, e] += [TensorSpec(**f) for f in source_specs(sq, common, cut | {"shape": local}, shape)]
+                    per_rank[s, e] += [TensorSpec(**f) for f in source_specs(sq, common, cut, shape)]
                 elif source in quantized and name == source:
                     per_rank[s, e] += _weight_specs(common, qdtype, local, plan.dtype)
                     per_rank[s, e].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
@@ -353,7 +298,7 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     return Layout(model, plan, tuple(stages), tuple(ranks), padded_vocab(model, plan.tp))
 
 
-def _weight_specs(common: dict, qdtype: str, local: tuple[int, ...], quant: str) -> list[TensorSpec]:
+def _weight_specs(common: dict[str, Any], qdtype: str, local: tuple[int, ...], quant: str) -> list[TensorSpec]:
     """A quantized weight as stored: X.weight (fp8), or X.weight_packed + X.weight_shape (int8)."""
     pack = PACK.get(quant)
     if pack is None:
@@ -367,10 +312,11 @@ def _weight_specs(common: dict, qdtype: str, local: tuple[int, ...], quant: str)
     return [packed, shape]
 
 
-def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:
+def _scale_spec(name: str, kind: Split, local: tuple[int, ...], full: tuple[int, ...], cut: Cut,
+                quant: str) -> TensorSpec:
     """Per-output-channel scale [out, 1]: sliced with the rows (column; fused: the same pieces),
     whole for row-parallel."""
-    if cut.get("dim") == 0:
+    if cut.dim == 0:
         return TensorSpec(
             name=name + SCALE_SUFFIX,
             dtype="F32",
@@ -378,10 +324,10 @@ def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:
             source=name,
             split=kind,
             dim=0,
-            start=cut["start"],
-            stop=cut["stop"],
-            kv_head=cut.get("kv_head"),
-            pieces=cut.get("pieces"),
+            start=cut.start,
+            stop=cut.stop,
+            kv_head=cut.kv_head,
+            pieces=cut.pieces,
             scale_of=name,
             quant=quant,
         )
@@ -390,7 +336,7 @@ def _scale_spec(name, kind, local, full, cut, quant) -> TensorSpec:
         dtype="F32",
         shape=(full[0], 1),
         source=name,
-        split="expert" if kind == "expert" else "replicated",
+        split=Split.EXPERT if kind == Split.EXPERT else Split.REPLICATED,
         scale_of=name,
         quant=quant,
     )

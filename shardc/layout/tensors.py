@@ -12,10 +12,21 @@ import re
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from .families.base import COLUMN, EXPERT, FUSED, KV_COLUMN, REPLICATED, ROW, STACKED, VOCAB, Row
+from .families.base import (
+    COLUMN,
+    EXPERT,
+    FUSED,
+    KV_COLUMN,
+    REPLICATED,
+    ROW,
+    STACKED,
+    VOCAB,
+    Row,
+    Split,
+)
 from .model import ModelSpec
 
-__all__ = ["COLUMN", "EXPERT", "FUSED", "KV_COLUMN", "REPLICATED", "ROW", "STACKED", "VOCAB", "Row"]
+__all__ = ["COLUMN", "EXPERT", "FUSED", "KV_COLUMN", "REPLICATED", "ROW", "STACKED", "VOCAB", "Row", "Split"]
 
 MAX_TP_HINT = 64
 
@@ -25,7 +36,7 @@ def tensor_table(model: ModelSpec) -> dict[str, Row]:
     return {r.name: r for r in model.spec.tensors(model)}
 
 
-def split_kind(name: str, model: ModelSpec) -> str:
+def split_kind(name: str, model: ModelSpec) -> Split:
     """The split rule of one of the model's tensors (LayoutError for a name outside its table)."""
     row = tensor_table(model).get(name)
     if row is not None:
@@ -61,7 +72,7 @@ def _split_rows(model: ModelSpec) -> list[Row]:
     hit = _SPLIT_ROWS.get(id(model))
     if hit is not None and hit[0] is model:
         return hit[1]
-    seen: dict[tuple, Row] = {}
+    seen: dict[tuple[object, ...], Row] = {}
     for row in model.spec.tensors(model):
         if row.split in (COLUMN, ROW) or row.split == STACKED and row.tp_dim is not None:
             seen.setdefault((row.split, row.shape, row.tp_dim, row.expert is not None), row)

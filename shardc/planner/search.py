@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import LayoutError, PlanError
-from ..layout.plan import DTYPES, plan_from_dict
+from ..layout.plan import PLAN_DTYPES, plan_from_dict
 from ..layout.ranks import check_degrees
 from .candidate import evaluate, routing
 from .checks import check_inputs
@@ -66,8 +66,8 @@ def search(
         raise PlanError(f"unknown objective {objective!r}", key="objective", hint=f"use {', '.join(OBJECTIVES)}")
     dts = tuple(dtypes) if dtypes else default_dtypes(model)
     for d in dts:
-        if d not in DTYPES:
-            raise PlanError(f"unknown dtype {d!r}", key="dtype", hint=f"use auto or one of {', '.join(DTYPES)}")
+        if d not in PLAN_DTYPES:
+            raise PlanError(f"unknown dtype {d!r}", key="dtype", hint=f"use auto or one of {', '.join(PLAN_DTYPES)}")
     if w.lora_adapters and model.forward.mla is not None:
         raise PlanError("LoRA memory is modelled for q/k/v/o and MLP projections, not MLA's latent ones",
                         key="lora_adapters", hint="plan without `lora_adapters`")

@@ -39,12 +39,12 @@ class BuildRef:
 
 def open_build(manifest: str | Path, directory: str | Path | None = None) -> BuildRef:
     """A manifest.json (or a build directory holding one); shards default to the manifest's directory."""
-    from ..formats.manifest import read
+    from ..formats.manifest import load
 
     path = Path(str(manifest).removeprefix("file://"))
     if path.is_dir():
         path = path / "manifest.json"
-    m = read(path)
+    m = load(path)
     from ..layout.model import model_from_config
     from .support import check_supported
 

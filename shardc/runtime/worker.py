@@ -25,18 +25,21 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, ShardcError
 
+if TYPE_CHECKING:  # the types only: the worker imports them when it runs
+    from ..formats.manifest import Manifest
 
-def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[dict[str, Any]]]:
-    from ..formats.manifest import read
+
+def _replicas(job: dict[str, Any]) -> tuple[list[Any], list[Manifest]]:
+    from ..formats.manifest import load
     from .comm import Replica
 
     reps, manifests, base = [], [], 0
     for i, spec in enumerate(job["replicas"]):
-        m = read(spec["manifest"])
+        m = load(spec["manifest"])
         tp, pp, dp = m.layout.tp_degree, m.layout.pp_degree, m.layout.dp_degree
         reps.append(Replica(i, spec.get("name") or m.name, tp, pp, base, dp))
         manifests.append(m)

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
+from ..layout.readfile import MANIFEST_LIMIT
 
 MANIFEST_NAME = "manifest.json"
-MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = MANIFEST_LIMIT  # the bound a local manifest has too: one number, one home
 MiB = 1 << 20
 
 

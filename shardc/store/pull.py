@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
 from ..formats.chunks import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
-from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, parse
+from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, loads
 from ..verify.report import VerifyReport
 from .base import (
     MANIFEST_NAME,
@@ -130,7 +130,7 @@ def _fetch(manifest_uri: str, endpoint_url: str | None, settings: S3Settings) ->
             raise err  # a local build directory in the middle of a rebuild's switch
         raise StoreError(f"no manifest at {store.object_uri(name)}",
                          hint="check the URI; a build is visible only once shardc push has finished")
-    return store, parse(data, store.object_uri(name))
+    return store, loads(data, store.object_uri(name))
 
 
 def check_names(manifest: Manifest, where: str) -> None:

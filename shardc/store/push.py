@@ -12,7 +12,7 @@ from typing import Any
 
 from ..errors import ShardcError, StoreError, VerifyMismatch
 from ..formats.files import safe_name, sha256_file
-from ..formats.manifest import Manifest, ShardEntry, parse, read
+from ..formats.manifest import Manifest, ShardEntry, load, loads
 from .base import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
 from .codec import CODECS, ZSTD_LEVEL, compress_file, zstd_module
 from .results import ManifestState, ObjectAction, PushedObject, PushResult
@@ -63,7 +63,7 @@ def push_build(
     manifest_path = Path(manifest_path)
     # A manifest in the store's form (copied from a store) names .zst objects of that store: this
     # push records only what it stores itself.
-    manifest = strip_compressed(read(manifest_path))
+    manifest = strip_compressed(load(manifest_path))
     _check_codec(compress)
     src = _build_dir(manifest_path, manifest, build_dir)
     root, manifest_name = _destination(manifest, dest_uri)
@@ -111,7 +111,7 @@ def _replaced_objects(where: str, old: bytes | None, new: Manifest, replace: boo
     if old is None:
         return set()
     try:
-        prev = parse(old, where)
+        prev = loads(old, where)
     except ShardcError as exc:
         if not replace:
             raise StoreError(f"{where} is not a manifest shardc can read ({exc.message}); refusing to "

@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import ShardcError, VerifyMismatch
 from ..formats import chunks
 from ..formats.files import human_size, sha256_file
-from ..formats.manifest import Manifest, ShardEntry, typed
+from ..formats.manifest import Manifest, ShardEntry
 from ..layout.plan import Plan, data_sha256
 from ..layout.ranks import Layout, RankLayout
 from .devices import resolve_device
@@ -117,10 +117,9 @@ def _plan_problem(manifest: Manifest, plan: Plan, plan_file: str) -> str:
             f"with --source {built} ({plan.effective_sha256[:12]}); the manifest was edited")
 
 
-def check_manifest_against_layout(manifest: Manifest | dict[str, Any], layout: Layout) -> list[str]:
+def check_manifest_against_layout(manifest: Manifest, layout: Layout) -> list[str]:
     """The manifest's own tensor records must be exactly what the Layout says (another plan's
     manifest, or an edited one, disagrees)."""
-    manifest = typed(manifest)
     problems = []
     if manifest.plan_sha256 != layout.plan.sha256:
         problems.append("manifest plan_sha256 does not match the hash of its own plan")
@@ -285,12 +284,12 @@ def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_ur
 
 
 def verify_rank(
-    manifest: Manifest | dict[str, Any], directory: Path, layout: Layout, rl: RankLayout, *,
+    manifest: Manifest, directory: Path, layout: Layout, rl: RankLayout, *,
     device: str | None = None, deep: str | None = None, hashed: str | BadChunks | None = None,
 ) -> RankResult:
     """All checks for one rank, in order; stops at the first failing stage that makes later ones moot."""
     res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
-    entry = typed(manifest).shard(rl.file)
+    entry = manifest.shard(rl.file)
     path = Path(directory) / rl.file
     if entry is None:
         res.fail("not in the manifest")
@@ -338,7 +337,7 @@ def verify_rank(
 
 
 def verify_build(
-    manifest: Manifest | dict[str, Any], directory: str | Path, ranks: list[RankLayout] | None = None, *,
+    manifest: Manifest, directory: str | Path, ranks: list[RankLayout] | None = None, *,
     device: str | None = None, deep: str | None = None, jobs: int | None = None,
     hashed: Mapping[str, str] | None = None,
 ) -> VerifyReport:
@@ -347,7 +346,6 @@ def verify_build(
     Returns the verdict (``ok``, ``plan``, ``plan_sha256``, ``problems``, ``ranks``); never raises for mismatches
     (the caller maps ok=False to exit code 1). ``hashed`` gives sha256s already computed (by
     file name, e.g. while a pull downloaded them): those files are not read again."""
-    manifest = typed(manifest)
     layout = manifest.to_layout()
     ranks = list(layout.ranks) if ranks is None else ranks
     directory = Path(directory)

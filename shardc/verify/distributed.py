@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DistributedError, ManifestError
-from ..formats.manifest import Manifest, typed
+from ..formats.manifest import Manifest
 from ..results import to_json
 from .checks import verify_build
 from .devices import check_gpus, node_ranks, resolve_device
@@ -104,7 +104,7 @@ class _Bounded:
 
 
 def distributed_verify(
-    manifest: Manifest | dict[str, Any], directory: Path, *, device: str | None = None, deep: str | None = None,
+    manifest: Manifest, directory: Path, *, device: str | None = None, deep: str | None = None,
     timeout_s: float = 60.0,
 ) -> VerifyReport:
     """Verify this process's rank and gather every rank's verdict. Raises DistributedError when a
@@ -114,7 +114,6 @@ def distributed_verify(
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     _env_int("MASTER_PORT")
-    manifest = typed(manifest)
     layout = manifest.to_layout()
     if world != layout.plan.world_size:
         raise ManifestError(

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..formats.files import human_size
-from ..formats.manifest import read
+from ..formats.manifest import load
 from ..formats.safetensors import read_header
 
 
@@ -17,7 +17,7 @@ def describe(path: Path) -> dict[str, Any]:
         path = path / "manifest.json"
     if path.suffix == ".safetensors":
         return _describe_shard(path)
-    m = read(path)
+    m = load(path)
     lay, model = m.layout, m.model
     lines = [
         f"plan       {m.name}  (sha256 {m.plan_sha256[:12]})",

@@ -38,11 +38,9 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     bad input (arguments of the wrong type included: this is a library call, so they get the CLI's
     one-line errors rather than a TypeError from deep inside).
     """
-    from ..formats.manifest import typed
-
     _check_arguments(tp_rank, pp_stage, device, directory, dp_rank)
     manifest, directory = _manifest_and_directory(manifest, directory)
-    manifest, layout, rl, dev = rank_of(typed(manifest), tp_rank, pp_stage, device, dp_rank)
+    manifest, layout, rl, dev = rank_of(manifest, tp_rank, pp_stage, device, dp_rank)
     return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev))
 
 
@@ -99,15 +97,16 @@ def _check_arguments(tp_rank: Any, pp_stage: Any, device: Any, directory: Any, d
                             hint="pass the directory holding the shard files")
 
 
-def _manifest_and_directory(manifest: Any, directory: str | Path | None) -> tuple[Manifest | dict[str, Any], Any]:
-    """The manifest (as given, or read from its path) and the directory its shards are in."""
-    from ..formats.manifest import read
+def _manifest_and_directory(manifest: Any, directory: str | Path | None) -> tuple[Manifest, Any]:
+    """The manifest (as given, validated when it is JSON data, or read from its path) and the
+    directory its shards are in."""
+    from ..formats.manifest import load
 
     if isinstance(manifest, (dict, Manifest)):
         if directory is None:
             raise ManifestError("load_shard of a manifest dict needs directory=", key="directory",
                                 hint="pass the directory holding the shard files")
-        return manifest, directory
+        return Manifest.from_dict(manifest) if isinstance(manifest, dict) else manifest, directory
     if not isinstance(manifest, (str, os.PathLike)):
         raise ManifestError(f"is {type(manifest).__name__}, expected a Manifest, a manifest dict or a path",
                             key="manifest", hint="pass the manifest.json that shardc build wrote, or its directory")
@@ -121,7 +120,7 @@ def _manifest_and_directory(manifest: Any, directory: str | Path | None) -> tupl
     except OSError:  # a name too long for the file system: read() says it cannot be read
         is_dir = False
     path = path / "manifest.json" if is_dir else path
-    return read(path), path.parent if directory is None else directory
+    return load(path), path.parent if directory is None else directory
 
 
 def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layout, dev: str) -> RawShard:

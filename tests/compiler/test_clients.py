@@ -32,7 +32,7 @@ from shardc.cli import main
 from shardc.compiler.compile import build
 from shardc.compiler.outputs import INDEX
 from shardc.compiler.quantize import pack_int8, quantization_config, unpack_int8
-from shardc.formats.manifest import read
+from shardc.formats.manifest import load
 from shardc.verify.checks import verify_build
 
 SCHEMES = ("int8", "fp8")
@@ -172,17 +172,17 @@ def test_tp1_quantized_build_loads_in_transformers(synth, scheme):
 def test_verify_checks_the_index(synth):
     src, out, _ = synth
     res = build(make_plan(src, 1, 2, "bf16"), out / "verify-index")
-    assert verify_build(read(res.manifest_path), res.out_dir).ok
+    assert verify_build(load(res.manifest_path), res.out_dir).ok
     idx = res.out_dir / INDEX
     data = json.loads(idx.read_text())
     first = next(iter(data["weight_map"]))
     data["weight_map"][first] = "model-tp00-pp01.safetensors" if data["weight_map"][first].endswith(
         "pp00.safetensors") else "model-tp00-pp00.safetensors"
     idx.write_text(json.dumps(data, indent=2) + "\n")
-    report = verify_build(read(res.manifest_path), res.out_dir)
+    report = verify_build(load(res.manifest_path), res.out_dir)
     assert not report.ok and any(INDEX in p for p in report.problems)
     idx.unlink()
-    report = verify_build(read(res.manifest_path), res.out_dir)
+    report = verify_build(load(res.manifest_path), res.out_dir)
     assert any(f"{INDEX}: missing" in p for p in report.problems)
     tp2 = build(make_plan(src, 2, 1, "bf16"), out / "verify-index-tp2")
     assert not (tp2.out_dir / INDEX).exists()

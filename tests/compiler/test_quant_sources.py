@@ -255,7 +255,7 @@ def test_runtime_weights_of_a_kept_source(request, tmp_path, fam):
     does: at tp=2 every rank's weights equal those of the bf16 build of the same source, bit for
     bit, so its forward is the 16-bit build's (whose logits equal transformers', the family tests).
     The weights are loaded in-process (runtime.weights.load_stage): a forward costs process starts."""
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
     from shardc.runtime.weights import load_stage
 
     src = (request.getfixturevalue("ct_sources")[fam[3:]] if fam.startswith("ct:")
@@ -263,7 +263,7 @@ def test_runtime_weights_of_a_kept_source(request, tmp_path, fam):
     ranks = {}
     for dtype in ("source", "bf16"):
         build(_plan(src, dtype, 2), tmp_path / dtype)
-        m = parse((tmp_path / dtype / "manifest.json").read_bytes())
+        m = loads((tmp_path / dtype / "manifest.json").read_bytes())
         ranks[dtype] = [_flat(load_stage(m, tmp_path / dtype, m.to_layout(), r, 0, torch.device("cpu")))
                         for r in range(2)]
     for a, b in zip(ranks["source"], ranks["bf16"], strict=True):

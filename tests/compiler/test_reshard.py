@@ -25,7 +25,7 @@ from shardc.compiler.compile import build
 from shardc.compiler.inputs import open_local_input
 from shardc.compiler.reshard import reshard
 from shardc.errors import ManifestError, PlanError, VerifyMismatch
-from shardc.formats.manifest import parse, read
+from shardc.formats.manifest import load, loads
 from shardc.layout.plan import plan_from_dict
 
 GQA = dict(hidden_size=64, intermediate_size=128, num_layers=4, num_heads=8, num_kv_heads=2, vocab_size=100)
@@ -85,7 +85,7 @@ def test_reshard_equals_build(make_ckpt, tmp_path, model, a, b):
     assert src.reshard_of.manifest_sha256 == hashlib.sha256(built_a.manifest_path.read_bytes()).hexdigest()
     assert src.reshard_of.dequantized == [] and src.reshard_of.plan_sha256 == built_a.manifest.plan_sha256
     # the provenance survives the one reader (and a build's manifest has no reshard_of key)
-    assert read(got.manifest_path) == got.manifest
+    assert load(got.manifest_path) == got.manifest
     assert "reshard_of" not in json.loads(want.manifest_path.read_text())["source"]
     assert not [p for p in got.out_dir.iterdir() if p.name.startswith(".") and p.name != ".shardc-build.lock"]
 
@@ -99,7 +99,7 @@ def test_reshard_provenance_is_validated_on_read(make_ckpt, tmp_path, key, value
     data = json.loads(r.manifest_path.read_text())
     data["source"]["reshard_of"][key] = value
     with pytest.raises(ManifestError) as exc:
-        parse(json.dumps(data))
+        loads(json.dumps(data))
     assert exc.value.key == ("source.reshard_of" if key == "extra" else f"source.reshard_of.{key}")
 
 
@@ -226,9 +226,9 @@ def test_replicas_that_differ_are_exit_1_naming_the_tensor(make_ckpt, tmp_path):
     tensors, _, start = read_header(victim)
     data[start + tensors[name]["data_offsets"][0] + 6] ^= 0x10
     victim.write_bytes(bytes(data))
-    m = read(a.manifest_path)
+    m = load(a.manifest_path)
     reseal(m.shard(victim.name), bytes(data))
-    m.write(a.manifest_path)
+    m.save(a.manifest_path)
     out = tmp_path / "r"
     res = _cli("--manifest", a.manifest_path, "--plan", _plan_file(tmp_path / "p.yaml", ckpt, 2, 1),
                "--out", out, "--manifests-dir", tmp_path / "m")

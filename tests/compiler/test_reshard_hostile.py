@@ -325,14 +325,14 @@ def test_a_shard_verify_rejects_is_refused_with_verify_s_line(work, tmp_path, ed
     verify rejects it; reshard (and export, which reads through the same BuildSource) refuse it
     with verify's own words, exit 1, no traceback, and leave no directory or lock behind."""
     from shardc.compiler.export import export
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 
     inp = copy_input(work, tmp_path)
     victim = inp / "model-tp01-pp01.safetensors"
     problem = edit(victim)
     rehash(inp, victim.name)
-    report = verify_build(read(inp / "manifest.json"), inp)
+    report = verify_build(load(inp / "manifest.json"), inp)
     assert list(report.problems) == [f"{victim.name}: {problem}"]
     out = tmp_path / "r"
     res = shardc(*reshard_args(inp, out, work["plan"]))
@@ -516,7 +516,7 @@ def test_int8_weight_shape_values_are_checked(work, tmp_path):
 def test_verify_deep_takes_every_form_of_reference(work, tmp_path, form):
     """``verify --deep REF``: a build directory, a file:// manifest URI, the checkpoint itself, or
     (for a --dequantize reshard) the quantized build it came from; another build's weights fail."""
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 
     ckpt = work["ckpt"]
@@ -531,11 +531,11 @@ def test_verify_deep_takes_every_form_of_reference(work, tmp_path, form):
                                       tmp_path / "r").out_dir
     ref = {"directory": str(src), "file-uri": f"file://{src / 'manifest.json'}", "file-uri-directory": f"file://{src}",
            "checkpoint": str(ckpt), "dequantized": str(src)}[form]
-    report = verify_build(read(out / "manifest.json"), out, deep=ref)
+    report = verify_build(load(out / "manifest.json"), out, deep=ref)
     assert report.ok, report.problems
     assert all("deep" in r.checks for r in report.ranks)
     other = write_checkpoint(tmp_path / "other", llama_config(**GQA), seed=3)
-    report = verify_build(read(out / "manifest.json"), out, deep=str(other))
+    report = verify_build(load(out / "manifest.json"), out, deep=str(other))
     assert not report.ok and "deep check" in report.problems[0]
 
 

@@ -172,7 +172,7 @@ def test_a_corrupted_reference_build_is_named_not_compared(work, tmp_path):
     """reshard reads while it hashes (and confirms before committing); verify --deep never commits,
     so its reference build's files are hashed before use: a flipped byte is the reference's
     corruption, not a deep-check difference of the verified build."""
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 
     out = reshard(open_local_input(work["a"]), plan(work["ckpt"], 1, 2), tmp_path / "r").out_dir
@@ -182,7 +182,7 @@ def test_a_corrupted_reference_build_is_named_not_compared(work, tmp_path):
     data[-10] ^= 1
     victim.write_bytes(bytes(data))
     with pytest.raises(VerifyMismatch) as exc:
-        verify_build(read(out / "manifest.json"), out, deep=str(ref))
+        verify_build(load(out / "manifest.json"), out, deep=str(ref))
     # its manifest has chunk digests (one 16 MiB chunk here): the chunk is named, with its tensors
     n = int.from_bytes(data[:8], "little")
     names = ["<header>", *sorted(k for k in json.loads(data[8 : 8 + n]) if k != "__metadata__")]
@@ -277,7 +277,7 @@ def test_a_nan_payload_survives_reshard_and_the_deep_reference(tmp_path):
     checkpoint's bytes exactly, and verify --deep against the input build (whose ranks its
     reference puts together again) passes: no float conversion on either way (one through float64
     turns 0x7F81 into 0x7FC0)."""
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 
     ckpt = write_checkpoint(tmp_path / "ck", llama_config(**GQA), seed=0)
@@ -294,6 +294,6 @@ def test_a_nan_payload_survives_reshard_and_the_deep_reference(tmp_path):
     shard = out / "model-tp00-pp00.safetensors"
     b, e = _tensor_span(shard, name)
     assert shard.read_bytes()[b:e] == want
-    report = verify_build(read(out / "manifest.json"), out, deep=str(a))
+    report = verify_build(load(out / "manifest.json"), out, deep=str(a))
     assert report.ok and report.problems == ()
     assert all(r.ok and "deep" in r.checks for r in report.ranks)

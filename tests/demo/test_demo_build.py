@@ -11,7 +11,7 @@ from reassemble import load_source, reassemble
 
 from shardc.compiler.compile import build
 from shardc.compiler.quantize import quantize
-from shardc.formats.manifest import read
+from shardc.formats.manifest import load
 from shardc.layout.plan import load_plan
 from shardc.verify.checks import verify_build
 
@@ -39,7 +39,7 @@ def test_demo_16bit_reassembles(demo_src, tmp_path, plan_name):
         assert torch.equal(rebuilt[name].view(torch.uint8), t.view(torch.uint8)), name
     if plan.pp > 1:  # tied embeddings: the last stage carries lm_head cut from the embedding
         assert torch.equal(rebuilt["lm_head.weight"], src["model.embed_tokens.weight"])
-    report = verify_build(read(res.manifest_path), res.out_dir)
+    report = verify_build(load(res.manifest_path), res.out_dir)
     assert report.ok, report.problems
     assert (res.out_dir / "tokenizer.json").is_file()
 

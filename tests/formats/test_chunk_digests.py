@@ -92,7 +92,7 @@ def test_bad_chunk_records_are_one_line_exit_2(built, tmp_path, path, value, key
     from click.testing import CliRunner
 
     from shardc.cli import main
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
     m = json.loads((built / "manifest.json").read_text())
     edit_at(m, ("shards", S0, *path), value)
@@ -100,7 +100,7 @@ def test_bad_chunk_records_are_one_line_exit_2(built, tmp_path, path, value, key
     shutil.copytree(built, d)
     (d / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(ManifestError) as exc:
-        read(d / "manifest.json")
+        load(d / "manifest.json")
     assert exc.value.key == f"shards.{S0}.{key}" and says in exc.value.message
     r = CliRunner().invoke(main, ["verify", "--manifest", str(d / "manifest.json")])
     assert r.exit_code == 2 and r.stderr.count("\n") == 1 and f"shards.{S0}.{key}" in r.stderr, r.output
@@ -111,28 +111,28 @@ def test_bad_chunk_records_are_one_line_exit_2(built, tmp_path, path, value, key
     (2, False, f"shards.{S0}.chunks"),  # version 2 with them (an older shardc would refuse it)
 ])
 def test_version_and_chunk_digests_agree(built, version, strip, key):
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
 
     m = json.loads((built / "manifest.json").read_text())
     m["format_version"] = version
     if strip:
         del m["shards"][S0]["chunk_size"], m["shards"][S0]["chunks"]
     with pytest.raises(ManifestError) as exc:
-        parse(json.dumps(m))
+        loads(json.dumps(m))
     assert exc.value.key == key
 
 
 def test_manifest_without_digests_stays_version_2(built):
     """An older build's manifest (no chunk digests) passed through the reader and writer keeps its
     version and bytes, so a pull of it is byte-identical."""
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
     from shardc.layout.plan import canonical_json
 
     m = json.loads((built / "manifest.json").read_text())
     m["format_version"] = 2
     del m["shards"][S0]["chunk_size"], m["shards"][S0]["chunks"]
     old = canonical_json(m)
-    assert parse(old).dumps() == old
+    assert loads(old).dumps() == old
 
 
 def _damage(path: Path, offsets: list[int]) -> None:
@@ -227,7 +227,7 @@ def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
     """verify --device cpu of a build with chunk digests loads it through the chunked parallel
     read (never the one-core whole-file pass): clean, it passes with its load and sha256 checks;
     one damaged chunk is the line verify without --device gives, naming the chunk and tensors."""
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.verify import chunked, reader
     from shardc.verify.checks import verify_build
 
@@ -235,12 +235,12 @@ def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
     real = chunked.load_chunks
     monkeypatch.setattr(chunked, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
     monkeypatch.setattr(reader, "read_shard", lambda *a, **k: pytest.fail("whole-file pass on a chunked shard"))
-    (rank,) = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu").ranks
+    (rank,) = verify_build(load(build_dir / "manifest.json"), build_dir, device="cpu").ranks
     assert rank.ok and {"sha256", "load:cpu"} <= set(rank.checks) and calls == [S0]
     f = build_dir / S0
     _damage(f, [f.stat().st_size - 5])
-    on_device = verify_build(read(build_dir / "manifest.json"), build_dir, device="cpu")
-    plain = verify_build(read(build_dir / "manifest.json"), build_dir)
+    on_device = verify_build(load(build_dir / "manifest.json"), build_dir, device="cpu")
+    plain = verify_build(load(build_dir / "manifest.json"), build_dir)
     assert not on_device.ok and on_device.problems == plain.problems
     assert list(on_device.problems) == [f"{S0}: {_chunk_line(f, [f.stat().st_size - 5])}"]
 

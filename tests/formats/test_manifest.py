@@ -11,7 +11,7 @@ import pytest
 from manifest_edits import edit_at
 
 from shardc.errors import ManifestError
-from shardc.formats.manifest import Manifest, dumps, loads, parse, read, read_manifest, typed
+from shardc.formats.manifest import Manifest, load, loads
 
 H = {c: c * 64 for c in "0123456789abcdef"}  # 64-digit hashes, one per digit
 S0, S1 = "model-tp00-pp00.safetensors", "model-tp00-pp01.safetensors"
@@ -45,8 +45,13 @@ def base() -> dict:
     }
 
 
+def _v1(m: dict) -> dict:
+    """Version 1 of a manifest: the shards a list in rank order, each entry naming its file."""
+    return {**m, "format_version": 1, "shards": [{"file": f, **m["shards"][f]} for f in (S0, S1)]}
+
+
 def _parse(m: dict) -> Manifest:
-    return parse(json.dumps(m).encode(), "m.json")
+    return loads(json.dumps(m).encode(), "m.json")
 
 
 def test_typed_fields_of_the_hand_written_manifest():
@@ -82,36 +87,38 @@ def test_writes_canonical_bytes_of_what_it_read():
     """The writer's bytes are json.dumps(sort_keys, indent=1, no ASCII escaping) + newline of the
     manifest as given (shards keyed by file), whatever order and spacing it was read in."""
     want = (json.dumps(base(), sort_keys=True, indent=1, ensure_ascii=False) + "\n").encode()
-    m = parse(json.dumps(base(), indent=3).encode())
-    assert m.dumps() == want and dumps(m) == want and dumps(m.to_dict()) == want
+    m = loads(json.dumps(base(), indent=3).encode())
+    assert m.dumps() == want and m.to_dict() == base() and Manifest.from_dict(m.to_dict()) == m
+    assert Manifest.from_dict(m.to_dict()).dumps() == want
     path_free = copy.deepcopy(base())
     path_free["source"]["uri"] = "/données"  # UTF-8 as is
     assert "/données".encode() in _parse(path_free).dumps()
 
 
-def test_version_1_form_lists_shards_by_rank_with_their_file():
-    v1 = loads(json.dumps(base()))
-    assert v1["format_version"] == 1
+def test_version_1_is_read_as_the_same_manifest_and_written_as_current():
+    v1 = _v1(base())
     assert [s["file"] for s in v1["shards"]] == [S0, S1]
     assert v1["shards"][1] == {"file": S1, **base()["shards"][S1]}
-    assert typed(v1) == _parse(base()) and dumps(v1) == _parse(base()).dumps()
+    m = _parse(v1)
+    assert m == _parse(base()) == Manifest.from_dict(v1) and m.dumps() == _parse(base()).dumps()
+    assert m.to_dict()["format_version"] == 2 and m.to_dict()["shards"] == base()["shards"]
 
 
-def test_read_and_read_manifest_take_a_path(tmp_path):
+def test_load_and_save_take_a_path(tmp_path):
     p = tmp_path / "manifest.json"
     p.write_bytes(_parse(base()).dumps())
-    assert read(p) == _parse(base()) and read(str(p)) == read(p)
-    assert read_manifest(p) == loads(p.read_bytes())
+    assert load(p) == _parse(base()) and load(str(p)) == load(p)
+    assert load(p) == loads(p.read_bytes(), str(p))
     m = _parse(base())
-    m.write(tmp_path / "w.json")
+    m.save(tmp_path / "w.json")
     assert (tmp_path / "w.json").read_bytes() == p.read_bytes()
     with pytest.raises(ManifestError) as e:
-        read(tmp_path)
+        load(tmp_path)
     assert e.value.one_line() == (f"manifest {tmp_path} is not a regular file "
                                   "(hint: pass the file itself, not a pipe or device)")
     p.write_bytes(b"\xff\xfe")
     with pytest.raises(ManifestError) as e:
-        read(p)
+        load(p)
     assert e.value.one_line() == f"{p} is not JSON (hint: pass the manifest.json that shardc build wrote)"
 
 
@@ -126,8 +133,8 @@ ACCEPTED = [
     (("shards", S0, "rank"), 4096 * 4096),
     (("shards", S1, "tp_rank"), 4096),
     (("shards", S1, "pp_stage"), 4096),
-    (("shards", S0, "layers"), [0, 10_000]),
-    (("model", "config", "num_hidden_layers"), 10_000),
+    (("shards", S0, "layers"), [0, 4096]),  # the model config's own limit (layout/model.py)
+    (("model", "config", "num_hidden_layers"), 4096),
     (("model", "config", "vocab_size"), 1 << 24),
     (("model", "config", "num_hidden_layers"), KeyError),
     (("model", "config", "vocab_size"), None),
@@ -169,7 +176,7 @@ REFUSED = [
     (("shards", S1, "pp_stage"), 4097, _err(f"shards.{S1}.pp_stage", "is 4097, outside 0..4096")),
     (("shards", S0, "layers"), [0], _err(f"shards.{S0}.layers", "is [0], expected [start, stop]")),
     (("shards", S0, "layers"), [0, 1, 2], _err(f"shards.{S0}.layers", "is [0, 1, 2], expected [start, stop]")),
-    (("shards", S0, "layers"), [0, 10_001], _err(f"shards.{S0}.layers", "is [0, 10001], expected [start, stop]")),
+    (("shards", S0, "layers"), [0, 4097], _err(f"shards.{S0}.layers", "is [0, 4097], expected [start, stop]")),
     (("shards", S0, "layers"), [-1, 1], _err(f"shards.{S0}.layers", "is [-1, 1], expected [start, stop]")),
     (("shards", S0, "layers"), [False, 1], _err(f"shards.{S0}.layers", "is [False, 1], expected [start, stop]")),
     (("shards", S0, "sha256"), H["0"][:63], _err(f"shards.{S0}.sha256", f"is '{H['0'][:63]}', expected 64 hex digits")),
@@ -208,9 +215,9 @@ REFUSED = [
                                                         "is '0', expected 64 hex digits")),
     (("source", "reshard_of", "extra"), 1, _err("source.reshard_of", "has unknown key 'extra'")),
     (("source", "reshard_of"), [], _err("source.reshard_of", "is [], expected dict")),
-    (("model", "config", "num_hidden_layers"), 0, _err("model.config.num_hidden_layers", "is 0, outside 1..10000")),
-    (("model", "config", "num_hidden_layers"), 10_001,
-     _err("model.config.num_hidden_layers", "is 10001, outside 1..10000")),
+    (("model", "config", "num_hidden_layers"), 0, _err("model.config.num_hidden_layers", "is 0, outside 1..4096")),
+    (("model", "config", "num_hidden_layers"), 4097,
+     _err("model.config.num_hidden_layers", "is 4097, outside 1..4096")),
     (("model", "config", "head_dim"), 1 << 15, _err("model.config.head_dim", f"is {1 << 15}, outside 1..16384")),
     (("model", "config"), [], _err("model.config", "is [], expected dict")),
     (("model",), KeyError, _err("model", "is missing")),
@@ -251,13 +258,13 @@ def test_unsafe_shard_keys_and_version_1_names_are_refused():
     d["shards"]["a/b"] = d["shards"].pop(S0)
     with pytest.raises(ManifestError, match="^unsafe shard file name 'a/b'$"):
         _parse(d)
-    v1 = loads(json.dumps(base()))
+    v1 = _v1(base())
     v1["shards"][0]["file"] = ".."
     with pytest.raises(ManifestError, match=r"^unsafe shard file name '\.\.'$"):
-        parse(json.dumps(v1))
+        loads(json.dumps(v1))
     del v1["shards"][0]["file"]
     with pytest.raises(ManifestError) as e:
-        parse(json.dumps(v1), "m.json")
+        loads(json.dumps(v1), "m.json")
     assert e.value.one_line() == _err("shards[0].file", "is missing")
 
 
@@ -274,7 +281,7 @@ def test_unsafe_shard_keys_and_version_1_names_are_refused():
 ])
 def test_what_is_not_a_manifest_of_this_shardc(data, line):
     with pytest.raises(ManifestError) as e:
-        parse(data, "m.json")
+        loads(data, "m.json")
     assert e.value.one_line() == line
 
 
@@ -282,7 +289,7 @@ def test_default_origin_is_manifest():
     d = base()
     del d["plan_sha256"]
     with pytest.raises(ManifestError) as e:
-        parse(json.dumps(d))
+        loads(json.dumps(d))
     assert e.value.one_line() == "plan_sha256: manifest: is missing" + HINT
     with pytest.raises(ManifestError) as e:
         Manifest.from_dict([])
@@ -315,7 +322,7 @@ def test_new_manifest_records_the_layout_it_was_built_from(quant, torch_dtype, b
     """tp=4 pp=2 int8, vocabulary 102 (padded to 104 for tp=4); files and shards handed over out
     of order come out sorted by name and by rank."""
     from shardc.compiler.synthetic import llama_config
-    from shardc.formats.manifest import FileEntry, ShardEntry, SourceRecord, layout_of, new_manifest
+    from shardc.formats.manifest import FileEntry, ShardEntry, SourceRecord, new_manifest
     from shardc.layout.model import model_from_config
     from shardc.layout.plan import plan_from_dict
     from shardc.layout.ranks import build_layout
@@ -343,4 +350,4 @@ def test_new_manifest_records_the_layout_it_was_built_from(quant, torch_dtype, b
     assert m.world_size == 8
     back = m.to_layout()  # the layout recomputed from what the manifest recorded
     assert [rl.file for rl in back.ranks] == [rl.file for rl in layout.ranks] and back.padded_vocab == 104
-    assert layout_of(m.to_dict()).plan.sha256 == plan.sha256
+    assert Manifest.from_dict(m.to_dict()).to_layout().plan.sha256 == plan.sha256

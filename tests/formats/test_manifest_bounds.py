@@ -147,25 +147,25 @@ def test_deep_manifest_load_shard_and_dicts(built, tmp_path):
 
 def test_nesting_limit_is_64_levels(built):
     """64 levels in all read; 65 do not (the config sits at level 3: its value adds the rest)."""
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
 
-    assert parse(_deep(built, 61)).config["deep"] is not None  # manifest, model, config, 61 arrays: 64
+    assert loads(_deep(built, 61)).config["deep"] is not None  # manifest, model, config, 61 arrays: 64
     with pytest.raises(ManifestError, match="nested deeper than 64 levels"):
-        parse(_deep(built, 62))
+        loads(_deep(built, 62))
 
 
 # -- item 8: bounded work before validation ------------------------------------------------------------
 def test_hostile_degrees_refused_before_any_layout(built, tmp_path, no_layout):
     """tp=64 over 1000 layers with no shard entries, then with 64 entries of one record each: the
     shard count, then the record count, refuses it; build_layout is never reached."""
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
 
     with pytest.raises(ManifestError) as e:
-        parse(json.dumps(_hostile(built)), "h.json")
+        loads(json.dumps(_hostile(built)), "h.json")
     assert (e.value.key, e.value.message) == ("shards", "h.json: lists 0 shard(s); its plan (tp_degree=64, "
                                                         "pp_degree=1) has 64")
     with pytest.raises(ManifestError) as e:
-        parse(json.dumps(_hostile(built, shards=True)), "h.json")
+        loads(json.dumps(_hostile(built, shards=True)), "h.json")
     assert (e.value.key, e.value.message) == ("shards", "h.json: lists 64 tensor record(s) in all; 1000 layers "
                                                         "on 64 TP rank(s) need at least 64000")
     import shardc
@@ -177,10 +177,10 @@ def test_hostile_degrees_refused_before_any_layout(built, tmp_path, no_layout):
 def test_bound_is_exact_at_the_floor(built):
     """Exactly tp x layers records pass the bound (and go on to the Layout); one fewer does not;
     one shard entry too many or too few is refused."""
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
 
     real = json.loads(built.read_text())
-    assert len(parse(json.dumps(real)).shards) == 2
+    assert len(loads(json.dumps(real)).shards) == 2
     m = json.loads(built.read_text())
     m["model"]["config"]["num_hidden_layers"] = 11  # 2 TP ranks x 11 layers = 22 records at the least
     records = sum(len(e["tensors"]) for e in m["shards"].values())
@@ -189,18 +189,18 @@ def test_bound_is_exact_at_the_floor(built):
     keep = dict(list(m["shards"][files[0]]["tensors"].items())[:11])
     for f in files:
         m["shards"][f]["tensors"] = keep
-    assert parse(json.dumps(m)).shards  # 22 records: read (verify reports what the Layout lacks)
+    assert loads(json.dumps(m)).shards  # 22 records: read (verify reports what the Layout lacks)
     m["shards"][files[1]]["tensors"] = dict(list(keep.items())[:10])
     with pytest.raises(ManifestError, match=r"lists 21 tensor record\(s\) in all; 11 layers on 2 TP rank\(s\) "
                                             r"need at least 22"):
-        parse(json.dumps(m))
+        loads(json.dumps(m))
     extra = json.loads(built.read_text())
     extra["shards"]["model-tp02-pp00.safetensors"] = {**extra["shards"][files[0]], "tp_rank": 2, "rank": 2}
     with pytest.raises(ManifestError, match=r"lists 3 shard\(s\); its plan \(tp_degree=2, pp_degree=1\) has 2"):
-        parse(json.dumps(extra))
+        loads(json.dumps(extra))
     del extra["shards"]["model-tp02-pp00.safetensors"], extra["shards"][files[1]]
     with pytest.raises(ManifestError, match=r"lists 1 shard\(s\)"):
-        parse(json.dumps(extra))
+        loads(json.dumps(extra))
 
 
 def test_hostile_degrees_cli_verify_and_pull(built, tmp_path):

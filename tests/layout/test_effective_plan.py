@@ -123,7 +123,7 @@ def test_a_build_without_override_still_passes_verify_plan(world):
 def test_old_manifests_without_the_field_still_verify(world, tmp_path):
     """A version 1 manifest (and any written before overrides were recorded) has no such keys:
     its effective plan is its plan."""
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
     old = tmp_path / "old"
     shutil.copytree(world["plain"], old)
@@ -134,7 +134,7 @@ def test_old_manifests_without_the_field_still_verify(world, tmp_path):
     assert verify(old, "--plan", world["plan"]).returncode == 0
     r = verify(old, "--plan", world["plan"], "--source", world["elsewhere"])
     assert r.returncode == 1 and "built from the plan's own source `weights`" in r.stderr
-    fixture = read(ROOT / "tests" / "data" / "manifest-v1-demo-tp3pp2-bf16.json")
+    fixture = load(ROOT / "tests" / "data" / "manifest-v1-demo-tp3pp2-bf16.json")
     assert fixture.overrides == {} and fixture.effective_sha256 == fixture.plan_sha256
 
 
@@ -225,10 +225,10 @@ def test_the_override_record_survives_push_and_pull(world, tmp_path, compress):
 
 def test_an_override_of_a_plan_without_a_source_is_refused_on_read(world):
     from shardc.errors import ManifestError
-    from shardc.formats.manifest import parse
+    from shardc.formats.manifest import loads
 
     m = json.loads((world["over"] / "manifest.json").read_text())
     m["plan"]["model"] = ["not", "a", "section"]
     with pytest.raises(ManifestError, match="expected dict") as err:
-        parse(json.dumps(m))
+        loads(json.dumps(m))
     assert err.value.key == "plan.model"

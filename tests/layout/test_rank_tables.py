@@ -16,6 +16,7 @@ from shardc.errors import LayoutError, QuantizationError
 from shardc.layout.model import model_from_config
 from shardc.layout.ranks import (
     RankLayout,
+    Split,
     TensorSpec,
     build_layout,
     check_degrees,
@@ -303,10 +304,10 @@ def test_quant_ignore_keeps_16_bit():
 
 
 def test_tensorspec_record_drops_empty_fields():
-    t = TensorSpec(name="x", dtype="F32", shape=(2, 3), source="x", split="replicated")
+    t = TensorSpec(name="x", dtype="F32", shape=(2, 3), source="x", split=Split.REPLICATED)
     assert t.record() == {"dtype": "F32", "shape": [2, 3], "source": "x", "split": "replicated"}
     assert t.nbytes == 24
-    t = TensorSpec(name="x", dtype="I64", shape=(2,), source="y", split="row", dim=0, start=0,
+    t = TensorSpec(name="x", dtype="I64", shape=(2,), source="y", split=Split.ROW, dim=0, start=0,
                    stop=0, pad_rows=3, kv_head=0, value=(4, 5))
     assert t.record() == {"dtype": "I64", "shape": [2], "source": "y", "split": "row", "dim": 0,
                           "start": 0, "stop": 0, "pad_rows": 3, "kv_head": 0, "value": [4, 5]}

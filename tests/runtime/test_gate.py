@@ -290,23 +290,23 @@ def _swap_row_parallel(build_dir: Path, layer: int) -> None:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardc.formats.manifest import dumps, read_manifest
+    from shardc.formats.manifest import load
 
-    m = read_manifest(build_dir / "manifest.json")
-    stage = next(s for s in m["shards"] if s["layers"][0] <= layer < s["layers"][1])["pp_stage"]
-    entries = {s["tp_rank"]: s for s in m["shards"] if s["pp_stage"] == stage}
+    m = load(build_dir / "manifest.json")
+    stage = next(s for s in m.shards if s.layers[0] <= layer < s.layers[1]).pp_stage
+    entries = {s.tp_rank: s for s in m.shards if s.pp_stage == stage}
     data, meta = {}, {}
     for r in (0, 1):
-        with safe_open(build_dir / entries[r]["file"], "pt") as f:
+        with safe_open(build_dir / entries[r].file, "pt") as f:
             meta[r] = f.metadata()
             data[r] = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
     for name in (f"model.layers.{layer}.self_attn.o_proj.weight", f"model.layers.{layer}.mlp.down_proj.weight"):
         data[0][name], data[1][name] = data[1][name], data[0][name]
     for r in (0, 1):
-        path = build_dir / entries[r]["file"]
+        path = build_dir / entries[r].file
         save_file(data[r], str(path), metadata=meta[r])
         reseal(entries[r], path.read_bytes())
-    (build_dir / "manifest.json").write_bytes(dumps(m))
+    (build_dir / "manifest.json").write_bytes(m.dumps())
 
 
 @pytest.mark.heavy

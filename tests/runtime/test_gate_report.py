@@ -398,20 +398,20 @@ def test_different_models_message_is_exact(builds):
     import copy
 
     from shardc.errors import ManifestError
-    from shardc.formats.manifest import typed
+    from shardc.formats.manifest import Manifest
     from shardc.runtime.gate import check_compatible
 
     d = json.loads(builds["tp1pp1"].read_text())
     other = copy.deepcopy(d)
     other["model"]["hidden_size"] = 7
     with pytest.raises(ManifestError) as e:
-        check_compatible(typed(d), typed(other))
+        check_compatible(Manifest.from_dict(d), Manifest.from_dict(other))
     assert e.value.message == f"baseline and candidate are different models: hidden_size is {d['model']['hidden_size']} vs 7"
     assert e.value.hint == "gate two plans built from the same checkpoint"
     other = copy.deepcopy(d)
     next(f for f in other["files"] if f["name"] == "tokenizer.json")["sha256"] = "f" * 64
     with pytest.raises(ManifestError) as e:
-        check_compatible(typed(d), typed(other))
+        check_compatible(Manifest.from_dict(d), Manifest.from_dict(other))
     assert e.value.message == "baseline and candidate ship different tokenizer.json files"
     assert e.value.hint == "gate two plans built from the same checkpoint"
 

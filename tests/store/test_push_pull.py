@@ -25,7 +25,7 @@ from s3server import Faults
 
 from shardc.cli import main
 from shardc.errors import ManifestError, StoreError, VerifyMismatch
-from shardc.formats.manifest import dumps, loads
+from shardc.formats.manifest import Manifest, loads
 from shardc.store import S3Settings, parse_uri, pull_build, push_build, split_object_uri
 
 SECRET = "shardc-test-secret-DO-NOT-PRINT"
@@ -186,39 +186,39 @@ def test_s3_round_trip(builds, s3, bucket, tmp_path, dtype, compress):
     assert res.manifest_uri == f"{uri}/manifest.json" and res.uploaded == len(res.objects)
 
     c = s3.client()
-    shard = b.manifest.shards[0].to_dict(version=1)
-    key = f"models/{dtype}/{shard['file']}" + (".zst" if compress else "")
+    shard = b.manifest.shards[0]
+    key = f"models/{dtype}/{shard.file}" + (".zst" if compress else "")
     head = c.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
     parts = -(-head["ContentLength"] // (5 << 20))
     assert head["ETag"].strip('"').endswith(f"-{parts}")  # a multipart upload, 5 MiB parts
     assert compress or parts == 2
     assert "ChecksumSHA256" in head  # parts carried SHA-256 checksums
-    assert head["Metadata"]["content-sha256" if compress else "sha256"] == shard["sha256"]
+    assert head["Metadata"]["content-sha256" if compress else "sha256"] == shard.sha256
     assert c.list_multipart_uploads(Bucket=bucket).get("Uploads") is None
 
     remote = loads(c.get_object(Bucket=bucket, Key=f"models/{dtype}/manifest.json")["Body"].read())
     if compress:
-        comp = remote["shards"][0]["compressed"]
-        assert comp["codec"] == "zstd" and comp["object"] == shard["file"] + ".zst"
-        assert comp["size"] == head["ContentLength"] < shard["size"]
-        assert "compressed" not in remote["files"][0]  # side files stay plain
+        comp = remote.shards[0].compressed
+        assert comp is not None and comp["codec"] == "zstd" and comp["object"] == shard.file + ".zst"
+        assert comp["size"] == head["ContentLength"] < shard.size
+        assert remote.files[0].compressed is None  # side files stay plain
     else:
-        assert dumps(remote) == b.manifest_path.read_bytes()
+        assert remote.dumps() == b.manifest_path.read_bytes()
 
     # a GPU node pulls only its own rank
-    last = b.manifest.shards[-1].to_dict(version=1)
+    last = b.manifest.shards[-1]
     dest = tmp_path / "node"
-    one = run_cli("pull", "--manifest", f"{uri}/manifest.json", "--rank", str(last["rank"]),
+    one = run_cli("pull", "--manifest", f"{uri}/manifest.json", "--rank", str(last.rank),
                   "--dest", str(dest), "--endpoint-url", s3.endpoint, "--json")
     assert one.exit_code == 0, one.output
     info = json.loads(one.stdout)
-    assert [r["rank"] for r in info["ranks"]] == [last["rank"]] and info["verify"]["ok"]
+    assert [r["rank"] for r in info["ranks"]] == [last.rank] and info["verify"]["ok"]
     index = ["model.safetensors.index.json"] if b.manifest.layout.tp_degree == 1 else []
-    assert sorted(tree(dest)) == sorted(["config.json", "manifest.json", last["file"]] + index)
+    assert sorted(tree(dest)) == sorted(["config.json", "manifest.json", last.file] + index)
     assert (dest / "manifest.json").read_bytes() == b.manifest_path.read_bytes()
     # the node's cold-start check can read the manifest straight from the store
     ver = run_cli("verify", "--manifest", f"{uri}/manifest.json", "--dir", str(dest), "--rank",
-                  str(last["rank"]), "--endpoint-url", s3.endpoint)
+                  str(last.rank), "--endpoint-url", s3.endpoint)
     assert ver.exit_code == 0, ver.output
     assert run_cli("verify", "--manifest", f"{uri}/manifest.json", "--endpoint-url", s3.endpoint).exit_code == 2
 
@@ -559,7 +559,7 @@ def test_library_errors_are_typed(builds, tmp_path):
         for f in builds["bf16"].out_dir.iterdir():
             if not f.name.startswith("."):
                 (tmp_path / "b" / f.name).write_bytes(f.read_bytes())
-        (tmp_path / "b" / "manifest.json").write_bytes(dumps(data))
+        (tmp_path / "b" / "manifest.json").write_bytes(Manifest.from_dict(data).dumps())
         push_build(tmp_path / "b" / "manifest.json")
 
 

@@ -386,10 +386,10 @@ def test_push_destinations(twins, tmp_path):
     assert res.dest == f"{tmp_path}/otherX" and res.manifest_uri == f"{tmp_path}/otherX/manifest.json"
     assert (tmp_path / "otherX" / "manifest.json").read_bytes() == a.manifest_path.read_bytes()
 
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.store.push import _destination
 
-    assert _destination(read(a.manifest_path), "//") == ("/", "manifest.json")  # not written to
+    assert _destination(load(a.manifest_path), "//") == ("/", "manifest.json")  # not written to
     with pytest.raises(StoreError) as exc:
         push_build(a.manifest_path)  # the plan names no checkpoint.manifest_uri
     assert exc.value.message == "no destination: the plan has no replica_group.checkpoint.manifest_uri"

@@ -136,7 +136,7 @@ def test_header_problems_are_named(src, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.layout.plan import plan_from_dict
 
     res = build(plan_from_dict(_plan_data("h", None)).with_source(str(src)), tmp_path / "o")
@@ -148,14 +148,14 @@ def test_header_problems_are_named(src, tmp_path):
     del tensors["model.norm.weight"]
     save_file(tensors, str(path), metadata=meta)
     _rehash(res.out_dir, file)
-    out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
+    out = verify_build(load(res.out_dir / "manifest.json"), res.out_dir)
     assert list(out.problems) == [f"{file}: missing tensor model.norm.weight"]
     assert to_json(out.ranks) == [{"file": file, "tp_rank": 0, "pp_stage": 0, "rank": 0, "ok": False,
                              "problems": list(out.problems), "warnings": [],
                              "checks": BASE_CHECKS}]  # the checks that ran, not only those passed
     path.write_bytes(struct.pack("<Q", 2) + b"[]")  # a header that is JSON but not an object
     _rehash(res.out_dir, file)
-    out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir)
+    out = verify_build(load(res.out_dir / "manifest.json"), res.out_dir)
     (problem,) = out.problems
     assert problem.startswith(f"{file}: safetensors header does not parse (") and "JSON object" in problem
 
@@ -179,7 +179,7 @@ def test_a_shard_cut_short_is_named_with_or_without_device(src, tmp_path):
     its header still parses, but the last tensor's data would end past the end of the file. verify
     names it from the header alone, without --device as with it (the safetensors library refuses
     such a file when it opens it)."""
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
     from shardc.layout.plan import plan_from_dict
 
     res = build(plan_from_dict(_plan_data("t", None)).with_source(str(src)), tmp_path / "o")
@@ -193,7 +193,7 @@ def test_a_shard_cut_short_is_named_with_or_without_device(src, tmp_path):
     want = [f"{file}: safetensors data layout: the tensors' data ends at {end}, the file's data "
             f"section holds {end - 2} bytes (the file is cut short)"]
     for device in (None, "cpu"):
-        out = verify_build(read(res.out_dir / "manifest.json"), res.out_dir, device=device)
+        out = verify_build(load(res.out_dir / "manifest.json"), res.out_dir, device=device)
         assert list(out.problems) == want
         assert out.ranks[0].ok is False  # the rank's own verdict, not only the build's
 

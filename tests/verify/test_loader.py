@@ -112,9 +112,9 @@ def test_load_shard_equals_safetensors(builds, dtype):
     from safetensors.torch import load_file
 
     import shardc
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
-    lay = read(builds[dtype]).to_layout()
+    lay = load(builds[dtype]).to_layout()
     m = json.loads(builds[dtype].read_text())  # a manifest as a serving runtime holds it: plain JSON
     for rl in lay.ranks:
         got = shardc.load_shard(builds[dtype], rl.tp_rank, rl.pp_stage, device="cpu")

@@ -179,9 +179,9 @@ def test_plan_option_and_bad_input(builds, tmp_path):
 def test_rank_selection_names_fields_not_flags(builds):
     """The library says which field is wrong; only the CLI speaks of flags."""
     from shardc.errors import LayoutError
-    from shardc.formats.manifest import read
+    from shardc.formats.manifest import load
 
-    layout = read(builds[2, 2, "bf16"] / "manifest.json").to_layout()
+    layout = load(builds[2, 2, "bf16"] / "manifest.json").to_layout()
     assert [r.rank for r in layout.select([3, 1], [(1, 0)])] == [1, 3]
     assert [r.rank for r in layout.select()] == [0, 1, 2, 3]
     with pytest.raises(LayoutError) as exc:

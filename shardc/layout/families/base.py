@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any, overload
 
 from ...errors import ModelError
 
@@ -23,19 +24,30 @@ if TYPE_CHECKING:  # ModelSpec is built from a family's answers; the type only
 
 RopeReader = Callable[[dict[str, Any]], tuple[float, dict[str, Any] | None]]
 
-# Split kinds (how a tensor is cut over tensor parallelism; layout/ranks.py interprets them):
-COLUMN = "column"  # dim 0 (output rows) split evenly; biases the same way
-KV_COLUMN = "kv_column"  # like column; when tp > kv_heads each rank holds one whole KV head
-ROW = "row"  # dim 1 (input columns) split evenly
-VOCAB = "vocab"  # dim 0 by vocabulary rows, padded with zero rows to a multiple of tp
-REPLICATED = "replicated"  # whole on every TP rank of the owning stage
-FUSED = "fused"  # dim 0 holds several column tensors end to end (Phi-3's qkv_proj, gate_up_proj):
-#                  each part is cut by its own kind and the rank's pieces are concatenated
-EXPERT = "expert"  # a routed expert's tensor placed whole on one rank (plan expert_parallel);
-#                    without expert parallelism the row's own kind (column / row) splits it
-STACKED = "stacked"  # every routed expert of a layer in one tensor, dim 0 the expert id (gpt-oss):
-#                      expert parallelism gives each rank its experts' block of dim 0; without it
-#                      TP cuts ``Row.tp_dim`` (None: whole on every TP rank)
+class Split(str, Enum):
+    """How a tensor is cut over tensor parallelism (layout/cuts.py interprets it). A ``str``: a
+    manifest's tensor records carry the value, the same bytes the bare strings were."""
+
+    COLUMN = "column"  # dim 0 (output rows) split evenly; biases the same way
+    KV_COLUMN = "kv_column"  # like column; when tp > kv_heads each rank holds one whole KV head
+    ROW = "row"  # dim 1 (input columns) split evenly
+    VOCAB = "vocab"  # dim 0 by vocabulary rows, padded with zero rows to a multiple of tp
+    REPLICATED = "replicated"  # whole on every TP rank of the owning stage
+    FUSED = "fused"  # dim 0 holds several column tensors end to end (Phi-3's qkv_proj, gate_up_proj):
+    #                  each part is cut by its own kind and the rank's pieces are concatenated
+    EXPERT = "expert"  # a routed expert's tensor placed whole on one rank (plan expert_parallel);
+    #                    without expert parallelism the row's own kind (column / row) splits it
+    STACKED = "stacked"  # every routed expert of a layer in one tensor, dim 0 the expert id (gpt-oss):
+    #                      expert parallelism gives each rank its experts' block of dim 0; without it
+    #                      TP cuts ``Row.tp_dim`` (None: whole on every TP rank)
+
+    def __str__(self) -> str:  # the value in messages and f-strings on every Python version
+        return self.value
+
+
+# The members by their short names, as the families' tables spell them.
+COLUMN, KV_COLUMN, ROW, VOCAB = Split.COLUMN, Split.KV_COLUMN, Split.ROW, Split.VOCAB
+REPLICATED, FUSED, EXPERT, STACKED = Split.REPLICATED, Split.FUSED, Split.EXPERT, Split.STACKED
 
 
 @dataclass(frozen=True)
@@ -45,9 +57,9 @@ class Row:
 
     name: str
     shape: tuple[int, ...]
-    split: str
+    split: Split
     quantizable: bool = False
-    parts: tuple[tuple[int, str], ...] = ()  # FUSED: (rows, COLUMN | KV_COLUMN) in order
+    parts: tuple[tuple[int, Split], ...] = ()  # FUSED: (rows, COLUMN | KV_COLUMN) in order
     expert: int | None = None  # a routed expert's id: placed whole by expert parallelism
     dtype: str | None = None  # stored in this safetensors dtype whatever the plan's (e.g. "F32": a
     #                           router transformers keeps in fp32, _keep_in_fp32_modules_strict)
@@ -206,8 +218,12 @@ def number(cfg: dict[str, Any], key: str, default: float | None, *, positive: bo
     return float(value)
 
 
+@overload
+def count(cfg: dict[str, Any], key: str, default: int, *, low: int = 1) -> int: ...
+@overload
+def count(cfg: dict[str, Any], key: str, default: None = None, *, low: int = 1) -> int | None: ...
 def count(cfg: dict[str, Any], key: str, default: int | None = None, *, low: int = 1) -> int | None:
-    """A whole number >= low, or the default when absent or null."""
+    """A whole number >= low, or the default when absent or null (an int whenever the default is)."""
     value = cfg.get(key, default)
     if value is None:
         return default

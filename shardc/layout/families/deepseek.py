@@ -102,7 +102,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     q_lora = None if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else count(cfg, "q_lora_rank", 1536)
     dims = {key: count(cfg, key, default) for key, default in (
         ("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128))}
-    if dims["qk_rope_head_dim"] % 2:  # type: ignore[operator]
+    if dims["qk_rope_head_dim"] % 2:
         raise refuse("qk_rope_head_dim", dims["qk_rope_head_dim"], "must be even (rope rotates pairs)")
     return {"experts": experts, "top_k": top_k, "groups": groups, "topk_groups": topk_groups,
             "norm_topk": flag(cfg, "norm_topk_prob", True),
@@ -151,7 +151,7 @@ def softmax_scale(m: ModelSpec) -> float:
                 raise refuse("rope_scaling.factor", factor, "must be a positive number with mscale_all_dim")
             mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
             scaling = scaling * mscale * mscale
-    return scaling
+    return float(scaling)  # a float already; the config's numbers are untyped JSON
 
 
 def tensors(m: ModelSpec) -> list[Row]:

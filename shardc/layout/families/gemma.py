@@ -55,11 +55,11 @@ def _activation(cfg: dict[str, Any]) -> str:
     act = cfg.get("hidden_activation")
     old = cfg.get("hidden_act")
     if act is None:
-        return old if old is not None else "gelu_pytorch_tanh"
+        return str(old) if old is not None else "gelu_pytorch_tanh"
     if old is not None and old != act:
         raise refuse("hidden_act", old, f"disagrees with hidden_activation={act!r}",
                      "keep one spelling (transformers reads hidden_activation for Gemma)")
-    return act
+    return str(act)
 
 
 def _cap(cfg: dict[str, Any], key: str, default: float | None) -> float | None:
@@ -80,7 +80,7 @@ def rope(cfg: dict[str, Any], _rope: RopeReader) -> tuple[float, dict[str, Any] 
     object in either spelling (layout/model.py's)."""
     params = _per_layer_rope(cfg)
     if params is None:
-        glob = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in cfg}
+        glob: dict[str, Any] = {k: cfg[k] for k in ("rope_theta", "rope_scaling", "rope_parameters") if k in cfg}
         glob.setdefault("rope_theta", _GLOBAL_THETA)
         theta, scaling = _rope(glob)
         local = number(cfg, "rope_local_base_freq", _LOCAL_THETA)
@@ -94,7 +94,7 @@ def rope(cfg: dict[str, Any], _rope: RopeReader) -> tuple[float, dict[str, Any] 
     sliding = params.get("sliding_attention") or {"rope_type": "default"}
     if not isinstance(full, dict) or not isinstance(sliding, dict):
         raise refuse("rope_parameters", params, "must hold one object per layer type")
-    glob = {"rope_parameters": {"rope_theta": _GLOBAL_THETA} | full}
+    glob = {"rope_parameters": {"rope_theta": _GLOBAL_THETA} | full}  # the same dict[str, Any]
     for old in ("rope_theta", "rope_scaling"):  # both spellings present: _rope makes them agree
         if cfg.get(old) is not None:
             glob[old] = cfg[old]

@@ -107,4 +107,5 @@ class MXFP4(SourceQuantization):
         values[..., 1::2] = lut[blocks >> 4]
         with np.errstate(over="ignore", invalid="ignore"):  # scale 255: inf/NaN, as torch.ldexp
             np.ldexp(values, (scales.astype(np.int32) - 127)[..., None], out=values)
-        return values.reshape(e, n_out, -1)[:, :, :n_in].transpose(0, 2, 1)
+        out: np.ndarray = values.reshape(e, n_out, -1)[:, :, :n_in].transpose(0, 2, 1)
+        return out

@@ -1,14 +1,13 @@
 """Cutting a quantized source's stored tensors per TP rank (``dtype: source`` plans). Pure.
 
-The Layout's cut of a weight (``layout/ranks.py`` ``_slice_for_rank``: dim, start/stop or fused
-pieces, in weight elements) becomes, for each stored tensor, the same cut divided by its grid
+The Layout's cut of a weight (``layout/cuts.py`` ``Cut``: dim, start/stop or fused pieces, in
+weight elements) becomes, for each stored tensor, the same cut divided by its grid
 (``Stored.cut``); the stored tensors are then plain slices of source tensors of their own, so the
 build, verify, reshard and export handle them like any other tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,35 +15,36 @@ if TYPE_CHECKING:
     from ..plan import Plan
 
 from ...errors import LayoutError
-from ..tensors import STACKED, tensor_table, valid_tp_degrees
+from ..cuts import Cut, slice_for_rank
+from ..tensors import STACKED, Split, tensor_table, valid_tp_degrees
 from .base import SourceQuantization, Stored
-
-Cut = dict[str, Any]  # _slice_for_rank's answer: dim, start, stop, shape, [pieces, kv_head, pad_rows]
 
 
 def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | None:
     """TensorSpec fields (less name/source/split/dtype) of stored tensor ``st`` for a rank whose
     weight slice is ``cut`` of a weight of shape ``full``; None when the cut splits a grid cell."""
-    local = cut["shape"]
+    local = cut.shape
     if st.value:
         return {"shape": st.shape(local), "value": tuple(local)}
     whole = st.shape(full)
-    dim = cut.get("dim")
+    dim = cut.dim
     if dim is None or st.flat:
         return {"shape": whole}
-    if cut.get("pad_rows"):
+    if cut.pad_rows:
         return None  # vocabulary padding has no scales to pad with
-    if cut.get("pieces"):
-        pieces = [st.cut(dim, a, b, full[dim]) for a, b in cut["pieces"]]
-        if None in pieces:
+    if cut.pieces:
+        cuts = [st.cut(dim, a, b, full[dim]) for a, b in cut.pieces]
+        pieces = [p for p in cuts if p is not None]
+        if len(pieces) != len(cuts):
             return None
-        rows = sum(b - a for a, b in pieces)  # type: ignore[misc]
-        return {"shape": (rows, *whole[1:]), "dim": dim, "pieces": tuple(pieces), "kv_head": cut.get("kv_head")}
-    ab = st.cut(dim, cut["start"], cut["stop"], full[dim])
+        rows = sum(b - a for a, b in pieces)
+        return {"shape": (rows, *whole[1:]), "dim": dim, "pieces": tuple(pieces), "kv_head": cut.kv_head}
+    assert cut.start is not None and cut.stop is not None  # a cut along dim has its bounds
+    ab = st.cut(dim, cut.start, cut.stop, full[dim])
     if ab is None:
         return None
     shape = tuple(ab[1] - ab[0] if i == dim else n for i, n in enumerate(whole))
-    return {"shape": shape, "dim": dim, "start": ab[0], "stop": ab[1], "kv_head": cut.get("kv_head")}
+    return {"shape": shape, "dim": dim, "start": ab[0], "stop": ab[1], "kv_head": cut.kv_head}
 
 
 def cut_problem(sq: SourceQuantization, rows: list[tuple[str, tuple[int, ...], Cut]]) -> str | None:
@@ -52,28 +52,32 @@ def cut_problem(sq: SourceQuantization, rows: list[tuple[str, tuple[int, ...], C
     for name, full, cut in rows:
         for st in sq.stored(name):
             if stored_cut(st, cut, full) is None:
-                where = cut.get("pieces") or (cut.get("start"), cut.get("stop"))
-                return (f"tensor {name} {list(full)} would be cut at {where} along dim {cut['dim']}, "
+                where = cut.pieces or (cut.start, cut.stop)
+                return (f"tensor {name} {list(full)} would be cut at {where} along dim {cut.dim}, "
                         f"inside a {sq.label} cell of {name}{st.suffix} ({list(st.grid)} elements)")
     return None
 
 
-def tp_problem(sq: SourceQuantization, quantized: list[tuple[str, tuple[int, ...], str, tuple]],
-               tp: int, slicer: Callable[..., Cut]) -> str | None:
-    """Whether every rank's cut of every source-quantized weight falls on its grid at ``tp``.
-    Weights alike in shape and split kind are checked once (an MoE model's experts)."""
-    seen: set[tuple] = set()
+# A source-quantized weight as the TP check needs it: name, shape, split kind, a fused tensor's
+# parts and a stacked tensor's TP dimension.
+QuantizedRow = tuple[str, tuple[int, ...], Split, tuple[tuple[int, Split], ...], int | None]
+
+
+def tp_problem(sq: SourceQuantization, model: ModelSpec, quantized: list[QuantizedRow], tp: int) -> str | None:
+    """Whether every rank's cut (the Layout's rule, ``slice_for_rank``) of every source-quantized
+    weight falls on its grid at ``tp``. Weights alike in shape and split kind are checked once
+    (an MoE model's experts)."""
+    seen: set[tuple[object, ...]] = set()
     rows = []
-    for name, shape, kind, parts in quantized:
-        if (shape, kind, parts) in seen:
+    for name, shape, kind, parts, tp_dim in quantized:
+        if (shape, kind, parts, tp_dim) in seen:
             continue
-        seen.add((shape, kind, parts))
-        rows += [(name, shape, slicer(kind, shape, r, tp, parts)) for r in range(tp)]
+        seen.add((shape, kind, parts, tp_dim))
+        rows += [(name, shape, slice_for_rank(kind, shape, r, model, tp, parts, tp_dim)) for r in range(tp)]
     return cut_problem(sq, rows)
 
 
-def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | None,
-                      slice_for_rank: Callable[..., Cut]) -> set[str]:
+def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | None) -> set[str]:
     """The source-quantized weights a ``dtype: source`` plan keeps as they are stored, once every
     rank's cut of them (``slice_for_rank``: the Layout's rule) is known to fall on their grids
     (else LayoutError naming the tensor and the tp degrees that work)."""
@@ -83,16 +87,13 @@ def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | Non
     table = tensor_table(model)
     # expert parallelism keeps routed experts whole (a stacked tensor: whole experts of dim 0),
     # which every format's grid allows; TP cuts the rest, each by its own row
-    rows = [(n, table[n].shape, table[n].split, (table[n].parts, table[n].tp_dim)) for n in sorted(kept)
-            if not (plan.expert_parallel and (table[n].expert is not None or table[n].split == STACKED))]
-
-    def slicer(kind: str, shape: tuple[int, ...], r: int, tp: int, parts: tuple) -> Cut:
-        return slice_for_rank(kind, shape, r, model, tp, parts[0], parts[1])
-
-    problem = tp_problem(sq, rows, plan.tp, slicer)
+    rows: list[QuantizedRow] = [
+        (n, table[n].shape, table[n].split, table[n].parts, table[n].tp_dim) for n in sorted(kept)
+        if not (plan.expert_parallel and (table[n].expert is not None or table[n].split == STACKED))]
+    problem = tp_problem(sq, model, rows, plan.tp)
     if problem:
         good = [t for t in valid_tp_degrees(model, expert_parallel=plan.expert_parallel)
-                if not tp_problem(sq, rows, t, slicer)]
+                if not tp_problem(sq, model, rows, t)]
         raise LayoutError(f"{problem} at tp={plan.tp}", key="replica_group.tp_degree",
                           hint=f"tp_degree values that keep every {sq.label} cell whole: "
                                f"{', '.join(map(str, good)) or 'none'} (or dtype: bf16, which dequantizes)")
