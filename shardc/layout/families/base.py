@@ -15,12 +15,45 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, Protocol, overload
 
 from ...errors import ModelError
 
-if TYPE_CHECKING:  # ModelSpec is built from a family's answers; the type only
-    from ..model import ModelSpec
+
+class ModelShape(Protocol):
+    """What a family's table and forward read of the model: the numbers every decoder has and the
+    family's own ``options``. ``layout/model.py``'s ``ModelSpec`` is the one implementation; the
+    families name this instead of it because ModelSpec is built from the families' answers (so
+    the families importing it, even for typing only, would close an import loop)."""
+
+    @property
+    def architecture(self) -> str: ...
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def o_bias(self) -> bool: ...
+    @property
+    def mlp_bias(self) -> bool: ...
+    @property
+    def rope_scaling(self) -> dict[str, Any] | None: ...
+    @property
+    def options(self) -> dict[str, Any]: ...
 
 RopeReader = Callable[[dict[str, Any]], tuple[float, dict[str, Any] | None]]
 
@@ -184,8 +217,8 @@ class Family:
     name: str
     architectures: tuple[str, ...]
     read: Callable[[dict[str, Any]], dict[str, Any]]
-    tensors: Callable[[ModelSpec], list[Row]]
-    forward: Callable[[ModelSpec], Forward]
+    tensors: Callable[[ModelShape], list[Row]]
+    forward: Callable[[ModelShape], Forward]
     presets: dict[str, Preset] = field(default_factory=dict)  # name -> real-size config
     # The global rope (theta, scaling in rope_scaling's form) when the family spells it its own
     # way (Gemma 3's per-layer-type rope_parameters), given layout/model.py's reader of one rope
@@ -193,7 +226,7 @@ class Family:
     rope: Callable[[dict[str, Any], RopeReader], tuple[float, dict[str, Any] | None]] | None = None
     # Checkpoint tensors outside the table that the forward never reads and a build leaves out, as
     # transformers' loader skips them (DeepSeek-V3's multi-token-prediction layers); None: none.
-    unused: Callable[[ModelSpec, str], bool] | None = None
+    unused: Callable[[ModelShape, str], bool] | None = None
 
 
 # ---- config readers every family shares --------------------------------------------------------
@@ -265,7 +298,7 @@ def windows_for(types: tuple[str, ...], window: int | None) -> tuple[int | None,
 
 # ---- the rows most families share --------------------------------------------------------------
 
-def attention_rows(m: ModelSpec, p: str, *, qkv_bias: bool, o_bias: bool) -> list[Row]:
+def attention_rows(m: ModelShape, p: str, *, qkv_bias: bool, o_bias: bool) -> list[Row]:
     """q/k/v (column, KV heads kv_column) and o (row) of one layer, prefix ``p``."""
     h, hd = m.hidden_size, m.head_dim
     q, kv = m.num_heads * hd, m.num_kv_heads * hd
@@ -282,7 +315,7 @@ def attention_rows(m: ModelSpec, p: str, *, qkv_bias: bool, o_bias: bool) -> lis
     return rows
 
 
-def mlp_rows(m: ModelSpec, p: str, *, bias: bool) -> list[Row]:
+def mlp_rows(m: ModelShape, p: str, *, bias: bool) -> list[Row]:
     """The gated MLP of one layer: gate/up column, down row."""
     h, inter = m.hidden_size, m.intermediate_size
     rows = [Row(p + "mlp.gate_proj.weight", (inter, h), COLUMN, True),
@@ -295,11 +328,11 @@ def mlp_rows(m: ModelSpec, p: str, *, bias: bool) -> list[Row]:
     return rows
 
 
-def norm_rows(m: ModelSpec, p: str, names: tuple[str, ...], size: int | None = None) -> list[Row]:
+def norm_rows(m: ModelShape, p: str, names: tuple[str, ...], size: int | None = None) -> list[Row]:
     return [Row(p + n + ".weight", (size or m.hidden_size,), REPLICATED) for n in names]
 
 
-def outer_rows(m: ModelSpec) -> list[Row]:
+def outer_rows(m: ModelShape) -> list[Row]:
     """Embedding, final norm and (untied) lm_head."""
     v, h = m.vocab_size, m.hidden_size
     rows = [Row("model.embed_tokens.weight", (v, h), VOCAB), Row("model.norm.weight", (h,), REPLICATED)]

@@ -52,7 +52,7 @@ from .base import (
 from .moe import expert_rows, flag, read_routing
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 ROUTER = "mlp.gate.weight"
 BIAS = "mlp.gate.e_score_correction_bias"
@@ -123,20 +123,20 @@ def _mtp(cfg: dict[str, Any]) -> int:
     return old if old is not None else new or 0
 
 
-def unused(m: ModelSpec, name: str) -> bool:
+def unused(m: ModelShape, name: str) -> bool:
     """A multi-token-prediction layer's tensor (model.layers.{num_hidden_layers + i}.*), which
     transformers' loader skips too: the forward never reads it, a build leaves it out."""
     layer = re.match(r"model\.layers\.(\d+)\.", name)
     return layer is not None and m.num_layers <= int(layer.group(1)) < m.num_layers + m.options["mtp"]
 
 
-def mla(m: ModelSpec) -> Mla:
+def mla(m: ModelShape) -> Mla:
     o = m.options
     return Mla(q_lora_rank=o["q_lora"], kv_lora_rank=o["kv_lora_rank"], nope=o["qk_nope_head_dim"],
                rope=o["qk_rope_head_dim"], v=o["v_head_dim"], interleave=o["interleave"])
 
 
-def softmax_scale(m: ModelSpec) -> float:
+def softmax_scale(m: ModelShape) -> float:
     """transformers' DeepseekV3Attention.scaling: qk_head_dim ** -0.5, times mscale² with
     mscale = 0.1 · mscale_all_dim · ln(factor) + 1 when the rope is scaled and mscale_all_dim is
     set (yarn_apply_mscale), computed in the same order."""
@@ -154,7 +154,7 @@ def softmax_scale(m: ModelSpec) -> float:
     return float(scaling)  # a float already; the config's numbers are untyped JSON
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     o, h = m.options, m.hidden_size
     a = mla(m)
     heads, qk = m.num_heads, a.nope + a.rope
@@ -186,7 +186,7 @@ def tensors(m: ModelSpec) -> list[Row]:
     return rows
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     o = m.options
     moe = Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=o["norm_topk"], weights_fp32=True,
               sparse=o["sparse"], router=ROUTER, expert=EXPERT, shared=SHARED, scoring="sigmoid",

@@ -39,7 +39,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 GEMMA2 = "Gemma2ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
@@ -158,7 +158,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     rows = outer_rows(m)
     gemma3 = m.architecture == GEMMA3
     for i in range(m.num_layers):
@@ -171,7 +171,7 @@ def tensors(m: ModelSpec) -> list[Row]:
     return rows
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     o = m.options
     return Forward(norm="gemma", qk_norm=m.architecture == GEMMA3, sandwich=True,
                    embed_scale=math.sqrt(m.hidden_size), embed_scale_in_dtype=True,

@@ -49,7 +49,7 @@ from .base import (
 from .moe import flag, read_routing
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 ROUTER, ROUTER_BIAS = "mlp.router.weight", "mlp.router.bias"
 STACK = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",
@@ -81,7 +81,7 @@ def rope(cfg: dict[str, Any], reader: RopeReader) -> tuple[float, dict[str, Any]
     return reader(cfg)
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     e, h, inter = m.options["experts"], m.hidden_size, m.intermediate_size
     gate_up, gate_up_bias, down, down_bias = STACK
     rows = outer_rows(m)
@@ -98,7 +98,7 @@ def tensors(m: ModelSpec) -> list[Row]:
     return rows
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     o = m.options
     moe = Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=False, weights_fp32=False,
               sparse=(True,) * m.num_layers, router=ROUTER, expert=(), scoring="topk_softmax",

@@ -13,7 +13,7 @@ from .base import Family, Forward, Preset, Row, number
 from .llama import tensors as llama_tensors
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -26,11 +26,11 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     return llama_tensors(m)
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     o = m.options
     return Forward(embed_scale=o["embedding_multiplier"], residual_scale=o["residual_multiplier"],
                    attn_scale=o["attention_multiplier"], logits_divisor=o["logits_scaling"],

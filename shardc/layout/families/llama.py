@@ -25,7 +25,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 
 def qwen_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
@@ -53,7 +53,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
             "qkv_bias": arch == "Qwen2ForCausalLM"}
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     rows = outer_rows(m)
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
@@ -63,7 +63,7 @@ def tensors(m: ModelSpec) -> list[Row]:
     return rows
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     return Forward(windows=m.options["windows"], activation=m.options["activation"])
 
 

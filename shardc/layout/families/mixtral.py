@@ -26,7 +26,7 @@ from .base import (
 from .moe import expert_rows, read_routing, router_row
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 ROUTER = "block_sparse_moe.gate.weight"
 EXPERT = ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
@@ -40,7 +40,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
             "activation": cfg.get("hidden_act", "silu"), "experts": experts, "top_k": top_k}
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     rows = outer_rows(m)
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
@@ -51,7 +51,7 @@ def tensors(m: ModelSpec) -> list[Row]:
     return rows
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     o = m.options
     moe = Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=True, weights_fp32=True,
               sparse=(True,) * m.num_layers, router=ROUTER, expert=EXPERT)

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 from .base import COLUMN, REPLICATED, ROW, Row, count, refuse
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 
-def expert_rows(m: ModelSpec, p: str, templates: tuple[str, str, str], experts: int, inter: int) -> list[Row]:
+def expert_rows(m: ModelShape, p: str, templates: tuple[str, str, str], experts: int, inter: int) -> list[Row]:
     """Every routed expert's gate, up (column) and down (row) of one layer, prefix ``p``."""
     h = m.hidden_size
     gate, up, down = templates
@@ -29,7 +29,7 @@ def expert_rows(m: ModelSpec, p: str, templates: tuple[str, str, str], experts: 
     return rows
 
 
-def router_row(m: ModelSpec, p: str, name: str, experts: int) -> Row:
+def router_row(m: ModelShape, p: str, name: str, experts: int) -> Row:
     return Row(p + name, (experts, m.hidden_size), REPLICATED)
 
 

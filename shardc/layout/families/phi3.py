@@ -38,7 +38,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
     layers = count(cfg, "num_hidden_layers") or 1
@@ -47,7 +47,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
             "activation": cfg.get("hidden_act", "silu")}
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     h, hd, inter = m.hidden_size, m.head_dim, m.intermediate_size
     q, kv = m.num_heads * hd, m.num_kv_heads * hd
     rows = outer_rows(m)
@@ -68,7 +68,7 @@ def tensors(m: ModelSpec) -> list[Row]:
 FUSED_ROLES = (("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up")))
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     return Forward(windows=m.options["windows"], activation=m.options["activation"], fused=FUSED_ROLES)
 
 

@@ -12,14 +12,14 @@ from .base import Family, Forward, Preset, Row, attention_rows, mlp_rows, norm_r
 from .llama import qwen_windows
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"windows": qwen_windows(cfg), "activation": cfg.get("hidden_act", "silu")}
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     rows = outer_rows(m)
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
@@ -30,7 +30,7 @@ def tensors(m: ModelSpec) -> list[Row]:
     return rows
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     return Forward(qk_norm=True, windows=m.options["windows"], activation=m.options["activation"])
 
 

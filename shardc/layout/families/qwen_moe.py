@@ -40,7 +40,7 @@ from .base import (
 from .moe import expert_rows, flag, read_routing, router_row
 
 if TYPE_CHECKING:
-    from ..model import ModelSpec
+    from .base import ModelShape
 
 ROUTER = "mlp.gate.weight"
 EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")
@@ -87,7 +87,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def tensors(m: ModelSpec) -> list[Row]:
+def tensors(m: ModelShape) -> list[Row]:
     o, h = m.options, m.hidden_size
     rows = outer_rows(m)
     for i in range(m.num_layers):
@@ -108,7 +108,7 @@ def tensors(m: ModelSpec) -> list[Row]:
     return rows
 
 
-def forward(m: ModelSpec) -> Forward:
+def forward(m: ModelShape) -> Forward:
     o = m.options
     qwen2 = o["qwen2"]
     moe = Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=o["norm_topk"], weights_fp32=False,
