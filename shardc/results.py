@@ -18,6 +18,14 @@ from pathlib import PurePath
 from typing import Any
 
 
+class StrEnum(str, Enum):
+    """A closed set of words, equal to its JSON string (``enum.StrEnum`` is Python 3.11+; shardc
+    supports 3.10)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
 def optional(default: Any = None) -> Any:
     """A field whose key is absent from the JSON while it is None (a verify report has
     ``plan_check`` only when a plan was given)."""

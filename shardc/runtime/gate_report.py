@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-from ..results import json_name, optional
+from ..results import StrEnum, json_name, optional
 
 DEFAULT_MAX_PPL_DELTA_PCT = 0.5
 

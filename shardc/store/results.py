@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
+from ..results import StrEnum
 from ..verify.report import VerifyReport
 
 
