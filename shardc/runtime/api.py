@@ -95,7 +95,7 @@ def load_tokenizer(ref: BuildRef, override: str | Path | None = None) -> Any:
 
 
 def _job_wire(kind: str, refs: list[BuildRef], names: list[str] | None, timeout_s: float, device: str,
-              **extra: Any) -> Wire:
+              **extra: Any) -> dict[str, Any]:
     """A job as the rank processes read it (plain JSON: written to job.json, see runtime/worker.py)."""
     names = names or [None] * len(refs)  # type: ignore[list-item]
     return {
