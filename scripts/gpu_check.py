@@ -213,7 +213,7 @@ def decode(src: Path, manifest: Path, model: Any) -> None:
     prompt = [(7 * i + 3) % SHAPES["vocab"] for i in range(16)]
     res = generate(open_build(manifest), [prompt], n, eos=[], device=DEVICE, timeout_s=300)
     assert res is not None
-    ours = res["tokens"][0]
+    ours = res.tokens[0]
 
     def hf(k: int) -> tuple[list[int], float]:
         with torch.inference_mode():
@@ -229,7 +229,8 @@ def decode(src: Path, manifest: Path, model: Any) -> None:
     _, t_1 = hf(1)
     same = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), n)
     figure("decode_tokens_identical", same, f"decode: {same} of {n} greedy tokens identical to transformers")
-    ours_rate = (n - 1) / res["decode_seconds"]
+    assert res.decode_seconds is not None
+    ours_rate = (n - 1) / res.decode_seconds
     hf_rate = (n - 1) / max(t_n - t_1, 1e-9)
     figure("decode_tokens_per_s", {"shardc": ours_rate, "transformers": hf_rate, "ratio": ours_rate / hf_rate},
            f"decode (batch 1): shardc {ours_rate:.1f} tok/s, transformers eager generate {hf_rate:.1f} tok/s "
@@ -247,7 +248,7 @@ def prefill(manifest: Path, model: Any) -> None:
     windows = torch.randint(0, SHAPES["vocab"], (2 * w, t), generator=g)
     res = score(open_build(manifest), windows, micro_batch=w, device=DEVICE, timeout_s=300)
     assert res is not None
-    ours = float(res["batch_seconds"][-1])  # the second batch: warm
+    ours = float(res.batch_seconds[-1])  # the second batch: warm
     x = windows[:w].to(DEVICE)
     with torch.inference_mode():
         model(x)

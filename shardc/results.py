@@ -1,6 +1,6 @@
 """What a library call returns to its caller, and the one JSON form of it.
 
-The results of push, pull, export, verify, gate and the runtime API are frozen dataclasses (closed
+The results of push, pull, export, verify, inspect, gate and the runtime API are frozen dataclasses (closed
 sets of words are ``StrEnum``s), defined next to the code that makes them; nothing edits one after
 it is made. ``to_json`` is their only serialization: ``--json`` output (commands/output.py), a
 gate report file, and a rank's verdict sent through the rendezvous store all go through it, so

@@ -123,9 +123,9 @@ def inspect_cmd(path: Path, tensors: bool, as_json: bool) -> None:
     from .output import emit
 
     info = describe(path)
-    emit(info, as_json, lambda: [*info["lines"], *(
+    emit(info, as_json, lambda: [*info.lines, *(
         f"    {t['name']:<60} {t['dtype']:<8} {t['shape']}  {t.get('split', '')}"
-        for t in (info["tensors"] if tensors else []))])
+        for t in (info.tensors if tensors else []))])
 
 
 COMMANDS = [build_cmd, inspect_cmd]

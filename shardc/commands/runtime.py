@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -9,6 +10,28 @@ import click
 from .options import json_option
 
 _TIMEOUT_HELP = "Seconds any collective or pipeline wait may take before it is an error naming the rank."
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """One prompt of ``shardc run``: as given (text, or the ids joined by commas), its ids, the new
+    tokens, and their text (None without a tokenizer)."""
+
+    prompt: str
+    prompt_ids: list[int]
+    tokens: list[int]
+    text: str | None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What ``shardc run --json`` prints: the generate result in the command's words."""
+
+    plan: str
+    outputs: list[RunOutput]
+    seconds: float
+    load_seconds: float
+    tokens_per_s: float | None
 
 
 @click.command("run", epilog="""\b
@@ -58,21 +81,20 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
     if res is None:  # under torchrun, only the rank that holds the tokens prints
         return
     labels = list(prompts) + [",".join(map(str, p)) for p in encoded[len(prompts):]]
-    texts = [tok.decode(t) if tok else None for t in res["tokens"]]
-    n = sum(len(t) for t in res["tokens"])
-    outputs = [{"prompt": lab, "prompt_ids": p, "tokens": list(t), "text": x}
-               for lab, p, t, x in zip(labels, encoded, res["tokens"], texts, strict=True)]
+    texts = [tok.decode(t) if tok else None for t in res.tokens]
+    n = sum(len(t) for t in res.tokens)
+    outputs = [RunOutput(lab, p, list(t), x) for lab, p, t, x in zip(labels, encoded, res.tokens, texts, strict=True)]
 
     def text() -> list[str]:
         lines: list[str] = []
-        for i, (lab, t, x) in enumerate(zip(labels, res["tokens"], texts, strict=True)):
+        for i, (lab, t, x) in enumerate(zip(labels, res.tokens, texts, strict=True)):
             if len(labels) > 1:  # a continuation may span lines: say where each output starts
                 lines.append(f"{'' if i == 0 else chr(10)}--- output {i + 1} of {len(labels)} ---")
             lines.append(f"{lab}{x}" if x is not None else f"[{lab}] -> {','.join(map(str, t))}")
-        return [*lines, Stderr(f"({ref.name}: {n} tokens in {res['seconds']:.2f}s after {res['load_seconds']:.2f}s load)")]
+        return [*lines, Stderr(f"({ref.name}: {n} tokens in {res.seconds:.2f}s after {res.load_seconds:.2f}s load)")]
 
-    emit({"plan": ref.name, "outputs": outputs, "seconds": res["seconds"], "load_seconds": res["load_seconds"],
-          "tokens_per_s": n / res["seconds"] if res["seconds"] else None}, as_json, text)
+    emit(Run(ref.name, outputs, res.seconds, res.load_seconds, n / res.seconds if res.seconds else None),
+         as_json, text)
 
 
 @click.command("gate", epilog="""\b

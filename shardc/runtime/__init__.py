@@ -9,5 +9,5 @@ import torch.
 from __future__ import annotations
 
 # the modules (not imported here: they import torch); the library entry points are in ``api``
-__all__ = ["api", "comm", "decoder", "engine", "gate", "gate_cache", "gate_report", "launch", "reference",
+__all__ = ["api", "comm", "decoder", "engine", "gate", "gate_cache", "gate_report", "launch", "reference", "results",
            "support", "weights", "worker"]

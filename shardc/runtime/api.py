@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..formats.manifest import TOKENIZER, Manifest
+from .results import CompareResult, GenerateResult, ScoreResult, Wire
 
 DEFAULT_TIMEOUT_S = 120.0
 
@@ -33,7 +34,8 @@ class BuildRef:
     def world_size(self) -> int:
         return self.manifest.world_size
 
-    def job_entry(self, name: str | None = None) -> dict[str, str]:
+    def wire_entry(self, name: str | None = None) -> dict[str, str]:
+        """This build as a job's replica entry: JSON that crosses to the rank processes (job.json)."""
         return {"manifest": str(self.manifest_path), "dir": str(self.directory), "name": name or self.name}
 
 
@@ -92,12 +94,13 @@ def load_tokenizer(ref: BuildRef, override: str | Path | None = None) -> Any:
     return Tokenizer.from_file(str(p))
 
 
-def _job(kind: str, refs: list[BuildRef], names: list[str] | None, timeout_s: float, device: str,
-         **extra: Any) -> dict[str, Any]:
+def _job_wire(kind: str, refs: list[BuildRef], names: list[str] | None, timeout_s: float, device: str,
+              **extra: Any) -> dict[str, Any]:
+    """A job as the rank processes read it (plain JSON: written to job.json, see runtime/worker.py)."""
     names = names or [None] * len(refs)  # type: ignore[list-item]
     return {
         "kind": kind,
-        "replicas": [r.job_entry(n) for r, n in zip(refs, names, strict=True)],
+        "replicas": [r.wire_entry(n) for r, n in zip(refs, names, strict=True)],
         "timeout_s": float(timeout_s),
         "device": device,
         **extra,
@@ -106,66 +109,69 @@ def _job(kind: str, refs: list[BuildRef], names: list[str] | None, timeout_s: fl
 
 def generate(ref: BuildRef, prompts: list[list[int]], max_new_tokens: int = 32, *,
              eos: list[int] | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-             device: str = "cpu") -> dict[str, Any] | None:
-    """Greedy generation; returns {"tokens": [[...] per prompt], "seconds", "load_seconds"}."""
+             device: str = "cpu") -> GenerateResult | None:
+    """Greedy generation of ``max_new_tokens`` per prompt (None under torchrun on the ranks that do
+    not hold the tokens)."""
     from .launch import run_job
 
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ManifestError("every prompt needs at least one token")
-    job = _job("generate", [ref], None, timeout_s, device, generate={
+    job = _job_wire("generate", [ref], None, timeout_s, device, generate={
         "prompts": [list(map(int, p)) for p in prompts], "max_new_tokens": int(max_new_tokens),
         "eos": eos_ids(ref) if eos is None else list(eos),
     })
-    return run_job(job)
+    wire = run_job(job)
+    return GenerateResult.from_wire(wire) if wire is not None else None
 
 
 def score(ref: BuildRef, windows: Any, *, micro_batch: int = 1, return_logits: bool = False,
-          timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
+          timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> ScoreResult | None:
     """Forward [N, T] token windows; per-position NLL (and optionally fp32 logits) of the last stage."""
-    from .engine import pipeline_stats
     from .launch import run_job
 
-    job = _job("score", [ref], None, timeout_s, device,
+    job = _job_wire("score", [ref], None, timeout_s, device,
                score={"windows": _as_lists(windows), "micro_batch": micro_batch,
                       "return_logits": return_logits})
-    res = run_job(job)
-    if res is not None:
-        lay = ref.manifest.layout
-        res["pipeline"] = pipeline_stats(res["trace"], lay.tp_degree, lay.pp_degree)
-    return res
+    return _score_result(ref, run_job(job))
+
+
+def _score_result(ref: BuildRef, wire: Wire | None) -> ScoreResult | None:
+    lay = ref.manifest.layout
+    return ScoreResult.from_wire(wire, lay.tp_degree, lay.pp_degree) if wire is not None else None
 
 
 def save_baseline(ref: BuildRef, windows: Any, path: str | Path, key: dict[str, Any], *,
                   micro_batch: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  device: str = "cpu", threads: int | None = None) -> dict[str, Any] | None:
+                  device: str = "cpu", threads: int | None = None) -> ScoreResult | None:
     """The gate's baseline pass: score ``windows`` and write the logits (what KL and top-1 need) to
     ``path``, a safetensors file whose metadata holds ``key``. Written atomically. ``threads``:
     CPU threads per rank (default: the cores shared out over the ranks)."""
     from .launch import run_job
 
     extra = {"threads": threads} if threads else {}
-    job = _job("score", [ref], None, timeout_s, device, phase="baseline", **extra,
+    job = _job_wire("score", [ref], None, timeout_s, device, phase="baseline", **extra,
                score={"windows": _as_lists(windows), "micro_batch": micro_batch,
                       "save_logits": str(path), "cache_key": key})
-    return run_job(job)
+    return _score_result(ref, run_job(job))
 
 
 def score_against(candidate: BuildRef, windows: Any, baseline_logits: str | Path, *,
                   micro_batch: int = 1, timeout_s: float = DEFAULT_TIMEOUT_S,
-                  device: str = "cpu", threads: int | None = None) -> dict[str, Any] | None:
+                  device: str = "cpu", threads: int | None = None) -> CompareResult | None:
     """The gate's candidate pass: per-position NLL of both, KL(baseline || candidate) and top-1
     agreement against the baseline logits saved by ``save_baseline``."""
     from .launch import run_job
 
     extra = {"threads": threads} if threads else {}
-    job = _job("against", [candidate], ["candidate"], timeout_s, device, phase="candidate", **extra,
+    job = _job_wire("against", [candidate], ["candidate"], timeout_s, device, phase="candidate", **extra,
                score={"windows": _as_lists(windows), "micro_batch": micro_batch,
                       "baseline_logits": str(baseline_logits)})
-    return run_job(job)
+    wire = run_job(job)
+    return CompareResult.from_wire(wire) if wire is not None else None
 
 
 def compare(baseline: BuildRef, candidate: BuildRef, windows: Any, *, micro_batch: int = 1,
-            timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> dict[str, Any] | None:
+            timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "cpu") -> CompareResult | None:
     """Score the baseline, then the candidate, on the same devices (max of their GPUs, not the
     sum): per-position NLL, KL and top-1 agreement. The baseline's logits go through a scratch file."""
     from .launch import in_torchrun

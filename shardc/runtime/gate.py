@@ -38,6 +38,7 @@ from .gate_report import (
     Metric,
     Thresholds,
 )
+from .results import PositionScores, ReferencePass, ScoreResult
 
 DEFAULT_WINDOW = 512
 DEFAULT_MAX_TOKENS = 8192
@@ -121,15 +122,15 @@ def check_compatible(base: Manifest, cand: Manifest) -> None:
                             hint="gate two plans built from the same checkpoint")
 
 
-def summarize(res: dict[str, Any], windows: int, thresholds: Thresholds,
+def summarize(res: PositionScores, windows: int, thresholds: Thresholds,
               samples: int = BOOTSTRAP_SAMPLES, seed: int = BOOTSTRAP_SEED) -> GateMetrics:
     """Metrics and verdict from the per-position arrays of a compare job ([windows, positions])."""
     import numpy as np
 
-    nb = np.asarray(res["nll_base"], dtype=np.float64).reshape(windows, -1)
-    nc = np.asarray(res["nll_cand"], dtype=np.float64).reshape(windows, -1)
-    kl = np.asarray(res["kl"], dtype=np.float64).reshape(-1)
-    top1 = np.asarray(res["top1"], dtype=bool).reshape(-1)
+    nb = np.asarray(res.nll_base, dtype=np.float64).reshape(windows, -1)
+    nc = np.asarray(res.nll_cand, dtype=np.float64).reshape(windows, -1)
+    kl = np.asarray(res.kl, dtype=np.float64).reshape(-1)
+    top1 = np.asarray(res.top1, dtype=bool).reshape(-1)
     n = nb.size
     ppl_b = math.exp(float(nb.sum()) / n)
     ppl_c = math.exp(float(nc.sum()) / n)
@@ -192,7 +193,7 @@ def run_gate(
     check_reference(base, reference, torchrun=in_torchrun())
     scored_by = reference_record(reference)
     for ref in sorted((base, cand), key=lambda r: -r.world_size):  # the larger plan names the need
-        check_devices({"replicas": [ref.job_entry()], "device": device}, torchrun=in_torchrun())
+        check_devices({"replicas": [ref.wire_entry()], "device": device}, torchrun=in_torchrun())
     text, label = golden_text(golden)
     tok = load_tokenizer(base, tokenizer)
     ids = tok.encode(text).ids
@@ -211,7 +212,7 @@ def run_gate(
     scratch = scratch_path(in_torchrun())
     torchrun = in_torchrun()
     status = "none"
-    base_res = None
+    base_res: ScoreResult | ReferencePass | None = None
     res = None
     try:
         if cache is not None:
@@ -234,15 +235,15 @@ def run_gate(
     wall = time.perf_counter() - t0
     if res is None:  # torchrun: another rank holds the result
         return None
-    metrics = summarize(res, len(windows), thresholds)
+    metrics = summarize(res.scores, len(windows), thresholds)
     return GateReport(
         **{f.name: getattr(metrics, f.name) for f in dataclasses.fields(metrics)},
         baseline=_side(base, scored_by), candidate=_side(cand),
         golden=GoldenRecord(label, key["golden_sha256"], len(ids), len(windows), window, len(windows) * window),
         thresholds=thresholds,
         baseline_cache=CacheRecord(str(cache) if cache is not None else None, CacheStatus(status)),
-        seconds=GateSeconds(wall, res.get("seconds"), res.get("load_seconds"),
-                            (base_res or {}).get("seconds"), (base_res or {}).get("load_seconds")),
+        seconds=GateSeconds(wall, res.seconds, res.load_seconds, base_res.seconds if base_res else None,
+                            base_res.load_seconds if base_res else None),
     )
 
 

@@ -25,6 +25,7 @@ from typing import Any
 import shardc.errors as errors
 
 from ..errors import DistributedError, ShardcError
+from .results import Wire
 
 POLL_S = 0.05
 GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are stopped
@@ -36,8 +37,8 @@ def in_torchrun() -> bool:
                                                    and "MASTER_PORT" in os.environ)
 
 
-def run_job(job: dict[str, Any], *, quiet: bool = True) -> dict[str, Any] | None:
-    """Execute ``job`` and return its result: spawn the ranks, or (under torchrun) be one of them.
+def run_job(job: dict[str, Any], *, quiet: bool = True) -> Wire | None:
+    """Execute ``job`` and return its result's wire form: spawn the ranks, or (under torchrun) be one of them.
 
     Under torchrun every rank calls this; only the rank holding the result gets it back.
     """
@@ -75,7 +76,7 @@ def check_devices(job: dict[str, Any], *, torchrun: bool) -> None:
     check_gpus(name, device, node_ranks(world) if torchrun else world)
 
 
-def launch(job: dict[str, Any], *, quiet: bool = True) -> dict[str, Any] | None:
+def launch(job: dict[str, Any], *, quiet: bool = True) -> Wire | None:
     """Spawn one process per rank, wait, and return the result (or raise a ShardcError naming ranks)."""
     import torch
     import torch.distributed as dist

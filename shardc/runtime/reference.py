@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardcError, VerifyMismatch
+from .results import ReferencePass
 
 REFERENCES = ("shardc", "transformers")
 DEFAULT_REFERENCE = "shardc"
@@ -80,11 +81,11 @@ def reference_record(reference: str) -> dict[str, Any] | None:
 
 
 def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | Path, key: dict[str, Any], *,
-                               device: str = "cpu", threads: int | None = None) -> dict[str, Any]:
+                               device: str = "cpu", threads: int | None = None) -> ReferencePass:
     """The gate's baseline pass with transformers: check the build, load it with transformers in
     the build's compute dtype and transformers' default attention, score ``windows`` one at a time and write the
     logits [windows, T - 1, vocab] to ``path`` as ``save_baseline`` does (same tensor, dtype and
-    metadata). Returns {"seconds", "load_seconds"}. ``threads``: CPU threads for the pass."""
+    metadata). Returns the pass's times. ``threads``: CPU threads for the pass."""
     import torch
 
     from ..formats.safetensors import ShardWriter
@@ -126,7 +127,7 @@ def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | 
                 writer.write(part.contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
         writer.commit()
         writer = None
-        return {"seconds": time.perf_counter() - t0, "load_seconds": load_s}
+        return ReferencePass(time.perf_counter() - t0, load_s)
     finally:
         if writer is not None:
             writer.abort()

@@ -2,8 +2,9 @@
 
 Run by the built-in launcher (``python -m shardc.runtime.worker JOB.json``, torchrun-style env vars)
 or in-process under torchrun. A job is plain JSON: the replicas (manifest + shard directory), the
-kind of work and its inputs. The rank that holds the answer returns it (the launcher has it write
-``result.pt``); every other rank returns None.
+kind of work and its inputs. The rank that holds the answer returns it as plain data and tensors
+(``runtime/results.py`` ``Wire``: the launcher has it written to ``result.pt``, read back with
+``weights_only``); every other rank returns None. The API makes the typed result from it.
 
 Kinds:
   generate  greedy generation of ``prompts`` (token ids); result: tokens per prompt.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, ShardcError
+from .results import Wire
 
 if TYPE_CHECKING:  # the types only: the worker imports them when it runs
     from ..formats.manifest import Manifest
@@ -53,7 +55,7 @@ def world_size(job: dict[str, Any]) -> int:
     return sum(r.size for r in reps)
 
 
-def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -> dict[str, Any] | None:
+def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -> Wire | None:
     """Run this rank's part of ``job``. Returns the result on the rank that holds it, else None."""
     import torch
 
@@ -112,16 +114,15 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
         seconds = timer.seconds()
         cpu = time.process_time() - cpu0
         comm.barrier("final barrier")  # nobody tears down while a peer still waits on it
-        if result is not None:
-            result["seconds"] = seconds
-            result["load_seconds"] = load_s
-            result["cpu_seconds"] = cpu  # this rank's process CPU time (all threads) while computing
-        return result
+        if result is None:
+            return None
+        # cpu_seconds: this rank's process CPU time (all threads) while computing
+        return {**result, "seconds": seconds, "load_seconds": load_s, "cpu_seconds": cpu}
     finally:
         comm.close()
 
 
-def _generate(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None:
+def _generate(job: dict[str, Any], runner: Any, comm: Any) -> Wire | None:
     g = job["generate"]
     prompts = [list(map(int, p)) for p in g["prompts"]]
     max_new = int(g["max_new_tokens"])
@@ -140,7 +141,7 @@ def _windows(job: dict[str, Any]) -> Any:
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
 
 
-def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None:
+def _score(job: dict[str, Any], runner: Any, comm: Any) -> Wire | None:
     import torch
 
     windows = _windows(job)
@@ -174,7 +175,7 @@ def _score(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None
         return None
     comm.wait_all("trace", comm.timeout_s, "collecting compute traces")
     trace = {r: json.loads(comm.store.get(f"trace/{r}")) for r in range(comm.world)}
-    out: dict[str, Any] = {"nll": torch.cat(nll), "tokens": int(windows.numel()),
+    out: Wire = {"nll": torch.cat(nll), "tokens": int(windows.numel()),
                            "batch_seconds": torch.tensor(marks).diff(), "trace": trace}
     if keep_logits:
         out["logits"] = torch.cat(logits_out)
@@ -221,7 +222,7 @@ class _LogitSaver:
             self.writer = None
 
 
-def _against(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | None:
+def _against(job: dict[str, Any], runner: Any, comm: Any) -> Wire | None:
     """Gate, candidate pass: score the windows; the last TP-0 rank compares with the baseline's
     saved logits, read window by window."""
     import torch
@@ -252,7 +253,7 @@ def _against(job: dict[str, Any], runner: Any, comm: Any) -> dict[str, Any] | No
     runner.score(windows, mb, on_logits)
     if not holder:
         return None
-    out: dict[str, Any] = {k: torch.cat(v).cpu() for k, v in cols.items()}  # one transfer at the end
+    out: Wire = {k: torch.cat(v).cpu() for k, v in cols.items()}  # one transfer at the end
     out["tokens"] = int(windows.numel())
     return out
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -9,9 +11,29 @@ from ..errors import ManifestError
 from ..formats.files import human_size
 from ..formats.manifest import load
 from ..formats.safetensors import read_header
+from ..results import optional
 
 
-def describe(path: Path) -> dict[str, Any]:
+class Described(StrEnum):
+    """What ``describe`` was given: a manifest (or the build directory holding one), or one shard file."""
+
+    MANIFEST = "manifest"
+    SHARD = "shard"
+
+
+@dataclass(frozen=True)
+class Description:
+    """``shardc inspect``'s result: the text lines and the tensor rows (JSON data as the manifest or
+    the file's header holds them); a manifest's ``experts`` per file, a shard file's ``metadata``."""
+
+    kind: Described
+    lines: tuple[str, ...]
+    tensors: tuple[dict[str, Any], ...]
+    experts: dict[str, list[int]] | None = optional()  # kind MANIFEST only
+    metadata: dict[str, str] | None = optional()  # kind SHARD only
+
+
+def describe(path: Path) -> Description:
     """Lines of text plus the tensor list; a manifest path, a build dir, or a .safetensors file."""
     if path.is_dir():
         path = path / "manifest.json"
@@ -46,8 +68,8 @@ def describe(path: Path) -> dict[str, Any]:
                      + (f"  experts {_ranges(s.experts)}" if s.experts else ""))
         for name, t in s.tensors.items():
             tensors.append({"file": s.file, "name": name, **t})
-    return {"kind": "manifest", "lines": lines, "tensors": tensors,
-            "experts": {s.file: list(s.experts) for s in m.shards if s.experts}}
+    return Description(Described.MANIFEST, tuple(lines), tuple(tensors),
+                       experts={s.file: list(s.experts) for s in m.shards if s.experts})
 
 
 def _ranges(ids: tuple[int, ...]) -> str:
@@ -62,7 +84,7 @@ def _ranges(ids: tuple[int, ...]) -> str:
     return ",".join(out)
 
 
-def _describe_shard(path: Path) -> dict[str, Any]:
+def _describe_shard(path: Path) -> Description:
     try:
         header, meta, _ = read_header(path)
     except OSError as exc:
@@ -78,4 +100,4 @@ def _describe_shard(path: Path) -> dict[str, Any]:
     else:
         lines.append("plan       (no shardc metadata: not a shardc shard)")
     tensors = [{"name": n, "dtype": h["dtype"], "shape": h["shape"]} for n, h in sorted(header.items())]
-    return {"kind": "shard", "lines": lines, "tensors": tensors, "metadata": meta}
+    return Description(Described.SHARD, tuple(lines), tuple(tensors), metadata=meta)

@@ -266,7 +266,7 @@ def test_demo_tp1_quantized_loads_like_shardc_runtime(demo_builds, demo_x, schem
     src, builds = demo_builds
     res = builds[(1, scheme)]
     got = logits(hf_load(res.out_dir), demo_x)
-    ours = score(open_build(res.manifest_path), demo_x, return_logits=True, timeout_s=120)["logits"]
+    ours = score(open_build(res.manifest_path), demo_x, return_logits=True, timeout_s=120).logits
     assert torch.isfinite(got).all() and torch.isfinite(ours).all()
     want = logits(dequantized_source(src, scheme), demo_x)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-3)

@@ -103,7 +103,7 @@ def test_bf16_build_runs_as_transformers_loads_the_mxfp4_source(mxfp4, tmp_path)
     x = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(1))
     want = ref(x).logits.float()
     built = build(_plan(mxfp4, 1, dtype="bf16"), tmp_path / "bf16").manifest_path
-    assert torch.equal(score(open_build(built), x, return_logits=True, timeout_s=120)["logits"], want)
+    assert torch.equal(score(open_build(built), x, return_logits=True, timeout_s=120).logits, want)
     with safe_open(built.parent / "model-tp00-pp00.safetensors", "pt") as f:
         state = ref.state_dict()
         for k in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
@@ -126,8 +126,8 @@ def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
         assert f.get_tensor("model.layers.0.mlp.experts.gate_up_proj_blocks").shape == (2, 64, 2, 16)
     x = torch.randint(0, CONFIG["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(2))
     bf16 = build(_plan(mxfp4, 2, True, dtype="bf16"), tmp_path / "bf16").manifest_path
-    want = score(open_build(bf16), x, return_logits=True, timeout_s=120)["logits"]
-    assert torch.equal(score(open_build(ep), x, return_logits=True, timeout_s=120)["logits"], want)
+    want = score(open_build(bf16), x, return_logits=True, timeout_s=120).logits
+    assert torch.equal(score(open_build(ep), x, return_logits=True, timeout_s=120).logits, want)
     plan = tmp_path / "tp1.yaml"
     plan.write_text(json.dumps(_plan(mxfp4, 1, dtype="source").data))
     r = subprocess.run([sys.executable, "-m", "shardc.cli", "reshard", "--manifest", str(ep), "--plan", str(plan),

@@ -148,7 +148,7 @@ def test_runtime_matches_transformers(ds, tp, ep, dp):
     x = _ids(seed=tp + ep)
     for name in CASES:
         want = _eager(srcs[name])(x).logits.float()
-        got = score(open_build(get(name, tp, ep, dp=dp)), x, return_logits=True, timeout_s=120)["logits"]
+        got = score(open_build(get(name, tp, ep, dp=dp)), x, return_logits=True, timeout_s=120).logits
         if tp == 1:
             assert torch.equal(got, want), name
             continue
@@ -173,9 +173,9 @@ def test_greedy_generation_equals_transformers_generate(ds):
             ref = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
         got = generate(open_build(get(name, 1)), prompt.tolist(), max_new_tokens=16, eos=[], timeout_s=120)
-        assert got["tokens"][0] == ref, name
+        assert got.tokens[0] == ref, name
         ep = generate(open_build(get(name, 2, True)), prompt.tolist(), max_new_tokens=16, eos=[],
-                      timeout_s=120)["tokens"][0]
+                      timeout_s=120).tokens[0]
         with torch.no_grad():
             logits = m(torch.tensor([prompt[0].tolist() + ep])).logits[0, 7:-1].float()
         picked = logits.gather(-1, torch.tensor(ep)[:, None])[:, 0]

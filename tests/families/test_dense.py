@@ -110,7 +110,7 @@ def test_runtime_matches_transformers(saved, case, tp):
     want = _hf_logits(models[case], x)
     assert (want - _hf_logits(models[case], x, as_llama=True)).abs().max() > 0.5  # the family's math matters
     got = score(open_build(_build(models[case], root / "builds", tp)), x, return_logits=True,
-                timeout_s=60)["logits"]
+                timeout_s=60).logits
     torch.testing.assert_close(got, want, rtol=0.01 if tp > 1 else 0, atol=ATOL[tp])
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= TOP1[tp]
 

@@ -106,7 +106,7 @@ def want(saved):
 
 
 def _run(manifest: Path, x: torch.Tensor) -> torch.Tensor:
-    return score(open_build(manifest), x, return_logits=True, timeout_s=120)["logits"]
+    return score(open_build(manifest), x, return_logits=True, timeout_s=120).logits
 
 
 def test_transformers_writes_what_the_family_reads(saved):
@@ -188,7 +188,7 @@ def test_greedy_decode_past_the_window_matches_transformers(saved, builds):
             ref = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=30,
                              do_sample=False, eos_token_id=None, pad_token_id=0)[0, 10:].tolist()
         got = generate(open_build(builds(family, 1)), prompt.tolist(), max_new_tokens=30, eos=[],
-                       timeout_s=120)["tokens"][0]
+                       timeout_s=120).tokens[0]
         assert got == ref, family
 
 

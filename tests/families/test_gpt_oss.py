@@ -113,7 +113,7 @@ def test_runtime_matches_transformers(gpt_oss, tp, ep, dp, pp):
     src, get = gpt_oss
     x = _ids(seed=tp + dp)
     want = _hf(src)(x).logits.float()
-    got = score(open_build(get(tp, ep, dp=dp, pp=pp)), x, return_logits=True, timeout_s=120)["logits"]
+    got = score(open_build(get(tp, ep, dp=dp, pp=pp)), x, return_logits=True, timeout_s=120).logits
     if tp == 1:
         assert torch.equal(got, want)
         if not ep:  # the tp=1 build is a checkpoint transformers loads, to the source's logits
@@ -134,7 +134,7 @@ def test_greedy_generation_against_transformers(gpt_oss):
                                 do_sample=False, eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
     for key in ((1,), (1, True, "bf16", 2)):
         got = generate(open_build(get(*key)), prompt.tolist(), max_new_tokens=16, eos=[], timeout_s=120)
-        assert got["tokens"][0] == ref, key
+        assert got.tokens[0] == ref, key
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

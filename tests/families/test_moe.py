@@ -124,7 +124,7 @@ def test_runtime_matches_transformers(moe, name, tp, ep, dp, pp):
     _, srcs, get = moe
     x = _ids(seed=tp + dp)
     want = _hf(srcs[name], experts_implementation="eager")(x).logits.float()
-    got = score(open_build(get(name, tp, ep, dp=dp, pp=pp)), x, return_logits=True, timeout_s=120)["logits"]
+    got = score(open_build(get(name, tp, ep, dp=dp, pp=pp)), x, return_logits=True, timeout_s=120).logits
     if tp == 1:
         assert torch.equal(got, want)
     else:  # every position but those whose routing a last-bit change flipped (1 of 48 seen)
@@ -147,11 +147,11 @@ def test_greedy_generation_against_transformers(moe):
             ref = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
         assert generate(open_build(get(name, 1)), prompt.tolist(), max_new_tokens=16, eos=[],
-                        timeout_s=120)["tokens"][0] == ref, name
+                        timeout_s=120).tokens[0] == ref, name
         assert generate(open_build(get(name, 1, True, dp=2)), prompt.tolist(), max_new_tokens=16, eos=[],
-                        timeout_s=120)["tokens"][0] == ref, (name, "dp2")
+                        timeout_s=120).tokens[0] == ref, (name, "dp2")
         got = generate(open_build(get(name, 4, True)), prompt.tolist(), max_new_tokens=16, eos=[],
-                       timeout_s=120)["tokens"][0]
+                       timeout_s=120).tokens[0]
         seq = torch.tensor([prompt[0].tolist() + got])
         with torch.no_grad():
             logits = m(seq).logits[0, 7:-1].float()  # the logits each generated token came from

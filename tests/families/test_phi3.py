@@ -155,7 +155,7 @@ def test_tp1_logits_equal_transformers_past_the_sliding_window(phi3):
     plain = _save(phi3["root"] / "no-window")
     assert not torch.equal(_hf_logits(plain, phi3["x"]), phi3["want"])
     got = score(open_build(phi3["build"](1).manifest_path), phi3["x"], return_logits=True,
-                timeout_s=60)["logits"]
+                timeout_s=60).logits
     assert torch.equal(got, phi3["want"])
 
 
@@ -163,7 +163,7 @@ def test_tp1_logits_equal_transformers_past_the_sliding_window(phi3):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_logits_agree_with_transformers(phi3, tp):
     got = score(open_build(phi3["build"](tp).manifest_path), phi3["x"], return_logits=True,
-                timeout_s=60)["logits"]
+                timeout_s=60).logits
     want = phi3["want"]
     torch.testing.assert_close(got, want, rtol=0.01, atol=ATOL[tp])
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= TOP1[tp]

@@ -103,7 +103,7 @@ def test_runtime_matches_transformers_on_a_transformers5_model(saved, case, tp):
     wrong = _hf_logits(models["default"], x)
     assert (want - wrong).abs().max() > 5 * ATOL[tp]
     got = score(open_build(_build(models[case], root / "builds", tp)), x, return_logits=True,
-                timeout_s=60)["logits"]
+                timeout_s=60).logits
     torch.testing.assert_close(got, want, rtol=0.01, atol=ATOL[tp])
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= TOP1[tp]
 

@@ -71,7 +71,7 @@ def test_the_manifest_records_the_override_and_the_effective_plan(world):
     from shardc.verify.inspect import describe
 
     assert f"source     {world['elsewhere']}  (build --source; the plan's own is weights, effective plan " \
-           f"sha256 {over['effective_plan_sha256'][:12]})" in describe(world["over"])["lines"]
+           f"sha256 {over['effective_plan_sha256'][:12]})" in describe(world["over"]).lines
     # a build without override records neither key: its bytes are what they always were
     assert "overrides" not in plain and "effective_plan_sha256" not in plain
     assert plain["source"]["uri"] == "weights"

@@ -90,7 +90,7 @@ def test_biased_models_match_transformers(models, kind, tp):
     want = _hf_logits(_hf(src), x)
     # the biases matter: without them the logits move far more than the tolerance
     assert (want - _hf_logits(_hf(src, zero_bias=True), x)).abs().max() > 0.5, names
-    got = score(_build(src, models["out"], tp), x, return_logits=True, timeout_s=60)["logits"]
+    got = score(_build(src, models["out"], tp), x, return_logits=True, timeout_s=60).logits
     torch.testing.assert_close(got, want, rtol=0.01, atol=ATOL[tp])
 
 
@@ -98,7 +98,7 @@ def test_linear_rope_scaling_matches_transformers(models):
     src = models["linear-rope"]
     x = _ids(64, seed=5)
     want = _hf_logits(_hf(src), x)
-    got = score(_build(src, models["out"], 1), x, return_logits=True, timeout_s=60)["logits"]
+    got = score(_build(src, models["out"], 1), x, return_logits=True, timeout_s=60).logits
     torch.testing.assert_close(got, want, rtol=0, atol=ATOL[1])
 
 

@@ -25,6 +25,7 @@ from shardc.runtime.gate import (
     run_gate,
     summarize,
 )
+from shardc.runtime.results import PositionScores
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -57,11 +58,11 @@ def test_windows_are_identical_non_overlapping_slices():
         make_windows(ids[:10], 128, 700)
 
 
-def _res(nb: np.ndarray, nc: np.ndarray, kl: float = 0.0, agree: float = 1.0) -> dict:
+def _res(nb: np.ndarray, nc: np.ndarray, kl: float = 0.0, agree: float = 1.0) -> PositionScores:
     n = nb.size
     top1 = np.zeros(n, dtype=bool)
     top1[: int(round(agree * n))] = True
-    return {"nll_base": nb, "nll_cand": nc, "kl": np.full(n, kl), "top1": top1}
+    return PositionScores(nll_base=nb, nll_cand=nc, kl=np.full(n, kl), top1=top1)
 
 
 def test_identical_plans_pass_with_zero_delta():
@@ -205,14 +206,14 @@ def test_baseline_cache_is_identical_and_keyed(synth_builds, tmp_path):
     assert other.baseline_ppl != fresh.baseline_ppl
 
     windows = torch.tensor(make_windows(_ids(base), 64, 256))
-    lb, lc = (torch.log_softmax(score(open_build(m), windows, return_logits=True)["logits"][:, :-1]
+    lb, lc = (torch.log_softmax(score(open_build(m), windows, return_logits=True).logits[:, :-1]
                                 .float(), -1) for m in (base, cand))
     t = windows[:, 1:, None]
-    want = {"nll_base": -lb.gather(-1, t)[..., 0].double(), "nll_cand": -lc.gather(-1, t)[..., 0].double(),
-            "kl": (lb.exp() * (lb - lc)).double().sum(-1).clamp_min(0), "top1": lb.argmax(-1) == lc.argmax(-1)}
+    want = PositionScores(nll_base=-lb.gather(-1, t)[..., 0].double(), nll_cand=-lc.gather(-1, t)[..., 0].double(),
+                          kl=(lb.exp() * (lb - lc)).double().sum(-1).clamp_min(0), top1=lb.argmax(-1) == lc.argmax(-1))
     ref = summarize(want, len(windows), Thresholds())
     for k in ("baseline_ppl", "candidate_ppl", "kl_mean", "kl_p99", "top1_agreement", "ppl_delta_ci95_pct"):
-        assert ref[k] == fresh[k], k
+        assert getattr(ref, k) == getattr(fresh, k), k
 
 
 def _ids(manifest: Path) -> list[int]:
@@ -379,7 +380,7 @@ def _hf_baseline_ppl(build: Path, windows: list[list[int]]) -> float:
     finally:
         torch.set_num_threads(threads)
     nll = -lp.gather(-1, rows[:, 1:, None])[..., 0].double()
-    res = {"nll_base": nll, "nll_cand": nll, "kl": torch.zeros_like(nll), "top1": torch.ones_like(nll, dtype=torch.bool)}
+    res = PositionScores(nll_base=nll, nll_cand=nll, kl=torch.zeros_like(nll), top1=torch.ones_like(nll, dtype=torch.bool))
     return summarize(res, len(windows), Thresholds()).baseline_ppl
 
 

@@ -21,6 +21,7 @@ import torch
 from plan_helpers import plan as make_plan
 
 from shardc.runtime.gate import Thresholds, paired_bootstrap_ci, summarize
+from shardc.runtime.results import PositionScores
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +52,7 @@ def test_summarize_equals_torch_recomputation():
     cand = base + _logits(1, scale=1.0)
     want = metrics(base, cand, targets)
     assert abs(want["kl_mean"] - want["kl_reverse"]) > 0.05 * want["kl_mean"]  # direction matters here
-    res = {k: want[k].numpy() for k in ("nll_base", "nll_cand", "kl", "top1")}
+    res = PositionScores(*(want[k].numpy() for k in ("nll_base", "nll_cand", "kl", "top1")))
     got = summarize(res, 4, Thresholds())
     for k in ("baseline_ppl", "candidate_ppl", "ppl_delta_pct", "kl_mean", "kl_p99", "top1_agreement"):
         assert getattr(got, k) == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
@@ -86,14 +87,14 @@ def test_the_limit_applies_to_the_absolute_delta(pct, ok):
     """A candidate far *better* than the baseline is as suspect as one far worse (README: 0.5% delta)."""
     nb = np.full((2, 10), 2.0)
     nc = nb + math.log(1 + pct / 100)
-    r = summarize({"nll_base": nb, "nll_cand": nc, "kl": np.zeros(20), "top1": np.ones(20, bool)}, 2, Thresholds())
+    r = summarize(PositionScores(nll_base=nb, nll_cand=nc, kl=np.zeros(20), top1=np.ones(20, bool)), 2, Thresholds())
     assert r.ppl_delta_pct == pytest.approx(pct, rel=1e-9)
     assert r.passed is ok
 
 
 def test_max_kl_and_min_top1_are_inclusive_limits():
     nb = np.full((1, 8), 2.0)
-    res = {"nll_base": nb, "nll_cand": nb, "kl": np.full(8, 0.25), "top1": np.arange(8) < 6}
+    res = PositionScores(nll_base=nb, nll_cand=nb, kl=np.full(8, 0.25), top1=np.arange(8) < 6)
     assert summarize(res, 1, Thresholds(max_kl=0.25, min_top1=0.75)).passed
     r = summarize(res, 1, Thresholds(max_kl=0.2499))
     assert not r.passed and [c.ok for c in r.checks] == [True, False]

@@ -9,6 +9,7 @@ hashes taken with hashlib over bytes the test holds; token counts from the token
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -47,6 +48,7 @@ from shardc.runtime.gate_report import (  # noqa: E402
     Metric,
     format_report,
 )
+from shardc.runtime.results import PositionScores  # noqa: E402
 
 
 # -- format_report ----------------------------------------------------------------------------------------
@@ -241,8 +243,8 @@ def test_run_gate_report_and_cache(builds, tmp_path):
         == {k: v for k, v in to_json(hit).items() if k not in drop} \
         == {k: v for k, v in to_json(plain).items() if k not in drop}
     # a default-threshold report has the delta check alone
-    assert summarize({"nll_base": np.ones((1, 4)), "nll_cand": np.ones((1, 4)), "kl": np.zeros(4),
-                      "top1": np.ones(4, bool)}, 1, Thresholds()).checks[0].limit == 0.5
+    assert summarize(PositionScores(nll_base=np.ones((1, 4)), nll_cand=np.ones((1, 4)), kl=np.zeros(4),
+                                    top1=np.ones(4, bool)), 1, Thresholds()).checks[0].limit == 0.5
 
 
 # -- pure parts the earlier tests left loose -------------------------------------------------------------------
@@ -250,7 +252,7 @@ def test_summarize_p99_and_positions_from_hand_arrays():
     """kl p99 of 0..99 is 98.01 (linear interpolation); a single window's bootstrap resamples positions."""
     nb = np.zeros((1, 100))
     nc = np.full((1, 100), math.log(1.01))
-    r = summarize({"nll_base": nb, "nll_cand": nc, "kl": np.arange(100.0), "top1": np.arange(100) < 37}, 1,
+    r = summarize(PositionScores(nll_base=nb, nll_cand=nc, kl=np.arange(100.0), top1=np.arange(100) < 37), 1,
                   Thresholds(1.5))
     assert r.kl_p99 == pytest.approx(98.01, rel=1e-12) and r.kl_mean == pytest.approx(49.5)
     assert r.top1_agreement == pytest.approx(0.37) and r.positions == 100
@@ -387,8 +389,8 @@ def test_summarize_sums_float32_inputs_in_float64():
     million 0.1f values sum to 100000.0015 in float64, to 100000.0078 in float32."""
     a = np.full(10**6, 0.1, dtype=np.float32)
     exact = math.fsum(a.astype(np.float64).tolist()) / a.size
-    r = summarize({"nll_base": a, "nll_cand": a * np.float32(2), "kl": a,
-                   "top1": np.ones(a.size, bool)}, 4, Thresholds())
+    r = summarize(PositionScores(nll_base=a, nll_cand=a * np.float32(2), kl=a,
+                                 top1=np.ones(a.size, bool)), 4, Thresholds())
     assert r.kl_mean == pytest.approx(exact, rel=1e-12)
     assert r.baseline_ppl == pytest.approx(math.exp(exact), rel=1e-12)
     assert r.candidate_ppl == pytest.approx(math.exp(2 * exact), rel=1e-12)
@@ -422,7 +424,7 @@ def test_summarize_checks_are_exact_records_and_reproducible():
     rng = np.random.default_rng(5)
     nb = rng.gamma(2.0, 1.5, size=(6, 20))
     nc = nb + rng.normal(0.0, 0.05, size=nb.shape)
-    res = {"nll_base": nb, "nll_cand": nc, "kl": np.full(120, 0.25), "top1": np.arange(120) < 90}
+    res = PositionScores(nll_base=nb, nll_cand=nc, kl=np.full(120, 0.25), top1=np.arange(120) < 90)
     r = summarize(res, 6, Thresholds(2.0, max_kl=0.3, min_top1=0.8))
     delta = (math.exp((nc.sum() - nb.sum()) / nb.size) - 1) * 100
     assert to_json(r.checks) == [
@@ -432,11 +434,11 @@ def test_summarize_checks_are_exact_records_and_reproducible():
         {"name": "top1_agreement", "value": 0.75, "limit": 0.8, "rule": "value >= limit", "ok": False},
     ]
     assert r.passed is False
-    again = summarize({k: v.copy() for k, v in res.items()}, 6, Thresholds())
+    again = summarize(PositionScores(*(getattr(res, f.name).copy() for f in dataclasses.fields(res))), 6, Thresholds())
     assert again.ppl_delta_ci95_pct == r.ppl_delta_ci95_pct
     assert again.ppl_delta_ci95_pct[0] < delta < again.ppl_delta_ci95_pct[1]
     # identical plans: delta exactly 0, and a 0% limit is met (the limit is inclusive)
-    assert summarize({**res, "nll_cand": nb.copy()}, 6, Thresholds(0.0)).passed is True
+    assert summarize(dataclasses.replace(res, nll_cand=nb.copy()), 6, Thresholds(0.0)).passed is True
 
 
 def test_two_windows_are_resampled_as_blocks():

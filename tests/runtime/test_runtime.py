@@ -149,23 +149,23 @@ def test_demo_tp1pp1_matches_transformers(demo, demo_windows):
     ref = hf_model(demo["src"])
     got = score(demo["tp1pp1"], demo_windows, return_logits=True, timeout_s=60)
     want = hf_logits(ref, demo_windows)
-    assert got["logits"].shape == want.shape == (2, 64, 49152)
-    torch.testing.assert_close(got["logits"], want, rtol=0, atol=EXACT_ATOL)
+    assert got.logits.shape == want.shape == (2, 64, 49152)
+    torch.testing.assert_close(got.logits, want, rtol=0, atol=EXACT_ATOL)
     nll = -torch.log_softmax(want[:, :-1], -1).gather(-1, demo_windows[:, 1:, None])[..., 0]
-    torch.testing.assert_close(got["nll"], nll.double(), rtol=0, atol=1e-4)
+    torch.testing.assert_close(got.nll, nll.double(), rtol=0, atol=1e-4)
 
     tok = Tokenizer.from_file(str(demo["tp1pp1"].directory / "tokenizer.json"))
     prompt = tok.encode("The capital of France is").ids
     res = generate(demo["tp1pp1"], [prompt], 32, eos=[], timeout_s=60)
-    assert res["tokens"][0] == hf_greedy(ref, prompt, 32)  # 32 identical greedy steps (KV cache path)
-    assert "Paris" in tok.decode(res["tokens"][0])
+    assert res.tokens[0] == hf_greedy(ref, prompt, 32)  # 32 identical greedy steps (KV cache path)
+    assert "Paris" in tok.decode(res.tokens[0])
 
 
 @pytest.mark.heavy
 def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows):
     from tokenizers import Tokenizer
 
-    got = score(demo["tp3pp2"], demo_windows, return_logits=True, timeout_s=60)["logits"]
+    got = score(demo["tp3pp2"], demo_windows, return_logits=True, timeout_s=60).logits
     # Same summation order as a tp=3 replica: agreement to the bit (see the module docstring).
     same_order = hf_logits(hf_model(demo["src"], tp=3), demo_windows)
     torch.testing.assert_close(got, same_order, rtol=0, atol=EXACT_ATOL)
@@ -180,8 +180,8 @@ def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows):
     tok = Tokenizer.from_file(str(demo["tp3pp2"].directory / "tokenizer.json"))
     prompts = [tok.encode("The capital of France is").ids, tok.encode("def fibonacci(n):").ids]
     res = generate(demo["tp3pp2"], prompts, 8, eos=[], timeout_s=60)  # two sequences in the pipe
-    assert "Paris" in tok.decode(res["tokens"][0])
-    assert len(res["tokens"][1]) == 8
+    assert "Paris" in tok.decode(res.tokens[0])
+    assert len(res.tokens[1]) == 8
 
 
 # -- synthetic models ----------------------------------------------------------------------------------
@@ -223,11 +223,11 @@ def test_synthetic_llama3_rope_matches_transformers(synth):
     ref = build_plan(synth["llama3rope"], synth["out"], 1, 1)
     hf = hf_model(synth["llama3rope"])
     x = _ids(1, 96, 128)
-    got = score(ref, x, return_logits=True, timeout_s=60)["logits"]
+    got = score(ref, x, return_logits=True, timeout_s=60).logits
     torch.testing.assert_close(got, hf_logits(hf, x), rtol=0, atol=EXACT_ATOL)
     prompt = x[0, :40].tolist()
     res = generate(ref, [prompt], 32, eos=[], timeout_s=60)
-    assert res["tokens"][0] == hf_greedy(hf, prompt, 32)
+    assert res.tokens[0] == hf_greedy(hf, prompt, 32)
 
 
 @pytest.mark.parametrize("kind,tp,pp", [("untied", 2, 1), ("tied", 2, 2), ("untied", 4, 1)])
@@ -237,7 +237,7 @@ def test_synthetic_tp_pp_against_reference(synth, kind, tp, pp):
     src = synth[kind]
     ref = build_plan(src, synth["out"], tp, pp)
     x = _ids(3, 24, 99, seed=tp * 10 + pp)  # 3 micro-batches through the pipeline
-    got = score(ref, x, return_logits=True, timeout_s=60)["logits"]
+    got = score(ref, x, return_logits=True, timeout_s=60).logits
     assert got.shape == (3, 24, 99)  # padded vocabulary rows dropped
     torch.testing.assert_close(got, hf_logits(hf_model(src, tp=tp), x), rtol=0, atol=EXACT_ATOL)
     # Drift from the tp1 reference is bf16 rounding of the partial sums: a few bf16 ulps of the
@@ -252,7 +252,7 @@ def test_quantized_plans_dequantize_at_load(synth, dtype):
     ref = build_plan(src, synth["out"], 2, 1, dtype)
     hf = hf_model(src, tp=2, quant=dtype)
     x = _ids(2, 16, 99, seed=7)
-    got = score(ref, x, return_logits=True, timeout_s=60)["logits"]
+    got = score(ref, x, return_logits=True, timeout_s=60).logits
     torch.testing.assert_close(got, hf_logits(hf, x), rtol=0, atol=EXACT_ATOL)
 
 
@@ -328,7 +328,7 @@ def test_cli_run_demo(demo):
 @pytest.mark.heavy
 def test_torchrun_launch(pipe2):
     """The same command under torchrun: every rank in-process, the last stage prints."""
-    direct = generate(pipe2, [[5, 6, 7]], 4, eos=[], timeout_s=60)["tokens"][0]
+    direct = generate(pipe2, [[5, 6, 7]], 4, eos=[], timeout_s=60).tokens[0]
     p = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          "-m", "shardc.cli", "run", "--manifest", str(pipe2.manifest_path), "--prompt-ids", "5,6,7",
@@ -356,7 +356,7 @@ def test_pipeline_keeps_micro_batches_in_flight(pipe2, tmp_path):
 
     import torch.distributed as dist
 
-    job = {"id": "in-flight", "kind": "score", "replicas": [pipe2.job_entry()], "timeout_s": 120.0,
+    job = {"id": "in-flight", "kind": "score", "replicas": [pipe2.wire_entry()], "timeout_s": 120.0,
            "device": "cpu", "threads": 1,
            "score": {"windows": _ids(6, 16, 99, seed=3).tolist(), "micro_batch": 1}}
     (tmp_path / "job.json").write_text(json.dumps(job))
