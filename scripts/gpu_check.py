@@ -316,16 +316,17 @@ def chunked_load(manifest: Path) -> None:
 
 
 def gate(base: Path, cand: Path, work: Path) -> None:
+    from shardc.results import to_json
     from shardc.runtime.gate import run_gate
 
     cache = work / "baseline-cache.safetensors"
     kw = {"max_tokens": SHAPES["gate_tokens"], "window": SHAPES["window"], "device": DEVICE, "timeout_s": 300.0,
           "baseline_cache": cache}
     t = time.monotonic()
-    first = run_gate(base, cand, **kw)
+    first = to_json(run_gate(base, cand, **kw))  # the report's JSON form, what --json prints
     t1 = time.monotonic() - t
     t = time.monotonic()
-    second = run_gate(base, cand, **kw)
+    second = to_json(run_gate(base, cand, **kw))
     t2 = time.monotonic() - t
     same = {k: v for k, v in first.items() if k not in ("seconds", "baseline_cache")} == \
            {k: v for k, v in second.items() if k not in ("seconds", "baseline_cache")}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ from ..errors import ManifestError
 from ..formats.files import human_size
 from ..formats.manifest import load
 from ..formats.safetensors import read_header
-from ..results import optional
+from ..results import StrEnum, optional
 
 
 class Described(StrEnum):
