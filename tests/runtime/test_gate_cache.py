@@ -122,6 +122,20 @@ def _other_logits(header: dict, data: bytes, other: Path) -> tuple[dict, bytes]:
     return header, split(other)[1]
 
 
+@pytest.mark.parametrize("recorded, want", [
+    ({"name": "transformers", "revision": "r1"}, "transformers"),  # a reference by its name
+    (None, "shardc"),  # no reference: shardc's own baseline
+    ("a-reference-spelled-as-a-long-string", "a-reference-"),  # neither: its first 12 characters
+    (12345678901234567, "123456789012"),
+])
+def test_a_stale_caches_reference_is_shown_by_name(tmp_path, recorded, want):
+    """The stale line names the reference each side was scored by: a dict by its name, none as
+    shardc, anything else (a hand-edited cache) by its first 12 characters."""
+    key = {**KEY, "reference": {"name": "hf-ref", "revision": "r2"}}
+    path = sealed(tmp_path, {**KEY, "reference": recorded})
+    assert check_cache(path, key) == ("stale", f"reference {want} != hf-ref")
+
+
 @pytest.mark.parametrize("edit", [_flip_byte, _reshape, _foreign_digest, _other_logits])
 def test_edited_caches_do_not_match_their_digest(tmp_path, edit):
     path = sealed(tmp_path)
