@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -77,6 +78,27 @@ def aws_env(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     return monkeypatch
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """Factory: tmpfs(name, size) -> a real tmpfs of ``size`` ("160k", "1M") mounted at
+    tmp_path/name, for disk-full and read-only cases; unmounted after the test. Needs root: the
+    test is skipped where the mount is refused."""
+    mounted: list[Path] = []
+
+    def mount(name: str, size: str) -> Path:
+        mnt = tmp_path / name
+        mnt.mkdir()
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, check=False)
 
 
 @pytest.fixture

@@ -383,15 +383,9 @@ def test_rebuild_failing_mid_write_keeps_the_old_build(tmp_path):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
+def small_tmpfs(tmpfs):
     """A real filesystem too small for two copies of the tiny build (root only)."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    return tmpfs("tmpfs", "160k")
 
 
 def test_rebuild_that_does_not_fit_beside_the_old_one_is_refused_first(tmp_path, small_tmpfs):

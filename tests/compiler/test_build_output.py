@@ -83,15 +83,9 @@ def test_direct_and_buffered_io_write_the_same_bytes(make_ckpt, tmp_path):
 
 
 @pytest.fixture
-def small_fs(tmp_path):
+def small_fs(tmpfs):
     """A real 6 MiB tmpfs (tmpfs may or may not take O_DIRECT: either way must work)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6M", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return tmpfs("small", "6M")
 
 
 def _cli_build(plan_file: Path, ckpt: Path, out: Path) -> subprocess.CompletedProcess:

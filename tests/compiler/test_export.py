@@ -191,15 +191,9 @@ def test_library_failure_releases_the_lock_and_removes_what_it_created(builds, t
 
 
 @pytest.fixture
-def small_fs(tmp_path):
+def small_fs(tmpfs):
     """A real 1 MiB tmpfs (needs root; skipped otherwise)."""
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return tmpfs("small", "1M")
 
 
 def test_disk_full_keeps_the_old_export(builds, reference, tmp_path, small_fs):
@@ -695,27 +689,19 @@ def test_exact_refusals_in_process(builds, reference, tmp_path):
     assert not (tmp_path / "never").exists()
 
 
-def test_disk_full_in_process(builds, reference, tmp_path):
+def test_disk_full_in_process(builds, reference, tmpfs):
     """ENOSPC while staging: the exact line, the old export whole, no temp left."""
     from shardc.errors import OutputError
 
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=160K", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
-        out = mnt / "hf"
-        out.mkdir()
-        for fname, data in reference["b"].items():
-            (out / fname).write_bytes(data)
-        with pytest.raises(OutputError) as e:
-            export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
-        assert (e.value.message, e.value.hint) == (f"cannot write the export in {out}: No space left on device",
-                                                   "free space or fix the disk, then rerun")
-        assert files(out) == reference["b"]
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    out = tmpfs("tiny", "160K") / "hf"
+    out.mkdir()
+    for fname, data in reference["b"].items():
+        (out / fname).write_bytes(data)
+    with pytest.raises(OutputError) as e:
+        export(open_local_input(builds["a"] / "manifest.json"), out, max_shard_size=20_000)
+    assert (e.value.message, e.value.hint) == (f"cannot write the export in {out}: No space left on device",
+                                               "free space or fix the disk, then rerun")
+    assert files(out) == reference["b"]
 
 
 def test_a_failed_switch_leaves_no_index_and_no_temps(builds, reference, tmp_path):

@@ -391,14 +391,9 @@ def test_the_fault_before_the_journal(tmp_path, monkeypatch):
 
 
 @pytest.fixture
-def read_only_fs(tmp_path):
+def read_only_fs(tmpfs):
     """A real tmpfs, remounted read-only by the test (needs root, as test_build_output's does)."""
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    return tmpfs("ro", "1M")
 
 
 def test_a_disk_failure_during_the_switch_is_an_output_error(read_only_fs):
