@@ -23,6 +23,7 @@ from compressed_tensors.quantization import (
     QuantizationScheme,
     QuantizationStatus,
 )
+from golden_windows import golden_windows
 from plan_helpers import plan
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -242,8 +243,6 @@ def demo_builds(demo_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_x(demo_builds):
-    from test_runtime import golden_windows
-
     _, builds = demo_builds
     return golden_windows(builds[(1, "bf16")].out_dir / "tokenizer.json", 2, 64)
 

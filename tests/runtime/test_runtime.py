@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from golden_windows import golden_windows
 from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
@@ -114,15 +115,6 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
                              pad_token_id=0)
     return out[0, len(prompt):].tolist()
-
-
-def golden_windows(tokenizer_json: Path, n: int, t: int) -> torch.Tensor:
-    from tokenizers import Tokenizer
-
-    from shardc.runtime.gate import golden_text
-
-    ids = Tokenizer.from_file(str(tokenizer_json)).encode(golden_text("pydoc")[0][:40000]).ids
-    return torch.tensor(ids[: n * t]).view(n, t)
 
 
 # -- the demo model (SmolLM2-135M, 30 layers, 9 heads / 3 KV heads, tied embeddings) ------------------
