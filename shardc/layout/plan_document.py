@@ -8,8 +8,6 @@ import math
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..errors import PlanError
 from .readfile import PLAN_LIMIT, decode_text, read_regular_file
 
@@ -21,6 +19,8 @@ def read_plan_yaml(path: Path) -> Any:
     """The parsed YAML of a plan file (one PlanError for a file that is not a bounded YAML document)."""
     data = read_regular_file(path, limit=PLAN_LIMIT, what="plan file", error=PlanError)
     text = decode_text(data, path, what="plan file", error=PlanError)
+    import yaml  # here, not at the top: load_shard reads plans from manifests (JSON) at cold start
+
     try:
         return _safe_yaml(text, path)
     except yaml.YAMLError as exc:
@@ -65,6 +65,8 @@ def _safe_yaml(text: str, path: Path) -> Any:
     """``yaml.safe_load`` with the document bounded before it is expanded: aliases make a
     10-line file into billions of values (an alias bomb), so nodes are counted with aliases
     expanded, stopping at the limit, before any Python object is built."""
+    import yaml
+
     loader = yaml.SafeLoader(text)
     try:
         node = loader.get_single_node()
