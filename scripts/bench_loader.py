@@ -11,12 +11,14 @@ cache is dropped before each run (``echo 3 > /proc/sys/vm/drop_caches`` as root,
 
 Loaders (CPU):
   shardc          shardc.load_shard(manifest, tp, pp, device="cpu"): every chunk's sha256 checked
+  shardc-blake3   the same call on a build of the same tensors whose plan asks for blake3 chunk
+                  digests (replica_group.checkpoint.chunk_digest: blake3): every chunk's blake3 checked
   sha256+safe_open  the design's checked loader: hashlib sha256 in 1 MiB reads, then safe_open + copy
   safetensors     safe_open + get_tensor + copy of every tensor (unchecked)
   fastsafetensors fastsafe_open(nogds=True) + get_tensor (unchecked; 0.5.0, `bench` extra)
   runai           Run:ai Model Streamer SafetensorsStreamer (unchecked; `bench` extra)
 Peers not installed are skipped with a line. Also printed: verify's hashing of the whole build in
-GB/s on 1 and on all cores (``verify_build(jobs=N)``, page cache warm). ``--s3``: the same shard
+GB/s on 1 and on all cores (``verify_build(jobs=N)``, page cache warm), for each chunk digest. ``--s3``: the same shard
 from the moto S3 server on 127.0.0.1, shardc.load_shard of the s3:// manifest against Run:ai's S3
 streaming (``runai-model-streamer-s3``), throughput ratio (target >= 1.0).
 
@@ -25,6 +27,7 @@ Examples:
   python scripts/bench_loader.py                     # synthetic tp=1 build, ~1 GiB shard
   python scripts/bench_loader.py --layers 4 --hidden 1024 --repeat 3   # ~0.25 GiB, quicker
   python scripts/bench_loader.py --manifest build/x/manifest.json --rank 0
+  python scripts/bench_loader.py --manifest b/manifest.json --manifest-blake3 b3/manifest.json
   python scripts/bench_loader.py --s3                 # also from the moto S3 server vs Run:ai's S3 streaming
   python scripts/bench_loader.py --device cuda       # CUDA: load_shard vs hashlib + load_file + isfinite
 """
@@ -44,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-LOADERS = ["shardc", "sha256+safe_open", "safetensors", "fastsafetensors", "runai"]
+LOADERS = ["shardc", "shardc-blake3", "sha256+safe_open", "safetensors", "fastsafetensors", "runai"]
 UNCHECKED = {"safetensors", "fastsafetensors", "runai"}
 PEER_MODULE = {"fastsafetensors": "fastsafetensors", "runai": "runai_model_streamer"}
 
@@ -52,7 +55,7 @@ PEER_MODULE = {"fastsafetensors": "fastsafetensors", "runai": "runai_model_strea
 # -- the loaders (each run in a child process) ----------------------------------------------------
 def load(name: str, path: str, manifest: str, tp: int, pp: int, device: str) -> dict[str, Any]:
     """One loader's tensors for ``path`` (the shard of rank (tp, pp) of ``manifest``)."""
-    if name == "shardc":
+    if name in ("shardc", "shardc-blake3"):  # the same call; the blake3 build's manifest for the second
         import shardc
 
         return shardc.load_shard(manifest, tp, pp, device=device)
@@ -167,15 +170,24 @@ def available(names: list[str]) -> list[str]:
     return out
 
 
-def compare(manifest: Path, rank: int, device: str, repeat: int, loaders: list[str]) -> dict[str, Any]:
-    """Median seconds per loader, cold and warm, and ratios against the fastest unchecked one."""
+def compare(manifest: Path, rank: int, device: str, repeat: int, loaders: list[str],
+            blake3_manifest: Path | None = None) -> dict[str, Any]:
+    """Median seconds per loader, cold and warm, and ratios against the fastest unchecked one.
+    ``shardc-blake3`` loads rank ``rank`` of ``blake3_manifest`` (the same tensors, its own build);
+    every other loader the file of ``manifest``."""
     from shardc.formats.manifest import load
 
     rl = load(manifest).to_layout().ranks[rank]
     path = manifest.parent / rl.file
+    files = {n: (path, manifest) for n in loaders}
+    if blake3_manifest is not None:
+        files["shardc-blake3"] = (blake3_manifest.parent / rl.file, blake3_manifest)
+    elif "shardc-blake3" in loaders:
+        print("  (shardc-blake3 needs --manifest-blake3 with --manifest)")
+        loaders = [n for n in loaders if n != "shardc-blake3"]
     results: dict[str, Any] = {"bytes": path.stat().st_size, "file": rl.file}
     for n in loaders:  # untimed: each loader's bytecode compiled, its code paths run once
-        run_child(n, path, manifest, rl.tp_rank, rl.pp_stage, device)
+        run_child(n, *files[n], rl.tp_rank, rl.pp_stage, device)
     for temp in ("cold", "warm"):
         times: dict[str, list[float]] = {n: [] for n in loaders}
         how = ""
@@ -183,10 +195,10 @@ def compare(manifest: Path, rank: int, device: str, repeat: int, loaders: list[s
             order = loaders if r % 2 == 0 else loaders[::-1]  # alternate who goes first
             for n in order:
                 if temp == "cold":
-                    how = drop_cache(path)
+                    how = drop_cache(files[n][0])
                 else:
-                    warm_cache(path)
-                times[n].append(run_child(n, path, manifest, rl.tp_rank, rl.pp_stage, device))
+                    warm_cache(files[n][0])
+                times[n].append(run_child(n, *files[n], rl.tp_rank, rl.pp_stage, device))
         med = {n: statistics.median(v) for n, v in times.items()}
         fastest = min((med[n] for n in med if n in UNCHECKED), default=None)
         results[temp] = {"median_s": med, "all_s": times, "cache": how or "warm",
@@ -308,7 +320,9 @@ def measure(manifest: Path, rank: int, device: str, repeat: int = 5) -> dict[str
             "verify_ratio": best["verify_s"] / best["baseline_s"]}
 
 
-def synthetic(root: Path, layers: int, hidden: int, tp: int) -> Path:
+def synthetic(root: Path, layers: int, hidden: int, tp: int) -> tuple[Path, Path]:
+    """A synthetic checkpoint built twice, with sha256 chunk digests (the default) and with blake3:
+    the two manifests."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.layout.plan import plan_from_dict
@@ -316,15 +330,20 @@ def synthetic(root: Path, layers: int, hidden: int, tp: int) -> Path:
     src = write_checkpoint(root / "src", llama_config(num_layers=layers, hidden_size=hidden,
                                                       intermediate_size=4 * hidden, num_heads=16,
                                                       num_kv_heads=4, vocab_size=32000))
-    plan = plan_from_dict({"replica_group": {"name": "bench-loader", "tp_degree": tp, "pp_degree": 1,
-                                             "dtype": "bf16", "gpus_per_replica": tp},
-                           "model": {"source": str(src)}})
-    return build(plan, out_dir=root / "b").manifest_path
+    out = []
+    for digest, d in (("sha256", "b"), ("blake3", "b3")):
+        plan = plan_from_dict({"replica_group": {"name": "bench-loader", "tp_degree": tp, "pp_degree": 1,
+                                                 "dtype": "bf16", "gpus_per_replica": tp,
+                                                 "checkpoint": {"chunk_digest": digest}},
+                               "model": {"source": str(src)}})
+        out.append(build(plan, out_dir=root / d).manifest_path)
+    return out[0], out[1]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--manifest", help="manifest.json (a path; for the --child runs also an s3:// URI)")
+    ap.add_argument("--manifest-blake3", help="with --manifest: a build of the same model with blake3 chunk digests")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--repeat", type=int, default=5)
@@ -347,10 +366,16 @@ def main() -> None:
         # PYTHONDONTWRITEBYTECODE=1 would compile shardc's ~40 modules from source in every timed
         # process (0.1-0.2 s of CPU), which no user's process does
         os.environ["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
-        manifest = Path(a.manifest) if a.manifest else synthetic(Path(tmp), a.layers, a.hidden, a.tp)
+        if a.manifest:
+            manifest, b3 = Path(a.manifest), Path(a.manifest_blake3) if a.manifest_blake3 else None
+        else:
+            manifest, b3 = synthetic(Path(tmp), a.layers, a.hidden, a.tp)
         loaders = available([n.strip() for n in a.loaders.split(",") if n.strip()])
-        r = compare(manifest, a.rank, a.device, a.repeat, loaders)
-        r["hashing_gb_s"] = hashing_rates(manifest) if a.device == "cpu" else {}
+        r = compare(manifest, a.rank, a.device, a.repeat, loaders, b3)
+        r["hashing_gb_s"] = {}
+        for digest, m in (("sha256", manifest), ("blake3", b3)):
+            if a.device == "cpu" and m is not None:
+                r["hashing_gb_s"].update({f"{digest} {k}": v for k, v in hashing_rates(m).items()})
         if a.s3:
             r["s3"] = compare_s3(manifest, a.rank, a.device, a.repeat)
     if a.json:
@@ -367,7 +392,7 @@ def main() -> None:
             print(f"    {n:18s} {s:6.3f}s  {r['bytes'] / s / 1e9:5.2f} GB/s"
                   + (f"  {ratio:4.2f}x the fastest unchecked" if ratio else "") + tag)
     for k, v in r["hashing_gb_s"].items():
-        print(f"  verify hashing, whole build, {k.replace('_', ' ')}: {v:.2f} GB/s")
+        print(f"  verify hashing ({k.replace('_', ' ')}), whole build: {v:.2f} GB/s")
     if "s3" in r:
         m = r["s3"]["median_s"]
         print(f"  from moto S3 (127.0.0.1): shardc {m['shardc-s3']:.3f}s, Run:ai {m['runai-s3']:.3f}s: shardc's "

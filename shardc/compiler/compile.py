@@ -310,7 +310,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
             tensors[t.name] = rec
         shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors,
                                  experts=rl.experts, dp_rank=rl.dp_rank if layout.plan.dp > 1 else None,
-                                 chunk_size=chunk_size, chunks=chunks))
+                                 chunk_size=chunk_size, chunks=chunks, chunk_digest=layout.plan.chunk_digest))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
     commit.manifest(manifest, layout)
     return manifest

@@ -339,14 +339,15 @@ def _check_chunks(path: Path, entry: ShardEntry) -> None:
         raise VerifyMismatch(f"input file {path} cannot be read: {exc.strerror}",
                              hint="the input build is damaged; run shardc verify on it") from None
     with open(fd, "rb", buffering=0):
-        bad = chunks.check_chunks(fd, entry.size, entry.chunk_size, entry.chunks)
+        bad = chunks.check_chunks(fd, entry.size, entry.chunk_size, entry.chunks, digest=entry.chunk_digest)
     if bad:
         try:
             tensors, _, start = read_header(path)
         except ShardFormatError:
             tensors, start = {}, 0
         line = chunks.chunk_problem(bad, entry.size, entry.chunk_size,
-                                    lambda lo, hi: chunks.tensors_in(tensors, start, lo, hi))
+                                    lambda lo, hi: chunks.tensors_in(tensors, start, lo, hi),
+                                    digest=entry.chunk_digest)
         raise VerifyMismatch(f"input file {path} is corrupted: {line}",
                              hint="restore the file (shardc pull) or rebuild the input")
 

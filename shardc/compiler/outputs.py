@@ -105,7 +105,7 @@ def stage_done(out_dir: Path, layout: Layout, rl: RankLayout,
         return None
     try:
         with open(path, "rb", buffering=0) as f:
-            sha, digests = chunks.digest_file(f.fileno(), rec["size"], chunks.CHUNK_SIZE)
+            sha, digests = chunks.digest_file(f.fileno(), rec["size"], chunks.CHUNK_SIZE, layout.plan.chunk_digest)
     except OSError:
         return None
     if sha != rec.get("sha256"):

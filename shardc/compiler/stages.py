@@ -20,7 +20,8 @@ def write_stage(
     rank's slice goes to that rank's writer thread. Returns the filled, uncommitted writers."""
     writers = {
         rl.file: ShardWriter(
-            out_dir / rl.file, [(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl)
+            out_dir / rl.file, [(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl),
+            chunk_digest=layout.plan.chunk_digest,
         )
         for rl in ranks
     }

@@ -1,6 +1,7 @@
 """The manifest: the one record of a build. Canonical JSON (sorted keys, no timestamps).
 
-Schema (format_version 3; 2 is the same without ``chunk_size``/``chunks``)::
+Schema (format_version 3; 2 is the same without ``chunk_size``/``chunks``; 4 the same as 3 with
+``chunk_digest`` in the shard entries whose chunks are not sha256)::
 
     {
       "format": "shardc-manifest", "format_version": 3, "shardc_version": "0.1.0",
@@ -17,6 +18,7 @@ Schema (format_version 3; 2 is the same without ``chunk_size``/``chunks``)::
       "shards": {"model-tp00-pp00.safetensors": {"tp_rank": 0, "pp_stage": 0, "rank": 0,
                   "layers": [start, stop], "size": int, "sha256": hex,
                   "chunk_size": int, "chunks": [hex, ...] (the sha256 of every chunk_size bytes),
+                  "chunk_digest": "blake3" (version 4 only: what ``chunks`` are, when not sha256),
                   "tensors": {name: TensorSpec.record() (+ "stats" for quantized weights)}}, ...}
     }
 
@@ -55,7 +57,7 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..layout.model import LIMITS, model_from_config
-from ..layout.plan import apply_overrides, canonical_json, plan_from_dict
+from ..layout.plan import DEFAULT_CHUNK_DIGEST, apply_overrides, canonical_json, plan_from_dict
 from ..layout.quantization import base_dtype
 from ..layout.ranks import Layout, build_layout
 from ..layout.readfile import MANIFEST_LIMIT, read_regular_file
@@ -85,8 +87,8 @@ __all__ = ["FORMAT", "FORMAT_VERSION", "READS", "SWITCH_JOURNAL", "TOKENIZER", "
            "new_manifest", "source_quantization_record"]
 
 FORMAT = "shardc-manifest"
-FORMAT_VERSION = 3  # 3: every shard entry carries chunk digests (formats/chunks.py)
-READS = (1, 2, 3)  # versions this shardc reads; it writes 3, or 2 for a manifest without chunk digests
+FORMAT_VERSION = 4  # 4: chunk digests may be blake3 (``chunk_digest``); 3: every shard has sha256 chunk digests
+READS = (1, 2, 3, 4)  # versions this shardc reads; it writes 3 or 4 (below), 2 for a manifest without chunk digests
 TOKENIZER = "tokenizer.json"
 
 
@@ -166,9 +168,13 @@ class Manifest:
     # -- writing --------------------------------------------------------------------------------
     @property
     def format_version(self) -> int:
-        """The version this manifest is written in: 3 when its shards carry chunk digests, else 2
-        (an older build's manifest, pulled or passed through, keeps its bytes)."""
-        return FORMAT_VERSION if self.shards and all(s.chunk_size is not None for s in self.shards) else 2
+        """The version this manifest is written in: 4 when a shard's chunk digests are not sha256
+        (a shardc that reads only 3 refuses it by its version, rather than read blake3 digests as
+        corrupted sha256 ones), 3 when its shards carry chunk digests, else 2 (an older build's
+        manifest, pulled or passed through, keeps its bytes)."""
+        if not self.shards or any(s.chunk_size is None for s in self.shards):
+            return 2
+        return FORMAT_VERSION if any(s.chunk_digest != DEFAULT_CHUNK_DIGEST for s in self.shards) else 3
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form, in ``format_version`` (``from_dict`` reads it back: tests plant faults in

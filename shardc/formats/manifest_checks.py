@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 from ..errors import ManifestError
-from ..layout.plan import OVERRIDABLE
+from ..layout.plan import DEFAULT_CHUNK_DIGEST, OVERRIDABLE
 from .manifest_records import MAX_DEGREE, REBUILD, FieldReader, ShardEntry
 
 # Levels of objects and arrays: a real manifest has under ten (a tensor record's stats, an HF
@@ -59,12 +59,12 @@ def plain_error(origin: str, where: str, msg: str) -> ManifestError:
 
 
 def check_chunked(r: FieldReader, version: int, shards: list[ShardEntry]) -> None:
-    """Version 3 has chunk digests in every shard entry, version 2 in none (an older shardc, which
-    refuses unknown keys, then reads it); version 1 is the plain-dict form and may have either, but
-    not a mix."""
+    """Versions 3 and 4 have chunk digests in every shard entry, version 2 in none (an older
+    shardc, which refuses unknown keys, then reads it); version 1 is the plain-dict form and may
+    have either, but not a mix. Only version 4 names a chunk digest other than sha256."""
     have = [s.chunk_size is not None for s in shards]
-    if version == 3 and not all(have):
-        raise r.error("is missing (format_version 3 records chunk digests for every shard)",
+    if version >= 3 and not all(have):
+        raise r.error(f"is missing (format_version {version} records chunk digests for every shard)",
                       f"shards.{shards[have.index(False)].file}.chunk_size")
     if version == 2 and any(have):
         raise r.error("is not a format_version 2 key (chunk digests are format_version 3)",
@@ -72,6 +72,10 @@ def check_chunked(r: FieldReader, version: int, shards: list[ShardEntry]) -> Non
     if version == 1 and any(have) and not all(have):
         raise r.error("is missing (another shard has chunk digests: every shard has them or none)",
                       f"shards.{shards[have.index(False)].file}.chunk_size")
+    other = [s for s in shards if s.chunk_digest != DEFAULT_CHUNK_DIGEST]
+    if version < 4 and other:
+        raise r.error(f"is not a format_version {version} key (chunk digests other than sha256 are "
+                      "format_version 4)", f"shards.{other[0].file}.chunk_digest")
 
 
 def check_extent(r: FieldReader, rg: FieldReader, config: FieldReader, shards: list[ShardEntry]) -> None:

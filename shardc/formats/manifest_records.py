@@ -10,7 +10,7 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..layout.model import LIMITS
-from ..layout.plan import MAX_TP
+from ..layout.plan import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST, MAX_TP
 from .chunks import chunk_count, chunk_size_problem
 from .files import safe_name
 
@@ -126,16 +126,18 @@ class ShardEntry:
     compressed: dict[str, Any] | None = None
     experts: tuple[int, ...] = ()  # routed expert ids held whole (expert_parallel plans)
     dp_rank: int | None = None  # its attention data-parallel group (recorded when dp_degree > 1)
-    # The file cut every ``chunk_size`` bytes and each piece's sha256 (format_version 3; None and
-    # empty in an older manifest, whose readers check the whole-file sha256 instead)
+    # The file cut every ``chunk_size`` bytes and each piece's digest (format_version 3; None and
+    # empty in an older manifest, whose readers check the whole-file sha256 instead), of the kind
+    # ``chunk_digest`` names (recorded only when it is not sha256: format_version 4)
     chunk_size: int | None = None
     chunks: tuple[str, ...] = ()
+    chunk_digest: str = DEFAULT_CHUNK_DIGEST
 
     @classmethod
     def read(cls, r: FieldReader, file: str | None = None) -> ShardEntry:
         """One entry; ``file`` is its key (version 2) or None when it names itself (version 1)."""
         r.only(*(("file",) if file is None else ()), "tp_rank", "pp_stage", "rank", "layers", "size",
-               "sha256", "tensors", "compressed", "experts", "dp_rank", "chunk_size", "chunks")
+               "sha256", "tensors", "compressed", "experts", "dp_rank", "chunk_size", "chunks", "chunk_digest")
         file = safe_name(r.get("file", str) if file is None else file, "shard file name")
         size = r.number("size", MAX_BYTES)
         layers = r.get("layers", list)
@@ -151,11 +153,16 @@ class ShardEntry:
         if not all(type(e) is int and 0 <= e < MAX_EXPERTS for e in experts) or experts != sorted(set(experts)):
             raise r.error(f"must be increasing expert ids below {MAX_EXPERTS}", "experts")
         chunk_size, chunks = _read_chunks(r, size)
+        digest = r.get("chunk_digest", str, optional=True)
+        if digest is not None and (digest not in CHUNK_DIGESTS or chunk_size is None):
+            raise r.error(f"is {digest!r}; chunk digests are one of {', '.join(CHUNK_DIGESTS)}, "
+                          "beside chunk_size and chunks", "chunk_digest")
         return cls(file, r.number("tp_rank", MAX_DEGREE),
                    r.number("pp_stage", MAX_DEGREE), r.number("rank", MAX_DEGREE * MAX_DEGREE),
                    (layers[0], layers[1]), size, r.sha256("sha256"), tensors,
                    r.get("compressed", dict, optional=True), tuple(experts),
-                   r.number("dp_rank", MAX_DEGREE) if "dp_rank" in r.data else None, chunk_size, chunks)
+                   r.number("dp_rank", MAX_DEGREE) if "dp_rank" in r.data else None, chunk_size, chunks,
+                   digest or DEFAULT_CHUNK_DIGEST)
 
     def to_dict(self) -> dict[str, Any]:
         """The entry as the manifest keys it under its file name (versions 2 and 3)."""
@@ -170,6 +177,8 @@ class ShardEntry:
             out["dp_rank"] = self.dp_rank
         if self.chunk_size is not None:
             out["chunk_size"], out["chunks"] = self.chunk_size, list(self.chunks)
+            if self.chunk_digest != DEFAULT_CHUNK_DIGEST:
+                out["chunk_digest"] = self.chunk_digest
         return out
 
 

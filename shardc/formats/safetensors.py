@@ -189,10 +189,12 @@ class ShardWriter:
         tensors: Sequence[tuple[str, str, Sequence[int]]],
         metadata: dict[str, str] | None = None,
         chunk_size: int | None = None,
+        chunk_digest: str = _chunks.DEFAULT_DIGEST,
     ) -> None:
         self.path = Path(path)
         self.chunk_size = chunk_size or _chunks.CHUNK_SIZE  # read at call time: tests make it small
-        self._chunker = _chunks.ChunkHasher(self.chunk_size)
+        self.chunk_digest = chunk_digest
+        self._chunker = _chunks.ChunkHasher(self.chunk_size, chunk_digest)
         self.chunks: list[str] = []  # the chunk digests, once committed
         head = header_bytes(tensors, metadata)
         self.expected = len(head) + sum(math.prod(s) * DTYPE_BYTES[d] for _, d, s in tensors)

@@ -30,6 +30,10 @@ DEFAULT_SHARD_PREFIX = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 # with attention data parallelism (dp_degree > 1) each DP group's ranks hold their own experts
 DP_SHARD_PREFIX = "model-dp{dp_rank:02d}-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
+# The digests a build may record for each chunk of a shard (formats/chunks.py says why two):
+# replica_group.checkpoint.chunk_digest, recorded in the plan only when it is not the default.
+CHUNK_DIGESTS = ("sha256", "blake3")
+DEFAULT_CHUNK_DIGEST = "sha256"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # A plain file name, the one pattern for every name shardc writes or reads back from a manifest or an
 # index (formats/files.py ``safe_name``): no directory, no leading dot. A plan's shard names are
@@ -144,6 +148,7 @@ _SCHEMA: dict[str, Any] = {
         "checkpoint": {
             "manifest_uri": (False, _string),
             "shard_prefix": (False, _shard_prefix),
+            "chunk_digest": (False, _one_of(*CHUNK_DIGESTS)),
         },
     },
     "model": {
@@ -184,6 +189,8 @@ class Plan:
     # ``data`` stays the plan file's, so shard metadata does not depend on where the weights lie;
     # the manifest records these and the effective plan's hash (docs/architecture.md §3.3).
     overrides: dict[str, str] = dataclasses.field(default_factory=dict)
+    # what each chunk of a shard is hashed with in the manifest (replica_group.checkpoint.chunk_digest)
+    chunk_digest: str = DEFAULT_CHUNK_DIGEST
 
     @property
     def world_size(self) -> int:
@@ -357,6 +364,7 @@ def plan_from_dict(raw: Any) -> Plan:
         data=data,
         expert_parallel=bool(rg.get("expert_parallel", False)),
         dp=dp,
+        chunk_digest=ckpt.get("chunk_digest", DEFAULT_CHUNK_DIGEST),
     )
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
-from ..formats.chunks import check_chunks
+from ..formats.chunks import DEFAULT_DIGEST, check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, loads
 from ..verify.report import VerifyReport
@@ -38,8 +38,9 @@ class Wanted:
     size: int
     sha256: str
     compressed: dict[str, Any] | None = None
-    chunk_size: int | None = None  # a shard's chunk digests (format_version 3)
+    chunk_size: int | None = None  # a shard's chunk digests (format_version 3), and their kind
     chunks: tuple[str, ...] = ()
+    chunk_digest: str = DEFAULT_DIGEST
 
     @property
     def object(self) -> str:
@@ -189,7 +190,7 @@ def _wanted(remote: Manifest, shards: list[ShardEntry]) -> list[Wanted]:
     """The side files and the selected shards, each with its checked ``compressed`` record."""
     selected = {s.file for s in shards}
     return [Wanted(name, e.size, e.sha256, _compressed(e.compressed, name),
-                   *((e.chunk_size, e.chunks) if isinstance(e, ShardEntry) else ()))
+                   *((e.chunk_size, e.chunks, e.chunk_digest) if isinstance(e, ShardEntry) else ()))
             for name, e in entries(remote) if not isinstance(e, ShardEntry) or name in selected]
 
 
@@ -224,7 +225,8 @@ def _present(path: Path, w: Wanted) -> str | None:
     if path.is_file() and path.stat().st_size == w.size:
         if w.chunk_size is not None:
             with open(path, "rb", buffering=0) as f:
-                return None if check_chunks(f.fileno(), w.size, w.chunk_size, w.chunks) else w.sha256
+                bad = check_chunks(f.fileno(), w.size, w.chunk_size, w.chunks, digest=w.chunk_digest)
+                return None if bad else w.sha256
         sha = sha256_file(path)
         if sha == w.sha256:
             return sha
@@ -254,7 +256,8 @@ def _download(store: Store, dest: Path, todo: list[Wanted], total: int, fsync: b
         try:
             for w in ranged:
                 assert w.chunk_size is not None
-                download_chunked(store, dest / w.name, w.size, w.chunk_size, w.chunks, fsync, bar.update)  # type: ignore[arg-type]
+                download_chunked(store, dest / w.name, w.size, w.chunk_size, w.chunks, fsync, bar.update,  # type: ignore[arg-type]
+                                 digest=w.chunk_digest)
                 digests[w.name] = w.sha256
         finally:
             bar.close()

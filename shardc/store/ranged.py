@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ShardcError, VerifyMismatch
+from ..formats.chunks import DEFAULT_DIGEST
 from ..verify.chunked import ChunkSource
 from .s3 import S3Store
 
@@ -19,8 +20,8 @@ class RangedChunks(ChunkSource):
     refetch = True  # a garbled body is fetched once more before it is a mismatch
 
     def __init__(self, store: S3Store, name: str, size: int, etag: str, chunk_size: int,
-                 digests: tuple[str, ...]) -> None:
-        super().__init__(name, size, chunk_size, digests)
+                 digests: tuple[str, ...], digest: str = DEFAULT_DIGEST) -> None:
+        super().__init__(name, size, chunk_size, digests, digest)
         self.store, self.etag = store, etag
         self.where = store.object_uri(name)
         self.in_flight = max(4, store.settings.max_concurrency)
@@ -37,7 +38,8 @@ class RangedChunks(ChunkSource):
 
 
 def download_chunked(store: S3Store, final: Path, size: int, chunk_size: int, chunks: tuple[str, ...],
-                     fsync: bool, on_bytes: Callable[[int], None] | None = None) -> None:
+                     fsync: bool, on_bytes: Callable[[int], None] | None = None, *,
+                     digest: str = DEFAULT_DIGEST) -> None:
     """``shardc pull``'s download of a shard with chunk digests: parallel ranged GETs (pinned to
     the ETag) written at their offsets of an exclusive partial file next to ``final``, each chunk
     checked in memory before it is written (a damaged one fetched once more), renamed into place
@@ -57,13 +59,14 @@ def download_chunked(store: S3Store, final: Path, size: int, chunk_size: int, ch
     path, f = new_partial(final)
     try:
         with f:
-            bad = RangedChunks(store, name, size, found[1], chunk_size, chunks).to_file(f.fileno(), on_bytes)
+            bad = RangedChunks(store, name, size, found[1], chunk_size, chunks, digest).to_file(f.fileno(), on_bytes)
             if bad:
                 try:
                     tensors, _, start = read_header(path)
                 except (ShardcError, OSError):
                     tensors, start = {}, 0
-                line = chunk_problem(bad, size, chunk_size, lambda lo, hi: tensors_in(tensors, start, lo, hi))
+                line = chunk_problem(bad, size, chunk_size, lambda lo, hi: tensors_in(tensors, start, lo, hi),
+                                     digest=digest)
                 raise VerifyMismatch(f"{name}: downloaded data does not match the manifest: {line}",
                                      hint="the object was corrupted or replaced in the store; push the build again")
             os.ftruncate(f.fileno(), size)

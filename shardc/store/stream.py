@@ -79,7 +79,7 @@ def stream_rank(manifest_uri: str, tp_rank: int, pp_stage: int, *, device: str, 
     if size != entry.size:
         raise VerifyMismatch(f"{rl.file}: size {size} bytes in {store.uri}, expected {entry.size}",
                              hint="push the build again")
-    source = RangedChunks(store, rl.file, size, etag, entry.chunk_size, entry.chunks)
+    source = RangedChunks(store, rl.file, size, etag, entry.chunk_size, entry.chunks, entry.chunk_digest)
     return load_chunks(source, dev, on_header=header_check(rl, layout))
 
 

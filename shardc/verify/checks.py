@@ -30,7 +30,7 @@ from .report import PlanCheck, RankVerdict, VerifyReport
 
 @dataclass(frozen=True)
 class BadChunks:
-    """What a chunk check found: the indices of the chunks whose sha256 differs (none: all match)."""
+    """What a chunk check found: the indices of the chunks whose digest differs (none: all match)."""
 
     indices: tuple[int, ...]
 
@@ -39,7 +39,8 @@ def check_chunked(path: Path, entry: ShardEntry, pool: ThreadPoolExecutor | None
     """Every chunk of a shard file with chunk digests, hashed on all cores."""
     assert entry.chunk_size is not None
     with open(path, "rb", buffering=0) as f:
-        bad = chunks.check_chunks(f.fileno(), entry.size, entry.chunk_size, entry.chunks, pool=pool)
+        bad = chunks.check_chunks(f.fileno(), entry.size, entry.chunk_size, entry.chunks, pool=pool,
+                                  digest=entry.chunk_digest)
     return BadChunks(tuple(bad))
 
 
@@ -54,7 +55,7 @@ def bad_chunks_line(path: Path, entry: ShardEntry, bad: BadChunks) -> str:
     except (ShardcError, OSError):  # a damaged header: name no tensor
         tensors, start = {}, 0
     return chunks.chunk_problem(bad.indices, entry.size, entry.chunk_size,
-                                lambda lo, hi: chunks.tensors_in(tensors, start, lo, hi))
+                                lambda lo, hi: chunks.tensors_in(tensors, start, lo, hi), digest=entry.chunk_digest)
 
 
 @dataclass

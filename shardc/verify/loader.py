@@ -149,7 +149,7 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
             from .chunked import read_chunked
 
             return read_chunked(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks, dev,
-                                on_header=check_header, where=f.name)
+                                on_header=check_header, where=f.name, digest=entry.chunk_digest)
         raw = read_shard(f, dev, on_header=check_header)
     if raw.sha256 != entry.sha256:
         raise VerifyMismatch(f"{rl.file}: sha256 {raw.sha256[:16]}..., expected {entry.sha256[:16]}... "

@@ -272,12 +272,12 @@ def test_unsafe_shard_keys_and_version_1_names_are_refused():
     (b"[]", "m.json is not a shardc manifest (hint: pass the manifest.json that shardc build wrote)"),
     (b'{"format": "other"}', "m.json is not a shardc manifest (hint: pass the manifest.json that shardc build wrote)"),
     (b"{", "m.json is not JSON (hint: pass the manifest.json that shardc build wrote)"),
-    (b'{"format": "shardc-manifest", "format_version": 4}',
-     "m.json has format_version 4; this shardc reads 1, 2 and 3 (hint: use the shardc version that wrote it)"),
+    (b'{"format": "shardc-manifest", "format_version": 5}',
+     "m.json has format_version 5; this shardc reads 1, 2, 3 and 4 (hint: use the shardc version that wrote it)"),
     (b'{"format": "shardc-manifest", "format_version": true}',
-     "m.json has format_version True; this shardc reads 1, 2 and 3 (hint: use the shardc version that wrote it)"),
+     "m.json has format_version True; this shardc reads 1, 2, 3 and 4 (hint: use the shardc version that wrote it)"),
     (b'{"format": "shardc-manifest"}',
-     "m.json has format_version None; this shardc reads 1, 2 and 3 (hint: use the shardc version that wrote it)"),
+     "m.json has format_version None; this shardc reads 1, 2, 3 and 4 (hint: use the shardc version that wrote it)"),
 ])
 def test_what_is_not_a_manifest_of_this_shardc(data, line):
     with pytest.raises(ManifestError) as e:

@@ -101,7 +101,7 @@ S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
     (("model", "config", "num_hidden_layers"), 10**9, "model.config.num_hidden_layers"),
     (("model", "config", "vocab_size"), 1 << 40, "model.config.vocab_size"),
     (("source", "files"), {}, "source.files"),
-    (("format_version",), 4, None),
+    (("format_version",), 5, None),
     (("plan_sha256",), KeyError, "plan_sha256"),
     (("extra",), 1, "manifest"),
 ])

@@ -307,7 +307,7 @@ def test_hostile_arguments_are_one_line_errors(built, tmp_path):
         ((b"x", 0, 0), {}, ManifestError, "manifest: is bytes, expected a Manifest, a manifest dict or a path" + kinds),
         (({"format": "x"}, 0, 0), {"directory": d}, ManifestError, "manifest is not a shardc manifest" + build),
         (({**man, "format_version": 9}, 0, 0), {"directory": d}, ManifestError,
-         "manifest has format_version 9; this shardc reads 1, 2 and 3 (hint: use the shardc version that wrote it)"),
+         "manifest has format_version 9; this shardc reads 1, 2, 3 and 4 (hint: use the shardc version that wrote it)"),
         ((str(built / S0), 0, 0), {}, ManifestError, f"{built / S0} is not JSON" + build),
         ((json.dumps(man), 0, 0), {}, ManifestError,
          "manifest: is '{\"files\": [{\"name\": \"config.json\", \"sha2'..., not a path" + text),
