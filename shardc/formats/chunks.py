@@ -38,10 +38,8 @@ CHUNK_SIZE = 16 << 20  # what builds write: two of the writer's staging buffers;
 CHUNK_ALIGN = 4096
 MIN_CHUNK = CHUNK_ALIGN
 MAX_CHUNK = 1 << 30
-DEFAULT_DIGEST = DEFAULT_CHUNK_DIGEST
 
-
-def new_hash(digest: str = DEFAULT_DIGEST) -> Any:
+def new_hash(digest: str = DEFAULT_CHUNK_DIGEST) -> Any:
     """A fresh hash object for chunk digests of kind ``digest`` (``update``/``hexdigest``; both
     kinds give 64 hex digits). blake3 is imported here: only a blake3 build's readers pay it."""
     if digest == "sha256":
@@ -78,7 +76,7 @@ class ChunkHasher:
     """Chunk digests of a byte stream fed in order, in pieces of any size (the writer's staging
     buffers): each piece is hashed once per chunk it touches, no copy."""
 
-    def __init__(self, chunk_size: int = CHUNK_SIZE, digest: str = DEFAULT_DIGEST) -> None:
+    def __init__(self, chunk_size: int = CHUNK_SIZE, digest: str = DEFAULT_CHUNK_DIGEST) -> None:
         self.chunk_size, self.digest = chunk_size, digest
         self.digests: list[str] = []
         self._h = new_hash(digest)
@@ -106,7 +104,7 @@ class ChunkHasher:
 
 
 def digest_file(fd: int, size: int, chunk_size: int = CHUNK_SIZE,
-                digest: str = DEFAULT_DIGEST) -> tuple[str, list[str]]:
+                digest: str = DEFAULT_CHUNK_DIGEST) -> tuple[str, list[str]]:
     """(whole-file sha256, chunk digests) of an open file in one read (a resumed build's shard)."""
     whole, chunks = hashlib.sha256(), ChunkHasher(chunk_size, digest)
     buf = bytearray(min(chunk_size, max(size, 1)))
@@ -123,7 +121,7 @@ def digest_file(fd: int, size: int, chunk_size: int = CHUNK_SIZE,
 
 
 def check_chunks(fd: int, size: int, chunk_size: int, expected: Sequence[str], *,
-                 pool: ThreadPoolExecutor | None = None, digest: str = DEFAULT_DIGEST) -> list[int]:
+                 pool: ThreadPoolExecutor | None = None, digest: str = DEFAULT_CHUNK_DIGEST) -> list[int]:
     """Read and hash every chunk of an open file on all cores; the indices of the chunks whose
     ``digest`` differs from ``expected`` (a chunk cut short by a truncation differs too)."""
     local = threading.local()  # one buffer per thread, reused: no fresh pages per chunk
@@ -177,7 +175,7 @@ def tensors_in(header: dict[str, Any], data_start: int, lo: int, hi: int) -> lis
 
 def chunk_problem(bad: Iterable[int], size: int, chunk_size: int,
                   names_of: Callable[[int, int], list[str]] | None = None, *, limit: int = 4,
-                  digest: str = DEFAULT_DIGEST) -> str:
+                  digest: str = DEFAULT_CHUNK_DIGEST) -> str:
     """One line naming the damaged chunks, their byte ranges and the tensors in them (the caller
     prefixes the file's name)."""
     bad = list(bad)

@@ -153,7 +153,7 @@ class ShardEntry:
         if not all(type(e) is int and 0 <= e < MAX_EXPERTS for e in experts) or experts != sorted(set(experts)):
             raise r.error(f"must be increasing expert ids below {MAX_EXPERTS}", "experts")
         chunk_size, chunks = _read_chunks(r, size)
-        digest = r.get("chunk_digest", str, optional=True)
+        digest = r.get("chunk_digest", str) if "chunk_digest" in r.data else None  # null is no kind
         if digest is not None and (digest not in CHUNK_DIGESTS or chunk_size is None):
             raise r.error(f"is {digest!r}; chunk digests are one of {', '.join(CHUNK_DIGESTS)}, "
                           "beside chunk_size and chunks", "chunk_digest")

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..errors import ShardFormatError
 from ..layout.dtypes import DTYPE_BYTES
+from ..layout.plan import DEFAULT_CHUNK_DIGEST
 from ..layout.ranks import Layout, RankLayout
 from ..version import __version__
 from . import chunks as _chunks
@@ -189,7 +190,7 @@ class ShardWriter:
         tensors: Sequence[tuple[str, str, Sequence[int]]],
         metadata: dict[str, str] | None = None,
         chunk_size: int | None = None,
-        chunk_digest: str = _chunks.DEFAULT_DIGEST,
+        chunk_digest: str = DEFAULT_CHUNK_DIGEST,
     ) -> None:
         self.path = Path(path)
         self.chunk_size = chunk_size or _chunks.CHUNK_SIZE  # read at call time: tests make it small

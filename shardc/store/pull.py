@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
-from ..formats.chunks import DEFAULT_DIGEST, check_chunks
+from ..formats.chunks import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, loads
+from ..layout.plan import DEFAULT_CHUNK_DIGEST
 from ..verify.report import VerifyReport
 from .base import (
     MANIFEST_NAME,
@@ -40,7 +41,7 @@ class Wanted:
     compressed: dict[str, Any] | None = None
     chunk_size: int | None = None  # a shard's chunk digests (format_version 3), and their kind
     chunks: tuple[str, ...] = ()
-    chunk_digest: str = DEFAULT_DIGEST
+    chunk_digest: str = DEFAULT_CHUNK_DIGEST
 
     @property
     def object(self) -> str:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ShardcError, VerifyMismatch
-from ..formats.chunks import DEFAULT_DIGEST
+from ..layout.plan import DEFAULT_CHUNK_DIGEST
 from ..verify.chunked import ChunkSource
 from .s3 import S3Store
 
@@ -20,7 +20,7 @@ class RangedChunks(ChunkSource):
     refetch = True  # a garbled body is fetched once more before it is a mismatch
 
     def __init__(self, store: S3Store, name: str, size: int, etag: str, chunk_size: int,
-                 digests: tuple[str, ...], digest: str = DEFAULT_DIGEST) -> None:
+                 digests: tuple[str, ...], digest: str = DEFAULT_CHUNK_DIGEST) -> None:
         super().__init__(name, size, chunk_size, digests, digest)
         self.store, self.etag = store, etag
         self.where = store.object_uri(name)
@@ -39,7 +39,7 @@ class RangedChunks(ChunkSource):
 
 def download_chunked(store: S3Store, final: Path, size: int, chunk_size: int, chunks: tuple[str, ...],
                      fsync: bool, on_bytes: Callable[[int], None] | None = None, *,
-                     digest: str = DEFAULT_DIGEST) -> None:
+                     digest: str = DEFAULT_CHUNK_DIGEST) -> None:
     """``shardc pull``'s download of a shard with chunk digests: parallel ranged GETs (pinned to
     the ETag) written at their offsets of an exclusive partial file next to ``final``, each chunk
     checked in memory before it is written (a damaged one fetched once more), renamed into place

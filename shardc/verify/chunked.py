@@ -37,6 +37,7 @@ from ..errors import ShardFormatError, VerifyMismatch
 from ..formats import chunks as ch
 from ..formats.manifest import ShardEntry
 from ..formats.safetensors import MAX_HEADER, METADATA, disable_direct, enable_direct, parse_header
+from ..layout.plan import DEFAULT_CHUNK_DIGEST
 from .reader import HeaderCheck, RawShard
 
 ALIGN = ch.CHUNK_ALIGN  # O_DIRECT: buffer address, file offset and length in whole pages
@@ -46,7 +47,7 @@ HINT = "re-pull the shard, or rebuild it; shardc verify gives the full report"
 
 def read_chunked(fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str], device: str,
                  on_header: HeaderCheck | None = None, *, where: str | None = None,
-                 digest: str = ch.DEFAULT_DIGEST) -> RawShard:
+                 digest: str = DEFAULT_CHUNK_DIGEST) -> RawShard:
     """Read a shard of ``size`` bytes from ``fd`` (the caller's one descriptor, size already
     checked against the manifest) onto ``device`` ("cpu" or a resolved "cuda:N"), checking every
     chunk against ``digests``. Raises VerifyMismatch for a damaged chunk (naming the file as
@@ -103,10 +104,9 @@ class ChunkSource:
     refetch = False
 
     def __init__(self, name: str, size: int, chunk_size: int, digests: Sequence[str],
-                 digest: str = ch.DEFAULT_DIGEST) -> None:
+                 digest: str = DEFAULT_CHUNK_DIGEST) -> None:
         self.name, self.size, self.chunk_size, self.digests = name, size, chunk_size, digests
-        self.digest = digest  # what ``digests`` are: sha256 or blake3 (formats/chunks.py)
-        self.where = name
+        self.digest, self.where = digest, name  # digest: what ``digests`` are (sha256, blake3)
         self.count = ch.chunk_count(size, chunk_size)
         assert len(digests) == self.count  # the manifest reader checked it
         self._lock = threading.Lock()
@@ -310,7 +310,7 @@ class FileChunks(ChunkSource):
     page multiples; the last chunk's read is rounded up and ends at the file's end)."""
 
     def __init__(self, fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str],
-                 digest: str = ch.DEFAULT_DIGEST) -> None:
+                 digest: str = DEFAULT_CHUNK_DIGEST) -> None:
         super().__init__(name, size, chunk_size, digests, digest)
         self.fd = fd
         # a file already in the page cache is copied from it (O_DIRECT would go to the disk again)
@@ -395,9 +395,6 @@ def _cached(fd: int, size: int, probes: int = 16) -> bool:
 
 
 def _workers(count: int) -> int:
-    """Workers: sixteen reads in flight (a fast disk wants a queue; fastsafetensors keeps 16 too)
-    plus one per core hashing (a worker's read and its hash alternate), never more than there are
-    chunks. Measured cold on 2 cores and a 2.7 GB/s virtual disk, sha256 chunks: 4 workers 0.66 s
-    per GB, 8 0.54 s, 12-16 0.52 s; blake3 chunks: 8 0.46 s, 12 0.42 s, 16-24 0.40 s
-    (docs/performance.md)."""
+    """Sixteen reads in flight (a fast disk wants a queue) plus one worker per core hashing, never
+    more than there are chunks (4 to 24 workers measured: docs/performance.md, session 12)."""
     return max(1, min(count, ch.workers() + 16))
