@@ -217,7 +217,7 @@ def _load_on_device(res: RankResult, path: Path, device: str, entry: ShardEntry)
     """One pass over the file: hash it, land its data on ``device`` and check finiteness (min/max
     per tensor, no fp32 copies). Returns the sha256 of the bytes read, or with chunk digests the
     damaged chunks (read and hashed in parallel: verify/chunked.py, load_shard's read)."""
-    from .chunked import load_for_verify
+    from .filechunks import load_for_verify
     from .reader import read_shard, tensors_of
 
     if entry.chunk_size is not None:

@@ -146,7 +146,7 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
             raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
                                  hint="re-pull the shard")
         if entry.chunk_size is not None:  # every chunk checked on every core; raises for a bad one
-            from .chunked import read_chunked
+            from .filechunks import read_chunked
 
             return read_chunked(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks, dev,
                                 on_header=check_header, where=f.name, digest=entry.chunk_digest)
