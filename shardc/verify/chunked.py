@@ -9,11 +9,11 @@ where the filesystem takes it: no copy through the page cache, no cache left to 
 into the buffer the tensors will live in, and hash it while the others read: reading and hashing
 overlap across chunks and every core hashes. Nothing maps the file.
 
-Order: the chunks holding the header are read first (with a first wave of data chunks, one per
-worker, so the disk is busy from the start), the header parsed from those very bytes (which are
-hashed with the rest: what is checked is what is interpreted) and checked by the caller's
-``on_header`` before the rest of the data is read (a wrong file costs the first wave at most); then
-every other chunk; then the file's size is checked again. Nothing is returned until every chunk's digest matched; a mismatch names the chunks,
+Order: every chunk is queued in file order, the ones holding the header first; the header is
+parsed from those very bytes (which are hashed with the rest: what is checked is what is
+interpreted) and checked by the caller's ``on_header`` as soon as they are in, while the workers
+read on; a wrong file cancels what is still queued (it costs what was in flight). Then the file's
+size is checked again. Nothing is returned until every chunk's digest matched; a mismatch names the chunks,
 their byte ranges and the tensors in them.
 
 CUDA: each worker reads its chunk into a pinned staging buffer of a small pool, hashes it and
@@ -158,20 +158,20 @@ class ChunkSource:
             return mv[lo : lo + -(-(hi - lo) // ALIGN) * ALIGN]
 
         with ThreadPoolExecutor(self.parallel(), thread_name_prefix="shardc-load") as pool:
-            # a first wave, one chunk per worker, the header's first; the header is parsed from its
-            # chunks' checked bytes and checked while the wave is read, the rest read only after it
-            wave = [pool.submit(self.checked, i, room(i)) for i in range(min(self.count, self.parallel()))]
+            # every chunk queued in order, the header's first; the header is parsed from its
+            # chunks' checked bytes and checked as soon as they are in, while the others are read:
+            # a wrong file cancels what is still queued
+            queued = [pool.submit(self.checked, i, room(i)) for i in range(self.count)]
             try:
-                heads = [wave[0].result()] if wave else []
+                heads = [queued[0].result()] if self.count else []
                 nhead = self.head_chunks(heads[0][0]) if heads else 0
-                heads += [wave[i].result() if i < len(wave) else self.checked(i, room(i)) for i in range(1, nhead)]
+                heads += [queued[i].result() for i in range(1, nhead)]
                 header, error, start = self.header(mv[: sum(len(g) for g, _ in heads)], on_header)
             except BaseException:
-                for f in wave:  # a wrong file: what is in flight finishes, nothing more is read
+                for f in queued:  # what is in flight finishes, nothing more is read
                     f.cancel()
                 raise
-            rest = [f.result()[1] for f in wave[nhead:]]
-            rest += pool.map(lambda i: self.checked(i, room(i))[1], range(max(nhead, len(wave)), self.count))
+            rest = [f.result()[1] for f in queued[nhead:]]
         bad = [i for i, (_, good) in enumerate(heads) if not good] + [nhead + i for i, good in enumerate(rest) if not good]
         self.fail(bad, header, start)
         return RawShard("", header, whole[start : self.size], error)
