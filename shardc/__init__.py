@@ -22,8 +22,18 @@ def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cud
     """One rank's tensors ``{name: torch.Tensor}`` on ``device``, every byte checked against the
     manifest first. ``manifest``: a manifest path, a build directory, a ``Manifest``, or an
     ``s3://`` URI (streamed by shardc.store.stream, nothing written to disk); local ones are read
-    by shardc.verify.loader. Raises ShardcError subclasses (VerifyMismatch for damaged bytes)."""
-    from .store.stream import load_shard as load
+    by shardc.verify.loader, without importing the store (its modules are 30-40 ms of a cold
+    start's imports). Raises ShardcError subclasses (VerifyMismatch for damaged bytes)."""
+    if isinstance(manifest, str) and manifest.startswith("s3://"):
+        from .errors import StoreError
+        from .store.stream import stream_rank
+        from .verify.reader import tensors_of
 
-    return load(manifest, tp_rank, pp_stage, device=device, directory=directory, dp_rank=dp_rank,
-                endpoint_url=endpoint_url)
+        if directory is not None:
+            raise StoreError("load_shard of an s3:// manifest streams the shard; directory= does not apply",
+                             hint="drop directory=, or load_shard the local directory a pull wrote")
+        return tensors_of(stream_rank(manifest, tp_rank, pp_stage, device=device, dp_rank=dp_rank,
+                                      endpoint_url=endpoint_url))
+    from .verify.loader import load_shard as load_local
+
+    return load_local(manifest, tp_rank, pp_stage, device=device, directory=directory, dp_rank=dp_rank)

@@ -1,8 +1,8 @@
 """Straight from object storage (issue #30 item 3): one rank's shard streamed with parallel ranged
 GETs into memory (host or GPU), every chunk checked as it arrives, no local disk.
 
-``shardc.load_shard("s3://bucket/prefix/manifest.json", tp, pp, device=...)`` lands here (any
-other manifest goes to verify/loader.py's ``load_shard``), ``shardc verify --manifest s3://...
+``shardc.load_shard("s3://bucket/prefix/manifest.json", tp, pp, device=...)`` lands here
+(``stream_rank``; the facade hands any other manifest to verify/loader.py's ``load_shard``), ``shardc verify --manifest s3://...
 --device D`` without ``--dir`` checks ranks this way (``verify_streamed``); ``shardc pull``
 downloads shards with chunk digests by the same ranged reads, to disk (store/ranged.py).
 
@@ -18,7 +18,6 @@ pushed uncompressed can be streamed: a ranged GET of a zstd stream has nothing t
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError, VerifyMismatch
@@ -32,22 +31,6 @@ from .ranged import RangedChunks
 from .s3 import S3Store
 
 _PULL = "shardc pull it to a local disk, then load_shard the directory"
-
-
-def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cuda",
-               directory: str | Path | None = None, dp_rank: int = 0,
-               endpoint_url: str | None = None) -> dict[str, Any]:
-    """``shardc.load_shard``: an ``s3://`` manifest URI is streamed from the store (no disk; its
-    ``directory`` must be None), anything else is read by verify/loader.py's ``load_shard``."""
-    from ..verify.loader import load_shard as load_local
-
-    if isinstance(manifest, str) and manifest.startswith("s3://"):
-        if directory is not None:
-            raise StoreError("load_shard of an s3:// manifest streams the shard; directory= does not apply",
-                             hint="drop directory=, or load_shard the local directory a pull wrote")
-        return tensors_of(stream_rank(manifest, tp_rank, pp_stage, device=device, dp_rank=dp_rank,
-                                      endpoint_url=endpoint_url))
-    return load_local(manifest, tp_rank, pp_stage, device=device, directory=directory, dp_rank=dp_rank)
 
 
 def stream_rank(manifest_uri: str, tp_rank: int, pp_stage: int, *, device: str, dp_rank: int = 0,

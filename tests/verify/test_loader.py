@@ -169,6 +169,18 @@ def test_import_shardc_does_not_import_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
+def test_local_load_shard_imports_none_of_the_store(builds):
+    """A cold start from a local build pays for the checks' modules only: shardc.load_shard of a
+    local manifest never imports shardc.store (30-40 ms of imports; boto3 besides)."""
+    code = ("import sys, shardc\n"
+            f"t = shardc.load_shard({str(builds['bf16'])!r}, 1, 0, device='cpu')\n"
+            "assert t, 'no tensors'\n"
+            "print(sorted(m for m in sys.modules if m.startswith(('shardc.store', 'boto3'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 # -- finite checks -------------------------------------------------------------------------------------
 def test_nonfinite_reads_exponent_bits():
     ok = torch.randn(1000)
