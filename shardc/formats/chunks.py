@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from ..layout.plan import DEFAULT_CHUNK_DIGEST
+from ..digests import DEFAULT_CHUNK_DIGEST, new_hash
 
 CHUNK_SIZE = 16 << 20  # what builds write: two of the writer's staging buffers; ~1 digest per 16 MiB
 # Bounds on a manifest's chunk size: page multiples (so chunk reads can be O_DIRECT-aligned), at
@@ -38,18 +38,6 @@ CHUNK_SIZE = 16 << 20  # what builds write: two of the writer's staging buffers;
 CHUNK_ALIGN = 4096
 MIN_CHUNK = CHUNK_ALIGN
 MAX_CHUNK = 1 << 30
-
-def new_hash(digest: str = DEFAULT_CHUNK_DIGEST) -> Any:
-    """A fresh hash object for chunk digests of kind ``digest`` (``update``/``hexdigest``; both
-    kinds give 64 hex digits). blake3 is imported here: only a blake3 build's readers pay it."""
-    if digest == "sha256":
-        return hashlib.sha256()
-    if digest == "blake3":
-        from blake3 import blake3
-
-        return blake3()
-    raise ValueError(f"unknown chunk digest {digest!r}")  # the manifest and plan readers refuse it first
-
 
 def chunk_count(size: int, chunk_size: int) -> int:
     """How many chunks a file of ``size`` bytes has (the last one may be short)."""

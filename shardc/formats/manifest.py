@@ -55,9 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ManifestError
 from ..layout.model import LIMITS, model_from_config
-from ..layout.plan import DEFAULT_CHUNK_DIGEST, apply_overrides, canonical_json, plan_from_dict
+from ..layout.plan import apply_overrides, canonical_json, plan_from_dict
 from ..layout.quantization import base_dtype
 from ..layout.ranks import Layout, build_layout
 from ..layout.readfile import MANIFEST_LIMIT, read_regular_file

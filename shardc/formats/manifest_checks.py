@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ManifestError
-from ..layout.plan import DEFAULT_CHUNK_DIGEST, OVERRIDABLE
+from ..layout.plan import OVERRIDABLE
 from .manifest_records import MAX_DEGREE, REBUILD, FieldReader, ShardEntry
 
 # Levels of objects and arrays: a real manifest has under ten (a tensor record's stats, an HF

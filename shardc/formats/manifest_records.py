@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..digests import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST
 from ..errors import ManifestError
 from ..layout.model import LIMITS
-from ..layout.plan import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST, MAX_TP
+from ..layout.plan import MAX_TP
 from .chunks import chunk_count, chunk_size_problem
 from .files import safe_name
 

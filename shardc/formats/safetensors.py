@@ -17,7 +17,6 @@ the key, never a crash or a huge allocation.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import json
 import math
@@ -29,12 +28,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ShardFormatError
 from ..layout.dtypes import DTYPE_BYTES
-from ..layout.plan import DEFAULT_CHUNK_DIGEST
 from ..layout.ranks import Layout, RankLayout
 from ..version import __version__
 from . import chunks as _chunks
+from .chunkread import disable_direct, enable_direct
 from .files import create_temp
 
 ALIGN = 8
@@ -321,19 +321,3 @@ class ShardWriter:
                 pass  # a view still held by a failed write's traceback: freed with it
 
 
-def enable_direct(fd: int) -> bool:
-    """Turn O_DIRECT on for ``fd`` where the filesystem takes it (False: it stays cached I/O);
-    ``SHARDC_DIRECT_IO=0`` keeps it off. The writer and the chunked loader share it."""
-    if os.environ.get("SHARDC_DIRECT_IO", "1") == "0" or not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
-def disable_direct(fd: int) -> bool:
-    """Back to cached I/O (a filesystem that took O_DIRECT at open and refuses it at a read or write)."""
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    return False

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ..digests import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST
 from ..errors import PlanError
 from .dtypes import PLAN_DTYPE
 from .plan_document import check_plain, read_plan_yaml
@@ -30,10 +31,6 @@ DEFAULT_SHARD_PREFIX = "model-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 # with attention data parallelism (dp_degree > 1) each DP group's ranks hold their own experts
 DP_SHARD_PREFIX = "model-dp{dp_rank:02d}-tp{tp_rank:02d}-pp{pp_stage:02d}.safetensors"
 DEFAULT_IGNORE = ("lm_head", "embed_tokens")
-# The digests a build may record for each chunk of a shard (formats/chunks.py says why two):
-# replica_group.checkpoint.chunk_digest, recorded in the plan only when it is not the default.
-CHUNK_DIGESTS = ("sha256", "blake3")
-DEFAULT_CHUNK_DIGEST = "sha256"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # A plain file name, the one pattern for every name shardc writes or reads back from a manifest or an
 # index (formats/files.py ``safe_name``): no directory, no leading dot. A plan's shard names are

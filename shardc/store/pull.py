@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
 from ..formats.chunks import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, loads
-from ..layout.plan import DEFAULT_CHUNK_DIGEST
 from ..verify.report import VerifyReport
 from .base import (
     MANIFEST_NAME,

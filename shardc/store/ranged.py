@@ -8,13 +8,14 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ShardcError, VerifyMismatch
-from ..layout.plan import DEFAULT_CHUNK_DIGEST
-from ..verify.chunked import ChunkSource
+from ..formats.chunkread import ChunkReads
+from ..verify.chunked import to_file
 from .s3 import S3Store
 
 
-class RangedChunks(ChunkSource):
+class RangedChunks(ChunkReads):
     """Chunks of an S3 object, each one ranged GET pinned to the object's ETag."""
 
     refetch = True  # a garbled body is fetched once more before it is a mismatch
@@ -59,7 +60,7 @@ def download_chunked(store: S3Store, final: Path, size: int, chunk_size: int, ch
     path, f = new_partial(final)
     try:
         with f:
-            bad = RangedChunks(store, name, size, found[1], chunk_size, chunks, digest).to_file(f.fileno(), on_bytes)
+            bad = to_file(RangedChunks(store, name, size, found[1], chunk_size, chunks, digest), f.fileno(), on_bytes)
             if bad:
                 try:
                     tensors, _, start = read_header(path)

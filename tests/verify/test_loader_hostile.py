@@ -25,7 +25,8 @@ torch = pytest.importorskip("torch")
 
 import shardc  # noqa: E402
 from shardc.errors import DeviceError, LayoutError, ManifestError, ShardcError, VerifyMismatch  # noqa: E402
-from shardc.verify import chunked, filechunks, reader  # noqa: E402
+from shardc.formats import chunkread  # noqa: E402
+from shardc.verify import reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
@@ -132,7 +133,7 @@ def _hook(monkeypatch, when, action) -> list:
     monkeypatch.setattr(reader, "_read_full", read_full)
     monkeypatch.setattr(reader, "HOST_CHUNK", 4096)  # several pieces even for a tiny shard
 
-    real_chunk = filechunks.FileChunks.fetch  # the chunked pass: before the first data chunk, after the last
+    real_chunk = chunkread.FileChunkReads.fetch  # the chunked pass: before the first data chunk, after the last
 
     def fetch_chunk(self, i, mv):
         if when == "start" and not done and i >= 1:
@@ -142,8 +143,8 @@ def _hook(monkeypatch, when, action) -> list:
             done.append(action(self.fd))
         return got
 
-    monkeypatch.setattr(filechunks.FileChunks, "fetch", fetch_chunk)
-    monkeypatch.setattr(chunked, "_workers", lambda count: 1)  # chunks in order: the moment is exact
+    monkeypatch.setattr(chunkread.FileChunkReads, "fetch", fetch_chunk)
+    monkeypatch.setattr(chunkread.FileChunkReads, "parallel", lambda self: 1)  # chunks in order: the moment is exact
     return done
 
 
