@@ -23,7 +23,7 @@ def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cud
     manifest first. ``manifest``: a manifest path, a build directory, a ``Manifest``, or an
     ``s3://`` URI (streamed by shardc.store.stream, nothing written to disk); local ones are read
     by shardc.verify.loader, without importing the store (its modules are 30-40 ms of a cold
-    start's imports). Raises ShardcError subclasses (VerifyMismatch for damaged bytes)."""
+    start's imports), the shard's reads started first (shardc.formats.prefetch). Raises ShardcError subclasses (VerifyMismatch for damaged bytes)."""
     if isinstance(manifest, str) and manifest.startswith("s3://"):
         from .errors import StoreError
         from .store.stream import stream_rank
@@ -34,6 +34,16 @@ def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cud
                              hint="drop directory=, or load_shard the local directory a pull wrote")
         return tensors_of(stream_rank(manifest, tp_rank, pp_stage, device=device, dp_rank=dp_rank,
                                       endpoint_url=endpoint_url))
-    from .verify.loader import load_shard as load_local
+    from .formats import prefetch
 
-    return load_local(manifest, tp_rank, pp_stage, device=device, directory=directory, dp_rank=dp_rank)
+    # the shard starts coming off the disk before the modules that check it are imported (70 ms
+    # of a cold start); nothing from it is used unless it matches the checked manifest
+    early = prefetch.start(manifest, directory, tp_rank, pp_stage, dp_rank, device)
+    try:
+        from .verify.loader import load_shard as load_local
+
+        return load_local(manifest, tp_rank, pp_stage, device=device, directory=directory, dp_rank=dp_rank,
+                          early=early)
+    finally:
+        if early is not None:
+            early.close()  # stops reads the loader did not take (a failed check, a mismatch)

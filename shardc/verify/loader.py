@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeviceError, LayoutError, ManifestError, VerifyMismatch
-from ..formats.manifest import Manifest
+from ..formats.chunkread import HostReads
+from ..formats.manifest import Manifest, ShardEntry
+from ..formats.prefetch import EarlyRead
 from ..formats.safetensors import METADATA
 from ..layout.ranks import Layout, RankLayout
 from .reader import HeaderCheck, RawShard, read_shard, tensors_of
@@ -26,7 +28,8 @@ _FULL = "run shardc verify for the full report"
 
 
 def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, pp_stage: int, *,
-               device: str = "cuda", directory: str | Path | None = None, dp_rank: int = 0) -> dict[str, Any]:
+               device: str = "cuda", directory: str | Path | None = None, dp_rank: int = 0,
+               early: EarlyRead | None = None) -> dict[str, Any]:
     """One rank's tensors on ``device``, checked before any is returned.
 
     ``dp_rank``: the attention data-parallel group, for plans with dp_degree > 1 (each group's
@@ -36,12 +39,14 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     (cuda:LOCAL_RANK), "cuda:N" GPU N, or "cpu". Raises VerifyMismatch when the bytes, the header
     or the manifest disagree with the plan's Layout, ManifestError / LayoutError / DeviceError for
     bad input (arguments of the wrong type included: this is a library call, so they get the CLI's
-    one-line errors rather than a TypeError from deep inside).
+    one-line errors rather than a TypeError from deep inside). ``early``: the facade's early start
+    of this very read (formats/prefetch.py), used only when it matches the validated entry; the
+    caller closes it.
     """
     _check_arguments(tp_rank, pp_stage, device, directory, dp_rank)
     manifest, directory = _manifest_and_directory(manifest, directory)
     manifest, layout, rl, dev = rank_of(manifest, tp_rank, pp_stage, device, dp_rank)
-    return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev))
+    return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev, early))
 
 
 def rank_of(manifest: Manifest, tp_rank: int, pp_stage: int, device: str,
@@ -123,34 +128,59 @@ def _manifest_and_directory(manifest: Any, directory: str | Path | None) -> tupl
     return load(path), path.parent if directory is None else directory
 
 
-def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layout, dev: str) -> RawShard:
+def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layout, dev: str,
+                  early: EarlyRead | None = None) -> RawShard:
     """Open the shard once; size, header and sha256 are checked on that descriptor's bytes, the
-    header before the data is read (a wrong file fails before gigabytes are read)."""
+    header before the data is read (a wrong file fails before gigabytes are read). With ``early``
+    reads that match the validated entry, the descriptor is theirs (opened the same way) and the
+    reads already under way are the ones checked."""
     entry = manifest.shard(rl.file)
     assert entry is not None  # check_manifest_against_layout names a missing entry
     file = directory / rl.file
-    try:
-        # O_NONBLOCK: a FIFO at the shard's name is refused below instead of blocking the open
-        f = open(file, "rb", buffering=0, opener=lambda p, fl: os.open(p, fl | os.O_NONBLOCK))  # noqa: SIM115
-    except FileNotFoundError:
-        raise VerifyMismatch(f"{rl.file}: missing (expected at {file})", hint="shardc pull it, or pass directory=") from None
-    except OSError as exc:
-        raise VerifyMismatch(f"{rl.file}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
+    started = None
+    if early is not None and early.matches(file, entry.size, entry.chunk_size, entry.chunks, entry.chunk_digest):
+        f, started = os.fdopen(early.take(), "rb", buffering=0), early.reads
+    else:
+        if early is not None:
+            early.close()  # not what the checked manifest asks for: read as usual
+        f = _open(file, rl.file)
     check_header = header_check(rl, layout)
 
     with f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise VerifyMismatch(f"{rl.file}: not a regular file (at {file})", hint="re-pull the shard")
-        if st.st_size != entry.size:
-            raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
-                                 hint="re-pull the shard")
-        if entry.chunk_size is not None:  # every chunk checked on every core; raises for a bad one
-            from .filechunks import read_chunked
+        try:
+            return _read_open(f, file, entry, rl, check_header, dev, started)
+        finally:
+            if started is not None:
+                started.close()  # before the descriptor closes: no read outlives it
 
-            return read_chunked(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks, dev,
-                                on_header=check_header, where=f.name, digest=entry.chunk_digest)
-        raw = read_shard(f, dev, on_header=check_header)
+
+def _open(file: Path, name: str) -> Any:
+    try:
+        # O_NONBLOCK: a FIFO at the shard's name is refused below instead of blocking the open
+        return open(file, "rb", buffering=0, opener=lambda p, fl: os.open(p, fl | os.O_NONBLOCK))  # noqa: SIM115
+    except FileNotFoundError:
+        raise VerifyMismatch(f"{name}: missing (expected at {file})", hint="shardc pull it, or pass directory=") from None
+    except OSError as exc:
+        raise VerifyMismatch(f"{name}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
+
+
+def _read_open(f: Any, file: Path, entry: ShardEntry, rl: RankLayout, check_header: HeaderCheck, dev: str,
+               started: HostReads | None) -> RawShard:
+    """The checks and the read on the open shard ``f``. ``started``: its chunk reads already under
+    way, begun after the same two checks at the open (formats/prefetch.py, against the size that
+    ``matches`` compared): a size that changed since is a change while it was read."""
+    st = os.fstat(f.fileno())
+    if started is None and not stat.S_ISREG(st.st_mode):
+        raise VerifyMismatch(f"{rl.file}: not a regular file (at {file})", hint="re-pull the shard")
+    if started is None and st.st_size != entry.size:
+        raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
+                             hint="re-pull the shard")
+    if entry.chunk_size is not None:  # every chunk checked on every core; raises for a bad one
+        from .filechunks import read_chunked
+
+        return read_chunked(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks, dev,
+                            on_header=check_header, where=str(file), digest=entry.chunk_digest, started=started)
+    raw = read_shard(f, dev, on_header=check_header)
     if raw.sha256 != entry.sha256:
         raise VerifyMismatch(f"{rl.file}: sha256 {raw.sha256[:16]}..., expected {entry.sha256[:16]}... "
                              "(corrupted bytes)", hint=_FULL)

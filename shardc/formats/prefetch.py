@@ -1,0 +1,130 @@
+"""The loader's early start: a local rank's shard starts coming off the disk before the modules that
+check it are imported.
+
+Why: on a cold start the imports behind ``load_shard``'s checks (the plan schema, the model
+families, the manifest reader, verify) and the manifest's validation take 70 ms, a seventh of the
+whole load of a 1 GB shard on a fast disk, and the disk sits idle through them. So the facade
+(shardc/__init__.py) calls ``start`` first: it picks the rank's entry out of the manifest's JSON
+(no validation: nothing here is trusted), opens the file as the loader would and queues every
+chunk's read into the host buffer (formats/chunkread.py ``HostReads``: the same reads, the same
+digests), then the heavy modules are imported and the manifest is validated while those run.
+
+Nothing is taken on trust: verify/loader.py uses the reads only when the validated entry and the
+rank's file name agree with what was started, field by field (file path, size, chunk size,
+digest kind, every chunk digest); otherwise they are stopped and the file is read as usual. The
+digests are compared, the header checked and the rest of the checks done exactly as without an
+early start, and nothing is returned before they pass. Any surprise here (a manifest that is not
+a plain file of JSON, an entry of the wrong shape, a missing or odd file) just means no early start:
+the checked path then says what is wrong. CPU only (a GPU load goes through pinned staging).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+from ..digests import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST
+from .chunkread import FileChunkReads, HostReads
+from .chunks import chunk_count, chunk_size_problem
+
+MAX_MANIFEST = 64 << 20  # a larger manifest is left to the checked reader (and its own bound)
+
+
+class EarlyRead:
+    """A rank's shard being read since ``start``: its path, its descriptor (owned here until
+    ``take``n) and the reads under way."""
+
+    def __init__(self, path: Path, fd: int, reads: HostReads) -> None:
+        self.path, self.fd, self.reads = path, fd, reads
+        self.source: FileChunkReads = reads.source  # type: ignore[assignment]
+
+    def matches(self, path: Path, size: int, chunk_size: int | None, chunks: tuple[str, ...], digest: str) -> bool:
+        """Whether these reads are the ones the validated entry asks for, field by field."""
+        s = self.source
+        return (self.fd >= 0 and path == self.path and size == s.size and chunk_size == s.chunk_size
+                and digest == s.digest and tuple(chunks) == tuple(s.digests))
+
+    def take(self) -> int:
+        """The descriptor, now the caller's to close (the reads stay under way on it)."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close(self) -> None:
+        """Stop the reads (what is queued is dropped, what is in flight finishes) and close the
+        descriptor unless it was taken."""
+        if self.fd >= 0:
+            self.reads.close()
+            os.close(self.take())
+
+
+def start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: Any, device: Any) -> EarlyRead | None:
+    """The rank's chunk reads started, or None where there is nothing to start early (not a local
+    manifest path, not the CPU, no chunk digests, anything unexpected)."""
+    try:
+        return _start(manifest, directory, tp_rank, pp_stage, dp_rank, device)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return None
+
+
+def _start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: Any, device: Any) -> EarlyRead | None:
+    if device != "cpu" or not all(type(x) is int for x in (tp_rank, pp_stage, dp_rank)):
+        return None
+    if not isinstance(manifest, (str, os.PathLike)) or not isinstance(directory, (str, os.PathLike, type(None))):
+        return None
+    text = os.fspath(manifest)
+    if not isinstance(text, str) or text.startswith("s3://") or "\0" in text:
+        return None
+    path = Path(text.removeprefix("file://"))
+    path = path / "manifest.json" if path.is_dir() else path
+    found = _entry(_json(path), tp_rank, pp_stage, dp_rank)
+    if found is None:
+        return None
+    name, size, chunk_size, chunks, digest = found
+    file = (path.parent if directory is None else Path(directory)) / name  # as verify/loader.py names it
+    fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+            raise ValueError("not the recorded file")
+        reads = HostReads(FileChunkReads(fd, name, size, chunk_size, chunks, digest))
+    except BaseException:
+        os.close(fd)
+        raise
+    return EarlyRead(file, fd, reads)
+
+
+def _json(path: Path) -> Any:
+    """The manifest's JSON, read from a regular file of a sane size (else ValueError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST:
+            raise ValueError("not a plain manifest file")
+        return json.loads(f.read(MAX_MANIFEST + 1))
+
+
+def _entry(data: Any, tp_rank: int, pp_stage: int, dp_rank: int) -> tuple[str, int, int, tuple[str, ...], str] | None:
+    """The one shard entry of (tp_rank, pp_stage, dp_rank) with chunk digests of a sane shape:
+    (file name, size, chunk size, digests, digest kind), or None."""
+    shards = data.get("shards") if isinstance(data, dict) else None
+    if not isinstance(shards, dict):
+        return None
+    hits = [(name, e) for name, e in shards.items() if isinstance(e, dict) and e.get("tp_rank") == tp_rank
+            and e.get("pp_stage") == pp_stage and (e.get("dp_rank") or 0) == dp_rank]
+    if len(hits) != 1:
+        return None
+    name, e = hits[0]
+    size, chunk_size, chunks = e.get("size"), e.get("chunk_size"), e.get("chunks")
+    digest = e.get("chunk_digest", DEFAULT_CHUNK_DIGEST)
+    if chunk_size_problem(chunk_size) is not None or type(size) is not int or size < 0:
+        return None
+    assert isinstance(chunk_size, int)
+    if (not isinstance(name, str) or os.path.basename(name) != name or name.startswith(".")
+            or not isinstance(chunks, list) or len(chunks) != chunk_count(size, chunk_size)
+            or not all(isinstance(c, str) for c in chunks) or not isinstance(digest, str)
+            or digest not in CHUNK_DIGESTS):
+        return None
+    return name, size, chunk_size, tuple(chunks), digest
