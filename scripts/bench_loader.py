@@ -237,13 +237,18 @@ def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str,
         uri, obj = "s3://bench/b/manifest.json", f"s3://bench/b/{rl.file}"
         loaders = ["shardc-s3", "runai-s3"]
         times: dict[str, list[float]] = {n: [] for n in loaders}
+        failed: dict[str, str] = {}  # a peer that fails on this server is reported, not fatal to the run
         for r in range(repeat):
             for n in (loaders if r % 2 == 0 else loaders[::-1]):
-                times[n].append(run_child(n, obj, uri, rl.tp_rank, rl.pp_stage, device, env))
+                try:
+                    times[n].append(run_child(n, obj, uri, rl.tp_rank, rl.pp_stage, device, env))
+                except RuntimeError as exc:
+                    failed[n] = str(exc).strip().splitlines()[-1][:300]
     finally:
         server.stop()
-    med = {n: statistics.median(v) for n, v in times.items()}
-    return {"median_s": med, "all_s": times, "throughput_vs_runai": med["runai-s3"] / med["shardc-s3"]}
+    med = {n: statistics.median(v) for n, v in times.items() if v}
+    ratio = med["runai-s3"] / med["shardc-s3"] if len(med) == 2 else None
+    return {"median_s": med, "all_s": times, "failed": failed, "throughput_vs_runai": ratio}
 
 
 def hashing_rates(manifest: Path) -> dict[str, float]:
@@ -394,9 +399,12 @@ def main() -> None:
     for k, v in r["hashing_gb_s"].items():
         print(f"  verify hashing ({k.replace('_', ' ')}), whole build: {v:.2f} GB/s")
     if "s3" in r:
-        m = r["s3"]["median_s"]
-        print(f"  from moto S3 (127.0.0.1): shardc {m['shardc-s3']:.3f}s, Run:ai {m['runai-s3']:.3f}s: shardc's "
-              f"throughput {r['s3']['throughput_vs_runai']:.2f}x Run:ai's")
+        m, failed = r["s3"]["median_s"], r["s3"]["failed"]
+        for n, why in failed.items():
+            print(f"  from moto S3: {n} failed in {'some' if r['s3']['all_s'][n] else 'every'} run(s): {why}")
+        if r["s3"]["throughput_vs_runai"] is not None:
+            print(f"  from moto S3 (127.0.0.1): shardc {m['shardc-s3']:.3f}s, Run:ai {m['runai-s3']:.3f}s: shardc's "
+                  f"throughput {r['s3']['throughput_vs_runai']:.2f}x Run:ai's")
 
 
 if __name__ == "__main__":
