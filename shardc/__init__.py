@@ -23,7 +23,8 @@ def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cud
     manifest first. ``manifest``: a manifest path, a build directory, a ``Manifest``, or an
     ``s3://`` URI (streamed by shardc.store.stream, nothing written to disk); local ones are read
     by shardc.verify.loader, without importing the store (its modules are 30-40 ms of a cold
-    start's imports), the shard's reads started first (shardc.formats.prefetch). Raises ShardcError subclasses (VerifyMismatch for damaged bytes)."""
+    start's imports), the shard's reads started first (shardc.formats.prefetch). Raises
+    ShardcError subclasses (VerifyMismatch for damaged bytes)."""
     if isinstance(manifest, str) and manifest.startswith("s3://"):
         from .errors import StoreError
         from .store.stream import stream_rank

@@ -39,6 +39,7 @@ CHUNK_ALIGN = 4096
 MIN_CHUNK = CHUNK_ALIGN
 MAX_CHUNK = 1 << 30
 
+
 def chunk_count(size: int, chunk_size: int) -> int:
     """How many chunks a file of ``size`` bytes has (the last one may be short)."""
     return -(-size // chunk_size)

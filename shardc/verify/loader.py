@@ -137,6 +137,7 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
     entry = manifest.shard(rl.file)
     assert entry is not None  # check_manifest_against_layout names a missing entry
     file = directory / rl.file
+    check_header = header_check(rl, layout)
     started = None
     if early is not None and early.matches(file, entry.size, entry.chunk_size, entry.chunks, entry.chunk_digest):
         f, started = os.fdopen(early.take(), "rb", buffering=0), early.reads
@@ -144,8 +145,6 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
         if early is not None:
             early.close()  # not what the checked manifest asks for: read as usual
         f = _open(file, rl.file)
-    check_header = header_check(rl, layout)
-
     with f:
         try:
             return _read_open(f, file, entry, rl, check_header, dev, started)
