@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from manifest_edits import reseal
-from plan_helpers import plan as make_plan
 from safetensors.torch import load_file
+from tiny_builds import tiny_build
 
 import shardc
 from shardc.errors import LayoutError, VerifyMismatch
@@ -30,16 +30,8 @@ S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """A tiny tp=2 build in 4 KiB chunks (several chunks per shard), blake3 digests."""
-    from shardc.compiler.compile import build
-    from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.formats import chunks
-
-    root = tmp_path_factory.mktemp("early")
-    src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
-    plan = make_plan(2, name="early", source=src, group={"checkpoint": {"chunk_digest": "blake3"}})
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(chunks, "CHUNK_SIZE", 4096)
-        return build(plan, out_dir=root / "b").out_dir
+    return tiny_build(tmp_path_factory.mktemp("early"), "early", chunk_size=4096,
+                      group={"checkpoint": {"chunk_digest": "blake3"}})
 
 
 @pytest.fixture

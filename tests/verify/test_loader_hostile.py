@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from manifest_edits import reseal
-from plan_helpers import plan as make_plan
+from tiny_builds import tiny_build
 
 torch = pytest.importorskip("torch")
 
@@ -35,13 +35,7 @@ S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> Path:
     """One tiny real build, tp=2 bf16: two valid shards of one size."""
-    from shardc.compiler.compile import build
-    from shardc.compiler.synthetic import llama_config, write_checkpoint
-
-    root = tmp_path_factory.mktemp("hostile-loader")
-    src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
-    plan = make_plan(2, name="hl", source=src)
-    out = build(plan, out_dir=root / "b").out_dir
+    out = tiny_build(tmp_path_factory.mktemp("hostile-loader"), "hl")
     assert (out / S0).stat().st_size == (out / S1).stat().st_size
     return out
 
@@ -49,16 +43,7 @@ def built(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def built_chunked(tmp_path_factory) -> Path:
     """The same build cut into 4 KiB chunks (format_version 3): several chunks per tiny shard."""
-    from shardc.compiler.compile import build
-    from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.formats import chunks
-
-    root = tmp_path_factory.mktemp("hostile-loader-chunked")
-    src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
-    plan = make_plan(2, name="hl", source=src)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(chunks, "CHUNK_SIZE", 4096)
-        return build(plan, out_dir=root / "b").out_dir
+    return tiny_build(tmp_path_factory.mktemp("hostile-loader-chunked"), "hl", chunk_size=4096)
 
 
 @pytest.fixture
