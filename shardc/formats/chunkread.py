@@ -182,10 +182,16 @@ class HostReads:
 
     def close(self, cancel: bool = True) -> None:
         """Stop: what is queued is dropped (with ``cancel``), what is in flight finishes; no reader
-        thread outlives this call."""
+        thread outlives this call. Cancelled reads also let go of the buffer (the pages read so
+        far are freed now, not when the caller's frame ends: a discarded early start must not hold
+        them while the shard is read again)."""
         for f in getattr(self, "queued", ()) if cancel else ():
             f.cancel()
         self.pool.shutdown(wait=True)
+        if cancel:
+            self.queued = []  # their results are views of the buffer
+            self.mv = memoryview(b"")
+            self.whole = self.raw = self.raw.new_empty(0)  # not a slice: that would keep the storage
 
 
 def enable_direct(fd: int) -> bool:

@@ -5,12 +5,14 @@ when a load fails."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import pytest
@@ -93,9 +95,12 @@ def test_reads_of_another_file_are_not_used(built):
     loaded) are stopped and closed; the rank's own file is read and returned."""
     early = prefetch.start(built / "manifest.json", None, 1, 0, 0, "cpu")
     assert early is not None and early.path.name == S1
+    buffer = weakref.ref(early.reads.raw.untyped_storage())
     got = loader.load_shard(built, 0, 0, device="cpu", early=early)
     assert _same(got, load_file(built / S0))
     assert early.fd == -1 and not _loaders()
+    gc.collect()
+    assert buffer() is None  # the discarded reads' buffer is freed, not held while the file is read again
 
 
 @pytest.mark.parametrize("field", ["size", "chunk_size", "chunks", "chunk_digest", "path"])
