@@ -83,7 +83,7 @@ def _string(value: Any) -> str | None:
 
 
 def _name(value: Any) -> str | None:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):  # fullmatch: `$` would let "name\n" through
         return "must be 1-128 characters of letters, digits, '.', '_' or '-' (it names a directory)"
     return None
 
