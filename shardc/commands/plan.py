@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,7 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
           interconnect: str, fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool,
           as_json: bool, out_file: Path | None, plot_file: Path | None = None, emit: str | None = None,
           manifest_uri: str = "", check_file: Path | None = None) -> None:
+    from ..planner.deploy import refuse_control
     from ..planner.explain import explain as explain_lines
     from ..planner.formulas import Overheads, SpeedParams, Workload
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
@@ -251,7 +253,10 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     from ..planner.report import header, summary, table
     from ..planner.search import search
 
+    _plain_inputs(model_ref=model_ref, draft_model=draft_model, manifest_uri=manifest_uri, out=out_file,
+                  plot=plot_file, check=check_file)
     model, name, source = resolve_model(model_ref)
+    refuse_control(source, "--model", "the model path")  # as resolved: a link may lead to such a name
     draft = None
     if draft_model:
         try:
@@ -304,7 +309,7 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     if out_file is not None:
         write_plan(result.plan_for(rec, _source_for(source, model_ref, out_file)), out_file, result, rec)
         if not as_json:
-            click.echo(f"wrote {out_file} (build it with: shardc build {out_file})")
+            click.echo(f"wrote {out_file} (build it with: shardc build {shlex.quote(str(out_file))})")
 
 
 def _echo_json(result: Any) -> None:
@@ -322,6 +327,19 @@ def _echo_json(result: Any) -> None:
     echo_json(data)
     for warning in result.warnings:
         click.echo(f"warning: {flags(warning)}", err=True)
+
+
+def _plain_inputs(**values: str | Path | None) -> None:
+    """The strings of `shardc plan` that reach its output (a comment, a pod, a shell line, a file
+    name) hold no control character: each is one line naming its flag, before anything is read."""
+    from ..planner.deploy import refuse_control
+
+    what = {"model_ref": ("--model", "the model path"), "draft_model": ("--draft-model", "the draft model path"),
+            "manifest_uri": ("--manifest-uri", "the manifest URI"), "out": ("--out", "the plan path"),
+            "plot": ("--plot", "the picture's path"), "check": ("--check", "the deployment file's path")}
+    for field, value in values.items():
+        if value is not None:
+            refuse_control(str(value), *what[field])
 
 
 def node_gpus(gpus: int | None, gpus_per_node: int | None) -> int:
@@ -343,14 +361,16 @@ def write_plan(data: dict[str, Any], out_file: Path, result: Any, cand: Any) -> 
     """Write the plan atomically (temp file + rename), with the planner's figures as a comment."""
     import yaml
 
+    from ..planner.deploy import comment
+
     assert cand.speed and cand.cost and cand.kv
-    comment = (
-        f"# shardc plan: {result.model_name} on {cand.gpus} x {result.cluster.gpu.name}, "
-        f"{cand.label}\n# {cand.speed.tokens_per_s:,.0f} tok/s per replica at {cand.speed.tpot_s * 1e3:.1f} ms TPOT "
-        f"(batch {cand.speed.batch}), ${cand.cost.dollars_per_mtok:.2f}/Mtok, max model length "
-        f"{cand.kv.max_model_len:,}\n"
+    head = (
+        comment(f"shardc plan: {result.model_name} on {cand.gpus} x {result.cluster.gpu.name}, {cand.label}")
+        + comment(f"{cand.speed.tokens_per_s:,.0f} tok/s per replica at {cand.speed.tpot_s * 1e3:.1f} ms TPOT "
+                  f"(batch {cand.speed.batch}), ${cand.cost.dollars_per_mtok:.2f}/Mtok, max model length "
+                  f"{cand.kv.max_model_len:,}")
     )
-    text = comment + yaml.safe_dump(data, sort_keys=False)
+    text = head + yaml.safe_dump(data, sort_keys=False)  # the plan as data: every string quoted by PyYAML
     try:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(out_file, text.encode())

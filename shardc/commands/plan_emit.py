@@ -17,7 +17,7 @@ def emit_config(result: Any, kind: str, manifest_uri: str) -> None:
     """--emit vllm: the `vllm serve` command line; --emit k8s: a pod (YAML) for one replica."""
     import yaml
 
-    from ..planner.deploy import pod_name, pod_spec, vllm_command
+    from ..planner.deploy import comment, init_command, pod_name, pod_spec, vllm_command
 
     rec = result.require_recommendation()
     if rec.dtype == "int8":  # vLLM quantizes fp8 online, not int8: it must load the quantized weights
@@ -27,12 +27,9 @@ def emit_config(result: Any, kind: str, manifest_uri: str) -> None:
     if kind == "vllm":
         click.echo(vllm_command(result, rec))
         return
-    name = pod_name(rec)
-    ranks = " ".join(f"--rank {r}" for r in range(rec.gpus))
-    init = (f"shardc pull --manifest {manifest_uri} {ranks} --dest /models/{name} && "
-            f"shardc verify --manifest /models/{name}/manifest.json --device cuda")
-    text = yaml.safe_dump(pod_spec(result, rec, init), sort_keys=False)
-    click.echo(f"# shardc plan: {result.model_name} as {rec.label} on {rec.gpus} x {result.cluster.gpu.name}\n"
+    init = init_command(manifest_uri, pod_name(rec), rec.gpus)
+    text = yaml.safe_dump(pod_spec(result, rec, init), sort_keys=False)  # one document, every string quoted
+    click.echo(comment(f"shardc plan: {result.model_name} as {rec.label} on {rec.gpus} x {result.cluster.gpu.name}")
                + text, nl=False)
 
 
@@ -56,7 +53,11 @@ def check(result: Any, path: Path) -> None:
     rec = result.require_recommendation()
     doc = next((d for d in docs if isinstance(d, dict) and d.get("kind") in ("Pod", "Deployment", "StatefulSet",
                                                                             "Job")), docs[0] if docs else None)
-    problems = check_deployment(result, rec, doc)
+    try:
+        problems = check_deployment(result, rec, doc)
+    except PlanError as exc:  # a shell line sh cannot read, a count that is not a number
+        exc.key = "--check"
+        raise
     if not problems:
         click.echo(f"{path}: agrees with the plan ({rec.label} on {rec.gpus} GPUs)")
         return

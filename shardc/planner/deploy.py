@@ -5,6 +5,11 @@ Every number comes from the candidate the planner worked out (tensor/pipeline/da
 the max model length its KV pool holds, the utilization its budget assumed, the KV dtype, the
 concurrency its speed figures are at), so `shardc plan --emit` and `--check` read the same figures
 as the table. Pure data: the CLI turns the pod into YAML (PyYAML) and prints.
+
+A model's name and path reach YAML, a shell line and comments, so no user string is pasted into
+structured text: the pod is data for ``yaml.safe_dump``, every shell word is ``shlex``-quoted, a
+comment is ``comment``'s one line, and a string holding a control character is refused
+(``refuse_control``) before anything is written (#41).
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from __future__ import annotations
 import math
 import re
 import shlex
+import unicodedata
 from typing import Any
 
+from ..errors import PlanError
 from .gpus import GIB
 from .records import Candidate, Search
 
@@ -21,6 +28,55 @@ SHM_PER_GPU = 2 * GIB  # /dev/shm per GPU: NCCL's shared-memory transport and vL
 HOST_BASE = 16 * GIB  # host memory besides the shards: Python, CUDA host allocations, the tokenizer
 DEFAULT_IMAGE = "vllm/vllm-openai:latest"
 DASHES = "-" * 2  # vLLM's option prefix (vLLM's options, not shardc's flags)
+
+
+# Unicode's control characters (C0 with tab and newline, DEL, C1 with NEL), the line and paragraph
+# separators YAML reads as line breaks, and lone surrogates (Python's stand-in for a file name's
+# bytes that are not UTF-8, which no YAML, JSON or terminal text can carry).
+_REFUSED = {"Cc": "a control character", "Zl": "a line separator", "Zp": "a paragraph separator",
+            "Cs": "a byte that is not UTF-8"}
+
+
+def control_char(text: str) -> tuple[int, str] | None:
+    """(position, what) of the first character no emitted file may carry, or None."""
+    for i, ch in enumerate(text):
+        what = _REFUSED.get(unicodedata.category(ch))
+        if what is not None:
+            return i, what
+    return None
+
+
+def refuse_control(value: str, key: str, what: str) -> None:
+    """A PlanError naming ``key`` when ``value`` (``what``: "the model path") holds a control
+    character: it would end a comment line, start a YAML document or break a shell line in what
+    `--emit` and `--out` write. The value is shown escaped (repr), shortened, so the error stays one line."""
+    found = control_char(value)
+    if found is None:
+        return
+    pos, kind = found
+    start = max(pos - 24, 0)
+    shown = ("..." if start else "") + repr(value[start:pos + 24]) + ("..." if len(value) > pos + 24 else "")
+    raise PlanError(f"{what} holds {kind} (U+{ord(value[pos]):04X}) at character {pos + 1}: {shown}", key=key,
+                    hint="rename it (or link it under a plain name): a name written into a pod spec, a shell "
+                    "line or a plan file may not hold control characters")
+
+
+def comment(text: str) -> str:
+    """One '# ' comment line of YAML or shell; a control character is written escaped, so a comment
+    can never end early and start a document, a key or a command of its own."""
+    return "# " + "".join(repr(ch)[1:-1] if control_char(ch) else ch for ch in text) + "\n"
+
+
+def _check_names(s: Search) -> None:
+    """The strings of the search that reach an emitted file: refused before anything is made."""
+    refuse_control(s.model_name, "model", "the model name")
+    refuse_control(s.source, "model", "the model path")
+
+
+def _option(name: str, value: str) -> list[str]:
+    """`--name value`, or `--name=value` for a value that starts with '-', which vLLM's argparse
+    would otherwise read as an option of its own."""
+    return [f"{DASHES}{name}={value}"] if value.startswith("-") else [DASHES + name, value]
 
 
 def model_ref(source: str) -> str:
@@ -60,6 +116,7 @@ def vllm_options(s: Search, c: Candidate) -> dict[str, str | None]:
 
 def vllm_args(s: Search, c: Candidate) -> list[str]:
     """`vllm serve` arguments for the pick: the model, then every option."""
+    _check_names(s)
     args = [model_ref(s.source)]
     for name, value in vllm_options(s, c).items():
         args += [DASHES + name] if value is None else [DASHES + name, value]
@@ -67,12 +124,27 @@ def vllm_args(s: Search, c: Candidate) -> list[str]:
 
 
 def vllm_command(s: Search, c: Candidate) -> str:
-    return "vllm serve " + " ".join(shlex.quote(a) for a in vllm_args(s, c))
+    """The `vllm serve` command line, every word shell-quoted."""
+    return shlex.join(["vllm", "serve", *vllm_args(s, c)])
 
 
 def pod_name(c: Candidate) -> str:
+    """The plan's name as a Kubernetes name (an RFC 1123 subdomain that is also a label value):
+    lower case, '_' and anything else as '-', a dot never beside another dot or a dash, 63 at most."""
     assert c.plan is not None
-    return c.plan.name.lower()[:63].strip("-.") or "shardc"
+    name = re.sub(r"[^a-z0-9.-]", "-", c.plan.name.lower())
+    name = re.sub(r"[.-]*\.[.-]*", ".", name)
+    return name[:63].strip("-.") or "shardc"
+
+
+def init_command(manifest_uri: str, name: str, gpus: int) -> str:
+    """The init container's shell line: `shardc pull` of the replica's ranks into /models/<name>,
+    then `shardc verify` on the GPUs; every word shell-quoted."""
+    refuse_control(manifest_uri, "manifest_uri", "the manifest URI")
+    ranks = [w for r in range(gpus) for w in ("--rank", str(r))]
+    pull = ["shardc", "pull", "--manifest", manifest_uri, *ranks, "--dest", f"/models/{name}"]
+    verify = ["shardc", "verify", "--manifest", f"/models/{name}/manifest.json", "--device", "cuda"]
+    return shlex.join(pull) + " && " + shlex.join(verify)
 
 
 def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> dict[str, Any]:
@@ -98,7 +170,7 @@ def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> 
                                 "resources": {"limits": {"nvidia.com/gpu": gpus}},
                                 "volumeMounts": [{"name": "models", "mountPath": "/models"}]}],
             "containers": [{"name": "vllm", "image": image, "command": ["vllm", "serve"],
-                            "args": args + [DASHES + "served-model-name", s.model_name],
+                            "args": args + _option("served-model-name", s.model_name),
                             "env": [{"name": "SHARDC_MODEL_DIR", "value": f"/models/{name}"}],
                             "resources": {"limits": dict(resources), "requests": dict(resources)},
                             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
@@ -141,22 +213,52 @@ def _containers(doc: Any) -> list[dict[str, Any]]:
     return [x for x in found if isinstance(x, dict)] if isinstance(found, list) else []
 
 
+def _split(line: str) -> list[str]:
+    """A shell line's words, as sh reads them; one that sh could not read is one PlanError."""
+    try:
+        return shlex.split(line)
+    except ValueError as exc:
+        raise PlanError(f"cannot read the shell line {line[:60]!r}: {exc}", key="deployment",
+                        hint="give a pod spec or `vllm serve` arguments as YAML") from None
+
+
+def _number(value: Any, kind: type, what: str) -> Any:
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"{what} must be a number, found {str(value)[:60]!r}", key="deployment",
+                        hint="give GPU counts, lengths and the utilization as numbers") from None
+
+
+_SHELL_C = re.compile(r"-[a-z]*c[a-z]*")  # sh -c, bash -lc, sh -ec: the next word is a shell line
+
+
+def _words(ct: dict[str, Any]) -> list[str]:
+    """A container's argv (command, then args) as the process gets it: each word whole (a served
+    model name may hold spaces and quotes), except the line a shell runs (`sh -c LINE`), split."""
+    words = [str(x) for key in ("command", "args") for x in (ct.get(key) if isinstance(ct.get(key), list) else [])]
+    shell = bool(words) and words[0].rsplit("/", 1)[-1] in ("sh", "bash", "dash", "ash", "zsh")
+    i = next((i for i, w in enumerate(words[1:-1], 1) if _SHELL_C.fullmatch(w)), None) if shell else None
+    return words if i is None else words[:i + 1] + _split(words[i + 1]) + words[i + 2:]
+
+
 def read_deployment(doc: Any) -> tuple[dict[str, str], dict[str, Any]]:
     """(vLLM flags, pod facts) of a deployment: a pod spec whose container runs `vllm serve`, or a
     `vllm serve ...` command line (a string or a list of arguments)."""
     facts: dict[str, Any] = {}
     if isinstance(doc, str):
-        return _flags(shlex.split(doc)), facts
+        return _flags(_split(doc)), facts
     if isinstance(doc, list):
         return _flags([str(x) for x in doc]), facts
     tokens: list[str] = []
     for ct in _containers(doc):
-        words = [str(x) for x in (ct.get("command") or []) + (ct.get("args") or [])]
+        words = _words(ct)
         if any("vllm" in w or w.startswith(DASHES + "tensor-parallel") for w in words):
-            tokens = [t for w in words for t in (shlex.split(w) if " " in w else [w])]
-            limits = (ct.get("resources") or {}).get("limits") or {}
-            if "nvidia.com/gpu" in limits:
-                facts["gpus"] = int(limits["nvidia.com/gpu"])
+            tokens = words
+            resources = ct.get("resources")
+            limits = resources.get("limits") if isinstance(resources, dict) else None
+            if isinstance(limits, dict) and "nvidia.com/gpu" in limits:
+                facts["gpus"] = _number(limits["nvidia.com/gpu"], int, "nvidia.com/gpu")
             break
     spec = doc.get("spec", doc) if isinstance(doc, dict) else {}
     if isinstance(spec, dict) and isinstance(spec.get("template"), dict):
@@ -189,14 +291,14 @@ def check_deployment(s: Search, c: Candidate, doc: Any) -> list[str]:
     for key in ("tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size", "kv-cache-dtype",
                 "gpu-memory-utilization", "enable-expert-parallel", "quantization"):
         plan, got = want.get(key, defaults.get(key)), flags.get(key, defaults.get(key))
-        if key == "gpu-memory-utilization" and plan and got and math.isclose(float(plan), float(got)):
+        if key == "gpu-memory-utilization" and plan and got and math.isclose(float(plan), _number(got, float, key)):
             continue
         if plan != got:
             out.append(f"{DASHES}{key}: the deployment has {got or 'none'}, the plan {plan or 'none'}")
-    if "max-model-len" in flags and int(flags["max-model-len"]) > int(want["max-model-len"]):
+    if "max-model-len" in flags and _number(flags["max-model-len"], int, "max-model-len") > int(want["max-model-len"]):
         out.append(f"{DASHES}max-model-len: the deployment asks {flags['max-model-len']}, the plan's KV pool holds "
                    f"{want['max-model-len']}")
-    if "max-num-seqs" in flags and int(flags["max-num-seqs"]) < int(want["max-num-seqs"]):
+    if "max-num-seqs" in flags and _number(flags["max-num-seqs"], int, "max-num-seqs") < int(want["max-num-seqs"]):
         out.append(f"{DASHES}max-num-seqs: the deployment allows {flags['max-num-seqs']}, the plan's figures are at "
                    f"{want['max-num-seqs']}")
     if "gpus" in facts and facts["gpus"] != c.gpus:

@@ -83,7 +83,8 @@ def render(s: Search, fmt: str) -> bytes:
     ax.axvline(s.workload.target_ms, color="#999999", linestyle="--", linewidth=1)
     ax.set_xlabel("TPOT (ms per output token, prefill interleaved)")
     ax.set_ylabel("output tokens/s per GPU")
-    ax.set_title(f"{s.model_name} on {s.cluster.gpu.name}: isl {s.workload.prompt:,}, osl {s.workload.output:,}")
+    ax.set_title(f"{s.model_name} on {s.cluster.gpu.name}: isl {s.workload.prompt:,}, osl {s.workload.output:,}",
+                 parse_math=False)  # the model's name is text: a '$' in it is not mathtext (#41)
     ax.legend(loc="best")
     ax.grid(alpha=0.3)
     shown = sorted(cands, key=lambda c: (c is not s.recommended, c.gpus, c.label))[:16]
