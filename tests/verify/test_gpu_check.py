@@ -136,3 +136,40 @@ def test_bf16_logits_from_torch_are_scored():
     s = score_tokens([3, 1], logits.float())
     assert s.ok and (s.exact, s.near_tie) == (1, 1) and s.worst_near_tie_ulps == pytest.approx(2.0)
 
+
+# -- scripts/bench_loader.py: the device every peer gets, and InstantTensor (CUDA only) ----------------
+def test_bench_loader_gives_every_loader_an_indexed_device(monkeypatch):
+    import bench_loader
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert bench_loader.indexed("cuda") == "cuda:0"  # fastsafetensors fails on a bare "cuda"
+    assert (bench_loader.indexed("cuda:3"), bench_loader.indexed("cpu")) == ("cuda:3", "cpu")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert bench_loader.indexed("cuda") == "cuda:2"  # what shardc's own "cuda" means under torchrun
+
+
+def test_bench_loader_skips_instanttensor_on_cpu_with_a_line(capsys):
+    import importlib.util
+
+    import bench_loader
+
+    assert "instanttensor" in bench_loader.LOADERS and "instanttensor" in bench_loader.UNCHECKED
+    assert bench_loader.available(["safetensors", "instanttensor"], "cpu") == ["safetensors"]
+    assert capsys.readouterr().out == "  (instanttensor skipped: it loads to CUDA only; run with --device cuda)\n"
+    on_cuda = bench_loader.available(["instanttensor"], "cuda:0")
+    if importlib.util.find_spec("instanttensor") is None:
+        assert on_cuda == []
+        assert capsys.readouterr().out == "  (instanttensor not installed: pip install -e '.[bench]')\n"
+    else:
+        assert on_cuda == ["instanttensor"]
+
+
+def test_bench_loader_help_and_a_bad_device():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_loader.py"), "--help"], capture_output=True,
+                       text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and "instanttensor" in p.stdout and "cuda:0 outside torchrun" in p.stdout
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_loader.py"), "--device", "gpu"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "bench_loader.py: error: --device 'gpu' is not cpu, cuda or cuda:N")
