@@ -17,8 +17,13 @@ Loaders (CPU):
   safetensors     safe_open + get_tensor + copy of every tensor (unchecked)
   fastsafetensors fastsafe_open(nogds=True) + get_tensor (unchecked; 0.5.0, `bench` extra)
   runai           Run:ai Model Streamer SafetensorsStreamer (unchecked; `bench` extra)
-Peers not installed are skipped with a line. Also printed: verify's hashing of the whole build in
-GB/s on 1 and on all cores (``verify_build(jobs=N)``, page cache warm), for each chunk digest. ``--s3``: the same shard
+Loaders (CUDA only, skipped with a line on CPU):
+  instanttensor   InstantTensor's safe_open(device=...) + tensors() (unchecked; 0.2.2, `bench` extra;
+                  the loader vLLM and SGLang offer)
+Peers not installed are skipped with a line. ``--device cuda`` is the indexed device shardc's
+``cuda`` means (``cuda:LOCAL_RANK``, ``cuda:0`` outside torchrun), given to every loader alike
+(fastsafetensors fails on a bare ``cuda``; InstantTensor reads the device's index). Also printed:
+verify's hashing of the whole build in GB/s on 1 and on all cores (``verify_build(jobs=N)``, page cache warm), for each chunk digest. ``--s3``: the same shard
 from the moto S3 server on 127.0.0.1, shardc.load_shard of the s3:// manifest against Run:ai's S3
 streaming (``runai-model-streamer-s3``), throughput ratio (target >= 1.0).
 
@@ -29,7 +34,7 @@ Examples:
   python scripts/bench_loader.py --manifest build/x/manifest.json --rank 0
   python scripts/bench_loader.py --manifest b/manifest.json --manifest-blake3 b3/manifest.json
   python scripts/bench_loader.py --s3                 # also from the moto S3 server vs Run:ai's S3 streaming
-  python scripts/bench_loader.py --device cuda       # CUDA: load_shard vs hashlib + load_file + isfinite
+  python scripts/bench_loader.py --device cuda       # CUDA (cuda:0): every loader, InstantTensor too
 """
 
 from __future__ import annotations
@@ -47,9 +52,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-LOADERS = ["shardc", "shardc-blake3", "sha256+safe_open", "safetensors", "fastsafetensors", "runai"]
-UNCHECKED = {"safetensors", "fastsafetensors", "runai"}
-PEER_MODULE = {"fastsafetensors": "fastsafetensors", "runai": "runai_model_streamer"}
+LOADERS = ["shardc", "shardc-blake3", "sha256+safe_open", "safetensors", "fastsafetensors", "runai",
+           "instanttensor"]
+UNCHECKED = {"safetensors", "fastsafetensors", "runai", "instanttensor"}
+PEER_MODULE = {"fastsafetensors": "fastsafetensors", "runai": "runai_model_streamer",
+               "instanttensor": "instanttensor"}
+CUDA_ONLY = {"instanttensor"}  # its safe_open raises for any device but CUDA
 
 
 # -- the loaders (each run in a child process) ----------------------------------------------------
@@ -79,6 +87,12 @@ def load(name: str, path: str, manifest: str, tp: int, pp: int, device: str) -> 
         with SafetensorsStreamer() as s:
             s.stream_file(str(path), device=device)
             return dict(s.get_tensors())
+    if name == "instanttensor":  # its default: Direct I/O reads into a GPU ring buffer, each tensor cloned out
+        import torch
+        from instanttensor import safe_open
+
+        with safe_open(str(path), framework="pt", device=torch.device(device)) as f:
+            return dict(f.tensors())
     if name == "shardc-s3":  # ``manifest`` is the s3:// URI; AWS_ENDPOINT_URL names the server
         import shardc
 
@@ -157,11 +171,27 @@ def run_child(name: str, path: Path | str, manifest: Path | str, tp: int, pp: in
     return json.loads(p.stdout.strip().splitlines()[-1])["seconds"]
 
 
-def available(names: list[str]) -> list[str]:
+def indexed(device: str) -> str:
+    """The device every loader gets: shardc's own reading of ``device`` (``cuda`` -> ``cuda:LOCAL_RANK``,
+    0 outside torchrun; ``cuda:N`` and ``cpu`` unchanged). fastsafetensors 0.5.0 passes the device
+    to ``torch.cuda.set_device``, which refuses a bare ``cuda`` (the failed run of issue #41), and
+    InstantTensor takes the device's index; one indexed GPU for all keeps the comparison fair."""
+    from shardc.verify.devices import resolve_device
+
+    out = resolve_device(device)
+    assert out is not None
+    return out
+
+
+def available(names: list[str], device: str = "cpu") -> list[str]:
+    """The loaders of ``names`` that can run on ``device``; each one left out is a printed line."""
     import importlib.util
 
     out = []
     for n in names:
+        if n in CUDA_ONLY and not device.startswith("cuda"):
+            print(f"  ({n} skipped: it loads to CUDA only; run with --device cuda)")
+            continue
         mod = PEER_MODULE.get(n)
         if mod and importlib.util.find_spec(mod) is None:
             print(f"  ({n} not installed: pip install -e '.[bench]')")
@@ -281,6 +311,7 @@ def measure(manifest: Path, rank: int, device: str, repeat: int = 5) -> dict[str
     from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 
+    device = indexed(device)
     m = load(manifest)
     rl = m.to_layout().ranks[rank]
     path = manifest.parent / rl.file
@@ -350,7 +381,7 @@ def main() -> None:
     ap.add_argument("--manifest", help="manifest.json (a path; for the --child runs also an s3:// URI)")
     ap.add_argument("--manifest-blake3", help="with --manifest: a build of the same model with blake3 chunk digests")
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (cuda: cuda:0 outside torchrun)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--layers", type=int, default=6, help="synthetic model: layers (without --manifest)")
     ap.add_argument("--hidden", type=int, default=2048, help="synthetic model: hidden size")
@@ -365,6 +396,12 @@ def main() -> None:
     if a.child:  # the manifest and path stay strings: an s3:// URI is not a Path
         child(a.child, a.path, a.manifest, a.tp, a.pp, a.device)
         return
+    from shardc.errors import ShardcError
+
+    try:
+        a.device = indexed(a.device)
+    except ShardcError as exc:
+        ap.error(exc.message)
     with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=os.environ.get("BENCH_DIR")) as tmp:
         # compiled bytecode of every loader's modules, kept for the run: an installed package (the
         # peers; shardc from a wheel) has its .pyc files, but a checkout run with
@@ -375,7 +412,7 @@ def main() -> None:
             manifest, b3 = Path(a.manifest), Path(a.manifest_blake3) if a.manifest_blake3 else None
         else:
             manifest, b3 = synthetic(Path(tmp), a.layers, a.hidden, a.tp)
-        loaders = available([n.strip() for n in a.loaders.split(",") if n.strip()])
+        loaders = available([n.strip() for n in a.loaders.split(",") if n.strip()], a.device)
         r = compare(manifest, a.rank, a.device, a.repeat, loaders, b3)
         r["hashing_gb_s"] = {}
         for digest, m in (("sha256", manifest), ("blake3", b3)):

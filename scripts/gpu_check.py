@@ -6,8 +6,10 @@ vocab 128256, bf16; about 5.6 GB) built as bf16 tp1, int8, fp8 and bf16 tp4pp2, 
   verify --device of every build (tp4pp2: all eight ranks in one process), a flipped byte exits 1;
   the GPU-count line for plans larger than the node (run and gate of tp4pp2; verify --distributed);
   torchrun verify --distributed --device cuda of tp1;
-  decode: 128 greedy tokens against transformers' eager generate on the same device (tokens equal,
-  tokens/s ratio); prefill scoring of 8 x 512 against transformers' forward (ratio);
+  decode: 128 greedy tokens scored by teacher forcing (scripts/decode_score.py: each token
+  transformers' argmax on shardc's own prefix, or within a stated bf16 near-tie margin; only a real
+  mismatch fails), tokens/s against transformers' generate; prefill scoring of 8 x 512 against
+  transformers' forward (ratio);
   load_shard's chunked read (issue 30: pinned staging, per-worker copy streams) equal to
   load_file, a flipped byte naming its chunk;
   load_shard / verify --device of one rank against hashlib + safetensors load_file + isfinite;
@@ -205,7 +207,13 @@ def sync() -> None:
 
 
 def decode(src: Path, manifest: Path, model: Any) -> None:
+    """shardc's greedy decode, each token scored by teacher forcing: ONE transformers forward over the
+    prompt and shardc's tokens, and every position's choice against its logits (exact, a bf16
+    near-tie, or a real mismatch, which alone fails the step). transformers' own generate is timed
+    for the speed figure; how long its free-running tokens stay equal to shardc's is logged, not
+    checked (random weights give near-ties, where two right answers part ways)."""
     import torch
+    from decode_score import score_tokens
 
     from shardc.runtime.api import generate, open_build
 
@@ -213,7 +221,13 @@ def decode(src: Path, manifest: Path, model: Any) -> None:
     prompt = [(7 * i + 3) % SHAPES["vocab"] for i in range(16)]
     res = generate(open_build(manifest), [prompt], n, eos=[], device=DEVICE, timeout_s=300)
     assert res is not None
-    ours = res.tokens[0]
+    ours = list(res.tokens[0])
+    expect(len(ours) == n, f"decode returned {len(ours)} tokens, asked for {n}")
+    with torch.inference_mode():
+        out = model(torch.tensor([prompt + ours[:-1]], device=DEVICE)).logits
+        logits = out[0, len(prompt) - 1:].float().cpu()  # row i: the position that chose ours[i]
+    scored = score_tokens(ours, logits)
+    figure("decode_teacher_forced", scored.as_dict(), f"decode: {scored.line()}")
 
     def hf(k: int) -> tuple[list[int], float]:
         with torch.inference_mode():
@@ -228,14 +242,15 @@ def decode(src: Path, manifest: Path, model: Any) -> None:
     ref, t_n = hf(n)
     _, t_1 = hf(1)
     same = next((i for i, (a, b) in enumerate(zip(ours, ref, strict=True)) if a != b), n)
-    figure("decode_tokens_identical", same, f"decode: {same} of {n} greedy tokens identical to transformers")
+    figure("decode_tokens_identical", same, f"decode: {same} of {n} free-running greedy tokens equal to "
+           "transformers' generate (logged only: near-ties part two right answers)")
     assert res.decode_seconds is not None
     ours_rate = (n - 1) / res.decode_seconds
     hf_rate = (n - 1) / max(t_n - t_1, 1e-9)
     figure("decode_tokens_per_s", {"shardc": ours_rate, "transformers": hf_rate, "ratio": ours_rate / hf_rate},
            f"decode (batch 1): shardc {ours_rate:.1f} tok/s, transformers eager generate {hf_rate:.1f} tok/s "
            f"= {ours_rate / hf_rate:.2f}x")
-    expect(same >= min(n, 16), f"only {same} greedy tokens agree with transformers")
+    expect(scored.ok, scored.failure())
 
 
 def prefill(manifest: Path, model: Any) -> None:

@@ -52,7 +52,7 @@ from .formulas import (
     round_to_blocks,
     sequences_at,
 )
-from .gpus import rates
+from .gpus import GIB, rates
 from .records import GpuMemory, KvFigures, Search, Speed
 from .serving import Step, choose, serving_at, sweep
 from .weights import RankWeights, plan_dict, plan_name
@@ -202,8 +202,27 @@ def _memory(s: Search, c: Candidate) -> None:
     c.kv = KvFigures(bpt, budget, blocks, tokens, min(tokens, max(req, model.max_position_embeddings)),
                      n * sequences_at(blocks, w.context, w.block_size), req,
                      request_kv_bytes(bpt, req, w.block_size), need, bpt * need)
+    before = len(c.reasons)
     memory_reasons(s, c, [mem], mem, mem, tokens, need, n,
                    words=ep_demand_words(w, model.max_position_embeddings, n), limit_always=True)
+    where = fullest_words(c.ep_detail.experts, n, c.weights) if c.ep_detail else None
+    if where:  # a verdict on the fullest rank's figures says so: the other ranks hold less
+        c.reasons[before:] = [r if r.startswith("vLLM would not start") else f"{r} {where}"
+                              for r in c.reasons[before:]]
+
+
+def fullest_words(experts: int, n: int, weights: list[RankWeights]) -> str | None:
+    """Which ranks a memory verdict is about when ``experts`` do not split evenly over ``n`` ranks
+    (60 over 8: ranks 0-3 hold 8, ranks 4-7 hold 7): the verdict is the fullest ranks', and the line
+    says so with the others' weights, so no one reads it as every rank's or the mean's. None when
+    every rank holds the same."""
+    base, extra = divmod(experts, n)
+    if extra == 0:
+        return None
+    full = "rank 0" if extra == 1 else f"ranks 0-{extra - 1}"
+    rest = f"rank {extra} holds" if extra == n - 1 else f"ranks {extra}-{n - 1} hold"
+    return (f"on {full}, the fullest ({base + 1} of the {experts} experts{' each' if extra > 1 else ''}; "
+            f"{rest} {base}: weights {weights[-1].nbytes / GIB:.2f} GiB)")
 
 
 def ep_slot(s: Search, c: Candidate, d: float, p: float = 0.0, plen: int = 0) -> Step:
