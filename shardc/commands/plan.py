@@ -40,6 +40,7 @@ def _as_flags(exc: ShardcError, key: str | None = None) -> ShardcError:
 _UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20,
           "gib": 1 << 30, "gi": 1 << 30, "tib": 1 << 40, "ti": 1 << 40, "kb": 10**3, "mb": 10**6,
           "gb": 10**9, "tb": 10**12}
+_MAX_SIZE = 1 << 50
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -49,7 +50,11 @@ def parse_size(text: str, *, allow_zero: bool = False) -> float:
     unit = m.group(2).lower() if m else ""
     if not m or unit not in _UNITS or float(m.group(1)) < 0 or (float(m.group(1)) == 0 and not allow_zero):
         raise ValueError("must be a positive size such as 20GiB, 5.63GiB, 512MiB or 80GB")
-    return float(m.group(1)) * _UNITS[unit]
+    size = float(m.group(1)) * _UNITS[unit]
+    if size > _MAX_SIZE:  # no GPU, cache or budget this planner sizes is a PiB: a unit was dropped
+        bare = " (a bare number is GiB: write bytes with a B, as 80000000000B)" if not unit else ""
+        raise ValueError(f"must be at most 1 PiB{bare}")
+    return size
 
 
 class _Flag(click.ParamType):

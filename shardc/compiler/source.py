@@ -39,7 +39,7 @@ from .lease import Leases, read_leases
 from .sourcequant import check_stored
 from .sources import Source, TensorInfo
 
-_HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?$")
+_HF_RE = re.compile(r"^hf://(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[\w./-]+))?\Z")
 # Buffers some exporters leave in checkpoints; they are derived, not weights.
 _BENIGN = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 

@@ -21,7 +21,7 @@ from ..layout.plan import SAFE_FILE_NAME
 
 HASH_BLOCK = 16 << 20
 TEMP_SUFFIX = ".tmp"
-_TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.[0-9a-f]{16}\.tmp$")
+_TEMP_NAME = re.compile(r"^\.(?P<final>.+)\.[0-9a-f]{16}\.tmp\Z")
 
 
 def sha256_file(path: str | Path, block: int = HASH_BLOCK) -> str:

@@ -183,7 +183,7 @@ def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> 
 
 # --- --check: an existing deployment against the plan -------------------------------------------
 
-_FLAG = re.compile(r"^-{2}([a-z0-9-]+)(?:=(.*))?$")
+_FLAG = re.compile(r"^-{2}([a-z0-9-]+)(?:=(.*))?\Z")
 
 
 def _flags(tokens: list[str]) -> dict[str, str]:

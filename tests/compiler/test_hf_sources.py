@@ -4,6 +4,7 @@ kind of compiler input (checkpoint, build, quantized checkpoint) as the one Sour
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 from plan_helpers import plan as make_plan
 from reassemble import load_source, reassemble
@@ -149,3 +150,20 @@ def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
         assert norm not in quant.squant_shapes and np.array_equal(quant.dense(norm), quant.inner.view(norm))
     finally:
         inp.close()
+
+
+def test_a_hub_source_or_temp_name_with_a_trailing_newline_is_not_read_as_a_plain_one():
+    """`$` matches before a final newline: `hf://org/repo\\n` passed the hub-source pattern (and a file
+    named `.x.<16 hex>.tmp\\n` the temp-name one, which a build clears as its own). Whole-string matches."""
+    import pytest
+
+    from shardc.compiler.source import _resolve_hf
+    from shardc.errors import ShardcError
+    from shardc.formats.files import is_temp
+
+    with pytest.raises(ShardcError, match="malformed hub source"):
+        _resolve_hf("hf://org/repo\n")
+    with pytest.raises(ShardcError, match="malformed hub source"):
+        _resolve_hf("hf://org/repo@main\n")
+    assert is_temp(Path(".model.safetensors.0123456789abcdef.tmp"))
+    assert not is_temp(Path(".model.safetensors.0123456789abcdef.tmp\n"))

@@ -236,3 +236,16 @@ def test_default_utilization_keeps_the_27_picks():
                 "recommended").startswith("recommended (fit): tp=4 pp=1 bf16")
     assert line(plan("--model", "llama-3.3-70b", "--gpu", "a100-40gb-pcie", "--dtype", "bf16", "--max-model-len",
                      "32768"), "recommended").startswith("recommended (fit, reduced calibration): tp=4 pp=2 bf16")
+
+
+def test_a_size_of_bytes_typed_without_its_unit_is_refused_not_planned():
+    """A bare number is GiB (as kv_cache_cap_gb): 9,200,000,000 meant as bytes planned a 9.2-billion-GiB
+    card and printed a pool of billions of GiB, exit 0. Nothing this planner sizes reaches a PiB."""
+    r = plan(*L70_32K, "--gpu-memory", "9200000000")
+    assert error_line(r) == ("error: --gpu-memory: must be at most 1 PiB (a bare number is GiB: write bytes with "
+                             "a B, as 80000000000B), found '9200000000'")
+    assert r.stdout == ""
+    assert error_line(plan(*L70_32K, "--gpu-memory", "2PiB")).startswith("error: --gpu-memory: must be")
+    assert error_line(plan(*L70_32K, "--gpu-memory", "2000TiB")) == (
+        "error: --gpu-memory: must be at most 1 PiB, found '2000TiB'")
+    assert plan(*L70_32K, "--gpu-memory", "84987740160B").returncode == 0
