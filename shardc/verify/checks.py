@@ -160,18 +160,25 @@ def check_manifest_against_layout(manifest: Manifest, layout: Layout) -> list[st
 
 
 def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> list[str]:
-    """config.json and (tp = 1) model.safetensors.index.json are derived from the Layout: the
-    manifest must list exactly those, with the bytes this plan's build writes, and the files in
-    the directory must be those bytes (an index naming the wrong file sends a client astray)."""
+    """config.json and (where transformers loads the build: ``hf_checkpoint_problem``)
+    model.safetensors.index.json are derived from the Layout: the manifest must list exactly
+    those, with the bytes this plan's build writes, and the files in the directory must be those
+    bytes (an index naming the wrong file sends a client astray; one listed for a build
+    transformers cannot load, as an older shardc wrote for stacked experts over DP ranks, claims
+    a checkpoint that is not one)."""
     import hashlib
 
-    from ..compiler.outputs import INDEX, side_files
+    from ..compiler.outputs import INDEX, hf_checkpoint_problem, side_files
 
     problems = []
     expected = side_files(layout)
     listed = {f.name: f for f in manifest.files}
     if INDEX in listed and INDEX not in expected:
-        problems.append(f"manifest lists {INDEX}, which a tp={layout.plan.tp} build does not have")
+        if layout.plan.tp != 1:
+            problems.append(f"manifest lists {INDEX}, which a tp={layout.plan.tp} build does not have")
+        else:
+            problems.append(f"manifest lists {INDEX}, but transformers cannot load this build as a "
+                            f"checkpoint: {hf_checkpoint_problem(layout)} (an older shardc, or edited)")
     for name, data in expected.items():
         entry = listed.get(name)
         if entry is None:
