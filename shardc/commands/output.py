@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # command: a field is shown as the flag only where the running command has that flag (flag_for).
 FLAGS = {
     "rank": "--rank", "tp_rank": "--tp-rank", "pp_stage": "--pp-stage", "source": "--source",
-    "reference": "--reference",
+    "reference": "--reference", "deep": "--deep",
     # shardc plan's inputs (the planner's errors, and `field` mentions in its hints and warnings)
     "model": "--model", "gpu": "--gpu", "gpus_per_node": "--gpus-per-node", "nodes": "--nodes",
     "dtype": "--dtype", "kv_dtype": "--kv-dtype", "max_model_len": "--max-model-len",

@@ -25,7 +25,7 @@ from ..formats.manifest import FileEntry, Manifest, SourceRecord, loads
 from ..formats.safetensors import read_header, shard_metadata
 from ..layout.dtypes import torch_name
 from ..layout.plan import Plan
-from ..layout.ranks import Layout, RankLayout
+from ..layout.ranks import Layout, RankLayout, TensorSpec
 from ..version import __version__
 from .sources import Source
 
@@ -51,19 +51,47 @@ def output_config(layout: Layout) -> dict[str, Any]:
     return cfg
 
 
-INDEX = "model.safetensors.index.json"  # HF's sharded-checkpoint index, written for tp = 1
+INDEX = "model.safetensors.index.json"  # HF's sharded-checkpoint index, for a build transformers loads
 # Bumped when the bytes a plan produces change (int8 became pack-quantized): a resume record of
 # an older layout is not trusted.
 LAYOUT_REVISION = 2
 
 
+def hf_checkpoint_problem(layout: Layout) -> str | None:
+    """Why the build directory is not a Hugging Face checkpoint transformers loads as it is, or
+    None when it is. The one rule, asked by the index writer, verify, inspect and the gate's
+    transformers reference: tp = 1, and every tensor name holds the same tensor in every file that
+    has it. Pipeline stages split the layers, attention data-parallel groups repeat identical
+    tensors and Mixtral-style experts have names of their own: all load (tests/compiler/
+    test_hf_claims.py). tp > 1 cuts tensors under their full names, and so do stacked experts
+    (gpt-oss, MXFP4 blocks included) placed over several ranks of a stage, each holding its block
+    of the expert dimension: transformers would read one block as the whole tensor."""
+    if layout.plan.tp != 1:
+        return f"it is split tp={layout.plan.tp}: each rank holds a slice of the same tensor names"
+    seen: dict[str, tuple[str, TensorSpec]] = {}
+    for rl in layout.ranks:
+        for t in rl.tensors:
+            file, first = seen.setdefault(t.name, (rl.file, t))
+            if first != t:
+                return (f"{file} and {rl.file} hold different parts of {t.name} ({_part(first)} and "
+                        f"{_part(t)}) under that one name")
+    return None
+
+
+def _part(t: TensorSpec) -> str:
+    """Which part of its source a tensor spec holds, for a message: 'dim 0 [0:2]' or 'whole'."""
+    return "whole" if t.dim is None else f"dim {t.dim} [{t.start}:{t.stop}]"
+
+
 def index_json(layout: Layout) -> dict[str, Any]:
     """model.safetensors.index.json: every tensor name -> the file holding it, and the total bytes
-    of tensor data in its metadata (HF's format). With tp = 1 each name lives in exactly one file
-    (pipeline stages split the layers), so the build directory is a Hugging Face checkpoint that
-    transformers and vLLM's default loader read as it is."""
-    if layout.plan.tp != 1:
-        raise ValueError("an HF index describes tp = 1 builds only")
+    of tensor data in its metadata (HF's format), for a build ``hf_checkpoint_problem`` passes:
+    the build directory is then a Hugging Face checkpoint that transformers and vLLM's default
+    loader read as it is. A name repeated by data-parallel groups maps to one of its (identical)
+    copies; ``total_size`` counts every file, as written."""
+    problem = hf_checkpoint_problem(layout)
+    if problem is not None:
+        raise ValueError(f"no HF index for this build: {problem}")
     weight_map = {t.name: rl.file for rl in layout.ranks for t in rl.tensors}
     return {"metadata": {"total_size": sum(rl.nbytes for rl in layout.ranks)},
             "weight_map": dict(sorted(weight_map.items()))}
@@ -72,7 +100,7 @@ def index_json(layout: Layout) -> dict[str, Any]:
 def side_files(layout: Layout) -> dict[str, bytes]:
     """The files build derives from the Layout alone (verify recomputes and compares them)."""
     out = {"config.json": (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()}
-    if layout.plan.tp == 1:
+    if hf_checkpoint_problem(layout) is None:
         out[INDEX] = (json.dumps(index_json(layout), indent=2) + "\n").encode()
     return out
 
@@ -181,13 +209,13 @@ def file_entry(out: Path, name: str) -> FileEntry:
 
 
 def write_side_files(layout: Layout, source: Source, out: Path) -> list[FileEntry]:
-    """config.json (+ the HF index for tp = 1) and the tokenizer files next to the shards, with
-    their manifest entries."""
+    """config.json (+ the HF index where transformers loads the build) and the tokenizer files
+    next to the shards, with their manifest entries."""
     generated = side_files(layout)
     for name, data in generated.items():
         write_atomic(out / name, data)
     if INDEX not in generated:
-        (out / INDEX).unlink(missing_ok=True)  # a tp > 1 build in a directory a tp = 1 build used
+        (out / INDEX).unlink(missing_ok=True)  # a build without one where a loadable build was
     copy_tokenizer(source, out)
     return [file_entry(out, n) for n in generated] + [file_entry(out, n) for n in tokenizer_files(source)]
 

@@ -2,7 +2,8 @@
 
 ``shardc gate --reference transformers`` takes the baseline's logits from Hugging Face
 transformers (``AutoModelForCausalLM.from_pretrained`` on the baseline build's directory: a tp = 1
-build is a Hugging Face checkpoint, config.json and model.safetensors.index.json included) instead
+build is a Hugging Face checkpoint, config.json and model.safetensors.index.json included, unless
+stacked experts are split over its DP ranks: ``compiler/outputs.py`` ``hf_checkpoint_problem``) instead
 of from shardc's sharded runtime, so a bug in shardc's forward (a misread config key, a wrong
 rope or activation) cannot pass both sides of the gate. The candidate is still scored by shardc's
 runtime and compared by the same code (``worker._against``).
@@ -36,8 +37,8 @@ INDEX = "model.safetensors.index.json"  # what makes a build directory a transfo
 
 
 class ReferenceUnfit(ShardcError):
-    """``--reference transformers`` cannot score this baseline here (tp > 1, no HF index, a
-    package missing, under torchrun): bad input, exit 2."""
+    """``--reference transformers`` cannot score this baseline here (tp > 1, stacked experts over
+    DP ranks, no HF index, a package missing, under torchrun): bad input, exit 2."""
 
 
 def check_reference(base: Any, reference: str, *, torchrun: bool = False) -> None:
@@ -54,6 +55,17 @@ def check_reference(base: Any, reference: str, *, torchrun: bool = False) -> Non
         raise ReferenceUnfit(
             f"transformers cannot load the baseline {base.name}: it is split tp={lay.tp_degree}, and "
             f"transformers reads only a tp=1 build (any pp) as a checkpoint", key="reference", hint=hint_tp1)
+    from ..compiler.outputs import hf_checkpoint_problem
+
+    try:
+        problem = hf_checkpoint_problem(base.manifest.to_layout())
+    except ShardcError as exc:  # the baseline's plan or config does not lay out: nothing to load
+        problem = f"its layout cannot be recomputed ({exc.message})"
+    if problem is not None:  # stacked experts over DP ranks: each file holds a block under one name
+        raise ReferenceUnfit(
+            f"transformers cannot load the baseline {base.name} as a checkpoint: {problem}", key="reference",
+            hint=f"reshard the baseline to a plan with tp_degree: 1 and no dp_degree (shardc reshard --manifest "
+                 f"{base.manifest_path} --plan <that plan>) and gate against that build, or use --reference shardc")
     if not (base.directory / INDEX).is_file():
         raise ReferenceUnfit(
             f"the baseline {base.name} has no {INDEX} in {base.directory}, so transformers cannot load it",

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardcError, VerifyMismatch
 from ..formats import chunks
@@ -24,8 +24,12 @@ from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, ShardEntry
 from ..layout.plan import Plan, data_sha256
 from ..layout.ranks import Layout, RankLayout
+from .deep import deep_check, open_deep
 from .devices import resolve_device
 from .report import PlanCheck, RankVerdict, VerifyReport
+
+if TYPE_CHECKING:
+    from ..compiler.sources import Source
 
 
 @dataclass(frozen=True)
@@ -160,18 +164,25 @@ def check_manifest_against_layout(manifest: Manifest, layout: Layout) -> list[st
 
 
 def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> list[str]:
-    """config.json and (tp = 1) model.safetensors.index.json are derived from the Layout: the
-    manifest must list exactly those, with the bytes this plan's build writes, and the files in
-    the directory must be those bytes (an index naming the wrong file sends a client astray)."""
+    """config.json and (where transformers loads the build: ``hf_checkpoint_problem``)
+    model.safetensors.index.json are derived from the Layout: the manifest must list exactly
+    those, with the bytes this plan's build writes, and the files in the directory must be those
+    bytes (an index naming the wrong file sends a client astray; one listed for a build
+    transformers cannot load, as an older shardc wrote for stacked experts over DP ranks, claims
+    a checkpoint that is not one)."""
     import hashlib
 
-    from ..compiler.outputs import INDEX, side_files
+    from ..compiler.outputs import INDEX, hf_checkpoint_problem, side_files
 
     problems = []
     expected = side_files(layout)
     listed = {f.name: f for f in manifest.files}
     if INDEX in listed and INDEX not in expected:
-        problems.append(f"manifest lists {INDEX}, which a tp={layout.plan.tp} build does not have")
+        if layout.plan.tp != 1:
+            problems.append(f"manifest lists {INDEX}, which a tp={layout.plan.tp} build does not have")
+        else:
+            problems.append(f"manifest lists {INDEX}, but transformers cannot load this build as a "
+                            f"checkpoint: {hf_checkpoint_problem(layout)} (an older shardc, or edited)")
     for name, data in expected.items():
         entry = listed.get(name)
         if entry is None:
@@ -259,37 +270,18 @@ def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -
         )
 
 
-def _deep(res: RankResult, path: Path, rl: RankLayout, layout: Layout, source_uri: str) -> None:
-    """Reassemble against the source (a checkpoint or an input build): byte-exact for 16-bit,
-    re-quantized for int8/fp8 (re-sliced when the reference build holds them quantized)."""
-    import numpy as np
-    from safetensors import safe_open
-
-    from ..compiler.arrays import as_bytes, from_torch
-    from ..compiler.materialize import Materializer, cut
-    from ..compiler.reshard import open_reference
-
-    source = open_reference(source_uri, layout)  # a checkpoint, or the build it was resharded from
-    mat = Materializer(source, layout)
-    with safe_open(path, framework="pt") as f:
-        for spec in rl.tensors:
-            want = cut(mat.full(spec), spec)
-            got = from_torch(f.get_tensor(spec.name))
-            if spec.pad_rows:
-                if as_bytes(got[got.shape[0] - spec.pad_rows :]).any():
-                    res.fail(f"tensor {spec.name}: padded vocab rows are not zero")
-                got = got[: got.shape[0] - spec.pad_rows]
-            if got.shape != want.shape or not np.array_equal(as_bytes(got), as_bytes(want)):
-                res.fail(f"tensor {spec.name} differs from source {spec.source} (deep check)")
-    res.checks.append("deep")
-
-
 def verify_rank(
     manifest: Manifest, directory: Path, layout: Layout, rl: RankLayout, *,
-    device: str | None = None, deep: str | None = None, hashed: str | BadChunks | None = None,
+    device: str | None = None, deep: str | Source | None = None, hashed: str | BadChunks | None = None,
 ) -> RankResult:
-    """All checks for one rank, in order; stops at the first failing stage that makes later ones moot."""
+    """All checks for one rank, in order; stops at the first failing stage that makes later ones moot.
+    ``deep``: the reference's URI, or the Source ``verify/deep.py`` ``open_deep`` opened from it."""
     res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
+    if isinstance(deep, str):
+        deep = open_deep(deep, layout)
+        if isinstance(deep, str):  # another model's reference: the one line, no tensor compared
+            res.fail(deep)
+            deep = None
     entry = manifest.shard(rl.file)
     path = Path(directory) / rl.file
     if entry is None:
@@ -323,8 +315,8 @@ def verify_rank(
     _check_header(res, path, rl, layout)
     if not res.ok:
         # corrupted bytes under a sound header: --deep still says which tensors they are in
-        if deep and len(res.problems) == before:
-            _deep(res, path, rl, layout, deep)
+        if deep is not None and len(res.problems) == before:
+            deep_check(res, path, rl, layout, deep)
         return res
     if loaded is not None:
         res.problems += loaded.problems
@@ -332,8 +324,8 @@ def verify_rank(
         res.checks += loaded.checks
         assert device is not None
         _device_room(res, rl, layout, device)
-    if deep:
-        _deep(res, path, rl, layout, deep)
+    if deep is not None:
+        deep_check(res, path, rl, layout, deep)
     return res
 
 
@@ -351,6 +343,12 @@ def verify_build(
     ranks = list(layout.ranks) if ranks is None else ranks
     directory = Path(directory)
     problems = check_manifest_against_layout(manifest, layout) + check_side_files(manifest, layout, directory)
+    reference = None
+    if deep:  # opened once for every rank; another model's is one problem, and no rank compares
+        reference = open_deep(deep, layout)
+        if isinstance(reference, str):
+            problems.append(reference)
+            reference = None
     if device:  # verify_rank hashes while it loads each rank onto the device
         device = resolve_device(device)
 
@@ -371,7 +369,7 @@ def verify_build(
             ThreadPoolExecutor(jobs or chunks.workers(), thread_name_prefix="shardc-chunk") as chunk_pool:
         digests = list(pool.map(digest, ranks))
     results = [
-        verify_rank(manifest, directory, layout, rl, device=device, deep=deep, hashed=d)
+        verify_rank(manifest, directory, layout, rl, device=device, deep=reference, hashed=d)
         for rl, d in zip(ranks, digests, strict=True)
     ]
     return VerifyReport.of(layout.plan.name, layout.plan.sha256, problems, [r.verdict() for r in results])

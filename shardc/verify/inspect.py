@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ManifestError
+from ..errors import ManifestError, ShardcError
 from ..formats.files import human_size
-from ..formats.manifest import load
+from ..formats.manifest import Manifest, load
 from ..formats.safetensors import read_header
 from ..results import StrEnum, optional
 
@@ -57,8 +57,9 @@ def describe(path: Path) -> Description:
     if lay.dtype in stored:
         lines.append(f"quantized  {lay.dtype} weight-only per channel, compressed-tensors "
                      f"{stored[lay.dtype]}")
-    if m.file("model.safetensors.index.json") is not None:
-        lines.append("hf index   model.safetensors.index.json (the directory loads as an HF checkpoint)")
+    hf = _hf_line(m)
+    if hf is not None:
+        lines.append(hf)
     tensors = []
     for s in m.shards:
         lines.append(f"  {s.file}  rank {s.rank} (tp {s.tp_rank}, pp {s.pp_stage})  "
@@ -69,6 +70,28 @@ def describe(path: Path) -> Description:
             tensors.append({"file": s.file, "name": name, **t})
     return Description(Described.MANIFEST, tuple(lines), tuple(tensors),
                        experts={s.file: list(s.experts) for s in m.shards if s.experts})
+
+
+def _hf_line(m: Manifest) -> str | None:
+    """Whether the directory loads as an HF checkpoint, by the rule the index writer follows
+    (``hf_checkpoint_problem`` on the Layout recomputed from the manifest), not by the index's
+    presence alone: an older shardc wrote one for stacked experts over DP ranks, which
+    transformers refuses. Nothing for a tp > 1 build without an index (no one expects one)."""
+    from ..compiler.outputs import INDEX, hf_checkpoint_problem
+
+    listed = m.file(INDEX) is not None
+    if not listed and m.layout.tp_degree != 1:
+        return None
+    try:
+        problem = hf_checkpoint_problem(m.to_layout())
+    except ShardcError as exc:  # a manifest whose plan or config no longer lays out
+        problem = f"its layout cannot be recomputed ({exc.message})"
+    if problem is None:
+        return (f"hf index   {INDEX} (the directory loads as an HF checkpoint)" if listed else
+                "hf index   none listed, though this build should have one (an older shardc, or edited)")
+    if listed:
+        return f"hf index   {INDEX} is listed, but the directory is not an HF checkpoint: {problem}"
+    return f"hf index   none: the directory is not an HF checkpoint ({problem}); shardc export makes one"
 
 
 def _ranges(ids: tuple[int, ...]) -> str:
