@@ -32,13 +32,16 @@ Examples:
 @click.option("--dequantize", is_flag=True, help="Allow int8/fp8 -> 16-bit or another scheme "
               "(lossy: q * scale, then cast or quantized; recorded in the manifest).")
 @click.option("--manifests-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("manifests"), show_default=True,
-              help="Where the copy of the manifest (the rollout record) goes.")
+              default=Path("manifests"), show_default=True, envvar="SHARDC_MANIFESTS_DIR", show_envvar=True,
+              help="Where the copy of the manifest (the rollout record, <plan>.json) goes.")
 @click.option("--force", is_flag=True, help="Rebuild even if the output is complete and up to date.")
+@click.option("--replace", is_flag=True, help="Replace another plan's build in the output directory "
+              "(switched in once the new one is complete) and its record in --manifests-dir. Files that "
+              "are not a build are never replaced.")
 @endpoint_option
 @quiet_option
 @json_option
-def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, force, endpoint_url,
+def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, force, replace, endpoint_url,
                 quiet, as_json) -> None:
     """Build PLAN from an existing build instead of the Hugging Face source."""
     from ..compiler.reshard import reshard
@@ -50,7 +53,7 @@ def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, for
     out = out_dir or Path("build") / plan.name
     inp = open_input(manifest_ref, endpoint_url=endpoint_url, spool_parent=out.parent)
     result = reshard(inp, plan, out, dequantize=dequantize, force=force, manifests_dir=manifests_dir,
-                     progress=show_progress(quiet) and not as_json)
+                     progress=show_progress(quiet) and not as_json, replace=replace)
     fetched = {"input_bytes_fetched": inp.bytes_fetched} if hasattr(inp, "bytes_fetched") else {}
     summary = {**result.summary(), "input": result.manifest.source.to_dict(), **fetched}
 
@@ -80,10 +83,12 @@ Examples:
               help="Directory for the Hugging Face checkpoint.")
 @click.option("--max-shard-size", default="5GB", show_default=True,
               help="Largest file (5GB = 5e9 bytes, 5GiB = 5*2^30); a larger tensor gets its own file.")
+@click.option("--replace", is_flag=True, help="Replace an export of another model or dtype in DIR. Files "
+              "that are not an export (a checkpoint shardc did not write) are never replaced.")
 @endpoint_option
 @quiet_option
 @json_option
-def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, quiet, as_json) -> None:
+def export_cmd(manifest_ref, out_dir, max_shard_size, replace, endpoint_url, quiet, as_json) -> None:
     """Write a build as one Hugging Face checkpoint: model-0000i-of-0000n.safetensors + index."""
     from ..compiler.export import export, parse_size
     from ..store.reshard_input import open_input
@@ -91,7 +96,7 @@ def export_cmd(manifest_ref, out_dir, max_shard_size, endpoint_url, quiet, as_js
 
     limit = parse_size(max_shard_size)
     inp = open_input(manifest_ref, endpoint_url=endpoint_url, spool_parent=out_dir.parent)
-    res = export(inp, out_dir, max_shard_size=limit)
+    res = export(inp, out_dir, max_shard_size=limit, replace=replace)
     emit(res, as_json, lambda: [
         f"exported {len(res.files)} file(s), {res.total_bytes / 2**30:.2f} GiB ({res.dtype}) to {res.out_dir} "
         f"in {res.seconds:.1f}s",

@@ -46,6 +46,7 @@ from .buildsource import BuildSource
 from .inputs import BuildInput
 from .lock import LOCK, take_lock
 from .materialize import Materializer, stream_region
+from .outdir import check_export_dir
 from .outputs import INDEX, TOKENIZER_FILES, output_config
 from .sources import Source
 
@@ -130,10 +131,13 @@ class ExportResult:
     seconds: float
 
 
-def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10**9) -> ExportResult:
+def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10**9,
+           replace: bool = False) -> ExportResult:
     """Write the input build as one Hugging Face checkpoint in ``out_dir``. Bad input is found
     before the output directory is touched; any later failure leaves the export that was there
-    (if any) as it was, and removes what this run created."""
+    (if any) as it was, and removes what this run created. A directory holding files an export
+    does not write is refused, and an export of another model or dtype is replaced only with
+    ``replace`` (``compiler/outdir.py``)."""
     t0 = time.perf_counter()
     try:
         plan = export_plan(inp.manifest)
@@ -141,9 +145,12 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
         build_source = BuildSource(inp, layout)
         out = Path(out_dir)
         _refuse_input_dir(out, inp)
+        config = _config_bytes(layout)
+        check_export_dir(out, config, replace=replace)  # before the lock file is made
         inp.side_directory()  # config and tokenizer files checked (and copied) first: small
         build_source.schedule(layout)
         with _locked(out):
+            check_export_dir(out, config, replace=replace)  # what the lock now holds still
             files, total = _export_locked(inp, build_source.as_source(), layout, out, max_shard_size)
     finally:
         inp.close()
@@ -271,14 +278,18 @@ def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,
         files.append({"name": fname, "size": size, "sha256": sha, "tensors": len(group),
                       "chunk_size": w.chunk_size, "chunks": tuple(w.chunks)})
         _fault(f"stage:{len(staged)}")
-    cfg = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
-    _stage_bytes(out, "config.json", cfg, staged)
+    _stage_bytes(out, "config.json", _config_bytes(layout), staged)
     for name in sorted(set(TOKENIZER_FILES) & set(inp.side_files())):
         _stage_bytes(out, name, _side_file(inp, name), staged)
     index = {"metadata": {"total_size": sum(t.nbytes for t in rl.tensors)},
              "weight_map": dict(sorted(weight_map.items()))}
     _stage_bytes(out, INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), staged)
     return files
+
+
+def _config_bytes(layout) -> bytes:
+    """The export's config.json (build's, byte for byte)."""
+    return (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
 
 
 def _stage_bytes(out: Path, name: str, data: bytes, staged: list[tuple[Path, str]]) -> None:
