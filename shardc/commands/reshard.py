@@ -16,7 +16,8 @@ before use; links are never followed. An s3:// input is downloaded to .shardc-in
 output directory; a rerun removes those of a killed run. Exit codes: 0 done, 1 a corrupted input (names
 the file), a shard verify rejects, replicas that differ (names the tensor) or an s3:// manifest
 replaced while it was read, 2 bad input (another model's plan, a lossy dtype change without
---dequantize, a malformed manifest) or another build writing to the output; nothing is left in
+--dequantize, a malformed manifest), another build writing to the output, another plan's build
+in it (--replace replaces it) or files that are not a build (never replaced); nothing is left in
 the output on failure.
 Examples:
   shardc reshard --manifest build/demo-tp3pp2-bf16/manifest.json --plan plans/demo-tp1pp1-bf16.yaml
@@ -70,9 +71,10 @@ def reshard_cmd(manifest_ref, plan_file, out_dir, dequantize, manifests_dir, for
 @click.command("export", epilog="""\b
 Every file is written at a temp name and the index is renamed in last: a failed or killed
 export leaves the one already in DIR whole (killed while switching: no index), and a rerun
-removes its leftovers. One export per DIR at a time; DIR may not be the input build's.
-Exit codes: 0 done, 1 a corrupted input file (named) or a disk failure, 2 bad input or another
-export writing to DIR.
+removes its leftovers. One export per DIR at a time; DIR may not be the input build's, hold files
+an export does not write, or (without --replace) an export of another model or dtype.
+Exit codes: 0 done, 1 a corrupted input file (named) or a disk failure, 2 bad input, another
+export writing to DIR, or what DIR holds.
 Examples:
   shardc export --manifest build/demo-tp3pp2-bf16/manifest.json --out /tmp/smollm2-hf
   shardc export --manifest s3://models/llama3-70b/fp16/manifest.json --out ./hf --max-shard-size 10GB

@@ -46,7 +46,7 @@ from .buildsource import BuildSource
 from .inputs import BuildInput
 from .lock import LOCK, take_lock
 from .materialize import Materializer, stream_region
-from .outdir import check_export_dir
+from .outdir import HF_FILE, check_export_dir
 from .outputs import INDEX, TOKENIZER_FILES, output_config
 from .sources import Source
 
@@ -54,7 +54,6 @@ DEFAULT_MAX_SHARD = "5GB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_HF_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def parse_size(text: str) -> int:
@@ -320,7 +319,7 @@ def _switch(out: Path, staged: list[tuple[Path, str]], new: list[str]) -> None:
         os.replace(tmp, out / name)
         _fault(f"switch:{i}")
     _unlink([p for p in out.glob("model-*-of-*.safetensors")  # a directory there is not ours
-             if _HF_FILE.match(p.name) and p.name not in new and (p.is_symlink() or not p.is_dir())])
+             if HF_FILE.match(p.name) and p.name not in new and (p.is_symlink() or not p.is_dir())])
     fsync_dir(out)  # every file in place before the index says so
     tmp, name = staged[-1]
     os.replace(tmp, out / name)  # the commit point

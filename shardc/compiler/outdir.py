@@ -25,6 +25,7 @@ held, or with ``replace``; otherwise the build is refused before it writes.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from .lock import LOCK
 from .outputs import INDEX, SIDE_FILES, TOKENIZER_FILES
 
 SHOWN = 3  # names quoted in the one line; the rest are counted
+HF_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")  # an export's weights files
 _OURS = {"manifest.json", LOCK, SWITCH_JOURNAL, *SIDE_FILES}
 _EXPORT_OURS = {LOCK, "config.json", INDEX, *TOKENIZER_FILES}
 
@@ -45,15 +47,12 @@ class OccupiedOutput(ShardcError):
 
 
 def _entries(out: Path) -> list[str]:
+    """The names in ``out``; none where it cannot be listed (missing, not a directory, a link
+    loop): creating the directory or its lock reports that in its own words."""
     try:
         return sorted(os.listdir(out))
-    except FileNotFoundError:
+    except OSError:
         return []
-    except NotADirectoryError:
-        return []  # creating the directory reports it
-    except OSError as exc:
-        raise OccupiedOutput(f"cannot list the output directory {out}: {exc.strerror}",
-                             hint="build into a directory you can read (--out DIR)") from None
 
 
 def _refuse_foreign(out: Path, foreign: list[str], what: str) -> None:
@@ -110,7 +109,7 @@ def check_export_dir(out: Path, config: bytes, *, replace: bool) -> None:
     for n in names:
         if n in _EXPORT_OURS or is_temp(n):
             continue
-        if n.startswith("model-") and n.endswith(".safetensors") and _exported(out / n):
+        if HF_FILE.match(n) and _exported(out / n):
             continue
         foreign.append(n)
     _refuse_foreign(out, foreign, "an export")
@@ -127,9 +126,11 @@ def check_export_dir(out: Path, config: bytes, *, replace: bool) -> None:
 
 
 def _exported(path: Path) -> bool:
-    """A weights file shardc's export wrote (its metadata names the build it came from)."""
+    """A weights file shardc's export wrote (its metadata names the build it came from). Only a
+    regular file's bytes can be a user's: a link at the name is replaced, not followed, and a
+    directory is refused by the switch (or, at a stale name, left alone)."""
     if path.is_symlink() or not path.is_file():
-        return False
+        return True
     try:
         _, meta, _ = read_header(path)
     except (OSError, ShardcError):
