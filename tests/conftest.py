@@ -116,3 +116,25 @@ def make_ckpt(tmp_path):
 def _isolated_hash_cache(tmp_path_factory):
     """Keep the source-hash cache of test runs out of the user's ~/.cache."""
     os.environ["SHARDC_CACHE_DIR"] = str(tmp_path_factory.mktemp("shardc-cache"))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _isolated_module_records(tmp_path_factory):
+    """The rollout records of every build and reshard a test runs without ``--manifests-dir`` (the
+    CLI's default is ``manifests/`` of the working directory: this checkout) go to a temp directory,
+    one per test module for its module fixtures and one per test (below): the suite leaves the
+    checkout as it found it (#41 item 9; `.ci/run` checks), and two tests' builds of one plan name
+    never meet at one record (a build refuses to replace another build's record)."""
+    before = os.environ.get("SHARDC_MANIFESTS_DIR")
+    os.environ["SHARDC_MANIFESTS_DIR"] = str(tmp_path_factory.mktemp("manifests"))
+    yield
+    if before is None:
+        os.environ.pop("SHARDC_MANIFESTS_DIR", None)
+    else:
+        os.environ["SHARDC_MANIFESTS_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def _isolated_records(_isolated_module_records, tmp_path_factory, monkeypatch):
+    """Each test's own records directory (see above)."""
+    monkeypatch.setenv("SHARDC_MANIFESTS_DIR", str(tmp_path_factory.mktemp("manifests")))

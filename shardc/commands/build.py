@@ -26,15 +26,16 @@ Examples:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Output directory [default: build/<plan name>].")
 @click.option("--manifests-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=Path("manifests"), show_default=True,
-              help="Where the copy of the manifest (the rollout record) goes.")
+              default=Path("manifests"), show_default=True, envvar="SHARDC_MANIFESTS_DIR", show_envvar=True,
+              help="Where the copy of the manifest (the rollout record, <plan>.json) goes.")
 @click.option("--force", is_flag=True, help="Rebuild even if the output is complete and up to date.")
 @click.option("--allow-pickle", is_flag=True, help="Accept pickled .bin checkpoints of a local directory (loaded weights_only; never from hf://).")
 @click.option("--upload", is_flag=True, help="Push the build to object storage afterwards.")
 @click.option("--to", "to_uri", help="With --upload: destination [default: the plan's manifest_uri directory].")
 @endpoint_option
-@click.option("--replace", is_flag=True, help="With --upload: replace another plan's build at the "
-              "destination (as push --replace).")
+@click.option("--replace", is_flag=True, help="Replace another plan's build in the output directory "
+              "(switched in once the new one is complete) and its record in --manifests-dir; with --upload, "
+              "at the destination too (as push --replace). Files that are not a build are never replaced.")
 @click.option("--dry-run", is_flag=True, help="Validate the plan against the model and print the "
               "per-rank layout; reads no weights (hub sources use the built-in presets).")
 @click.option("--model", "model_ref", help="With --dry-run: model preset or config.json to check against.")
@@ -56,7 +57,7 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
     from ..compiler.compile import build
 
     result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
-                   allow_pickle=allow_pickle, manifests_dir=manifests_dir)
+                   allow_pickle=allow_pickle, manifests_dir=manifests_dir, replace=replace)
     summary = result.summary()
     pushed = None
     if upload:

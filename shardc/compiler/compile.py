@@ -28,6 +28,7 @@ from ..version import __version__
 from .commit import Committer, choose_committer, output_error
 from .lock import take_lock
 from .materialize import Materializer
+from .outdir import check_build_dir, check_record
 from .outputs import (
     LAYOUT_REVISION,
     check_space,
@@ -109,8 +110,11 @@ def build(
     allow_pickle: bool = False,
     manifests_dir: str | Path | None = None,
     source: Source | None = None,
+    replace: bool = False,
 ) -> BuildResult:
-    """Compile ``plan`` into shard files. Validates everything before writing anything."""
+    """Compile ``plan`` into shard files. Validates everything before writing anything, the output
+    directory and the record included (``compiler/outdir.py``): another plan's build there, or its
+    record in ``manifests_dir``, is replaced only with ``replace``; files that are not a build never."""
     t0 = time.perf_counter()
     if source is None:  # reshard passes an input build as the source
         checkpoint = open_source(plan.source, allow_pickle=allow_pickle,
@@ -125,6 +129,9 @@ def build(
     check_kept(source, layout)  # a quantized source kept as stored: every tensor copied exactly
 
     out = Path(out_dir) if out_dir else Path("build") / plan.name
+    files = {rl.file for rl in layout.ranks}
+    check_build_dir(out, plan.name, files, replace=replace)  # before the lock file is made
+    check_record(manifests_dir, out, plan.name, plan.effective_sha256, source.identity, replace=replace)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -139,6 +146,7 @@ def build(
         # A rebuild killed while switching its files in left a journal: finish that switch before
         # anything looks at the directory (up-to-date check, temp cleanup), whatever this plan is.
         finished = finish_switch(out)
+        check_build_dir(out, plan.name, files, replace=replace)  # what the lock now holds still
         with source.guard():  # another process cutting a mapped source file: an error, not SIGBUS
             run = BuildRun(plan, layout, source, out, force, progress, manifests_dir, t0)
             run.result.finished_switch = finished

@@ -46,6 +46,7 @@ from .buildsource import BuildSource
 from .inputs import BuildInput
 from .lock import LOCK, take_lock
 from .materialize import Materializer, stream_region
+from .outdir import HF_FILE, check_export_dir
 from .outputs import INDEX, TOKENIZER_FILES, output_config
 from .sources import Source
 
@@ -53,7 +54,6 @@ DEFAULT_MAX_SHARD = "5GB"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-_HF_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")
 
 
 def parse_size(text: str) -> int:
@@ -130,10 +130,13 @@ class ExportResult:
     seconds: float
 
 
-def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10**9) -> ExportResult:
+def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10**9,
+           replace: bool = False) -> ExportResult:
     """Write the input build as one Hugging Face checkpoint in ``out_dir``. Bad input is found
     before the output directory is touched; any later failure leaves the export that was there
-    (if any) as it was, and removes what this run created."""
+    (if any) as it was, and removes what this run created. A directory holding files an export
+    does not write is refused, and an export of another model or dtype is replaced only with
+    ``replace`` (``compiler/outdir.py``)."""
     t0 = time.perf_counter()
     try:
         plan = export_plan(inp.manifest)
@@ -141,9 +144,12 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
         build_source = BuildSource(inp, layout)
         out = Path(out_dir)
         _refuse_input_dir(out, inp)
+        config = _config_bytes(layout)
+        check_export_dir(out, config, replace=replace)  # before the lock file is made
         inp.side_directory()  # config and tokenizer files checked (and copied) first: small
         build_source.schedule(layout)
         with _locked(out):
+            check_export_dir(out, config, replace=replace)  # what the lock now holds still
             files, total = _export_locked(inp, build_source.as_source(), layout, out, max_shard_size)
     finally:
         inp.close()
@@ -271,14 +277,18 @@ def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,
         files.append({"name": fname, "size": size, "sha256": sha, "tensors": len(group),
                       "chunk_size": w.chunk_size, "chunks": tuple(w.chunks)})
         _fault(f"stage:{len(staged)}")
-    cfg = (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
-    _stage_bytes(out, "config.json", cfg, staged)
+    _stage_bytes(out, "config.json", _config_bytes(layout), staged)
     for name in sorted(set(TOKENIZER_FILES) & set(inp.side_files())):
         _stage_bytes(out, name, _side_file(inp, name), staged)
     index = {"metadata": {"total_size": sum(t.nbytes for t in rl.tensors)},
              "weight_map": dict(sorted(weight_map.items()))}
     _stage_bytes(out, INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), staged)
     return files
+
+
+def _config_bytes(layout) -> bytes:
+    """The export's config.json (build's, byte for byte)."""
+    return (json.dumps(output_config(layout), indent=1, sort_keys=True) + "\n").encode()
 
 
 def _stage_bytes(out: Path, name: str, data: bytes, staged: list[tuple[Path, str]]) -> None:
@@ -309,7 +319,7 @@ def _switch(out: Path, staged: list[tuple[Path, str]], new: list[str]) -> None:
         os.replace(tmp, out / name)
         _fault(f"switch:{i}")
     _unlink([p for p in out.glob("model-*-of-*.safetensors")  # a directory there is not ours
-             if _HF_FILE.match(p.name) and p.name not in new and (p.is_symlink() or not p.is_dir())])
+             if HF_FILE.match(p.name) and p.name not in new and (p.is_symlink() or not p.is_dir())])
     fsync_dir(out)  # every file in place before the index says so
     tmp, name = staged[-1]
     os.replace(tmp, out / name)  # the commit point

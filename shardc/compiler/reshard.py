@@ -21,6 +21,7 @@ from ..layout.plan import Plan
 from ..layout.ranks import Layout
 from .buildsource import BuildSource
 from .inputs import BuildInput
+from .outdir import OccupiedOutput
 from .sourcequant import with_quantization
 from .sources import Source
 
@@ -52,8 +53,10 @@ def reshard(
     force: bool = False,
     progress: bool = False,
     manifests_dir: str | Path | None = None,
+    replace: bool = False,
 ):
-    """Build ``plan`` from the input build instead of a checkpoint. Everything that can be
+    """Build ``plan`` from the input build instead of a checkpoint (into ``out_dir`` as build
+    writes one: another plan's build there, or its record, replaced only with ``replace``). Everything that can be
     checked before writing is (model, degrees, dtype rules); a failure later (a corrupted input
     file, replicas that differ) leaves no file of this run behind."""
     from ..layout.ranks import build_layout
@@ -76,7 +79,9 @@ def reshard(
         source.schedule(layout)
         try:
             return build(plan, out, force=force, progress=progress, manifests_dir=manifests_dir,
-                         source=source.as_source())
+                         source=source.as_source(), replace=replace)
+        except OccupiedOutput:
+            raise  # refused before anything was written: the input is not the cause
         except ShardcError as exc:
             # build removed this run's shards (bad input); a disk failure keeps them to resume
             if not isinstance(exc, OutputError):

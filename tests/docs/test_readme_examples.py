@@ -5,7 +5,8 @@ gives, from the repository root, by bash, with this checkout's ``shardc`` first 
 in ``SKIPPED`` with the reason it cannot run here (a GPU, the network, a 70B checkpoint, a path the
 reader substitutes). A new example that is neither fails the test, so the README cannot grow
 untested examples. Afterwards ``git status`` must be what it was: the examples write only ignored
-paths (build/, manifests/, reports/, .cache/, /tmp).
+paths (build/, manifests/, reports/, .cache/, /tmp), and the build directories and records they
+made are removed again, but the demo's build (build/demo-tp3pp2-bf16).
 """
 
 from __future__ import annotations
@@ -80,8 +81,11 @@ def _git_status() -> str | None:
 @pytest.mark.heavy
 def test_readme_examples_run_and_leave_git_status_clean(demo_model_dir):
     before = _git_status()
+    builds = set(os.listdir(ROOT / "build")) if (ROOT / "build").is_dir() else set()
+    records = set(os.listdir(ROOT / "manifests")) if (ROOT / "manifests").is_dir() else None
     env = {**os.environ, "PYTHONPATH": str(ROOT),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("SHARDC_MANIFESTS_DIR")  # as a user types them: records in manifests/ (push reads one)
     ran = []
     try:
         for line in examples():
@@ -93,6 +97,16 @@ def test_readme_examples_run_and_leave_git_status_clean(demo_model_dir):
             ran.append(line)
     finally:
         shutil.rmtree("/tmp/smollm2-hf", ignore_errors=True)  # the export example's --out
+        # the examples' other build directories go too (the checkout as it was, .ci/run checks;
+        # records went to the suite's SHARDC_MANIFESTS_DIR); the demo's own build stays
+        made = set(os.listdir(ROOT / "build")) if (ROOT / "build").is_dir() else set()
+        for name in made - builds - {"demo-tp3pp2-bf16"}:
+            shutil.rmtree(ROOT / "build" / name, ignore_errors=True)
+        if records is None:
+            shutil.rmtree(ROOT / "manifests", ignore_errors=True)
+        else:
+            for name in set(os.listdir(ROOT / "manifests")) - records:
+                (ROOT / "manifests" / name).unlink()
     assert any(line.startswith("shardc reshard") for line in ran) and len(ran) >= 12, ran
     if before is not None:
         assert _git_status() == before, "a README example changed tracked or unignored files"
