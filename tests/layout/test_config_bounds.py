@@ -278,3 +278,17 @@ def test_ambiguous_configs_through_the_cli(tmp_path):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({**PRESETS["llama-3.1-8b"], **edit}))
         one_line(shardc("plan", "--model", path, "--gpu", "h100-sxm", timeout=60), needle)
+
+
+def test_a_manifest_whose_config_has_too_many_experts_is_one_line_before_its_layout(tmp_path):
+    """The manifest reader bounds the numbers every decoder has (``LIMITS``); a family's counts
+    are bounded by model_from_config as the manifest's Layout is made, before it is sized."""
+    from tiny_builds import tiny_build
+
+    built = tiny_build(tmp_path, "t")
+    m = json.loads((built / "manifest.json").read_text())
+    m["model"]["config"].update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=10**8)
+    (built / "manifest.json").write_text(json.dumps(m))
+    r, cpu = _cli_cpu("verify", "--manifest", built / "manifest.json")
+    one_line(r, "error: num_local_experts: config.json num_local_experts is 100000000, above the limit of 4096")
+    assert cpu < 5, cpu
