@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import ModelError, ShardcError
 from .dtypes import SOURCE_DTYPES, from_torch_name
 from .families import BY_ARCHITECTURE, BY_NAME, FAMILIES, Family, Forward
+from .families.base import BOUNDS, above, short
 from .readfile import CONFIG_LIMIT, read_regular_file
 
 ARCHITECTURES = BY_ARCHITECTURE  # every architecture a family module declares -> its family
@@ -104,19 +105,14 @@ def config_key(field: str) -> str:
     return _CONFIG_KEY.get(field, field)
 
 
-# Sane upper bounds, checked before anything is sized from a config (a manifest's config too):
+# The numbers every decoder has, with the upper bounds they are checked against before anything is
+# sized from a config (a manifest's config too: formats/manifest.py reads this table):
 # ``num_hidden_layers: 1000000000`` would otherwise allocate per-layer tables until MemoryError.
-# Each is far above any published model (Llama 3.1 405B: 126 layers, 16384 hidden, 128256 vocab).
-LIMITS: dict[str, int] = {
-    "hidden_size": 1 << 18,
-    "intermediate_size": 1 << 20,
-    "num_hidden_layers": 4096,
-    "num_attention_heads": 4096,
-    "num_key_value_heads": 4096,
-    "head_dim": 1 << 14,
-    "vocab_size": 1 << 24,
-    "max_position_embeddings": 1 << 28,
-}
+# One table holds these and every count a family reads (families/base.py ``BOUNDS``, each bound
+# with the published models it is far above).
+LIMITS: dict[str, int] = {key: BOUNDS[key][1] for key in (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "max_position_embeddings")}
 _HINT = "pass the config.json of a Hugging Face checkpoint of a supported family (README: Supported models)"
 
 
@@ -125,7 +121,7 @@ def _int(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ModelError(f"config.json {key} must be a positive integer, found {value!r}", hint=_HINT, key=key)
     if value > LIMITS[key]:
-        raise ModelError(f"config.json {key} is {value}, above the limit of {LIMITS[key]}", hint=_HINT, key=key)
+        raise above(key, value, LIMITS[key])
     return value
 
 
@@ -167,7 +163,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         return _float(cfg, "rope_theta", 10000.0), copy.deepcopy(old_scaling)
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
         raise ModelError(f"config.json rope_parameters must be one object of rope settings, found "
-                         f"{_short(params)}", key="rope_parameters",
+                         f"{short(params)}", key="rope_parameters",
                          hint="per-layer-type rope_parameters belong to families shardc does not build")
     key = "rope_parameters.rope_theta"
     theta = _float({key: params.get("rope_theta")}, key, 10000.0 if old_theta is None else old_theta)
@@ -179,8 +175,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
                          f"rope_parameters.rope_theta={theta!r}", key="rope_parameters",
                          hint="keep one spelling (transformers 5 writes rope_parameters only)")
     if old_scaling is not None and _rope_kind(old_scaling) != _rope_kind(scaling or {}):
-        raise ModelError(f"config.json rope_scaling {_short(old_scaling)} disagrees with "
-                         f"rope_parameters {_short(params)}", key="rope_parameters",
+        raise ModelError(f"config.json rope_scaling {short(old_scaling)} disagrees with "
+                         f"rope_parameters {short(params)}", key="rope_parameters",
                          hint="keep one spelling (transformers 5 writes rope_parameters only)")
     return theta, scaling
 
@@ -191,23 +187,46 @@ def _rope_kind(scaling: dict[str, Any]) -> dict[str, Any]:
     return {} if out in ({}, {"rope_type": "default"}) else out
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+# transformers' model_type of every architecture shardc knows -> that architecture
+MODEL_TYPES: dict[str, str] = {t: a for f in FAMILIES for a, t in f.model_types.items()}
+
+
+def _architecture(cfg: dict[str, Any]) -> str:
+    """The one architecture config.json names, known to shardc and not contradicted by its
+    model_type. transformers builds a checkpoint by ``model_type`` (AutoConfig's classes), vLLM by
+    ``architectures``, so a config naming two architectures, or whose model_type is another
+    known architecture's (Llama's tensors read as Qwen2's, with q/k/v biases), is two models at
+    once and refused. A model_type shardc does not know stays accepted: the architecture decides
+    (Kimi-K2 ships ``kimi_k2`` over DeepseekV3ForCausalLM)."""
+    archs = cfg.get("architectures") or []
+    if isinstance(archs, list) and len(archs) > 1:
+        raise ModelError(f"config.json architectures names {len(archs)} architectures, {short(archs)}; "
+                         "transformers and vLLM may each build a different one", key="architectures",
+                         hint="list the one architecture whose tensors the checkpoint holds")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ModelError(
+            f"unsupported architecture {short(arch)}",
+            hint=f"supported: {', '.join(sorted(ARCHITECTURES))} (README: Supported models)",
+            key="architectures",
+        )
+    kind = cfg.get("model_type")
+    if kind is not None and not isinstance(kind, str):
+        raise ModelError(f"config.json model_type must be a string, found {short(kind)}", key="model_type",
+                         hint=f"{ARCHITECTURES[arch].model_types[arch]!r}, transformers' model_type of {arch}")
+    if kind in MODEL_TYPES and MODEL_TYPES[kind] != arch:
+        raise ModelError(f"config.json model_type={kind!r} is {MODEL_TYPES[kind]}'s, but architectures names "
+                         f"{arch} (transformers builds by model_type, vLLM by architectures)", key="model_type",
+                         hint=f"model_type {ARCHITECTURES[arch].model_types[arch]!r} for {arch}, or architectures "
+                              f"[{MODEL_TYPES[kind]!r}]: whichever the checkpoint's tensors are")
+    return arch
 
 
 def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     """Validate a Hugging Face config dict and turn it into a ModelSpec."""
     if not isinstance(cfg, dict):
         raise ModelError("config.json is not a JSON object", hint="pass a Hugging Face config.json")
-    archs = cfg.get("architectures") or []
-    arch = archs[0] if isinstance(archs, list) and archs else None
-    if not isinstance(arch, str) or arch not in ARCHITECTURES:
-        raise ModelError(
-            f"unsupported architecture {arch!r}",
-            hint=f"supported: {', '.join(sorted(ARCHITECTURES))} (README: Supported models)",
-            key="architectures",
-        )
+    arch = _architecture(cfg)
     family = ARCHITECTURES[arch]
     hidden = _int(cfg, "hidden_size")
     heads = _int(cfg, "num_attention_heads")

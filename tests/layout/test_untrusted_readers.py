@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from shardc.compiler.source import open_source
 from shardc.errors import ShardcError
 from shardc.formats.safetensors import read_header
-from shardc.layout.model import load_model, model_from_config
+from shardc.layout.families import BY_ARCHITECTURE
+from shardc.layout.families.base import BOUNDS
+from shardc.layout.model import PRESETS, load_model, model_from_config
 from shardc.layout.plan import load_plan, plan_from_dict
 
 FUZZ = settings(max_examples=100, deadline=2000, suppress_health_check=[HealthCheck.too_slow],
@@ -41,10 +43,24 @@ plan_like = st.recursive(
 CONFIG_KEYS = ["architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "rms_norm_eps",
                "rope_theta", "rope_scaling", "tie_word_embeddings", "attention_bias", "mlp_bias", "torch_dtype"]
+# every family's architecture and every count a family reads (BOUNDS), near and far past the bounds
+ARCHITECTURES = sorted(BY_ARCHITECTURE)
+FAMILY_KEYS = sorted(set(BOUNDS) - set(CONFIG_KEYS)) + ["model_type", "mlp_only_layers", "layer_types",
+                                                          "use_sliding_window", "q_lora_rank"]
+counts = st.integers(-5, 2**40) | st.integers(0, 5000) | st.sampled_from([10**6, 10**8, 131073])
 config_like = st.fixed_dictionaries(
-    {"architectures": st.sampled_from([["LlamaForCausalLM"], ["Qwen2ForCausalLM"], "x", [], [[1]]])},
-    optional={k: json_values | st.integers(-5, 2**40) for k in CONFIG_KEYS[1:]},
+    {"architectures": st.sampled_from([["LlamaForCausalLM"], ["Qwen2ForCausalLM"], "x", [], [[1]]])
+     | st.lists(st.sampled_from(ARCHITECTURES), min_size=1, max_size=2)},
+    optional={k: json_values | counts for k in CONFIG_KEYS[1:]}
+    | {k: json_values | counts | st.sampled_from(["llama", "mixtral", "kimi_k2", True, [0, 1] * 3000,
+                                                  ["sliding_attention"] * 5000])
+       for k in FAMILY_KEYS},
 )
+# a published config (every family's presets) with up to three of those keys replaced
+edited_preset = st.builds(lambda name, edits: {**PRESETS[name], **edits}, st.sampled_from(sorted(PRESETS)),
+                          st.dictionaries(st.sampled_from(CONFIG_KEYS + FAMILY_KEYS), json_values | counts
+                                          | st.sampled_from([["LlamaForCausalLM", "MixtralForCausalLM"], "llama",
+                                                             "kimi_k2", [0, 1] * 3000]), max_size=3))
 
 
 _DIR = tempfile.TemporaryDirectory(prefix="shardc-fuzz-")
@@ -87,7 +103,7 @@ def test_load_plan_bytes(data):
 
 
 @FUZZ
-@given(config_like)
+@given(config_like | edited_preset)
 def test_model_from_config(cfg):
     try:
         model_from_config(cfg)

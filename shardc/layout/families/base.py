@@ -219,6 +219,9 @@ class Family:
     read: Callable[[dict[str, Any]], dict[str, Any]]
     tensors: Callable[[ModelShape], list[Row]]
     forward: Callable[[ModelShape], Forward]
+    # each architecture's model_type (its transformers configuration class's): transformers builds
+    # by config.json's model_type, vLLM by architectures, so another one's is refused (model.py)
+    model_types: dict[str, str]
     presets: dict[str, Preset] = field(default_factory=dict)  # name -> real-size config
     # The global rope (theta, scaling in rope_scaling's form) when the family spells it its own
     # way (Gemma 3's per-layer-type rope_parameters), given layout/model.py's reader of one rope
@@ -251,27 +254,78 @@ def number(cfg: dict[str, Any], key: str, default: float | None, *, positive: bo
     return float(value)
 
 
+# ---- bounds: every count and size a config gives ----------------------------------------------
+
+# (lowest, highest) accepted for every whole number a config gives, checked before anything is
+# sized by it: a 1 KB config.json with ``num_local_experts: 10**8`` kept ``plan`` and ``build
+# --dry-run`` building tensor tables for minutes. Each bound is far above every published model
+# (the figures: their config.json values, transformers' configuration_*.py defaults). The first
+# row is layout/model.py's ``LIMITS`` (the numbers every decoder has; the manifest reader's too).
+LAYERS = 4096  # Llama 3.1 405B: 126; DeepSeek-V3: 61
+EXPERTS = 4096  # routed experts: Qwen3-Next 512 (the most published), Kimi-K2 384, DeepSeek-V3 256
+HIDDEN, INTER, HEAD, POSITIONS = 1 << 18, 1 << 20, 1 << 14, 1 << 28  # 405B: 16384, 53248; head_dim 256
+BOUNDS: dict[str, tuple[int, int]] = {
+    "hidden_size": (1, HIDDEN), "intermediate_size": (1, INTER), "num_hidden_layers": (1, LAYERS),
+    "num_attention_heads": (1, 4096), "num_key_value_heads": (1, 4096), "head_dim": (1, HEAD),
+    "vocab_size": (1, 1 << 24), "max_position_embeddings": (1, POSITIONS),
+    # routing (DeepSeek-V3: top 8 of 256 in 8 groups, the best 4, one shared expert); top-k, n_group
+    # and topk_group are then checked against the experts (moe.py, deepseek.py)
+    "num_local_experts": (1, EXPERTS), "num_experts": (1, EXPERTS), "n_routed_experts": (1, EXPERTS),
+    "num_experts_per_tok": (1, EXPERTS), "n_group": (1, EXPERTS), "topk_group": (1, EXPERTS),
+    "n_shared_experts": (1, EXPERTS),
+    # an expert's MLP, under intermediate_size's bound (DeepSeek-V3 2048, Qwen1.5-MoE's shared 5632)
+    "moe_intermediate_size": (1, INTER), "shared_expert_intermediate_size": (1, INTER),
+    # counts of layers, steps and patterns (DeepSeek-V3 first_k_dense_replace 3, one MTP layer;
+    # Qwen2 max_window_layers 28 to 80; Gemma 3 pattern 6)
+    "first_k_dense_replace": (0, LAYERS), "decoder_sparse_step": (1, LAYERS),
+    "max_window_layers": (0, LAYERS), "sliding_window_pattern": (1, LAYERS),
+    "num_nextn_predict_layers": (0, LAYERS), "num_mtp_layers": (0, LAYERS),
+    # MLA: ranks under hidden_size's bound (1536, 512), head dims under head_dim's (128, 64, 128)
+    "q_lora_rank": (1, HIDDEN), "kv_lora_rank": (1, HIDDEN), "qk_nope_head_dim": (1, HEAD),
+    "qk_rope_head_dim": (1, HEAD), "v_head_dim": (1, HEAD),
+    "sliding_window": (1, POSITIONS),  # positions (Qwen1.5-MoE 32768, gpt-oss 128)
+}
+# Routed expert MLPs in all (layers x experts, three table rows each): Kimi-K2 61 x 384 = 23,424.
+# The two bounds alone allow 4096 x 4096: 50 million rows.
+EXPERT_MLPS = 1 << 17
+
+
+def above(key: str, value: int, high: int) -> ModelError:
+    """The one line for a number above its bound: the key, the value and what would work."""
+    return ModelError(f"config.json {key} is {value}, above the limit of {high}", key=key,
+                      hint=f"{key} at most {high}, far above any published model's; pass the "
+                           "checkpoint's own config.json")
+
+
 @overload
-def count(cfg: dict[str, Any], key: str, default: int, *, low: int = 1) -> int: ...
+def count(cfg: dict[str, Any], key: str, default: int) -> int: ...
 @overload
-def count(cfg: dict[str, Any], key: str, default: None = None, *, low: int = 1) -> int | None: ...
-def count(cfg: dict[str, Any], key: str, default: int | None = None, *, low: int = 1) -> int | None:
-    """A whole number >= low, or the default when absent or null (an int whenever the default is)."""
+def count(cfg: dict[str, Any], key: str, default: None = None) -> int | None: ...
+def count(cfg: dict[str, Any], key: str, default: int | None = None) -> int | None:
+    """A whole number within ``BOUNDS[key]`` (every key read has a row there), or the default
+    when absent or null (an int whenever the default is)."""
+    low, high = BOUNDS[key]
     value = cfg.get(key, default)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ModelError(f"config.json {key} must be a whole number >= {low}, found {value!r}",
                          hint=HINT, key=key)
+    if value > high:
+        raise above(key, value, high)
     return value
 
 
 def refuse(key: str, value: Any, why: str, hint: str = "") -> ModelError:
-    return ModelError(f"config.json {key}={_short(value)} {why}", key=key,
+    return ModelError(f"config.json {key}={short(value)} {why}", key=key,
                       hint=hint or "shardc builds and runs only what it computes exactly")
 
 
-def _short(value: Any) -> str:
+def short(value: Any) -> str:
+    """At most 80 characters of a value's repr, a long list or object cut first (a 16 MiB list in
+    a config costs a second to repr whole); its first 32 entries already pass 80 characters."""
+    if isinstance(value, (list, dict)) and len(value) > 32:
+        value = value[:32] if isinstance(value, list) else dict(list(value.items())[:32])
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 

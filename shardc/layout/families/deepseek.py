@@ -96,7 +96,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     _choice(cfg, "scoring_func", ("sigmoid",), "sigmoid")
     _choice(cfg, "topk_method", ("noaux_tc",), "noaux_tc")
     _choice(cfg, "moe_layer_freq", (1,), 1)
-    dense = count(cfg, "first_k_dense_replace", 3, low=0)
+    dense = count(cfg, "first_k_dense_replace", 3)
     assert dense is not None
     # null: one q_proj instead of the low-rank pair (DeepSeek-V2-Lite)
     q_lora = None if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else count(cfg, "q_lora_rank", 1536)
@@ -117,7 +117,7 @@ def _mtp(cfg: dict[str, Any]) -> int:
     """Multi-token-prediction layers after the last decoder layer (transformers 4 spells it
     num_nextn_predict_layers, 5 num_mtp_layers and writes the old name): in a checkpoint, not in
     the forward."""
-    old, new = count(cfg, "num_nextn_predict_layers", low=0), count(cfg, "num_mtp_layers", low=0)
+    old, new = count(cfg, "num_nextn_predict_layers"), count(cfg, "num_mtp_layers")
     if old is not None and new is not None and old != new:
         raise refuse("num_mtp_layers", new, f"disagrees with num_nextn_predict_layers={old}")
     return old if old is not None else new or 0
@@ -213,6 +213,7 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its fp8 quantizatio
 FAMILY = Family(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
+    model_types={"DeepseekV3ForCausalLM": "deepseek_v3"},
     read=read, tensors=tensors, forward=forward, unused=unused,
     presets={"deepseek-v3": Preset(DEEPSEEK_V3, ("deepseek-ai/DeepSeek-V3",))},
 )

@@ -254,7 +254,8 @@ PRESETS_3 = {
                          ("google/gemma-3-1b-it", "google/gemma-3-1b-pt")),
 }
 
-GEMMA2_FAMILY = Family(name="gemma2", architectures=(GEMMA2,), read=read, tensors=tensors,
-                       forward=forward, presets=PRESETS_2)
-GEMMA3_FAMILY = Family(name="gemma3", architectures=(GEMMA3,), read=read, tensors=tensors,
-                       forward=forward, presets=PRESETS_3, rope=lambda cfg, one: rope(cfg, one)[:2])
+GEMMA2_FAMILY = Family(name="gemma2", architectures=(GEMMA2,), model_types={GEMMA2: "gemma2"}, read=read,
+                       tensors=tensors, forward=forward, presets=PRESETS_2)
+GEMMA3_FAMILY = Family(name="gemma3", architectures=(GEMMA3,), model_types={GEMMA3: "gemma3_text"}, read=read,
+                       tensors=tensors, forward=forward, presets=PRESETS_3,
+                       rope=lambda cfg, one: rope(cfg, one)[:2])

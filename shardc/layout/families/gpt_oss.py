@@ -126,6 +126,7 @@ def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
 FAMILY = Family(
     name="gpt_oss",
     architectures=("GptOssForCausalLM",),
+    model_types={"GptOssForCausalLM": "gpt_oss"},
     read=read, tensors=tensors, forward=forward, rope=rope,
     presets={"gpt-oss-120b": Preset(_gpt_oss(36, 128), ("openai/gpt-oss-120b",)),
              "gpt-oss-20b": Preset(_gpt_oss(24, 32), ("openai/gpt-oss-20b",))},

@@ -51,6 +51,7 @@ GRANITE_31_8B = {
 FAMILY = Family(
     name="granite",
     architectures=("GraniteForCausalLM",),
+    model_types={"GraniteForCausalLM": "granite"},
     read=read, tensors=tensors, forward=forward,
     presets={"granite-3.1-8b": Preset(GRANITE_31_8B, ("ibm-granite/granite-3.1-8b-instruct",))},
 )

@@ -35,7 +35,7 @@ def qwen_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:
         return ()
     layers = count(cfg, "num_hidden_layers") or 1
     window = count(cfg, "sliding_window", 4096)
-    first = count(cfg, "max_window_layers", 28, low=0)
+    first = count(cfg, "max_window_layers", 28)
     types = layer_types(cfg, layers, lambda i: "sliding_attention" if i >= first else "full_attention")
     return windows_for(types, window)
 
@@ -115,5 +115,6 @@ PRESETS = {
 FAMILY = Family(
     name="llama",
     architectures=("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"),
+    model_types={"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"},
     read=read, tensors=tensors, forward=forward, presets=PRESETS,
 )

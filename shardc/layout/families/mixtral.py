@@ -71,6 +71,7 @@ MIXTRAL_8X7B = {
 FAMILY = Family(
     name="mixtral",
     architectures=("MixtralForCausalLM",),
+    model_types={"MixtralForCausalLM": "mixtral"},
     read=read, tensors=tensors, forward=forward,
     presets={"mixtral-8x7b": Preset(MIXTRAL_8X7B, ("mistralai/Mixtral-8x7B-Instruct-v0.1",
                                                    "mistralai/Mixtral-8x7B-v0.1"))},

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import COLUMN, REPLICATED, ROW, Row, count, refuse
+from ...errors import ModelError
+from .base import COLUMN, EXPERT_MLPS, REPLICATED, ROW, Row, count, refuse
 
 if TYPE_CHECKING:
     from .base import ModelShape
@@ -44,6 +45,12 @@ def read_routing(cfg: dict[str, Any], experts_key: str) -> tuple[int, int]:
         experts_key, experts = "num_local_experts", new
     if experts is None:
         raise refuse(experts_key, None, "must give the number of routed experts")
+    layers = count(cfg, "num_hidden_layers") or 1  # every layer may route: bound them all
+    if experts * layers > EXPERT_MLPS:
+        raise ModelError(f"config.json {experts_key}={experts} in each of num_hidden_layers={layers} is "
+                         f"{experts * layers} routed experts, above the limit of {EXPERT_MLPS}",
+                         key=experts_key, hint=f"at most {EXPERT_MLPS} routed experts in all layers, far "
+                         "above any published model's; pass the checkpoint's own config.json")
     top_k = count(cfg, "num_experts_per_tok", 2)
     assert top_k is not None
     if top_k > experts:

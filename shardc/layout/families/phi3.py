@@ -106,5 +106,6 @@ PRESETS = {
 FAMILY = Family(
     name="phi3",
     architectures=("Phi3ForCausalLM",),
+    model_types={"Phi3ForCausalLM": "phi3"},
     read=read, tensors=tensors, forward=forward, presets=PRESETS,
 )

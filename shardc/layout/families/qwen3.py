@@ -51,6 +51,7 @@ def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool
 FAMILY = Family(
     name="qwen3",
     architectures=("Qwen3ForCausalLM",),
+    model_types={"Qwen3ForCausalLM": "qwen3"},
     read=read, tensors=tensors, forward=forward,
     presets={
         "qwen3-8b": Preset(_qwen3(4096, 12288, 36, 32, 8, False), ("Qwen/Qwen3-8B",)),

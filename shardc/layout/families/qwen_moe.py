@@ -52,11 +52,13 @@ SHARED_GATE = "mlp.shared_expert_gate.weight"
 def _sparse(cfg: dict[str, Any], layers: int) -> tuple[bool, ...]:
     step = count(cfg, "decoder_sparse_step", 1)
     only = cfg.get("mlp_only_layers") or []
+    if isinstance(only, list) and len(only) > layers:  # before its entries are looked at
+        raise refuse("mlp_only_layers", only, f"lists {len(only)} entries; there are {layers} layers")
     if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers
                                          for i in only):
         raise refuse("mlp_only_layers", only, f"must list layer indices below {layers}")
-    assert step is not None
-    return tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
+    dense = set(only)
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -67,7 +69,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("use_sliding_window"):
         window = count(cfg, "sliding_window", 4096)
         if qwen2:
-            first = count(cfg, "max_window_layers", 28, low=0)
+            first = count(cfg, "max_window_layers", 28)
             assert first is not None
             types = layer_types(cfg, layers, lambda i: "sliding_attention" if (i + 1) % 2 and i < first
                                 else "full_attention")
@@ -147,12 +149,14 @@ QWEN15_MOE_A27B = {  # Qwen/Qwen1.5-MoE-A2.7B
 QWEN2_MOE = Family(
     name="qwen2_moe",
     architectures=("Qwen2MoeForCausalLM",),
+    model_types={"Qwen2MoeForCausalLM": "qwen2_moe"},
     read=read, tensors=tensors, forward=forward,
     presets={"qwen1.5-moe-a2.7b": Preset(QWEN15_MOE_A27B, ("Qwen/Qwen1.5-MoE-A2.7B",))},
 )
 QWEN3_MOE = Family(
     name="qwen3_moe",
     architectures=("Qwen3MoeForCausalLM",),
+    model_types={"Qwen3MoeForCausalLM": "qwen3_moe"},
     read=read, tensors=tensors, forward=forward,
     presets={
         "qwen3-30b-a3b": Preset(_qwen3_moe(2048, 48, 32, 4, 128, 768), ("Qwen/Qwen3-30B-A3B",)),
