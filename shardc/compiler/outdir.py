@@ -37,7 +37,7 @@ from .lock import LOCK
 from .outputs import INDEX, SIDE_FILES, TOKENIZER_FILES
 
 SHOWN = 3  # names quoted in the one line; the rest are counted
-HF_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors$")  # an export's weights files
+HF_FILE = re.compile(r"^model-\d{5}-of-\d{5}\.safetensors\Z")  # an export's weights files
 _OURS = {"manifest.json", LOCK, SWITCH_JOURNAL, *SIDE_FILES}
 _EXPORT_OURS = {LOCK, "config.json", INDEX, *TOKENIZER_FILES}
 
