@@ -111,7 +111,6 @@ def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
 
 class CompressedTensors(SourceQuantization):
     methods = ("compressed-tensors",)
-
     applies = "the decoder's linear projections not in its ignore list"
 
     def __init__(self, block: dict[str, Any], fmt: str, w: dict[str, Any], scale_dtype: str,
@@ -133,7 +132,7 @@ class CompressedTensors(SourceQuantization):
         if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
             raise _refuse("ignore", f"is {ignore!r}; it must be a list of module names or re: patterns")
         self.ignore = tuple(ignore)
-        self._patterns = []
+        self._patterns: list[re.Pattern[str]] = []  # the re: entries, compiled once
         for entry in ignore:
             if entry.startswith("re:"):
                 try:
