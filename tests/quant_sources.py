@@ -4,6 +4,10 @@ Block FP8: a tiny model made and saved by transformers (bf16, seeded), then each
 projections quantized by transformers' own FineGrainedFP8 quantizer (``Fp8Quantize``, the op
 ``save_pretrained`` runs for an fp8 model) into ``X.weight`` F8_E4M3 + ``X.weight_scale_inv`` F32,
 with the ``quantization_config`` DeepSeek-V3 / Qwen3-FP8 publish.
+
+compressed-tensors: ``ct_model_compressor_source`` publishes a checkpoint the way
+llm-compressor saves one, through compressed-tensors' own ``ModelCompressor`` (its config.json is
+the library's, key for key), and ``ct_reference`` is the library's decompression of a weight.
 """
 
 from __future__ import annotations
@@ -67,62 +71,115 @@ def fp8_block_source(bf16: Path, out: Path, block: tuple[int, int] = (32, 32), *
     return out
 
 
-# name -> (format, weights args) of compressed-tensors schemes as llm-compressor writes them
-CT_SCHEMES = {
-    "w4a16-group": ("pack-quantized", {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                       "group_size": 32, "dynamic": False, "actorder": None}),
-    "w8a16-channel": ("int-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
-                                        "group_size": None, "dynamic": False}),
-    "fp8-channel": ("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True,
-                                        "strategy": "channel", "group_size": None, "dynamic": False}),
-}
+# -- compressed-tensors sources made by compressed-tensors' own ModelCompressor -------------------
+
+def ct_scheme(name: str):
+    """A QuantizationScheme targeting Linear, from compressed-tensors' presets (group sizes cut to
+    32 for the tiny models' 128-wide rows): the schemes shardc reads."""
+    import compressed_tensors.quantization.quant_scheme as presets
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    base = {"w4a16-group": "W4A16", "w4a16-channel": "W4A16", "w8a16-group": "W8A16", "w8a8-channel": "INT8_W8A8",
+            "fp8-channel": "FP8_DYNAMIC", "fp8-tensor": "FP8_DYNAMIC"}[name]
+    scheme = {k: v.model_copy() for k, v in getattr(presets, base).items()}
+    if name.endswith("-group"):
+        scheme["weights"] = QuantizationArgs(**scheme["weights"].model_dump() | {"group_size": 32})
+    elif name == "w4a16-channel":
+        scheme["weights"] = QuantizationArgs(**scheme["weights"].model_dump() | {"strategy": "channel",
+                                                                                 "group_size": None})
+    elif name == "fp8-tensor":
+        scheme["weights"] = QuantizationArgs(**scheme["weights"].model_dump() | {"strategy": "tensor"})
+    return QuantizationScheme(targets=["Linear"], **scheme)
 
 
-def ct_args(scheme: str):
-    from compressed_tensors.quantization import QuantizationArgs
+def _linear_tree(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The checkpoint's tensors as a module tree under their own names: every 2-D ``X.weight``
+    (but the embedding) an ``nn.Linear`` ``X``, the rest plain parameters. transformers 5 fuses
+    MoE experts into 3-D parameters, which compressed-tensors does not target; llm-compressor
+    calibrates MoE models through per-expert Linear modules, saved under these same names."""
+    root = torch.nn.Module()
 
-    return QuantizationArgs(**CT_SCHEMES[scheme][1])
+    def node(path: list[str], linear: torch.nn.Module | None = None) -> torch.nn.Module:
+        mod = root
+        for i, part in enumerate(path):
+            if not hasattr(mod, part):
+                mod.add_module(part, linear if linear is not None and i == len(path) - 1 else torch.nn.Module())
+            mod = getattr(mod, part)
+        return mod
+
+    for name, t in tensors.items():
+        path = name.split(".")
+        if path[-1] == "weight" and t.ndim == 2 and "embed_tokens" not in name:
+            lin = torch.nn.Linear(t.shape[1], t.shape[0], bias=False, device="meta")
+            lin.weight = torch.nn.Parameter(t, requires_grad=False)
+            node(path[:-1], lin)
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        mod = node(path)
+        if not hasattr(mod, leaf):
+            mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
 
 
-def ct_source(bf16: Path, out: Path, scheme: str) -> Path:
-    """``bf16`` re-published as compressed-tensors ``scheme``: values quantized by compressed-tensors'
-    ``quantize`` with symmetric min-max scales in the model dtype (what its default observer
-    gives), packed by its ``pack_to_int32``, under the names and config its compressors write."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-    from compressed_tensors.quantization.lifecycle.forward import quantize
+def ct_model_compressor_source(ckpt: Path, out: Path, scheme: str, dtype: torch.dtype = torch.bfloat16,
+                               ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+    """``ckpt`` (a 16-bit checkpoint transformers saved) cast to ``dtype`` and published as
+    compressed-tensors ``scheme`` the way llm-compressor saves one: the QuantizationConfig applied
+    (``apply_quantization_config``), each weight's scale from its min/max by compressed-tensors'
+    ``calculate_qparams`` (the default observer's formula; held in the weight's dtype, as
+    ``initialize_qparams`` makes it), then ``ModelCompressor.compress_model``, the state dict
+    saved and ``ModelCompressor.update_config`` writing the quantization_config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
     from safetensors import safe_open
 
-    fmt, wargs = CT_SCHEMES[scheme]
-    args = ct_args(scheme)
-    cfg = json.loads((bf16 / "config.json").read_text())
-    targets = quantizable(model_from_config(cfg))
-    qmax = {"int": float(2 ** (args.num_bits - 1) - 1), "float": 448.0}[wargs["type"]]
-    tensors: dict[str, torch.Tensor] = {}
-    for f in sorted(bf16.glob("*.safetensors")):
+    tensors = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
         with safe_open(f, "pt") as s:
             for k in s.keys():  # noqa: SIM118
                 t = s.get_tensor(k)
-                if k not in targets:
-                    tensors[k] = t
-                    continue
-                g = wargs["group_size"] or t.shape[1]
-                amax = t.float().reshape(t.shape[0], -1, g).abs().amax(-1)
-                scale = (amax / qmax).clamp(min=1e-8).to(t.dtype)
-                q = quantize(t, scale, None, args, dtype=torch.int8 if wargs["type"] == "int" else
-                             torch.float8_e4m3fn)
-                base = k.removesuffix(".weight")
-                tensors[base + ".weight_scale"] = scale
-                if fmt == "pack-quantized":
-                    tensors[base + ".weight_packed"] = pack_to_int32(q, args.num_bits)
-                    tensors[base + ".weight_shape"] = torch.tensor(list(t.shape), dtype=torch.int64)
-                else:
-                    tensors[k] = q
+                tensors[k] = t.to(dtype) if t.is_floating_point() else t
+    model = _linear_tree(tensors)
+    sch = ct_scheme(scheme)
+    config = QuantizationConfig(config_groups={"group_0": sch}, ignore=list(ignore),
+                                quantization_status=QuantizationStatus.FROZEN)
+    apply_quantization_config(model, config, show_progress=False)
+    args = sch.weights
+    for mod in model.modules():
+        if hasattr(mod, "weight_scale"):
+            w = mod.weight.float()
+            g = w.reshape(w.shape[0], -1, args.group_size) if args.strategy == "group" else \
+                w.reshape(w.shape[0], 1, -1) if args.strategy == "channel" else w.reshape(1, 1, -1)
+            scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
+            mod.weight_scale.data = scale.to(mod.weight_scale.dtype).reshape(mod.weight_scale.shape)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
     out.mkdir(parents=True)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    cfg["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": wargs, "input_activations": None,
-                                      "output_activations": None, "format": fmt}},
-        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "transform_config": None}
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    cfg = json.loads((ckpt / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        if key in cfg:
+            cfg[key] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    compressor.update_config(str(out))
     return out
+
+
+def ct_reference(raw: dict[str, torch.Tensor], name: str, block: dict) -> torch.Tensor:
+    """compressed-tensors' own decompression of source weight ``name`` (the format's compressor,
+    as ``ModelCompressor.decompress_model`` runs it): the weight in its scale's dtype."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    (group,) = block["config_groups"].values()
+    scheme = QuantizationScheme.model_validate(group)
+    base = name.removesuffix(".weight")
+    local = {k.removeprefix(base + "."): v for k, v in raw.items() if k.startswith(base + ".weight")}
+    compressor = BaseCompressor.get_value_from_registry(group["format"])
+    return compressor.decompress(local, scheme)["weight"]

@@ -92,12 +92,16 @@ class QuantizedSource:
 
 def quantization_of(config: dict[str, Any], model: ModelSpec) -> tuple[SourceQuantization, dict[str, tuple[int, ...]]] | None:
     """A config.json's source quantization (layout/sourcequant/) and the [out, in] of each weight
-    it quantizes; None for a 16-bit source."""
+    it quantizes; None for a 16-bit source. A config that quantizes none of the family's weights,
+    or whose parameters do not fit their shapes (a group longer than a row), is refused here,
+    before any tensor is read."""
     squant = detect_source(config)
     if squant is None:
         return None
-    names = squant.quantized(model)
-    return squant, {t.name: t.shape for t in source_tensors(model) if t.name in names}
+    names = squant.applied(model)
+    shapes = {t.name: t.shape for t in source_tensors(model) if t.name in names}
+    squant.check_shapes(shapes)
+    return squant, shapes
 
 
 def with_quantization(src: Source, model: ModelSpec) -> Source:

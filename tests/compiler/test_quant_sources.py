@@ -275,26 +275,22 @@ def test_runtime_weights_of_a_kept_source(request, tmp_path, fam):
 
 @pytest.fixture(scope="module")
 def ct_sources(sources) -> dict[str, Path]:
-    from quant_sources import CT_SCHEMES, ct_source
+    """The bf16 Llama published by compressed-tensors' own ModelCompressor (as llm-compressor saves)."""
+    from quant_sources import ct_model_compressor_source
 
     bf16 = sources["llama"].parent / "llama-bf16"
-    return {s: ct_source(bf16, bf16.parent / f"llama-{s}", s) for s in CT_SCHEMES}
+    return {s: ct_model_compressor_source(bf16, bf16.parent / f"llama-{s}", s)
+            for s in ("w4a16-group", "w8a8-channel", "fp8-channel")}
 
 
-def _ct_reference(raw: dict[str, torch.Tensor], name: str, scheme: str) -> torch.Tensor:
-    """compressed-tensors' own unpacking and dequantization of a source weight, in bf16."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from quant_sources import ct_args
+def _ct_reference(raw: dict[str, torch.Tensor], name: str, src: Path) -> torch.Tensor:
+    """compressed-tensors' own decompression of a source weight (in its scales' dtype, bf16)."""
+    from quant_sources import ct_reference
 
-    base, args = name.removesuffix(".weight"), ct_args(scheme)
-    q = raw.get(name)
-    if q is None:
-        q = unpack_from_int32(raw[base + ".weight_packed"], args.num_bits, raw[base + ".weight_shape"].tolist())
-    return dequantize(q, raw[base + ".weight_scale"], None, args, dtype=torch.bfloat16)
+    return ct_reference(raw, name, json.loads((src / "config.json").read_text())["quantization_config"])
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-group", "w8a16-channel", "fp8-channel"])
+@pytest.mark.parametrize("scheme", ["w4a16-group", "w8a8-channel", "fp8-channel"])
 def test_compressed_tensors_source(ct_sources, tmp_path, scheme):
     """A compressed-tensors source: kept as stored at tp=2 (packed int4 rows, group scales cut
     with their columns; put together: the source, byte for byte, its config kept), and to bf16
@@ -311,7 +307,7 @@ def test_compressed_tensors_source(ct_sources, tmp_path, scheme):
     n = 0
     for k, t in got.items():
         if k.removesuffix(".weight") + ".weight_scale" in raw:
-            assert torch.equal(t, _ct_reference(raw, k, scheme)), k
+            assert torch.equal(t, _ct_reference(raw, k, src)), k
             n += 1
     assert n == 14
     build(_plan(src, "source", 2), tmp_path / "s")
@@ -346,7 +342,9 @@ W = "config_groups.group_0.weights"
     (f"{W}.num_bits", 2, "type int with 2 bits in pack-quantized is not read"),
     ("config_groups.group_0.input_activations", {"num_bits": 8, "dynamic": False},
      "input_activations: are static: their scales are not read"),
-    ("transform_config", {"config_groups": {}}, "quantization_config.transform_config: is set"),
+    ("transform_config", {"config_groups": {"u": {"type": "hadamard", "apply": [{"targets": ["Linear"],
+                                                                                "location": "weight_input"}]}}},
+     "quantization_config.transform_config: is set"),
     ("format", "nvfp4-pack-quantized", "quantization_config.format: is 'nvfp4-pack-quantized'"),
     ("lm_head", None, "tensor 'lm_head.weight' is stored quantized (lm_head.weight_packed), but shardc reads"),
     ("scale-dtype", None, "is F32, but compressed-tensors int4 packed per group 32 per its config.json stores it "
@@ -431,7 +429,7 @@ def test_fp8_dequantize_partial_blocks_equals_transformers():
     assert np.array_equal(got, want.numpy())
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-group", "w8a16-channel"])
+@pytest.mark.parametrize("scheme", ["w4a16-group", "w8a8-channel"])
 def test_compressed_tensors_keep_loads_like_the_source(ct_sources, tmp_path, scheme):
     """tp=1 ``dtype: source``: transformers' compressed-tensors loader reads the build exactly as it
     reads the source (fp8 float-quantized is left out: that loader cannot run it on CPU, 'Promotion

@@ -10,9 +10,8 @@ anything is written.
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -62,6 +61,7 @@ class SourceQuantization(ABC):
     """One quantized source format, as read from its config.json ``quantization_config``."""
 
     methods: ClassVar[tuple[str, ...]]  # the quant_method values it takes
+    applies: ClassVar[str]  # which weights it can quantize, for the refusal of a family with none
 
     def __init__(self, block: dict[str, Any]) -> None:
         self.block = block  # kept verbatim in a ``dtype: source`` build's config.json
@@ -81,6 +81,26 @@ class SourceQuantization(ABC):
     def quantized(self, model: ModelSpec) -> set[str]:
         """The family table's weights the source stores quantized."""
 
+    def applied(self, model: ModelSpec) -> set[str]:
+        """``quantized(model)``, which must not be empty: a config that quantizes none of the
+        family's weights describes some other checkpoint (an mxfp4 config on a Llama would
+        otherwise build as a 16-bit copy whose config.json still claims mxfp4)."""
+        from ...errors import QuantizationError
+
+        names = self.quantized(model)
+        if not names:
+            method = self.block.get("quant_method")
+            raise QuantizationError(f"is {method!r}, but {self.label} quantizes none of {model.architecture}'s "
+                                    f"weights (it applies to {self.applies})", key="quantization_config.quant_method",
+                                    hint="a checkpoint whose weights are 16-bit has no quantization_config: "
+                                         "remove it from config.json, or start from the checkpoint it describes")
+        return names
+
+    def check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """Refuse a parameter that does not fit the quantized weights' shapes (``shapes``: name
+        -> [out, in]) before any work proportional to it; a format without one checks nothing."""
+        return None  # noqa: B027 (optional: most formats have no size parameter)
+
     @abstractmethod
     def stored(self, name: str) -> tuple[Stored, ...]:
         """The tensors quantized weight ``name`` is stored as, the values first."""
@@ -94,13 +114,3 @@ class SourceQuantization(ABC):
         """The manifest's note of the source's quantization."""
         return {"format": self.label, "quant_method": self.block.get("quant_method")}
 
-
-def grid_repeat(scale: np.ndarray, shape: tuple[int, ...], grid: tuple[int, int]) -> np.ndarray:
-    """A per-block scale grid expanded to the weight's shape (partial last blocks cut)."""
-    import numpy as np
-
-    out = scale
-    for dim, g in enumerate(grid):
-        reps = shape[dim] if g == 0 else g
-        out = np.repeat(out, reps, axis=dim)
-    return out[tuple(slice(0, n) for n in shape)] if math.prod(out.shape) != math.prod(shape) else out

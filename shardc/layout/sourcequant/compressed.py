@@ -8,20 +8,23 @@ Formats read (compressed-tensors 0.20, ``compressors/``):
 each with ``X.weight_scale`` per output channel [out, 1], per group [out, in/group] or (float)
 per tensor [1]. The reference is compressed-tensors' ``dequantize``: the values cast to the
 scale's dtype, times the scale, in that dtype (``forward_helpers._dequantize``). Zero points,
-activation ordering with g_idx, static activation scales, KV-cache schemes, sparsity and
-transforms change the math and are refused by name.
+activation ordering with g_idx, static activation scales, KV-cache schemes, sparsity, expert
+sparsity and transforms change the math and are refused by name; every key of the config is
+classified in ct_keys.py, and one that cannot change the math (null, empty, inert) is read. The
+group size is bounded before any work: 2^24 at most, and no longer than a quantized weight's row.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ...errors import QuantizationError
 from ..dtypes import from_torch_name
 from ..quantization import _ignore_matches, quantizable
 from .base import SourceQuantization, Stored
+from .ct_keys import ARGS, CONFIG, SCHEME, check_keys
 
 if TYPE_CHECKING:
     import numpy as np
@@ -30,25 +33,26 @@ if TYPE_CHECKING:
 
 SCALES = ("BF16", "F16", "F32")
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
-# QuantizationConfig keys that do not change the weights' math (the others are checked below)
-_TOP = {"quant_method", "format", "quantization_status", "config_groups", "ignore", "kv_cache_scheme",
-        "global_compression_ratio", "sparsity_config", "transform_config", "version"}
-_WEIGHTS_IRRELEVANT = {"observer", "observer_kwargs", "dynamic", "scale_dtype", "zp_dtype"}
+MAX_GROUP = 1 << 24  # a group size beyond any weight's input dimension (checked per weight as well)
 
 
 def _refuse(key: str, message: str, hint: str = "use a symmetric weight scheme (W4A16, W8A16, FP8)") -> QuantizationError:
     return QuantizationError(message, key=f"quantization_config.{key}", hint=hint)
 
 
-def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """The one config group's format and weight arguments, every math-changing key checked."""
-    for key in sorted(set(block) - _TOP):
-        raise _refuse(key, "is a compressed-tensors key shardc does not implement")
-    for key in ("kv_cache_scheme", "transform_config"):
-        if block.get(key):
-            raise _refuse(key, "is set: it changes the model's math and is not read")
-    if block.get("sparsity_config"):
-        raise _refuse("sparsity_config", "is set: sparse compressed weights are not read", "use a dense checkpoint")
+def _strategy(w: dict[str, Any]) -> Any:
+    """The weights' strategy; unset, compressed-tensors infers it from group_size
+    (``QuantizationArgs.validate_model_after``): none -> tensor, positive -> group, -1 -> channel."""
+    strategy, size = w.get("strategy"), w.get("group_size")
+    if strategy is not None:
+        return strategy
+    return {None: "tensor", -1: "channel"}.get(size, "group") if isinstance(size, int) or size is None else None
+
+
+def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
+    """The one config group's format, weight arguments and key path, every key classified (ct_keys.py) and
+    every value that changes the math checked."""
+    check_keys(block, CONFIG, "")
     if block.get("quantization_status", "compressed") != "compressed":
         raise _refuse("quantization_status", f"is {block.get('quantization_status')!r}: only compressed "
                       "weights are read", "save the model compressed (save_compressed=True)")
@@ -61,6 +65,7 @@ def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
         raise _refuse(f"{where}.targets", f"is {group.get('targets') if isinstance(group, dict) else group!r}; "
                       "only [Linear] is read", "targets: [Linear], with ignore for the layers kept")
+    check_keys(group, SCHEME, f"{where}.")
     for key, fmt in (("format", block.get("format")), (f"{where}.format", group.get("format"))):
         if fmt is not None and fmt not in FORMATS:
             raise _refuse(key, f"is {fmt!r}; shardc reads {', '.join(FORMATS)}")
@@ -68,23 +73,24 @@ def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     if fmt is None or block.get("format", fmt) != fmt:
         raise _refuse("format", f"is {block.get('format')!r} but the group's is {group.get('format')!r}",
                       "one format for the checkpoint")
-    for key in ("output_activations",):
-        if group.get(key):
-            raise _refuse(f"{where}.{key}", "is set: output quantization is not read")
     act = group.get("input_activations")
-    if act and not act.get("dynamic"):
-        raise _refuse(f"{where}.input_activations", "are static: their scales are not read",
-                      "use dynamic activation quantization or a weight-only scheme")
+    if act is not None:
+        if not isinstance(act, dict):
+            raise _refuse(f"{where}.input_activations", f"is {act!r}; a mapping of quantization arguments")
+        check_keys(act, ARGS, f"{where}.input_activations.")
+        if not act.get("dynamic"):
+            raise _refuse(f"{where}.input_activations", "are static: their scales are not read",
+                          "use dynamic activation quantization or a weight-only scheme")
     w = group.get("weights")
     if not isinstance(w, dict):
         raise _refuse(f"{where}.weights", "is missing")
-    for key in sorted(set(w) - _WEIGHTS_IRRELEVANT - {"num_bits", "type", "symmetric", "strategy",
-                                                      "group_size", "actorder", "block_structure"}):
-        raise _refuse(f"{where}.weights.{key}", "is a weight argument shardc does not implement")
+    check_keys(w, ARGS, f"{where}.weights.")
     if w.get("dynamic"):
         raise _refuse(f"{where}.weights.dynamic", "is set: dynamic weights have no stored scales")
-    if not w.get("symmetric", True):
-        raise _refuse(f"{where}.weights.symmetric", "is false: zero points are not read")
+    symmetric = w.get("symmetric", True)
+    if symmetric is not True:  # pydantic would read "false" as False: only true itself is symmetric
+        raise _refuse(f"{where}.weights.symmetric", f"is {'false' if symmetric is False else repr(symmetric)}: "
+                      "zero points are not read")
     if w.get("actorder") not in (None, False, "weight", "static"):
         raise _refuse(f"{where}.weights.actorder", f"is {w.get('actorder')!r}: g_idx reordering is not read",
                       "use actorder: weight (or none)")
@@ -93,20 +99,24 @@ def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any]]:
                     ("float", 8, "float-quantized")}:
         raise _refuse(f"{where}.weights", f"type {kind[0]} with {kind[1]} bits in {fmt} is not read",
                       "int4/int8 pack-quantized, int8 int-quantized or fp8 float-quantized")
-    strategy = w.get("strategy")
+    strategy = _strategy(w)
     if strategy not in ("channel", "group", "tensor") or (strategy == "tensor" and kind[0] == "int"):
         raise _refuse(f"{where}.weights.strategy", f"is {strategy!r}; read: channel, group, tensor (fp8)")
     size = w.get("group_size")
-    if strategy == "group" and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
-        raise _refuse(f"{where}.weights.group_size", f"is {size!r}; a group strategy needs a positive size")
-    return fmt, w
+    if strategy == "group" and (not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_GROUP):
+        raise _refuse(f"{where}.weights.group_size", f"is {size!r}; a group strategy needs a positive size "
+                      "no larger than the weights' input dimension", "group_size: 128")
+    return fmt, w | {"strategy": strategy}, f"{where}.weights"
 
 
 class CompressedTensors(SourceQuantization):
     methods = ("compressed-tensors",)
+    applies = "the decoder's linear projections not in its ignore list"
 
-    def __init__(self, block: dict[str, Any], fmt: str, w: dict[str, Any], scale_dtype: str) -> None:
+    def __init__(self, block: dict[str, Any], fmt: str, w: dict[str, Any], scale_dtype: str,
+                 where: str = "config_groups.group_0.weights") -> None:
         super().__init__(block)
+        self.where = where  # the weights' key path, for messages
         self.fmt, self.bits, self.strategy = fmt, int(w.get("num_bits", 8)), w.get("strategy")
         self.group = int(w["group_size"]) if self.strategy == "group" else 0
         # the config's scale dtype first (what a dtype: source build writes; compiler/sourcequant.py
@@ -122,18 +132,26 @@ class CompressedTensors(SourceQuantization):
         if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
             raise _refuse("ignore", f"is {ignore!r}; it must be a list of module names or re: patterns")
         self.ignore = tuple(ignore)
+        self._patterns: list[re.Pattern[str]] = []  # the re: entries, compiled once
+        for entry in ignore:
+            if entry.startswith("re:"):
+                try:
+                    self._patterns.append(re.compile(entry[3:]))
+                except re.error as exc:
+                    raise _refuse("ignore", f"entry {entry!r} is not a regular expression ({exc})",
+                                  "fix the pattern after re:") from None
 
     @classmethod
     def from_config(cls, block: dict[str, Any], config: dict[str, Any]) -> CompressedTensors:
         """Scales are stored in ``weights.scale_dtype`` when given, else the model's dtype
         (compressed-tensors keeps them in the dtype of the weight they were computed from)."""
-        fmt, w = _weights(block)
+        fmt, w, where = _weights(block)
         name = w.get("scale_dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         scale = from_torch_name(str(name))
         if scale not in SCALES:
-            raise _refuse("config_groups.weights.scale_dtype", f"is {name!r}; scales are read in "
+            raise _refuse(f"{where}.scale_dtype", f"is {name!r}; scales are read in "
                           "bfloat16, float16 or float32")
-        return cls(block, fmt, w, scale)
+        return cls(block, fmt, w, scale, where)
 
     @property
     def label(self) -> str:
@@ -142,8 +160,8 @@ class CompressedTensors(SourceQuantization):
         return f"compressed-tensors {scheme[self.fmt]} per {per}"
 
     def _ignored(self, module: str) -> bool:
-        return any(re.match(i[3:], module) if i.startswith("re:") else _ignore_matches(i, module)
-                   for i in self.ignore)
+        return (any(p.match(module) for p in self._patterns)
+                or any(_ignore_matches(i, module) for i in self.ignore if not i.startswith("re:")))
 
     def quantized(self, model: ModelSpec) -> set[str]:
         return {n for n in quantizable(model) if not self._ignored(n.removesuffix(".weight"))}
@@ -151,23 +169,43 @@ class CompressedTensors(SourceQuantization):
     def stored(self, name: str) -> tuple[Stored, ...]:
         return self._stored
 
+    def check_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        """A group no longer than every quantized weight's input dimension (compressed-tensors
+        itself cannot dequantize a weight whose row is shorter than one group)."""
+        for name, shape in sorted(shapes.items()):
+            if self.group > shape[-1]:
+                raise _refuse(f"{self.where}.group_size", f"is {self.group}, longer than a row of weight {name} "
+                              f"{list(shape)}", f"a group_size that divides {shape[-1]} (128, 64, 32)")
+
     def dequantize(self, name: str, shape: tuple[int, ...], read: Callable[[str], np.ndarray]) -> np.ndarray:
-        """q (unpacked) x scale, rounded to the scale's dtype as compressed-tensors computes it."""
+        """q (unpacked) x scale, rounded to the scale's dtype as compressed-tensors computes it
+        (``_dequantize``: ``q.to(scale.dtype) * scale``: the product of a value and a 16-bit scale
+        is exact in float32, so one rounding to the scale's dtype gives torch's result). Each
+        scale multiplies its group in place through a [rows, groups, group] view: nothing but the
+        output and a chunk of rows (~16 MiB of temporaries) is allocated, whatever the group size."""
         import numpy as np
 
         values, scale = self._stored[0], self._stored[1]
         packed, s = np.asarray(read(name + values.suffix)), np.asarray(read(name + scale.suffix))
+        rows_n, cols = shape
+        g = self.group or cols  # channel: one group a row (a per-tensor scale is flat)
+        full = cols // g
         out = np.empty(shape, np.float32)
-        step = max(1, (1 << 22) // max(1, shape[1]))  # rows per chunk: temporaries of ~16 MiB
-        for r0 in range(0, shape[0], step):
-            rows = slice(r0, min(r0 + step, shape[0]))
-            q = unpack(packed[rows], self.bits, shape[1]) if self.fmt == "pack-quantized" else packed[rows]
-            s32 = s.astype(np.float32).reshape(1, 1) if scale.flat else s[rows].astype(np.float32)
-            if self.group:
-                s32 = np.repeat(s32, self.group, axis=1)[:, : shape[1]]
-            np.multiply(q.astype(np.float32), s32, out=out[rows])
-            if s.dtype != np.float32:  # the product in the scale's 16-bit dtype (exact in float32 first)
-                out[rows] = out[rows].astype(s.dtype)
+        step = max(1, (1 << 22) // max(1, cols))  # rows per chunk
+        for r0 in range(0, rows_n, step):
+            rows = slice(r0, min(r0 + step, rows_n))
+            dst = out[rows]
+            dst[...] = unpack(packed[rows], self.bits, cols) if self.fmt == "pack-quantized" else packed[rows]
+            if scale.flat:
+                dst *= s.reshape(-1)[:1].astype(np.float32)
+            else:
+                s32 = s[rows].astype(np.float32)
+                if full:
+                    np.reshape(dst[:, : full * g], (dst.shape[0], full, g), copy=False)[...] *= s32[:, :full, None]
+                if cols > full * g:  # a partial last group
+                    dst[:, full * g :] *= s32[:, full : full + 1]
+            if s.dtype != np.float32:  # the product in the scale's 16-bit dtype
+                dst[...] = dst.astype(s.dtype)
         return out
 
 

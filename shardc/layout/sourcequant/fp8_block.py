@@ -32,6 +32,7 @@ def _refuse(key: str, message: str, hint: str) -> QuantizationError:
 
 class BlockFP8(SourceQuantization):
     methods = ("fp8",)
+    applies = "the decoder's linear projections not in modules_to_not_convert"
 
     def __init__(self, block: dict[str, Any], grid: tuple[int, int], keep: tuple[str, ...]) -> None:
         super().__init__(block)

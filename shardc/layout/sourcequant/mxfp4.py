@@ -64,6 +64,7 @@ class PackedExperts(Stored):
 
 class MXFP4(SourceQuantization):
     methods = ("mxfp4",)
+    applies = "stacked MoE expert weights, as gpt-oss stores them"
 
     def __init__(self, block: dict[str, Any], keep: tuple[str, ...]) -> None:
         super().__init__(block)

@@ -83,7 +83,7 @@ def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | Non
     (else LayoutError naming the tensor and the tp degrees that work)."""
     if sq is None or plan.dtype != "source":
         return set()
-    kept = sq.quantized(model)
+    kept = sq.applied(model)
     table = tensor_table(model)
     # expert parallelism keeps routed experts whole (a stacked tensor: whole experts of dim 0),
     # which every format's grid allows; TP cuts the rest, each by its own row
