@@ -12,9 +12,10 @@ digests), then the heavy modules are imported and the manifest is validated whil
 Only a window is read before the manifest is checked (``WINDOW``, 256 MiB: 16 of the builds'
 16 MiB chunks, one per read slot): the entry's size is a claim until the loader has held it
 against the plan's Layout, and a forged entry (4 GiB claimed over a sparse file, every digest
-forged) must not be read into memory by the claim. 256 MiB is what the checks' 70 ms let a fast
-disk deliver (3.7 GB/s; session 13's disks read 2.7 GB/s), so a real load loses nothing; the
-rest is queued when the loader takes the reads (``take``), after the entry matched. The buffer is
+forged) must not be read into memory by the claim. 256 MiB is what a 3.8 GB/s disk delivers in
+the checks' 70 ms (session 13's fast disk read 2.7 GB/s), so a real load should lose little (not
+re-measured: scripts/bench_loader.py would say); the rest is queued when the loader takes the
+reads (``take``), after the entry matched. The buffer is
 allocated at the claimed size (untouched address space, not memory: see ``HostReads``), and only
 when the host could hold it at all.
 
