@@ -1,6 +1,6 @@
 """How a shard's chunks are read and hashed (docs/architecture.md §3.3): the geometry, the checked
-read of one chunk, a local file's positioned ``O_DIRECT`` reads, and every chunk of a shard read at
-once into the one host buffer its tensors will live in (``HostReads``).
+read of one chunk, a local file's positioned ``O_DIRECT`` reads, and a shard's chunks queued (all at
+once, or a bounded window first) into the one host buffer its tensors will live in (``HostReads``).
 
 What is done with the chunks (the header check, the failure lines, the GPU and the pull to disk)
 is verify/chunked.py's. The split is by weight: this module imports the standard library, the
@@ -157,12 +157,18 @@ class FileChunkReads(ChunkReads):
 
 
 class HostReads:
-    """Every chunk of ``source`` queued at once, in file order (the header's chunks first), each
-    read straight into its place in one page-aligned host buffer and checked there (``checked``).
+    """The chunks of ``source`` queued in file order (the header's chunks first), each read
+    straight into its place in one page-aligned host buffer and checked there (``checked``).
     ``queued[i]`` is chunk ``i``'s future: (the bytes read, whether its digest matched). Nothing
-    waits here; verify/chunked.py's ``to_host`` takes the results (and the header) from them."""
+    waits here; verify/chunked.py's ``to_host`` takes the results (and the header) from them.
 
-    def __init__(self, source: ChunkReads) -> None:
+    ``first``: queue only that many chunks now and the rest on ``more()`` (the loader's early
+    start, formats/prefetch.py, reads a bounded window until the manifest is checked). The buffer
+    is allocated at the whole size at once (the tensors are views of one buffer; filling a smaller
+    one first would cost a copy of the window later): an allocation is address space, and only
+    the pages read into are memory, so until ``more()`` the reads hold at most the window."""
+
+    def __init__(self, source: ChunkReads, first: int | None = None) -> None:
         import torch
 
         self.source = source
@@ -172,13 +178,19 @@ class HostReads:
         self.whole = self.raw[off : off + padded]
         self.mv = self.whole.numpy().data if padded else memoryview(b"")  # the array's own memoryview
         self.pool = ThreadPoolExecutor(source.parallel(), thread_name_prefix="shardc-load")
+        self.queued: list[Future[tuple[memoryview, bool]]] = []
         try:
-            self.queued: list[Future[tuple[memoryview, bool]]] = [
-                self.pool.submit(source.checked, i, self.mv[lo : lo + source.room(i)])
-                for i, lo in ((i, source.span(i)[0]) for i in range(source.count))]
+            self.more(first)
         except BaseException:
             self.close()
             raise
+
+    def more(self, upto: int | None = None) -> None:
+        """Queue the chunks after those already queued, up to chunk ``upto`` (None: every one)."""
+        source = self.source
+        stop = source.count if upto is None else min(upto, source.count)
+        self.queued += [self.pool.submit(source.checked, i, self.mv[lo : lo + source.room(i)])
+                        for i, lo in ((i, source.span(i)[0]) for i in range(len(self.queued), stop))]
 
     def close(self, cancel: bool = True) -> None:
         """Stop: what is queued is dropped (with ``cancel``), what is in flight finishes; no reader

@@ -1,7 +1,9 @@
 """Checks that span a whole manifest rather than one record: nesting depth before anything walks
 it, chunk digests in every shard or none (by format version), the shard count and tensor records
 a plan of that size needs (before a Layout is sized from it), the overrides and the effective
-plan's hash that come with them. Each failure is one ManifestError naming the key."""
+plan's hash that come with them. Each failure is one ManifestError naming the key. And, once the
+Layout is built, each shard's size against it (``size_problem``: the loader raises it as a
+VerifyMismatch, verify reports it, as they do the manifest's tensor records against the Layout)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ManifestError
 from ..layout.plan import OVERRIDABLE
+from ..layout.ranks import Layout, RankLayout
 from .manifest_records import MAX_DEGREE, REBUILD, FieldReader, ShardEntry
 
 # Levels of objects and arrays: a real manifest has under ten (a tensor record's stats, an HF
@@ -121,3 +124,36 @@ def read_overrides(r: FieldReader) -> tuple[dict[str, str], str | None]:
             raise r.error(f"is {value!r}, expected a non-empty string", f"overrides.{key}")
     return dict(overrides), r.sha256("effective_plan_sha256")
 
+
+
+def shard_size(layout: Layout, rl: RankLayout, shardc_version: str) -> tuple[int, int]:
+    """A rank's shard file as its build wrote it: (header bytes with their length prefix, tensor
+    bytes). Both follow from the Layout alone: the header is deterministic (formats/safetensors.py
+    ``header_bytes`` of the rank's tensors and ``shard_metadata``, whose one free value, the
+    shardc version, is the manifest's own ``shardc_version``: build writes both from one
+    ``__version__``, and a kept shard of another version is rebuilt)."""
+    from .safetensors import header_bytes, shard_metadata
+
+    meta = shard_metadata(layout, rl) | {"shardc.version": shardc_version}
+    return len(header_bytes([(t.name, t.dtype, t.shape) for t in rl.tensors], meta)), rl.nbytes
+
+
+SIZE_HINT = "the manifest does not describe what its plan builds (edited or damaged); rebuild, or pull the build again"
+
+
+def size_problem(entry: ShardEntry, layout: Layout, rl: RankLayout, shardc_version: str,
+                 larger_only: bool = False) -> str | None:
+    """What is wrong with the entry's ``size`` against the exact size the Layout gives the rank's
+    shard (None: nothing; with ``larger_only``, only a size above it is a problem). The chunk count
+    follows: the reader checked ``chunks`` against ``size``.
+
+    Why, before any byte is read: every reader sizes its work by ``size`` (the loader's buffer and
+    chunk reads, verify's hashing), so a forged entry claiming 4 GiB for a shard of 76 KB (a sparse
+    file, every chunk digest forged) was read and held until the first chunk's digest failed. The
+    Layout is the plan's truth; ``size`` is only a claim. The line gives the figure, for the key
+    ``shards.<file>.size``: ``is N bytes; the plan's Layout gives this rank's shard M bytes (...)``."""
+    head, data = shard_size(layout, rl, shardc_version)
+    if entry.size == head + data or (larger_only and entry.size < head + data):
+        return None
+    return (f"is {entry.size} bytes; the plan's Layout gives this rank's shard "
+            f"{head + data} bytes ({head} of header, {data} of tensors)")

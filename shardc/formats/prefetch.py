@@ -5,9 +5,19 @@ Why: on a cold start the imports behind ``load_shard``'s checks (the plan schema
 families, the manifest reader, verify) and the manifest's validation take 70 ms, a seventh of the
 whole load of a 1 GB shard on a fast disk, and the disk sits idle through them. So the facade
 (shardc/__init__.py) calls ``start`` first: it picks the rank's entry out of the manifest's JSON
-(no validation: nothing here is trusted), opens the file as the loader would and queues every
-chunk's read into the host buffer (formats/chunkread.py ``HostReads``: the same reads, the same
+(no validation: nothing here is trusted), opens the file as the loader would and queues the first
+chunks' reads into the host buffer (formats/chunkread.py ``HostReads``: the same reads, the same
 digests), then the heavy modules are imported and the manifest is validated while those run.
+
+Only a window is read before the manifest is checked (``WINDOW``, 256 MiB: 16 of the builds'
+16 MiB chunks, one per read slot): the entry's size is a claim until the loader has held it
+against the plan's Layout, and a forged entry (4 GiB claimed over a sparse file, every digest
+forged) must not be read into memory by the claim. 256 MiB is what a 3.8 GB/s disk delivers in
+the checks' 70 ms (session 13's fast disk read 2.7 GB/s), so a real load should lose little (not
+re-measured: scripts/bench_loader.py would say); the rest is queued when the loader takes the
+reads (``take``), after the entry matched. The buffer is
+allocated at the claimed size (untouched address space, not memory: see ``HostReads``), and only
+when the host could hold it at all.
 
 Nothing is taken on trust: verify/loader.py uses the reads only when the validated entry and the
 rank's file name agree with what was started, field by field (file path, size, chunk size,
@@ -31,6 +41,7 @@ from .chunkread import FileChunkReads, HostReads
 from .chunks import chunk_count, chunk_size_problem
 
 MAX_MANIFEST = 64 << 20  # a larger manifest is left to the checked reader (and its own bound)
+WINDOW = 256 << 20  # bytes read before the manifest is checked (above; a larger chunk: no early start)
 
 
 class EarlyRead:
@@ -48,7 +59,9 @@ class EarlyRead:
                 and digest == s.digest and tuple(chunks) == tuple(s.digests))
 
     def take(self) -> int:
-        """The descriptor, now the caller's to close (the reads stay under way on it)."""
+        """The descriptor, now the caller's to close, once the checked entry ``matches``: the
+        chunks held back until then are queued now (the reads stay under way on it)."""
+        self.reads.more()
         fd, self.fd = self.fd, -1
         return fd
 
@@ -57,7 +70,8 @@ class EarlyRead:
         descriptor unless it was taken."""
         if self.fd >= 0:
             self.reads.close()
-            os.close(self.take())
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 def start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: Any, device: Any) -> EarlyRead | None:
@@ -65,7 +79,8 @@ def start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: A
     manifest path, not the CPU, no chunk digests, anything unexpected)."""
     try:
         return _start(manifest, directory, tp_rank, pp_stage, dp_rank, device)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, MemoryError,
+            RuntimeError):  # RecursionError; torch's failed allocation
         return None
 
 
@@ -83,13 +98,15 @@ def _start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: 
     if found is None:
         return None
     name, size, chunk_size, chunks, digest = found
+    if chunk_size > WINDOW or size > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
+        return None  # no window to read; a size no host holds (the checked path refuses it)
     file = (path.parent if directory is None else Path(directory)) / name  # as verify/loader.py names it
     fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_size != size:
             raise ValueError("not the recorded file")
-        reads = HostReads(FileChunkReads(fd, name, size, chunk_size, chunks, digest))
+        reads = HostReads(FileChunkReads(fd, name, size, chunk_size, chunks, digest), WINDOW // chunk_size)
     except BaseException:
         os.close(fd)
         raise

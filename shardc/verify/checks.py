@@ -22,6 +22,7 @@ from ..errors import ShardcError, VerifyMismatch
 from ..formats import chunks
 from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, ShardEntry
+from ..formats.manifest_checks import size_problem
 from ..layout.plan import Plan, data_sha256
 from ..layout.ranks import Layout, RankLayout
 from .deep import deep_check, open_deep
@@ -205,6 +206,13 @@ def _digest(path: Path, entry: ShardEntry, pool: ThreadPoolExecutor | None = Non
     return check_chunked(path, entry, pool) if entry.chunk_size is not None else sha256_file(path)
 
 
+def _oversize(manifest: Manifest, layout: Layout, rl: RankLayout, entry: ShardEntry) -> str | None:
+    """A recorded size above the one the Layout gives the shard (a smaller one is a file the
+    header and extent checks name: a tensor missing, a file cut short)."""
+    problem = size_problem(entry, layout, rl, manifest.shardc_version, larger_only=True)
+    return None if problem is None else f"shards.{rl.file}.size {problem}"
+
+
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
     """The header checks, shared with every command that reads a build (``shard_problems``)."""
     from ..compiler.inputs import shard_problems
@@ -296,6 +304,10 @@ def verify_rank(
         res.fail(f"size {size} bytes, expected {entry.size} (truncated or replaced?)")
         return res
     res.checks.append("size")
+    if (over := _oversize(manifest, layout, rl, entry)) is not None:
+        res.fail(over)  # not hashed by a claim beyond the plan's shard; the header says what the file holds
+        _check_header(res, path, rl, layout)
+        return res
     loaded = None
     if device:  # hash while loading: each byte is read once (chunks on every core when recorded)
         loaded = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
@@ -359,7 +371,7 @@ def verify_build(
             return hashed[rl.file]
         p = directory / rl.file
         e = manifest.shard(rl.file)
-        if e is None or not p.is_file() or p.stat().st_size != e.size:
+        if e is None or not p.is_file() or p.stat().st_size != e.size or _oversize(manifest, layout, rl, e):
             return None
         return _digest(p, e, chunk_pool)
 

@@ -99,6 +99,7 @@ def to_host(source: ChunkReads, on_header: HeaderCheck | None, started: HostRead
     or ``started``); the header checked as soon as its chunks are in; the tensors are views of it."""
     reads = started or HostReads(source)
     queued = reads.queued
+    assert len(queued) == source.count  # an early start's window is followed by the rest (prefetch ``take``)
     try:
         heads = [queued[0].result()] if source.count else []
         nhead = head_chunks(source, heads[0][0]) if heads else 0

@@ -52,9 +52,11 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
 def rank_of(manifest: Manifest, tp_rank: int, pp_stage: int, device: str,
             dp_rank: int = 0) -> tuple[Manifest, Layout, RankLayout, str]:
     """Everything checked before a shard's byte is read: the node's GPUs, the rank inside the
-    plan, the manifest's records against the Layout recomputed from its plan. Returns the
+    plan, the manifest's records against the Layout recomputed from its plan, the shard's recorded
+    size against the size the Layout gives it (a forged size is never read by). Returns the
     manifest, that Layout, the rank's part of it and the resolved device (store/stream.py's
     loader from object storage checks the same)."""
+    from ..formats.manifest_checks import SIZE_HINT, size_problem
     from .checks import check_manifest_against_layout
     from .devices import check_gpus, resolve_device
 
@@ -66,6 +68,10 @@ def rank_of(manifest: Manifest, tp_rank: int, pp_stage: int, device: str,
     problems = check_manifest_against_layout(manifest, layout)
     if problems:
         raise VerifyMismatch(problems[0], hint=_FULL)
+    entry = manifest.shard(rl.file)
+    assert entry is not None  # check_manifest_against_layout names a missing entry
+    if (problem := size_problem(entry, layout, rl, manifest.shardc_version)) is not None:
+        raise VerifyMismatch(problem, key=f"shards.{rl.file}.size", hint=SIZE_HINT)
     return manifest, layout, rl, dev
 
 
