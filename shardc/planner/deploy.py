@@ -141,9 +141,9 @@ def init_command(manifest_uri: str, name: str, gpus: int) -> str:
     """The init container's shell line: `shardc pull` of the replica's ranks into /models/<name>,
     then `shardc verify` on the GPUs; every word shell-quoted."""
     refuse_control(manifest_uri, "manifest_uri", "the manifest URI")
-    ranks = [w for r in range(gpus) for w in ("--rank", str(r))]
-    pull = ["shardc", "pull", "--manifest", manifest_uri, *ranks, "--dest", f"/models/{name}"]
-    verify = ["shardc", "verify", "--manifest", f"/models/{name}/manifest.json", "--device", "cuda"]
+    ranks = [w for r in range(gpus) for w in (DASHES + "rank", str(r))]
+    pull = ["shardc", "pull", DASHES + "manifest", manifest_uri, *ranks, DASHES + "dest", f"/models/{name}"]
+    verify = ["shardc", "verify", DASHES + "manifest", f"/models/{name}/manifest.json", DASHES + "device", "cuda"]
     return shlex.join(pull) + " && " + shlex.join(verify)
 
 

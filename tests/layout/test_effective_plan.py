@@ -47,7 +47,9 @@ def world(tmp_path_factory):
     plan = root / "plan.yaml"
     plan.write_text(PLAN_YAML)
     for out, extra in (("plain", ()), ("over", ("--source", elsewhere))):
-        r = shardc("build", plan, "--out", root / out, "--manifests-dir", root / "m", "-q", *extra)
+        # each build its own records: the two are builds of one plan from different sources, and
+        # a record is never replaced by a different build's
+        r = shardc("build", plan, "--out", root / out, "--manifests-dir", root / "m" / out, "-q", *extra)
         assert r.returncode == 0, r.stderr
     return {"root": root, "plan": plan, "elsewhere": str(elsewhere), "plain": root / "plain", "over": root / "over"}
 
