@@ -34,6 +34,21 @@ FIGURES = {
     "demo-tp3pp1-int8": (0.33, 0.025, True),
     "demo-tp3pp1-fp8": (2.6, 0.07, False),
 }
+# The README's figures for a CPU whose torch kernels are AVX2 ones (no AVX-512): torch blocks bf16
+# GEMMs by its CPU capability, which moves every delta by 0.13-0.18 points (measured on an AMD EPYC
+# without AVX-512, on the commit before and after #41's changes alike: bf16 -0.0189, int8 +0.1539).
+AVX2_FIGURES = {
+    "demo-tp3pp2-bf16": (-0.02, 0.025, True),
+    "demo-tp3pp1-int8": (0.15, 0.025, True),
+    "demo-tp3pp1-fp8": (2.6, 0.07, False),
+}
+
+
+def figures() -> dict[str, tuple[float, float, bool]]:
+    """The README's figures for this CPU's torch kernels."""
+    import torch
+
+    return AVX2_FIGURES if torch.backends.cpu.get_cpu_capability() == "AVX2" else FIGURES
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +68,7 @@ def demo_builds(demo_model_dir, tmp_path_factory):
 @pytest.mark.parametrize("plan", list(FIGURES))
 def test_readme_gate_figure(demo_builds, plan, tmp_path):
     builds, cache = demo_builds
-    want, tol, verdict = FIGURES[plan]
+    want, tol, verdict = figures()[plan]
     report = tmp_path / "gate.json"
     p = subprocess.run([sys.executable, "-m", "shardc.cli", "gate", "--baseline", str(builds["demo-tp1pp1-bf16"]),
                         "--candidate", str(builds[plan]), "--report", str(report), "--timeout", "600",
