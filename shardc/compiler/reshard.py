@@ -5,7 +5,6 @@ cuts the output exactly as ``build`` cuts a checkpoint: whenever the path is los
 ``reshard(build(src, A), B)`` is byte-identical to ``build(src, B)`` by construction. Here: the
 checks of the plan against the input's model, the run itself, and what a failed run leaves
 (nothing of its own in a directory it created; the input's corruption named as the cause).
-``open_reference`` is ``verify --deep``'s reference: a checkpoint, or a build read the same way.
 """
 
 from __future__ import annotations
@@ -18,12 +17,9 @@ from ..errors import ModelError, OutputError, PlanError, ShardcError, VerifyMism
 from ..formats.files import temp_files
 from ..layout.model import ModelSpec, config_key, model_for_source, model_from_config
 from ..layout.plan import Plan
-from ..layout.ranks import Layout
 from .buildsource import BuildSource
 from .inputs import BuildInput
 from .outdir import OccupiedOutput
-from .sourcequant import with_quantization
-from .sources import Source
 
 
 def check_model(plan: Plan, model: ModelSpec) -> None:
@@ -126,18 +122,3 @@ def _raise_corruption(inp: BuildInput) -> None:
         inp.confirm()
     except VerifyMismatch as corrupt:
         raise corrupt from None
-
-
-def open_reference(ref: str, layout: Layout) -> Source:
-    """What ``verify --deep`` compares against: a checkpoint, or a build (its manifest or build
-    directory), read like reshard reads it. Quantized tensors of a build compare exactly when the
-    verified build holds them in the same scheme, and dequantized otherwise (a --dequantize
-    reshard's reference)."""
-    from .inputs import open_local_input
-    from .source import open_source
-
-    path = Path(ref.removeprefix("file://"))
-    if path.suffix == ".json" or (path / "manifest.json").is_file():
-        return BuildSource(open_local_input(ref), layout, dequantize=True).as_source()
-    # a quantized checkpoint: 16-bit builds compare dequantized
-    return with_quantization(open_source(ref), layout.model)
