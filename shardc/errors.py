@@ -76,3 +76,9 @@ class DistributedError(ShardcError):
 
 class DeviceError(ShardcError):
     """The node lacks the devices a job needs (too few visible GPUs, no CUDA): bad input, exit 2."""
+
+
+class ServeError(ShardcError):
+    """An engine cannot serve this build as it stands: its degrees, partition or expert placement
+    differ from the build's, or a parameter it declares has no tensor (or the wrong one) in the
+    rank's shard (shardc/serving/)."""

@@ -25,6 +25,7 @@ LAYERS = {
     "shardc.store": 5, "shardc.runtime": 5, "shardc.planner": 5,
     "shardc.commands": 6, "shardc.cli": 7,
     "shardc": 8,  # the facade (shardc/__init__: shardc.load_shard) sits above every package
+    "shardc.serving": 9,  # engines' plugins (vLLM's load format) are clients of the facade's load_shard
 }
 # Known violations, each to be removed by the change that fixes it (the goal is none).
 KNOWN_UPWARD: set[str] = set()

@@ -1,0 +1,209 @@
+"""vLLM's ``--load-format shardc``: each worker loads exactly its own rank's shard of a shardc
+build, every byte checked by shardc's loader as it arrives, into vLLM's own parameters.
+
+Installed into vLLM's environment, shardc registers the format through the ``vllm.general_plugins``
+entry point (pyproject.toml), which vLLM runs in every process it starts; shardc never imports
+vLLM otherwise. Then ``vllm serve BUILD_DIR --load-format shardc --tensor-parallel-size N`` and
+``LLM(model=BUILD_DIR, load_format="shardc", ...)`` serve the build: vLLM reads the build's
+config.json and tokenizer, and this loader fills the weights.
+
+Per worker, in this order (nothing is read from a shard before the checks that need no bytes):
+1. the manifest is read and checked against the Layout its plan gives (shardc.verify.loader);
+2. the engine's degrees, its pipeline partition (vLLM's ``get_pp_indices``) and, under expert
+   parallelism, its expert placement (the fused-MoE layers' expert maps) must be the build's;
+3. the rank (vLLM's parallel state) loads its shard with ``shardc.load_shard`` onto the worker's
+   device: a flipped byte stops the start, naming the shard and the chunk;
+4. fill.py maps each tensor to the parameter vLLM declares for it and refuses any parameter the
+   default loader would fill that is not tiled exactly once; then the copies are made.
+Errors reach vLLM as one RuntimeError line, "shardc load format: ...": the start fails, nothing is
+served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import ServeError, ShardcError
+
+LOAD_FORMAT = "shardc"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: register ``--load-format shardc`` (idempotent)."""
+    from vllm.model_executor.model_loader import register_model_loader
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    try:  # registering twice would log vLLM's "already registered" warning in every process
+        from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as known
+    except ImportError:
+        known = {}
+    if LOAD_FORMAT in known:
+        return
+
+    class ShardcModelLoader(BaseModelLoader):
+        """vLLM's model loader for shardc builds (see the module docstring)."""
+
+        def download_model(self, model_config: Any) -> None:
+            _build_directory(model_config.model)  # a build is local: only its manifest is checked here
+
+        def load_weights(self, model: Any, model_config: Any) -> None:
+            try:
+                load_into(model, model_config, self.load_config)
+            except ShardcError as exc:
+                raise RuntimeError(f"shardc load format: {exc.one_line()}") from None
+
+    register_model_loader(LOAD_FORMAT)(ShardcModelLoader)
+
+
+def _build_directory(model: str) -> Path:
+    directory = Path(model)
+    if not (directory / "manifest.json").is_file():
+        raise ServeError(f"{model} is not a shardc build: it has no manifest.json", key="model",
+                         hint="give the directory `shardc build` (or `shardc pull`) wrote, or drop "
+                              "--load-format shardc to load a checkpoint")
+    return directory
+
+
+def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]:
+    """Fill ``model``'s parameters from this worker's shard; returns a summary (rank, tensors,
+    bytes, seconds) that is also logged."""
+    import torch
+    from vllm.config import get_current_vllm_config
+    from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+    from vllm.distributed.utils import get_pp_indices
+
+    import shardc
+
+    from ..formats.manifest import load
+    from .fill import Engine, check_engine, check_experts, fill_plan
+
+    t0 = time.perf_counter()
+    directory = _build_directory(model_config.model)
+    manifest = load(directory / "manifest.json")
+    layout = manifest.to_layout()
+    plan, spec = layout.plan, layout.model
+    arch = list(getattr(model_config.hf_config, "architectures", None) or [])
+    if arch and spec.architecture not in arch:
+        raise ServeError(f"the engine runs {arch[0]}, the build {plan.name} holds {spec.architecture}",
+                         key="architectures", hint="serve the build directory's own config.json")
+    if spec.forward.moe is not None and not spec.forward.moe.expert:
+        raise ServeError(f"the build {plan.name} holds {spec.architecture}'s experts stacked, which vLLM's "
+                         "model reorders as it loads (transposed, gate and up interleaved); the shardc load "
+                         "format does not map them", key="architectures",
+                         hint="serve the source checkpoint with vLLM's own loader; shardc verify checks the build")
+    par = get_current_vllm_config().parallel_config
+    ep = bool(par.enable_expert_parallel)
+    layers = spec.num_layers
+    engine = Engine(tp=par.tensor_parallel_size, pp=par.pipeline_parallel_size, dp=par.data_parallel_size,
+                    expert_parallel=ep, stages=tuple(get_pp_indices(layers, r, par.pipeline_parallel_size)
+                                                     for r in range(par.pipeline_parallel_size)))
+    check_engine(plan.name, plan.tp, plan.pp, plan.dp, plan.expert_parallel, layout.stages, engine)
+    want = str(model_config.dtype).removeprefix("torch.")
+    base = str(getattr(torch, _torch_name(manifest.layout.base_dtype))).removeprefix("torch.")
+    if want != base:
+        raise ServeError(f"the engine runs dtype {want}, the build {plan.name} is {base}", key="dtype",
+                         hint=f"start vLLM with --dtype {base}")
+    tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+    dp_rank = int(par.data_parallel_rank) if ep and plan.dp > 1 else 0
+    rl = layout.rank(tp_rank, pp_rank, dp_rank)
+    kept = frozenset(r.name for r in spec.spec.tensors(spec) if r.dtype == "F32")
+    facts = dataclasses.replace(_facts(model, spec), fp32_kept=kept)
+    if ep:
+        placed = facts.local_experts.keys() if facts.local_experts is not None else ()
+        check_experts(plan.name, rl.experts, placed)
+    params = dict(model.named_parameters())
+    described = [_param(name, p, model) for name, p in params.items()]
+    must = _must_fill(model, model_config, load_config)
+    device = str(next(iter(params.values())).device) if params else "cpu"
+    tensors = shardc.load_shard(directory, tp_rank, pp_rank, device=device, dp_rank=dp_rank)
+    rows = {s.name: (s.start, s.stop) for s in rl.tensors if str(s.split) == "vocab"}
+    shard = [_tensor(name, t, rows.get(name)) for name, t in tensors.items()]
+    fills = fill_plan(shard, described, must, facts)
+    vocab = {d.name for d in described if d.vocab is not None}
+    nbytes = 0
+    with torch.no_grad():
+        for pname, pieces in fills.items():
+            data = params[pname].data
+            for pc in pieces:
+                src = tensors[pc.tensor]
+                dst = data if pc.expert is None else data[pc.expert]
+                dst.narrow(0, pc.offset, pc.rows).copy_(src[:pc.rows] if src.dim() else src)
+                nbytes += src.numel() * src.element_size()
+            if pname in vocab:  # the engine's own padding rows stay zero, as its loader leaves them
+                data[pieces[0].rows:].zero_()
+    summary = {"tp_rank": tp_rank, "pp_stage": pp_rank, "dp_rank": dp_rank, "file": rl.file,
+               "tensors": len(tensors), "parameters": len(fills), "bytes": nbytes,
+               "seconds": time.perf_counter() - t0}
+    _log(f"shardc: rank tp={tp_rank} pp={pp_rank} loaded {rl.file} ({len(tensors)} tensors into "
+         f"{len(fills)} parameters, {nbytes / 2**20:.1f} MiB, every byte checked) in {summary['seconds']:.2f}s")
+    return summary
+
+
+def _torch_name(dtype: str) -> str:
+    from ..layout.dtypes import torch_name
+
+    return torch_name(dtype)
+
+
+def _param(name: str, p: Any, model: Any) -> Any:
+    from .fill import Param
+
+    module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    idx = getattr(module, "shard_indices", None)
+    vocab = (idx.org_vocab_start_index, idx.org_vocab_end_index) if idx is not None and \
+        name.endswith(".weight") else None
+    return Param(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), vocab)
+
+
+def _tensor(name: str, t: Any, rows: tuple[int, int] | None) -> Any:
+    from .fill import Tensor
+
+    return Tensor(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), rows)
+
+
+def _facts(model: Any, spec: Any) -> Any:
+    """What fill.py reads of vLLM's model: its packed modules, its experts' local placement and
+    its checkpoint-name mapper; the family's expert names from shardc's own table."""
+    from .fill import ModelFacts
+
+    packed = {k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()}
+    moe = spec.forward.moe
+    local: dict[int, int] | None = None
+    for module in model.modules():
+        emap = getattr(module, "expert_map", None) if hasattr(module, "w13_weight") else None
+        if emap is not None:
+            local = {g: int(i) for g, i in enumerate(emap.tolist()) if int(i) >= 0}
+            break
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    if mapper is not None and getattr(mapper, "orig_to_new_stacked", None):
+        # the packed modules are fill.py's to place (with their offsets): renames only
+        mapper = dataclasses.replace(mapper, orig_to_new_stacked={})
+    rename = mapper._map_name if mapper is not None else None
+    return ModelFacts(packed=packed, expert_templates=tuple(moe.expert) if moe is not None else (),
+                      local_experts=local, rename=rename)
+
+
+def _must_fill(model: Any, model_config: Any, load_config: Any) -> set[str]:
+    """The parameters vLLM's default loader requires from a checkpoint: all of the model's, less
+    the ones its own weight tracking exempts (KV-cache scales, config-built parameters, ...).
+    Its ``track_weights_loading`` adds the exempt names to the set it is given before it raises
+    on the rest, so an empty set comes back holding exactly the exemptions."""
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    names = {n for n, p in model.named_parameters() if p.numel() > 0}
+    exempt: set[str] = set()
+    try:
+        DefaultModelLoader(load_config).track_weights_loading(
+            model, exempt, quantized=model_config.quantization is not None)
+    except ValueError:
+        pass
+    return names - exempt
+
+
+def _log(line: str) -> None:
+    from vllm.logger import init_logger
+
+    init_logger("shardc.serving").info(line)
