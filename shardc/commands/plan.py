@@ -140,11 +140,14 @@ Examples:
   shardc plan --model llama-3.3-70b --gpu a100-80gb --lora-adapters 8 --lora-rank 64 --draft-model llama-3.1-8b
   shardc plan --model deepseek-v3 --gpu h200 --dtype fp8 --explain  # MLA latent whole per GPU, EP
   shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
+  shardc plan --model build/demo-tp3pp2-bf16 --emit vllm    # a build's own launch: its degrees, --load-format shardc
+  shardc plan --model build/x --emit k8s --image REGISTRY/shardc-vllm:TAG --manifest-uri s3://models/x/manifest.json
 """)
 @click.option("--model", "model_ref", required=True, metavar="PRESET|config.json|DIR",
-              help=f"Model preset ({', '.join(PRESETS)}), a config.json, or a checkpoint directory.")
-@click.option("--gpu", "gpu_name", required=True, metavar="PRESET",
-              help="a100-40gb, a100-80gb, a100-40gb-pcie, a100-80gb-pcie, h100-sxm, h200, l40s.")
+              help=f"Model preset ({', '.join(PRESETS)}), a config.json, or a checkpoint directory; or a shardc "
+              "build's directory (holding manifest.json), whose own launch --emit prints and --check checks.")
+@click.option("--gpu", "gpu_name", metavar="PRESET", help="a100-40gb, a100-80gb, a100-40gb-pcie, "
+              "a100-80gb-pcie, h100-sxm, h200, l40s. Required, except for a build's launch.")
 @click.option("--gpus-per-node", type=POS_INT, help="GPUs per node: the NVLink domain that TP stays inside. "
               "[default: 8]")
 @click.option("--gpus", type=POS_INT, help="The GPUs of your node: the same as --gpus-per-node (with --nodes M, "
@@ -210,11 +213,14 @@ Examples:
 @click.option("--emit", type=_Flag("vllm|k8s", "launch config (vllm, k8s)", _choice("vllm", "k8s")),
               metavar="vllm|k8s", help="Print the pick's `vllm serve` command, or a Kubernetes pod for it.")
 @click.option("--manifest-uri", default="s3://CHANGE-ME/manifest.json", show_default=True,
-              help="With --emit k8s: where the build's manifest lives (shardc pull's --manifest).")
+              help="With --emit k8s: where the build's manifest lives (shardc pull's --manifest); for a build's "
+              "pod, default: its plan's replica_group.checkpoint.manifest_uri.")
+@click.option("--image", help="With --emit k8s: the containers' image [default for a search's pod: "
+              "vllm/vllm-openai:latest; a build's pod requires one holding shardc and vLLM].")
 @click.option("--check", "check_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Read a pod spec or `vllm serve` arguments (YAML) and list where they disagree with the "
               "pick, one line each (exit 1).")
-def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
+def plan_cmd(model_ref: str, gpu_name: str | None, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
              kv_dtype: str, max_model_len: int | None, concurrency: int | None, isl: int | None,
              osl: int | None, ttft_ms: float | None, avg_context: int | None, kv_cache_cap: float | None,
              kv_memory: float | None, gpu_memory_utilization: float, block_size: int,
@@ -224,7 +230,7 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int
              hbm_bandwidth: float | None, nvlink_bandwidth: float | None, interconnect: str,
              fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool, as_json: bool,
              out_file: Path | None, plot_file: Path | None, emit: str | None, manifest_uri: str,
-             check_file: Path | None) -> None:
+             image: str | None, check_file: Path | None) -> None:
     """Size a deployment: memory, KV cache, speed and cost of every TP x PP x dtype, and the pick.
 
     The default objective (fit) recommends the smallest unit that holds the model and the KV
@@ -232,15 +238,20 @@ def plan_cmd(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int
     --gpu-memory-utilization), with the CUDA context and graphs in the headroom beyond it: TP
     first, up to the fabric's limit (the NVLink domain; 4 on PCIe), pipeline stages only when no TP
     is enough. The KV cap is a ceiling on the pool, not a reservation. Beside the pick: the fastest
-    single-node TP unit with more GPUs, when one is faster.
+    single-node TP unit with more GPUs, when one is faster. Given a build's directory, --emit and
+    --check take the build's own launch (vllm serve DIR --load-format shardc), no search.
     """
+    args = dict(locals())
+    from .plan_emit import launch_build
+
     try:
-        _plan(**locals())
+        if not launch_build(click.get_current_context(), args):
+            _plan(**args)
     except ShardcError as exc:
         raise _as_flags(exc) from None
 
 
-def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
+def _plan(model_ref: str, gpu_name: str | None, gpus_per_node: int | None, gpus: int | None, objective: str, nodes: int, dtype: str,
           kv_dtype: str, max_model_len: int | None, concurrency: int | None, isl: int | None,
           osl: int | None, ttft_ms: float | None, avg_context: int | None, kv_cache_cap: float | None,
           kv_memory: float | None, gpu_memory_utilization: float, block_size: int, price_per_gpu_hour: float,
@@ -249,7 +260,7 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
           gpu_memory: float | None, hbm_bandwidth: float | None, nvlink_bandwidth: float | None,
           interconnect: str, fabric: str | None, params: tuple[tuple[str, float], ...], explain: bool,
           as_json: bool, out_file: Path | None, plot_file: Path | None = None, emit: str | None = None,
-          manifest_uri: str = "", check_file: Path | None = None) -> None:
+          manifest_uri: str = "", check_file: Path | None = None, image: str | None = None) -> None:
     from ..planner.deploy import refuse_control
     from ..planner.explain import explain as explain_lines
     from ..planner.formulas import Overheads, SpeedParams, Workload
@@ -257,9 +268,17 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
     from ..planner.models import resolve_model
     from ..planner.report import header, summary, table
     from ..planner.search import search
+    from .plan_emit import plain_inputs
 
-    _plain_inputs(model_ref=model_ref, draft_model=draft_model, manifest_uri=manifest_uri, out=out_file,
-                  plot=plot_file, check=check_file)
+    plain_inputs(model_ref=model_ref, draft_model=draft_model, manifest_uri=manifest_uri, out=out_file,
+                  plot=plot_file, check=check_file, image=image)
+    if gpu_name is None:  # only a build's launch takes none (plan_emit.launch_build)
+        hint = ("give --gpu PRESET (a100-80gb, h100-sxm, h200, ...), or --model a build's directory (shardc "
+                "build's --out, holding manifest.json) to print its launch")
+        if Path(model_ref).is_dir():
+            raise PlanError(f"{model_ref} holds no manifest.json, so it is not a shardc build, and sizing it as a "
+                            "checkpoint needs --gpu", key="--model", hint=hint)
+        raise PlanError("is required to size a deployment", key="--gpu", hint=hint)
     model, name, source = resolve_model(model_ref)
     refuse_control(source, "--model", "the model path")  # as resolved: a link may lead to such a name
     draft = None
@@ -295,7 +314,7 @@ def _plan(model_ref: str, gpu_name: str, gpus_per_node: int | None, gpus: int | 
         if check_file is not None:
             check(result, check_file)
         else:
-            emit_config(result, emit or "", manifest_uri)
+            emit_config(result, emit or "", manifest_uri, image)
         return
     if as_json:
         _echo_json(result)
@@ -332,19 +351,6 @@ def _echo_json(result: Any) -> None:
     echo_json(data)
     for warning in result.warnings:
         click.echo(f"warning: {flags(warning)}", err=True)
-
-
-def _plain_inputs(**values: str | Path | None) -> None:
-    """The strings of `shardc plan` that reach its output (a comment, a pod, a shell line, a file
-    name) hold no control character: each is one line naming its flag, before anything is read."""
-    from ..planner.deploy import refuse_control
-
-    what = {"model_ref": ("--model", "the model path"), "draft_model": ("--draft-model", "the draft model path"),
-            "manifest_uri": ("--manifest-uri", "the manifest URI"), "out": ("--out", "the plan path"),
-            "plot": ("--plot", "the picture's path"), "check": ("--check", "the deployment file's path")}
-    for field, value in values.items():
-        if value is not None:
-            refuse_control(str(value), *what[field])
 
 
 def node_gpus(gpus: int | None, gpus_per_node: int | None) -> int:

@@ -129,10 +129,15 @@ def vllm_command(s: Search, c: Candidate) -> str:
 
 
 def pod_name(c: Candidate) -> str:
-    """The plan's name as a Kubernetes name (an RFC 1123 subdomain that is also a label value):
-    lower case, '_' and anything else as '-', a dot never beside another dot or a dash, 63 at most."""
+    """The plan's name as a Kubernetes name (``k8s_name``)."""
     assert c.plan is not None
-    name = re.sub(r"[^a-z0-9.-]", "-", c.plan.name.lower())
+    return k8s_name(c.plan.name)
+
+
+def k8s_name(plan_name: str) -> str:
+    """A plan's name as a Kubernetes name (an RFC 1123 subdomain that is also a label value):
+    lower case, '_' and anything else as '-', a dot never beside another dot or a dash, 63 at most."""
+    name = re.sub(r"[^a-z0-9.-]", "-", plan_name.lower())
     name = re.sub(r"[.-]*\.[.-]*", ".", name)
     return name[:63].strip("-.") or "shardc"
 
@@ -151,8 +156,9 @@ def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> 
     """A pod holding one replica: its GPUs (tp x pp x dp), /dev/shm and host memory sized from the
     plan, and an init container running ``init`` (the CLI's `shardc pull` of the replica's ranks
     (0 to gpus - 1) into /models/<name>, then `shardc verify` on the GPUs). On one GPU vLLM serves
-    that directory (a tp=1 build is a checkpoint it loads); vLLM cannot load per-rank shards, so a
-    multi-GPU pod serves the source model and the init step checks the build that matches it."""
+    that directory (a tp=1 build is a checkpoint it loads); vLLM's own loader cannot load per-rank
+    shards, so a multi-GPU pod serves the source model and the init step checks the build that
+    matches it (a build's own launch, launch.py, serves the build through `--load-format shardc`)."""
     assert c.memory is not None
     gpus, name = c.gpus, pod_name(c)
     shards = sum(r.nbytes for r in c.weights)  # every rank's shard: host memory while they load
