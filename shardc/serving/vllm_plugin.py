@@ -8,7 +8,8 @@ vLLM otherwise. Then ``vllm serve BUILD_DIR --load-format shardc --tensor-parall
 config.json and tokenizer, and this loader fills the weights.
 
 Per worker, in this order (nothing is read from a shard before the checks that need no bytes):
-1. the manifest is read and checked against the Layout its plan gives (shardc.verify.loader);
+1. the manifest is read, and the config.json vLLM built its model from must be the one the build
+   wrote (its sha256 in the manifest), of the architecture the build holds;
 2. the engine's degrees, its pipeline partition (vLLM's ``get_pp_indices``) and, under expert
    parallelism, its expert placement (the fused-MoE layers' expert maps) must be the build's;
 3. the rank (vLLM's parallel state) loads its shard with ``shardc.load_shard`` onto the worker's
@@ -85,6 +86,7 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     manifest = load(directory / "manifest.json")
     layout = manifest.to_layout()
     plan, spec = layout.plan, layout.model
+    _check_config(directory, manifest)
     arch = list(getattr(model_config.hf_config, "architectures", None) or [])
     if arch and spec.architecture not in arch:
         raise ServeError(f"the engine runs {arch[0]}, the build {plan.name} holds {spec.architecture}",
@@ -140,6 +142,24 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     _log(f"shardc: rank tp={tp_rank} pp={pp_rank} loaded {rl.file} ({len(tensors)} tensors into "
          f"{len(fills)} parameters, {nbytes / 2**20:.1f} MiB, every byte checked) in {summary['seconds']:.2f}s")
     return summary
+
+
+def _check_config(directory: Path, manifest: Any) -> None:
+    """vLLM builds its model from the build directory's config.json: it must be the file the build
+    wrote (its sha256 in the manifest), or the model vLLM makes is not the one the shards are for."""
+    import hashlib
+
+    entry = manifest.file("config.json")
+    if entry is None:
+        return
+    try:
+        digest = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
+    except OSError as exc:
+        raise ServeError(f"cannot read {directory / 'config.json'}: {exc.strerror}", key="config.json") from None
+    if digest != entry.sha256:
+        raise ServeError(f"{directory / 'config.json'} is not the file the build wrote (sha256 {digest[:12]}..., "
+                         f"the manifest records {entry.sha256[:12]}...)", key="config.json",
+                         hint="restore the build's config.json (shardc pull), or rebuild from the changed config")
 
 
 def _torch_name(dtype: str) -> str:
@@ -206,4 +226,5 @@ def _must_fill(model: Any, model_config: Any, load_config: Any) -> set[str]:
 def _log(line: str) -> None:
     from vllm.logger import init_logger
 
-    init_logger("shardc.serving").info(line)
+    # under vLLM's "vllm" logger, whose handlers vLLM configures (a logger outside it prints nothing)
+    init_logger("vllm.model_executor.model_loader.shardc").info(line)
