@@ -1,12 +1,17 @@
 """A real ``shardc`` process and the one-line error contract, written once for the tests that run
 the CLI as a user does (``docs/architecture.md §7``: one line on stderr, no traceback, the exit
-code of the error's class). Import by name: ``from cli_run import one_line, shardc``."""
+code of the error's class). Import by name: ``from cli_run import one_line, shardc``; ``shardc_in``
+runs the same command in the test's own process, for the many tests about what a command does rather
+than about the process (a file keeps a real process where exit codes and stderr are its subject)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +29,35 @@ def shardc(*args: object, env: dict[str, str] | None = None, fault: str | None =
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "shardc.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env=full, cwd=cwd)
+
+
+def shardc_in(*args: object, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``shardc ARGS`` run in this process (click's CliRunner on ``shardc.cli.main``), answered as
+    ``shardc`` answers: exit code, stdout, stderr. For tests about what a command does, not about
+    the process: it saves the interpreter's start and the imports (numpy, ml_dtypes: about 2 s of
+    CPU a call). What a real process would add to stderr is added here too, so ``one_line`` is as
+    strict: an uncaught exception's traceback (exit 1) and the warnings Python's default filters
+    print. Never with ``SHARDC_FAULT`` (its hooks end the process): use ``shardc`` for those; an
+    inherited one is dropped, as ``shardc`` drops it."""
+    from click.testing import CliRunner
+
+    from shardc.cli import main
+
+    full: dict[str, str | None] = {"SHARDC_FAULT": None, **(env or {})}
+    with warnings.catch_warnings(record=True) as caught, contextlib.chdir(cwd):
+        warnings.resetwarnings()  # Python's default filters, as a fresh interpreter has them
+        warnings.simplefilter("default")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        r = CliRunner().invoke(main, [str(a) for a in args], env=full)
+    stderr, code = r.stderr, r.exit_code
+    stderr += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
+                      for w in caught)
+    if r.exception is not None and r.exc_info is not None and not isinstance(r.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*r.exc_info))
+        code = 1
+    return subprocess.CompletedProcess(["shardc", *map(str, args)], code, r.stdout, stderr)
 
 
 def one_line(r: subprocess.CompletedProcess, needle: str = "", code: int = 2) -> str:

@@ -27,6 +27,31 @@ def pytest_configure(config: pytest.Config) -> None:
         tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
+# The files that take far longest (minutes of CPU each), started first under `make test`. xdist's
+# loadfile scheduler hands out files with the most tests first, which put the README's gate figures
+# (3 tests, 4 single-threaded bf16 passes of the demo model over 8,192 tokens: a good part of the
+# suite's CPU) near the very end, where its baseline pass ran on one core while the other idled.
+# Started first, its passes share the cores with the other worker's files instead.
+LONG_FILES = ("tests/docs/test_readme_gate_figures.py",)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201 (xdist's types)
+    """``--dist loadfile`` with ``LONG_FILES`` first; any other mode: xdist's own scheduler."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LongFilesFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):  # noqa: ANN001, ANN202
+            for scope in reversed(LONG_FILES):  # a file's scope is its node id's path
+                if scope in self.workqueue:
+                    self.workqueue.move_to_end(scope, last=False)
+            super()._assign_work_unit(node)
+
+    return LongFilesFirst(config, log)
+
+
 @pytest.fixture(scope="session")
 def demo_model_dir() -> Path:
     """The SmolLM2-135M demo checkpoint (converted once, cached under .cache/demo)."""

@@ -1,9 +1,10 @@
 """#41 item 8: build, reshard and export never replace a different build, or write beside files
 that are not a build, without being asked; records never replace a different build's record.
 
-Real CLI processes (``cli_run.shardc``) on real builds of a tiny seeded checkpoint. Oracles: the
-directory's bytes read before the refused run (every file, byte for byte, and no new one), and
-``shardc verify`` of what ``--replace`` left.
+The CLI as typed, on real builds of a tiny seeded checkpoint: in this process (``cli_run.shardc_in``,
+what the command does), and as real processes (``cli_run.shardc``) where a refusal's exit code and
+one line on stderr are the subject. Oracles: the directory's bytes read before the refused run
+(every file, byte for byte, and no new one), and ``shardc verify`` of what ``--replace`` left.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from cli_run import one_line, shardc
+from cli_run import one_line, shardc, shardc_in
 from plan_helpers import write_plan
 
 from shardc.formats.manifest import loads
@@ -40,10 +41,10 @@ def world(tmp_path_factory) -> dict[str, Path]:
          "beta": write_plan(d / "beta.yaml", 1, name="beta", source=a),
          "gamma": write_plan(d / "gamma.yaml", 1, dtype="int8", name="gamma", source=a)}
     for name in ("alpha", "beta"):
-        r = shardc("build", w[name], "--out", d / f"built-{name}", "--manifests-dir", d / f"m-{name}", "-q")
+        r = shardc_in("build", w[name], "--out", d / f"built-{name}", "--manifests-dir", d / f"m-{name}", "-q")
         assert r.returncode == 0, r.stderr
         w[f"built-{name}"] = d / f"built-{name}"
-    r = shardc("export", "--manifest", w["built-alpha"], "--out", d / "hf-alpha", "-q")
+    r = shardc_in("export", "--manifest", w["built-alpha"], "--out", d / "hf-alpha", "-q")
     assert r.returncode == 0, r.stderr
     w["hf-alpha"] = d / "hf-alpha"
     return w
@@ -73,17 +74,17 @@ def user_dir(tmp_path: Path) -> Path:
     return out
 
 
-def build(world, plan: str, out: Path, *extra: object, m: Path | None = None):
-    return shardc("build", world[plan], "--out", out, "--manifests-dir", m or out.parent / "m", "-q", *extra)
+def build(world, plan: str, out: Path, *extra: object, m: Path | None = None, run=shardc_in):
+    return run("build", world[plan], "--out", out, "--manifests-dir", m or out.parent / "m", "-q", *extra)
 
 
-def reshard(world, plan: str, out: Path, *extra: object, m: Path | None = None):
-    return shardc("reshard", "--manifest", world["built-alpha"], "--plan", world[plan], "--out", out,
-                  "--manifests-dir", m or out.parent / "m", "-q", *extra)
+def reshard(world, plan: str, out: Path, *extra: object, m: Path | None = None, run=shardc_in):
+    return run("reshard", "--manifest", world["built-alpha"], "--plan", world[plan], "--out", out,
+               "--manifests-dir", m or out.parent / "m", "-q", *extra)
 
 
-def export(world, build_dir: Path, out: Path, *extra: object):
-    return shardc("export", "--manifest", build_dir, "--out", out, "-q", *extra)
+def export(world, build_dir: Path, out: Path, *extra: object, run=shardc_in):
+    return run("export", "--manifest", build_dir, "--out", out, "-q", *extra)
 
 
 def plan_sha(d: Path) -> str:
@@ -94,9 +95,10 @@ def plan_sha(d: Path) -> str:
 
 @pytest.mark.parametrize("cmd", ["build", "reshard"])
 def test_another_plans_build_is_refused_untouched(world, tmp_path, cmd):
+    """A real process: exit code 2, the one line on stderr."""
     out = copy_of(world["built-beta"], tmp_path)
     before = snapshot(out)
-    r = (build if cmd == "build" else reshard)(world, "alpha", out)
+    r = (build if cmd == "build" else reshard)(world, "alpha", out, run=shardc)
     line = one_line(r, code=2)
     assert line == (f"error: {out} holds build 'beta' (plan sha256 {plan_sha(out)[:12]}), not plan 'alpha' "
                     f"(hint: {REPLACE_HINT} (the journaled switch: the old build stays whole until the new "
@@ -116,7 +118,7 @@ def test_replace_switches_the_other_build_out(world, tmp_path, cmd):
     listed = {*m["shards"], *(f["name"] for f in m["files"])}
     assert {p.name for p in out.iterdir()} == listed | {"manifest.json", ".shardc-build.lock"}
     assert "model.safetensors.index.json" not in listed
-    assert shardc("verify", "--manifest", out).returncode == 0
+    assert shardc_in("verify", "--manifest", out).returncode == 0
     assert (tmp_path / "m" / "alpha.json").read_bytes() == (out / "manifest.json").read_bytes()
 
 
@@ -137,7 +139,8 @@ def test_a_directory_of_user_files_is_refused_even_with_replace(world, tmp_path,
     out = user_dir(tmp_path)
     before = snapshot(out)
     r = {"build": lambda: build(world, "alpha", out, *flag), "reshard": lambda: reshard(world, "alpha", out, *flag),
-         "export": lambda: export(world, world["built-alpha"], out, *flag)}[cmd]()
+         "export": lambda: export(world, world["built-alpha"], out, *flag, run=shardc if not flag else shardc_in),
+         }[cmd]()  # export's refusal without a flag in a real process (build's and reshard's: above)
     what = "an export" if cmd == "export" else "a build"
     line = one_line(r, code=2)
     assert line == (f"error: {out} holds 4 file(s) that are not {what}: model.safetensors, notes.txt, "
@@ -163,9 +166,9 @@ def test_the_same_plan_rebuilds_resumes_and_switches_without_a_flag(world, tmp_p
     out = copy_of(world["built-alpha"], tmp_path)
     m = tmp_path / "m"
     # up to date, then forced (the switch over a complete build of the same plan)
-    r = shardc("build", world["alpha"], "--out", out, "--manifests-dir", m, "--json")
+    r = shardc_in("build", world["alpha"], "--out", out, "--manifests-dir", m, "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["up_to_date"], r.stderr
-    r = shardc("build", world["alpha"], "--out", out, "--manifests-dir", m, "--force", "--json")
+    r = shardc_in("build", world["alpha"], "--out", out, "--manifests-dir", m, "--force", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["built"], r.stderr
     # the same plan name from another source: the ordinary rebuild, its own record replaced
     r = build(world, "alpha-b", out, m=m)
@@ -173,14 +176,14 @@ def test_the_same_plan_rebuilds_resumes_and_switches_without_a_flag(world, tmp_p
     assert json.loads((out / "manifest.json").read_bytes())["source"]["uri"] == str(world["src-b"])
     # resume: what a killed build leaves (shards, a resume record, a temp file, no manifest)
     fresh = tmp_path / "fresh"
-    assert shardc("build", world["beta"], "--out", fresh, "--manifests-dir", tmp_path / "m2", "-q").returncode == 0
+    assert shardc_in("build", world["beta"], "--out", fresh, "--manifests-dir", tmp_path / "m2", "-q").returncode == 0
     (fresh / "manifest.json").unlink()
     shard = next(fresh.glob("model-*.safetensors"))
     (fresh / f".{shard.name}.done.json").write_text("{}")  # a stale record: rebuilt, not refused
     (fresh / f".config.json.{'0' * 16}.tmp").write_bytes(b"x")
-    r = shardc("build", world["beta"], "--out", fresh, "--manifests-dir", tmp_path / "m2", "--json")
+    r = shardc_in("build", world["beta"], "--out", fresh, "--manifests-dir", tmp_path / "m2", "--json")
     assert r.returncode == 0, r.stderr
-    assert shardc("verify", "--manifest", fresh).returncode == 0
+    assert shardc_in("verify", "--manifest", fresh).returncode == 0
 
 
 def test_an_empty_or_missing_directory_is_fine(world, tmp_path):

@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("compressed_tensors")
 
-from cli_run import one_line, shardc  # noqa: E402
+from cli_run import one_line, shardc, shardc_in  # noqa: E402
 from plan_helpers import write_plan  # noqa: E402
 from quant_sources import ct_model_compressor_source, ct_scheme, save_tiny  # noqa: E402
 
@@ -214,8 +214,9 @@ def test_a_config_that_quantizes_nothing_is_refused(llama, tmp_path, qconfig, ar
     shutil.copytree(llama, src)
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps(config | {"quantization_config": qconfig}))
-    r = shardc("build", write_plan(tmp_path / "p.yaml", 1, 1, dtype, name="m", source=src), "--out",
-               tmp_path / "out", "--quiet")
+    # in this process (the six cases are one code path; the real process's line: the test above)
+    r = shardc_in("build", write_plan(tmp_path / "p.yaml", 1, 1, dtype, name="m", source=src), "--out",
+                  tmp_path / "out", "--quiet")
     line = one_line(r, f"quantization_config.quant_method: is {qconfig['quant_method']!r}, but ")
     assert f"quantizes none of {arch}'s weights (it applies to " in line
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.safetensors"))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from reassemble import load_source, reassemble
 
-from shardc.compiler.compile import build
+from shardc.compiler.compile import BuildResult, build
 from shardc.compiler.quantize import quantize
 from shardc.formats.manifest import load
 from shardc.layout.plan import load_plan
@@ -28,12 +28,27 @@ def demo_src(demo_model_dir):
     return demo_model_dir, load_source(demo_model_dir)
 
 
+@pytest.fixture(scope="module")
+def built(demo_model_dir, tmp_path_factory):
+    """built(plan_name): the shipped plan's build, made once for the tests here, which only read it
+    (reassembled, verified, its manifest's bytes against the committed one)."""
+    out = tmp_path_factory.mktemp("demo-builds")
+    done: dict[str, BuildResult] = {}
+
+    def get(plan_name: str) -> BuildResult:
+        if plan_name not in done:
+            done[plan_name] = build(load_plan(PLANS / f"{plan_name}.yaml"), out / plan_name)
+        return done[plan_name]
+
+    return get
+
+
 @pytest.mark.parametrize("plan_name", ["demo-tp1pp1-bf16", "demo-tp3pp2-bf16"])
-def test_demo_16bit_reassembles(demo_src, tmp_path, plan_name):
+def test_demo_16bit_reassembles(demo_src, built, plan_name):
     ckpt, src = demo_src
     plan = load_plan(PLANS / f"{plan_name}.yaml")
     assert Path(plan.source) == ckpt.resolve()
-    res = build(plan, tmp_path / "o")
+    res = built(plan_name)
     rebuilt = reassemble(res.out_dir)
     for name, t in src.items():
         assert torch.equal(rebuilt[name].view(torch.uint8), t.view(torch.uint8)), name
@@ -45,10 +60,10 @@ def test_demo_16bit_reassembles(demo_src, tmp_path, plan_name):
 
 
 @pytest.mark.parametrize("plan_name", ["demo-tp3pp1-int8", "demo-tp3pp1-fp8"])
-def test_demo_quantized_reassembles(demo_src, tmp_path, plan_name):
+def test_demo_quantized_reassembles(demo_src, built, plan_name):
     ckpt, src = demo_src
     plan = load_plan(PLANS / f"{plan_name}.yaml")
-    res = build(plan, tmp_path / "o")
+    res = built(plan_name)
     rebuilt = reassemble(res.out_dir)
     scheme = plan.dtype
     names = sorted(n for n in src if QUANTIZABLE.fullmatch(n))  # the oracle: written out here
@@ -67,9 +82,9 @@ DEMO_MANIFESTS = PLANS.parent / "tests" / "data" / "demo-manifests"
 
 
 @pytest.mark.parametrize("plan_name", sorted(p.stem for p in DEMO_MANIFESTS.glob("demo-*.json")))
-def test_committed_demo_manifests_are_current(demo_model_dir, tmp_path, plan_name):
+def test_committed_demo_manifests_are_current(built, plan_name):
     """tests/data/demo-manifests/*.json are the demo builds' records, kept as golden files: a
     build today writes exactly those bytes. (manifests/, where builds put their rollout records
     by default, is untracked: the README's examples write there.)"""
-    res = build(load_plan(PLANS / f"{plan_name}.yaml"), tmp_path / "o")
+    res = built(plan_name)
     assert res.manifest_path.read_bytes() == (DEMO_MANIFESTS / f"{plan_name}.json").read_bytes()

@@ -2,8 +2,9 @@
 
 A build made with ``--source /elsewhere`` keeps the plan file's sha256 (shard metadata, byte for
 byte the same shards), but its manifest records the override and the effective plan's hash, and
-``verify --plan P`` accepts it only together with that ``--source``. Real checkpoints, real CLI
-subprocesses; the expected hashes are computed here from the manifest's JSON, not by shardc.
+``verify --plan P`` accepts it only together with that ``--source``. Real checkpoints, the CLI as
+typed (in this process; real processes for the bad input's exit code and one line); the expected
+hashes are computed here from the manifest's JSON, not by shardc.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_run import shardc
+from cli_run import shardc, shardc_in
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
@@ -49,13 +50,13 @@ def world(tmp_path_factory):
     for out, extra in (("plain", ()), ("over", ("--source", elsewhere))):
         # each build its own records: the two are builds of one plan from different sources, and
         # a record is never replaced by a different build's
-        r = shardc("build", plan, "--out", root / out, "--manifests-dir", root / "m" / out, "-q", *extra)
+        r = shardc_in("build", plan, "--out", root / out, "--manifests-dir", root / "m" / out, "-q", *extra)
         assert r.returncode == 0, r.stderr
     return {"root": root, "plan": plan, "elsewhere": str(elsewhere), "plain": root / "plain", "over": root / "over"}
 
 
-def verify(build_dir: Path, *extra) -> subprocess.CompletedProcess:
-    return shardc("verify", "--manifest", build_dir / "manifest.json", *extra)
+def verify(build_dir: Path, *extra, run=shardc_in) -> subprocess.CompletedProcess:
+    return run("verify", "--manifest", build_dir / "manifest.json", *extra)
 
 
 def test_the_manifest_records_the_override_and_the_effective_plan(world):
@@ -142,7 +143,7 @@ def test_old_manifests_without_the_field_still_verify(world, tmp_path):
 
 def test_effective_hash_is_deterministic_and_part_of_up_to_date(world, tmp_path):
     again = tmp_path / "again"
-    r = shardc("build", world["plan"], "--out", again, "--manifests-dir", tmp_path / "m", "-q",
+    r = shardc_in("build", world["plan"], "--out", again, "--manifests-dir", tmp_path / "m", "-q",
                "--source", world["elsewhere"])
     assert r.returncode == 0, r.stderr
     want = (world["over"] / "manifest.json").read_bytes()
@@ -152,7 +153,7 @@ def test_effective_hash_is_deterministic_and_part_of_up_to_date(world, tmp_path)
     m = json.loads(want)
     del m["overrides"], m["effective_plan_sha256"]
     (again / "manifest.json").write_text(json.dumps(m))
-    r = shardc("build", world["plan"], "--out", again, "--manifests-dir", tmp_path / "m", "--json",
+    r = shardc_in("build", world["plan"], "--out", again, "--manifests-dir", tmp_path / "m", "--json",
                "--source", world["elsewhere"])
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
@@ -168,7 +169,7 @@ def test_reshard_output_verifies_against_its_own_plan(world, tmp_path):
     target.write_text(PLAN_YAML.replace("name: eff", "name: eff1").replace("pp_degree: 2", "pp_degree: 1")
                       .replace("gpus_per_replica: 2", "gpus_per_replica: 1"))
     out = tmp_path / "r"
-    r = shardc("reshard", "--manifest", world["over"] / "manifest.json", "--plan", target, "--out", out,
+    r = shardc_in("reshard", "--manifest", world["over"] / "manifest.json", "--plan", target, "--out", out,
                "--manifests-dir", tmp_path / "m", "-q")
     assert r.returncode == 0, r.stderr
     m = json.loads((out / "manifest.json").read_text())
@@ -201,7 +202,7 @@ def test_an_inconsistent_override_record_is_refused(world, tmp_path, edit, code,
 
 
 def test_source_flags_that_mean_nothing_or_two_things_are_bad_input(world, tmp_path):
-    r = verify(world["plain"], "--source", world["elsewhere"])
+    r = verify(world["plain"], "--source", world["elsewhere"], run=shardc)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: --source goes with --plan (it names the source of the plan this node expects) "
         "(hint: shardc verify --manifest M --plan PLAN.yaml --source SRC)"]

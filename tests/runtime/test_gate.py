@@ -253,15 +253,28 @@ def demo_builds(demo_model_dir, tmp_path_factory):
         "int8": _build(demo_model_dir, out, 1, 1, "int8"),
         "fp8": _build(demo_model_dir, out, 1, 1, "fp8"),
         "out": out,
+        # one baseline pass for the four gates below (the same baseline, text and windows): the
+        # first scores it and writes its logits, the others read them back; the same numbers as a
+        # fresh pass (test_baseline_cache_is_identical_and_keyed)
+        "cache": out / "baseline-tp1pp1.safetensors",
     }
 
 
 DEMO = ["--max-tokens", "1024", "--window", "256", "--timeout", "120", "--json"]
 
 
+def _demo_gate(demo_builds, candidate: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A gate of the demo's tp1pp1 baseline against ``candidate``, its baseline pass shared."""
+    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(candidate), *extra, *DEMO,
+              "--baseline-cache", str(demo_builds["cache"]))
+    if p.stdout.startswith("{"):
+        assert json.loads(p.stdout)["baseline_cache"]["status"] in ("new", "hit"), p.stdout
+    return p
+
+
 @pytest.mark.heavy
 def test_demo_bf16_tp3pp2_passes(demo_builds):
-    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(demo_builds["tp3pp2"]), *DEMO)
+    p = _demo_gate(demo_builds, demo_builds["tp3pp2"])
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(p.stdout)
     # Only bf16 rounding of the row-parallel partial sums differs: delta ~ 0, far inside 0.5%.
@@ -273,7 +286,7 @@ def test_demo_bf16_tp3pp2_passes(demo_builds):
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_demo_quantized_measured_honestly(demo_builds, dtype, capsys):
     """int8 / fp8 are measured, not assumed: the verdict is whatever the threshold says."""
-    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(demo_builds[dtype]), *DEMO)
+    p = _demo_gate(demo_builds, demo_builds[dtype])
     assert p.returncode in (0, 1), p.stderr
     r = json.loads(p.stdout)
     assert r["pass"] == (abs(r["ppl_delta_pct"]) <= 0.5) == (p.returncode == 0)
@@ -317,8 +330,7 @@ def test_demo_broken_candidate_fails_loudly(demo_builds):
     broken = demo_builds["out"] / "broken"
     shutil.copytree(demo_builds["tp3pp2"].parent, broken)
     _swap_row_parallel(broken, layer=20)
-    p = _gate("--baseline", str(demo_builds["tp1pp1"]), "--candidate", str(broken / "manifest.json"),
-              "--min-top1", "0.9", *DEMO)
+    p = _demo_gate(demo_builds, broken / "manifest.json", "--min-top1", "0.9")
     assert p.returncode == 1, p.stdout + p.stderr
     r = json.loads(p.stdout)
     assert not r["pass"] and r["ppl_delta_pct"] > 5 and r["top1_agreement"] < 0.9

@@ -134,13 +134,20 @@ def demo_windows(demo):
     return golden_windows(demo["tp1pp1"].directory / "tokenizer.json", 2, 64)
 
 
+@pytest.fixture(scope="module")
+def demo_hf(demo, demo_windows):
+    """transformers' bf16 demo model and its logits of the windows: the oracle of both demo tests,
+    loaded and run once."""
+    ref = hf_model(demo["src"])
+    return ref, hf_logits(ref, demo_windows)
+
+
 @pytest.mark.heavy
-def test_demo_tp1pp1_matches_transformers(demo, demo_windows):
+def test_demo_tp1pp1_matches_transformers(demo, demo_windows, demo_hf):
     from tokenizers import Tokenizer
 
-    ref = hf_model(demo["src"])
+    ref, want = demo_hf
     got = score(demo["tp1pp1"], demo_windows, return_logits=True, timeout_s=60)
-    want = hf_logits(ref, demo_windows)
     assert got.logits.shape == want.shape == (2, 64, 49152)
     torch.testing.assert_close(got.logits, want, rtol=0, atol=EXACT_ATOL)
     nll = -torch.log_softmax(want[:, :-1], -1).gather(-1, demo_windows[:, 1:, None])[..., 0]
@@ -154,7 +161,7 @@ def test_demo_tp1pp1_matches_transformers(demo, demo_windows):
 
 
 @pytest.mark.heavy
-def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows):
+def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows, demo_hf):
     from tokenizers import Tokenizer
 
     got = score(demo["tp3pp2"], demo_windows, return_logits=True, timeout_s=60).logits
@@ -163,7 +170,7 @@ def test_demo_tp3pp2_matches_tp1pp1(demo, demo_windows):
     torch.testing.assert_close(got, same_order, rtol=0, atol=EXACT_ATOL)
     # Against tp1pp1 the only difference is bf16 rounding of the partial sums: its size must stay
     # within the model's own bf16 noise (bf16 vs fp32 transformers on the same tokens).
-    tp1 = hf_logits(hf_model(demo["src"]), demo_windows)
+    tp1 = demo_hf[1]
     noise = (tp1 - hf_logits(hf_model(demo["src"], torch.float32), demo_windows)).abs().mean()
     drift = (got - tp1).abs().mean()
     assert 0 < drift <= 2 * noise, (float(drift), float(noise))
