@@ -191,7 +191,8 @@ def _check(p: Param, pieces: list[Piece], tensors: dict[str, Tensor], fp32_kept:
         return
     if expert_dim:
         if set(groups) != set(range(p.shape[0])):
-            raise refuse(f"holds {p.shape[0]} local experts, the shard fills {sorted(groups)}")
+            raise refuse(f"holds {p.shape[0]} local experts, the shard fills "
+                         f"{sorted(e for e in groups if e is not None)}")
     for group in groups.values():
         at = 0
         for pc in sorted(group, key=lambda pc: pc.offset):

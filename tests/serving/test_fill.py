@@ -171,3 +171,23 @@ def test_expert_placement_is_compared_as_sets_of_ids():
     assert err.value.one_line() == (
         "expert_placement_strategy: the engine places experts 0-0, 2-2, 4-4 on this rank, the build e put 0-2 in "
         "its shard (hint: start vLLM with the build's placement (--expert-placement-strategy linear))")
+
+
+def test_int8_companions_follow_their_weight_into_the_packed_parameter():
+    """pack-quantized int8: weight_packed and weight_scale rows of q, k, v end to end, as the
+    16-bit weights; a parameter the pieces cannot tile (a fused weight_shape of [2]) is refused,
+    never loaded wrong."""
+    shard = []
+    for proj, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        shard += [_t(f"{P}self_attn.{proj}.weight_packed", rows, 32, dtype="int32"),
+                  _t(f"{P}self_attn.{proj}.weight_scale", rows, 1, dtype="float32")]
+    packed = Param(P + "self_attn.qkv_proj.weight_packed", (128, 32), "int32")
+    scale = Param(P + "self_attn.qkv_proj.weight_scale", (128, 1), "float32")
+    plan = _fill(shard, [packed, scale])
+    assert sorted((pc.offset, pc.rows) for pc in plan[packed.name]) == [(0, 64), (64, 32), (96, 32)]
+    assert sorted((pc.offset, pc.rows) for pc in plan[scale.name]) == [(0, 64), (64, 32), (96, 32)]
+    shape = Param(P + "self_attn.qkv_proj.weight_shape", (2,), "int64")
+    shard += [_t(f"{P}self_attn.{p}.weight_shape", 2, dtype="int64") for p in ("q_proj", "k_proj", "v_proj")]
+    with pytest.raises(ServeError) as err:
+        _fill(shard, [packed, scale, shape])
+    assert err.value.one_line().startswith(shape.name + ": the shard fills 6 of its 2 rows")
