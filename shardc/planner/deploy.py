@@ -307,11 +307,19 @@ def check_deployment(s: Search, c: Candidate, doc: Any) -> list[str]:
     if "max-num-seqs" in flags and _number(flags["max-num-seqs"], int, "max-num-seqs") < int(want["max-num-seqs"]):
         out.append(f"{DASHES}max-num-seqs: the deployment allows {flags['max-num-seqs']}, the plan's figures are at "
                    f"{want['max-num-seqs']}")
-    if "gpus" in facts and facts["gpus"] != c.gpus:
-        out.append(f"nvidia.com/gpu: the deployment requests {facts['gpus']}, the plan needs {c.gpus} "
-                   f"(tp {c.tp} x pp {c.pp} x dp {c.dp})")
+    return out + pod_problems(facts, c.gpus, (c.tp, c.pp, c.dp), "the plan needs", "the plan sizes")
+
+
+def pod_problems(facts: dict[str, Any], gpus: int, degrees: tuple[int, int, int], needs: str,
+                 sizes: str) -> list[str]:
+    """A pod's GPU count and /dev/shm against what a launch needs (a plan's pick or a build's)."""
+    out = []
+    if "gpus" in facts and facts["gpus"] != gpus:
+        tp, pp, dp = degrees
+        out.append(f"nvidia.com/gpu: the deployment requests {facts['gpus']}, {needs} {gpus} "
+                   f"(tp {tp} x pp {pp} x dp {dp})")
     shm = _gib(facts["shm"]) if facts.get("shm") is not None else None
-    if shm is not None and shm < c.gpus * SHM_PER_GPU / GIB:
-        out.append(f"/dev/shm: the deployment gives {facts['shm']}, the plan sizes "
-                   f"{math.ceil(c.gpus * SHM_PER_GPU / GIB)}Gi ({SHM_PER_GPU // GIB} GiB per GPU)")
+    if shm is not None and shm < gpus * SHM_PER_GPU / GIB:
+        out.append(f"/dev/shm: the deployment gives {facts['shm']}, {sizes} "
+                   f"{math.ceil(gpus * SHM_PER_GPU / GIB)}Gi ({SHM_PER_GPU // GIB} GiB per GPU)")
     return out

@@ -22,11 +22,11 @@ from .deploy import (
     DASHES,
     HOST_BASE,
     SHM_PER_GPU,
-    _gib,
     _number,
     _option,
     _split,
     k8s_name,
+    pod_problems,
     read_deployment,
     refuse_control,
 )
@@ -195,12 +195,5 @@ def check_build(b: BuildLaunch, doc: Any) -> list[str]:
     if b.pp > 1 and got_stages != stages and not (got_stages is None and unset_ok):
         out.append(f"{PARTITION}: the deployment has {got_stages or 'none (vLLM splits the layers its own way)'}, "
                    f"the build's stages hold {stages} layers")
-    if "gpus" in facts and facts["gpus"] != b.gpus:
-        out.append(f"nvidia.com/gpu: the deployment requests {facts['gpus']}, the build needs {b.gpus} "
-                   f"(tp {b.tp} x pp {b.pp} x dp {b.dp})")
-    shm = _gib(facts["shm"]) if facts.get("shm") is not None else None
-    if shm is not None and shm < b.gpus * SHM_PER_GPU / GIB:
-        out.append(f"/dev/shm: the deployment gives {facts['shm']}, the build's launch sizes "
-                   f"{math.ceil(b.gpus * SHM_PER_GPU / GIB)}Gi ({SHM_PER_GPU // GIB} GiB per GPU)")
-    return out
+    return out + pod_problems(facts, b.gpus, (b.tp, b.pp, b.dp), "the build needs", "the build's launch sizes")
 
