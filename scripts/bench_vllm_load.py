@@ -1,0 +1,336 @@
+#!/usr/bin/env python3
+"""vLLM weight loading (issue #42): ``--load-format shardc`` on a shardc build against vLLM's default
+loader on the source checkpoint, the same model at the same tp, in the same run.
+
+Run with the main venv's python: it writes a synthetic bf16 Llama checkpoint (shardc's seeded writer;
+head_dim 128, a vocabulary that is a multiple of 128, so vLLM's vocabulary cut is shardc's), builds it
+with shardc at tp=2 bf16, both in a temp directory, then runs vLLM in a child process with vLLM's own
+python (``--vllm-python``, default .venv-vllm/bin/python in this checkout, or in ../main beside a
+git worktree).
+
+What is timed, and why not the engine: an engine start costs 35-110 s on a 2-core CPU host, most of
+it not loading, and its workers' pids and logs would have to be fished out of the engine. The child
+is instead the no-engine harness of tests/serving/vllm_workers.py: ``tp`` processes that set up
+vLLM's parallel state as its workers do (gloo; each pinned to one core with one torch thread, as
+``VLLM_CPU_OMP_THREADS_BIND=0|1`` binds the engine's), build the model class vLLM picks, and call
+the very ``load_weights`` of the loader vLLM's ``get_model_loader`` returns (the default loader for
+the checkpoint, shardc's for the build: every shard byte checked against the manifest). Each worker
+times its ``load_weights`` and reads its own ``/proc/self/io`` just before and just after it.
+
+Two phases per loader, loaders alternating between rounds:
+  * timed: every worker loads at once, as in an engine start, page cache dropped first
+    (``echo 3 > /proc/sys/vm/drop_caches``, needs root; else every file is read once first and the
+    output says "warm cache"); the load time is the slowest worker's (the engine waits for all);
+  * bytes: each worker alone, the page cache dropped just before it: ``read_bytes`` (what it made the
+    kernel fetch from storage, readahead included) against the checkpoint's size. On one host the
+    workers share the page cache, so in the timed phase one worker's reads serve the other; alone,
+    each worker's figure is what it needs from disk on a host of its own.
+Finally the two models' parameters are compared byte for byte on every worker.
+
+Examples:
+  python scripts/bench_vllm_load.py                        # ~0.6 GB checkpoint, tp=2, 3 rounds
+  python scripts/bench_vllm_load.py --size-gb 1 --repeat 5 --json /tmp/vllm_load.json
+  python scripts/bench_vllm_load.py --chunk-digest blake3     # the build checked with blake3 digests
+  python scripts/bench_vllm_load.py --vllm-python /opt/vllm/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+# vLLM's venv: the checkout's own, else the main checkout's beside this git worktree
+VLLM_PYTHONS = [ROOT / ".venv-vllm" / "bin" / "python", ROOT.parent / "main" / ".venv-vllm" / "bin" / "python"]
+DEFAULT_VLLM_PYTHON = next((p for p in VLLM_PYTHONS if p.exists()), VLLM_PYTHONS[0])
+LOADERS = ("default", "shardc")
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+# -- the checkpoint and the build (main venv) -------------------------------------------------------
+def shape_for(size_gb: float) -> dict[str, Any]:
+    """A Llama shape of about ``size_gb`` GB in bf16: 2048 hidden, 16 heads of 128 (vLLM's CPU
+    attention takes head_dim 32, 64, 80, 96, 112, 128, ...), 4 KV heads (a multiple of tp 2 and 4),
+    a 32000-row vocabulary (250 x 128: vLLM pads its vocabulary to 64 rows per rank, shardc cuts it
+    evenly) untied, and as many layers as fill the rest."""
+    hidden, inter, heads, kv, vocab = 2048, 5632, 16, 4, 32000
+    head_dim = hidden // heads
+    per_layer = 2 * (hidden * hidden * 2 + 2 * hidden * kv * head_dim + 3 * hidden * inter + 2 * hidden)
+    fixed = 2 * (2 * vocab * hidden + hidden)
+    layers = max(1, round((size_gb * 1e9 - fixed) / per_layer))
+    return dict(hidden_size=hidden, intermediate_size=inter, num_layers=layers, num_heads=heads,
+                num_kv_heads=kv, head_dim=head_dim, vocab_size=vocab)
+
+
+def make_model(root: Path, size_gb: float, tp: int, digest: str = "sha256") -> tuple[Path, Path]:
+    """The synthetic checkpoint and its shardc build at ``tp``, bf16, with ``digest`` chunk digests
+    (the plan's replica_group.checkpoint.chunk_digest): (source dir, build dir)."""
+    from shardc.compiler.compile import build
+    from shardc.compiler.synthetic import llama_config, write_checkpoint
+    from shardc.layout.plan import plan_from_dict
+
+    src = write_checkpoint(root / "src", llama_config(**shape_for(size_gb)))
+    plan = plan_from_dict({"replica_group": {"name": "bench-vllm", "tp_degree": tp, "pp_degree": 1,
+                                             "dtype": "bf16", "gpus_per_replica": tp,
+                                             "checkpoint": {"chunk_digest": digest}},
+                           "model": {"source": str(src)}})
+    return src, build(plan, out_dir=root / "build").manifest_path.parent
+
+
+def files_of(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.is_file())
+
+
+# -- the worker harness (vLLM's venv) ---------------------------------------------------------------
+def _io() -> dict[str, int]:
+    with open("/proc/self/io") as f:
+        return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+
+
+def _drop_or_warm(job: dict[str, Any]) -> str:
+    """Empty the page cache (root), else read every file of both models once: returns which."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+        return "cold (drop_caches)"
+    except OSError:
+        for p in job["files"]:
+            with open(p, "rb", buffering=0) as f:
+                while f.read(16 << 20):
+                    pass
+        return "warm cache"
+
+
+def _config(model: str, job: dict[str, Any], load_format: str) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=model, tensor_parallel_size=job["tp"], dtype="bfloat16", load_format=load_format,
+                      enforce_eager=True, skip_tokenizer_init=True, max_model_len=256).create_engine_config()
+
+
+def _load(cfg: Any, model: Any) -> tuple[float, dict[str, int]]:
+    """vLLM's loader for ``cfg`` (as vLLM's worker gets it) filling ``model``: seconds, io delta."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model_loader
+
+    loader = get_model_loader(cfg.load_config)
+    with set_current_vllm_config(cfg):
+        before, t0 = _io(), time.perf_counter()
+        loader.load_weights(model, cfg.model_config)
+        seconds, after = time.perf_counter() - t0, _io()
+    return seconds, {k: after[k] - before[k] for k in ("read_bytes", "rchar")}
+
+
+def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> None:
+    os.environ.update(job["env"])
+    cpus = sorted(os.sched_getaffinity(0))
+    import torch
+
+    if len(cpus) >= world:  # one core and one thread per worker, as the engine binds them
+        os.sched_setaffinity(0, {cpus[rank]})
+        torch.set_num_threads(1)
+    import torch.distributed as dist
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.plugins import load_general_plugins
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    load_general_plugins()  # the entry point registers "shardc", as in every vLLM process
+    cfgs = {"default": _config(job["source"], job, "auto"), "shardc": _config(job["build"], job, "shardc")}
+    with set_current_vllm_config(cfgs["shardc"]):
+        init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
+        initialize_model_parallel(tensor_model_parallel_size=world)
+    models = {}
+    for name, cfg in cfgs.items():
+        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
+            models[name] = initialize_model(vllm_config=cfg)
+    import shardc
+
+    res: dict[str, Any] = {"rank": rank, "cpus": sorted(os.sched_getaffinity(0)), "shardc": shardc.__file__,
+                           "setup_s": time.time() - job["t0"], "first": {}, "timed": {n: [] for n in LOADERS},
+                           "alone": {}}
+    # round 0 is each loader's first load in the process (its lazy imports, shardc's modules among
+    # them, and its code paths run for the first time): recorded apart, not in the medians
+    for r in range(job["repeat"] + 1):
+        for name in (LOADERS if r % 2 == 0 else LOADERS[::-1]):
+            dist.barrier()
+            if rank == 0:
+                res["cache"] = _drop_or_warm(job)
+            dist.barrier()
+            seconds, io = _load(cfgs[name], models[name])
+            if r == 0:
+                res["first"][name] = seconds
+            else:
+                res["timed"][name].append({"seconds": seconds, **io})
+    for name in LOADERS:
+        res["alone"][name] = None
+        for r in range(world):
+            dist.barrier()
+            if rank == r:
+                _drop_or_warm(job)
+                seconds, io = _load(cfgs[name], models[name])
+                res["alone"][name] = {"seconds": seconds, **io}
+    dist.barrier()
+    mine, theirs = dict(models["shardc"].named_parameters()), dict(models["default"].named_parameters())
+    res["parameters"] = len(mine)
+    res["differ"] = sorted(n for n in mine.keys() | theirs.keys() if n not in mine or n not in theirs
+                           or not _same(mine[n].data, theirs[n].data))
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(res, f)
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(torch.equal(a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)))
+
+
+def worker_main(job_path: str, out: str) -> None:
+    """The child (vLLM's python): ``tp`` worker processes, their results gathered into ``out``."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    job = {**json.loads(Path(job_path).read_text()), "t0": time.time()}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_rank, args=(job["tp"], port, job, out), nprocs=job["tp"], start_method="spawn", join=True)
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(job["tp"])]
+    Path(out).write_text(json.dumps(results))
+
+
+# -- the parent: run, sum up, print -----------------------------------------------------------------
+def run_vllm(vllm_python: Path, job: dict[str, Any], tmp: Path, timeout: int) -> list[dict[str, Any]]:
+    (tmp / "job.json").write_text(json.dumps(job))
+    # this checkout's shardc (its plugin module too: the entry point names the module, the path finds it),
+    # and its bytecode kept for the run, as an installed package has it (a checkout run with
+    # PYTHONDONTWRITEBYTECODE=1 would compile shardc's modules inside the first timed load)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PYTHONPYCACHEPREFIX": str(tmp / "pycache")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    log = tmp / "vllm.log"
+    with open(log, "w") as f:
+        p = subprocess.run([str(vllm_python), __file__, "--worker", str(tmp / "job.json"), str(tmp / "out.json")],
+                           stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=tmp)
+    if p.returncode:
+        sys.stderr.write("\n".join(log.read_text().strip().splitlines()[-25:]) + "\n")
+        raise SystemExit(f"bench_vllm_load.py: vLLM's workers failed (exit {p.returncode}); the end of "
+                         "their output is above")
+    return json.loads((tmp / "out.json").read_text())
+
+
+def summarize(ranks: list[dict[str, Any]], ckpt_bytes: int, shard_bytes: list[int], manifest_bytes: int,
+              tp: int) -> dict[str, Any]:
+    """Per loader: the median over rounds of the slowest worker's load seconds, and each worker's
+    read_bytes alone; shardc's time over the default's, and the bytes target (checkpoint / tp +
+    manifest) each shardc worker is held to."""
+    out: dict[str, Any] = {"method": "in-process harness: vLLM's workers' parallel state and loaders, no engine",
+                           "cache": ranks[0].get("cache"), "tp": tp, "checkpoint_bytes": ckpt_bytes,
+                           "manifest_bytes": manifest_bytes, "shard_bytes": shard_bytes,
+                           "target_bytes_per_worker": ckpt_bytes / tp + manifest_bytes,
+                           "parameters": ranks[0]["parameters"],
+                           "differ": sorted({n for r in ranks for n in r["differ"]}), "loaders": {}}
+    for name in LOADERS:
+        rounds = len(ranks[0]["timed"][name])
+        slowest = [max(r["timed"][name][i]["seconds"] for r in ranks) for i in range(rounds)]
+        out["loaders"][name] = {
+            "load_s": statistics.median(slowest), "load_s_rounds": slowest,
+            "timed_read_bytes_per_worker": [statistics.median(t["read_bytes"] for t in r["timed"][name])
+                                            for r in ranks],
+            "alone_read_bytes_per_worker": [r["alone"][name]["read_bytes"] for r in ranks],
+            "alone_rchar_per_worker": [r["alone"][name]["rchar"] for r in ranks],
+            "alone_s_per_worker": [r["alone"][name]["seconds"] for r in ranks],
+            "first_load_s": max(r["first"][name] for r in ranks)}
+    out["setup_s"] = max(r["setup_s"] for r in ranks)
+    out["time_ratio"] = out["loaders"]["shardc"]["load_s"] / out["loaders"]["default"]["load_s"]
+    return out
+
+
+def report(s: dict[str, Any], repeat: int) -> None:
+    gb, ck = 1e9, s["checkpoint_bytes"]
+    d, c = s["loaders"]["default"], s["loaders"]["shardc"]
+    print(f"vLLM load, tp={s['tp']}, checkpoint {ck / gb:.3f} GB bf16 ({s['parameters']} parameters per worker); "
+          f"{s['method']}; page cache: {s['cache']}; median of {repeat} round(s), loaders alternating")
+    print(f"  load_weights, slowest worker: default loader {d['load_s']:.2f}s, shardc {c['load_s']:.2f}s "
+          f"(every byte checked, {s['chunk_digest']}): shardc / default = {s['time_ratio']:.2f}x (target <= 1.0x)")
+    print(f"  (each loader's first load in its processes, imports included, not in the medians: default "
+          f"{d['first_load_s']:.2f}s, shardc {c['first_load_s']:.2f}s)")
+    print(f"  bytes read from disk per worker, each alone with the page cache dropped "
+          f"(/proc/self/io read_bytes; shardc's target ~ checkpoint / {s['tp']} + manifest = "
+          f"{s['target_bytes_per_worker'] / gb:.3f} GB):")
+    for r in range(s["tp"]):
+        a, b = d["alone_read_bytes_per_worker"][r], c["alone_read_bytes_per_worker"][r]
+        print(f"    worker {r}: shardc {b / gb:.3f} GB ({b / ck:.2f}x the checkpoint; its shard "
+              f"{s['shard_bytes'][r] / gb:.3f} GB), default {a / gb:.3f} GB ({a / ck:.2f}x)")
+    td, tc = sum(d["timed_read_bytes_per_worker"]), sum(c["timed_read_bytes_per_worker"])
+    print(f"  all workers together while loading at once (one shared page cache): shardc {tc / gb:.3f} GB, "
+          f"default {td / gb:.3f} GB")
+    same = "every parameter byte-identical" if not s["differ"] else f"PARAMETERS DIFFER: {s['differ'][:5]}"
+    print(f"  the two loaders' models: {same}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size-gb", type=float, default=0.6, help="checkpoint size, GB (bf16); default 0.6")
+    ap.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds per loader (default 3)")
+    ap.add_argument("--chunk-digest", choices=("sha256", "blake3"), default="sha256",
+                    help="the build's chunk digests, which shardc checks as it loads (default sha256)")
+    ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="the python of vLLM's venv (default: .venv-vllm/bin/python)")
+    ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds for vLLM's workers (default 600)")
+    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        worker_main(*a.worker)
+        return
+    sys.path.insert(0, str(ROOT))  # this checkout's shardc writes the build its plugin loads
+    from shardc.errors import ShardcError
+    vllm_python = Path(a.vllm_python)
+    if not os.access(vllm_python, os.X_OK):
+        ap.error(f"--vllm-python {vllm_python} is not an executable: give the python of a venv with vLLM "
+                 "and shardc installed")
+    if not 0.05 <= a.size_gb <= 64 or a.tp < 1 or a.repeat < 1:
+        ap.error("--size-gb must be 0.05-64, --tp and --repeat at least 1")
+    with tempfile.TemporaryDirectory(prefix="bench-vllm-", dir=os.environ.get("BENCH_DIR")) as t:
+        tmp = Path(t)
+        t0 = time.perf_counter()
+        try:
+            src, build = make_model(tmp, a.size_gb, a.tp, a.chunk_digest)
+        except ShardcError as exc:  # e.g. a tp the model's 16 heads, 4 KV heads or vocabulary do not divide
+            ap.error(f"--tp {a.tp}: {exc.one_line()}")
+        print(f"checkpoint and tp={a.tp} build written in {time.perf_counter() - t0:.1f}s under {tmp}", flush=True)
+        from shardc.formats.manifest import load
+
+        ranks_files = [build / rl.file for rl in load(build / "manifest.json").to_layout().ranks]
+        job = {"tp": a.tp, "repeat": a.repeat, "source": str(src), "build": str(build),
+               "files": [str(p) for p in files_of(src) + files_of(build)],
+               "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(
+                   str(i) for i in range(a.tp)), "VLLM_LOGGING_LEVEL": "WARNING"}}
+        ranks = run_vllm(vllm_python, job, tmp, a.timeout)
+        s = summarize(ranks, sum(p.stat().st_size for p in src.glob("*.safetensors")),
+                      [p.stat().st_size for p in ranks_files], (build / "manifest.json").stat().st_size, a.tp)
+        s["shardc_module"], s["chunk_digest"] = ranks[0]["shardc"], a.chunk_digest
+    report(s, a.repeat)
+    if a.json:
+        Path(a.json).write_text(json.dumps(s, indent=1) + "\n")
+    if s["differ"]:  # a faster load of other weights is no figure
+        raise SystemExit(f"bench_vllm_load.py: {len(s['differ'])} parameters differ between the two loaders")
+
+
+if __name__ == "__main__":
+    main()
