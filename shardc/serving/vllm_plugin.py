@@ -15,7 +15,9 @@ Per worker, in this order (nothing is read from a shard before the checks that n
 3. the rank (vLLM's parallel state) loads its shard with ``shardc.load_shard`` onto the worker's
    device: a flipped byte stops the start, naming the shard and the chunk;
 4. fill.py maps each tensor to the parameter vLLM declares for it and refuses any parameter the
-   default loader would fill that is not tiled exactly once; then the copies are made.
+   default loader would fill that is not tiled exactly once; then the copies are made, except that
+   a parameter filled by one whole tensor of its shape and dtype takes that tensor as its storage
+   (no second copy of most of the bytes, and no second allocation on a GPU).
 Errors reach vLLM as one RuntimeError line, "shardc load format: ...": the start fails, nothing is
 served.
 """
@@ -120,15 +122,26 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     described = [_param(name, p, model) for name, p in params.items()]
     must = _must_fill(model, model_config, load_config)
     device = str(next(iter(params.values())).device) if params else "cpu"
+    t_read = time.perf_counter()
     tensors = shardc.load_shard(directory, tp_rank, pp_rank, device=device, dp_rank=dp_rank)
+    t_fill = time.perf_counter()
     rows = {s.name: (s.start, s.stop) for s in rl.tensors if str(s.split) == "vocab"}
     shard = [_tensor(name, t, rows.get(name)) for name, t in tensors.items()]
     fills = fill_plan(shard, described, must, facts)
     vocab = {d.name for d in described if d.vocab is not None}
-    nbytes = 0
+    nbytes, adopted = 0, 0
     with torch.no_grad():
         for pname, pieces in fills.items():
             data = params[pname].data
+            whole = tensors[pieces[0].tensor] if len(pieces) == 1 and pieces[0].expert is None else None
+            if whole is not None and whole.dtype == data.dtype and whole.shape == data.shape and \
+                    whole.device == data.device:
+                # the checked shard tensor becomes the parameter's storage: no second copy (a vocabulary
+                # cut's padding rows are the shard's zero rows, as vLLM's loader leaves its own)
+                params[pname].data = whole
+                nbytes += whole.numel() * whole.element_size()
+                adopted += 1
+                continue
             for pc in pieces:
                 src = tensors[pc.tensor]
                 dst = data if pc.expert is None else data[pc.expert]
@@ -137,10 +150,12 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
             if pname in vocab:  # the engine's own padding rows stay zero, as its loader leaves them
                 data[pieces[0].rows:].zero_()
     summary = {"tp_rank": tp_rank, "pp_stage": pp_rank, "dp_rank": dp_rank, "file": rl.file,
-               "tensors": len(tensors), "parameters": len(fills), "bytes": nbytes,
-               "seconds": time.perf_counter() - t0}
+               "tensors": len(tensors), "parameters": len(fills), "adopted": adopted, "bytes": nbytes,
+               "seconds": time.perf_counter() - t0, "read_seconds": t_fill - t_read,
+               "fill_seconds": time.perf_counter() - t_fill}
     _log(f"shardc: rank tp={tp_rank} pp={pp_rank} loaded {rl.file} ({len(tensors)} tensors into "
-         f"{len(fills)} parameters, {nbytes / 2**20:.1f} MiB, every byte checked) in {summary['seconds']:.2f}s")
+         f"{len(fills)} parameters, {nbytes / 2**20:.1f} MiB, every byte checked) in {summary['seconds']:.2f}s "
+         f"(checks {t_read - t0:.2f}s, read {t_fill - t_read:.2f}s, fill {summary['fill_seconds']:.2f}s)")
     return summary
 
 
