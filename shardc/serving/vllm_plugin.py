@@ -12,12 +12,12 @@ Per worker, in this order (nothing is read from a shard before the checks that n
    wrote (its sha256 in the manifest), of the architecture the build holds;
 2. the engine's degrees, its pipeline partition (vLLM's ``get_pp_indices``) and, under expert
    parallelism, its expert placement (the fused-MoE layers' expert maps) must be the build's;
-3. the rank (vLLM's parallel state) loads its shard with ``shardc.load_shard`` onto the worker's
-   device: a flipped byte stops the start, naming the shard and the chunk;
-4. fill.py maps each tensor to the parameter vLLM declares for it and refuses any parameter the
-   default loader would fill that is not tiled exactly once; then the copies are made, except that
-   a parameter filled by one whole tensor of its shape and dtype takes that tensor as its storage
-   (no second copy of most of the bytes, and no second allocation on a GPU).
+3. fill.py maps each tensor the Layout gives the rank's shard to the parameter vLLM declares for it
+   and refuses any parameter the default loader would fill that is not tiled exactly once;
+4. the rank (vLLM's parallel state) loads its shard with ``shardc.load_shard`` onto the worker's
+   device (the header and every chunk checked against that same Layout: a flipped byte stops the
+   start, naming the shard and the chunk); then the copies are made (the shard's buffer is freed
+   when the load returns).
 Errors reach vLLM as one RuntimeError line, "shardc load format: ...": the start fails, nothing is
 served.
 """
@@ -81,7 +81,7 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     import shardc
 
     from ..formats.manifest import load
-    from .fill import Engine, check_engine, check_experts, fill_plan
+    from .fill import Engine, Tensor, check_engine, check_experts, fill_plan
 
     t0 = time.perf_counter()
     directory = _build_directory(model_config.model)
@@ -122,26 +122,22 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     described = [_param(name, p, model) for name, p in params.items()]
     must = _must_fill(model, model_config, load_config)
     device = str(next(iter(params.values())).device) if params else "cpu"
+    # the mapping is decided from the Layout's record of the shard, before a byte of it is read;
+    # load_shard then checks the file's header and bytes against that same record
+    shard = [Tensor(s.name, s.shape, _torch_name(s.dtype), (s.start, s.stop) if str(s.split) == "vocab" else None)
+             for s in rl.tensors]
+    fills = fill_plan(shard, described, must, facts)
     t_read = time.perf_counter()
     tensors = shardc.load_shard(directory, tp_rank, pp_rank, device=device, dp_rank=dp_rank)
     t_fill = time.perf_counter()
-    rows = {s.name: (s.start, s.stop) for s in rl.tensors if str(s.split) == "vocab"}
-    shard = [_tensor(name, t, rows.get(name)) for name, t in tensors.items()]
-    fills = fill_plan(shard, described, must, facts)
     vocab = {d.name for d in described if d.vocab is not None}
-    nbytes, adopted = 0, 0
+    # copies, never the shard's own memory as a parameter's storage: the shard's tensors are views of
+    # one buffer, and vLLM repacks many weights after loading (oneDNN on CPU, Marlin and the like on
+    # GPU) and drops the originals; one adopted view would keep the whole buffer alive beside them
+    nbytes = 0
     with torch.no_grad():
         for pname, pieces in fills.items():
             data = params[pname].data
-            whole = tensors[pieces[0].tensor] if len(pieces) == 1 and pieces[0].expert is None else None
-            if whole is not None and whole.dtype == data.dtype and whole.shape == data.shape and \
-                    whole.device == data.device:
-                # the checked shard tensor becomes the parameter's storage: no second copy (a vocabulary
-                # cut's padding rows are the shard's zero rows, as vLLM's loader leaves its own)
-                params[pname].data = whole
-                nbytes += whole.numel() * whole.element_size()
-                adopted += 1
-                continue
             for pc in pieces:
                 src = tensors[pc.tensor]
                 dst = data if pc.expert is None else data[pc.expert]
@@ -150,7 +146,7 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
             if pname in vocab:  # the engine's own padding rows stay zero, as its loader leaves them
                 data[pieces[0].rows:].zero_()
     summary = {"tp_rank": tp_rank, "pp_stage": pp_rank, "dp_rank": dp_rank, "file": rl.file,
-               "tensors": len(tensors), "parameters": len(fills), "adopted": adopted, "bytes": nbytes,
+               "tensors": len(tensors), "parameters": len(fills), "bytes": nbytes,
                "seconds": time.perf_counter() - t0, "read_seconds": t_fill - t_read,
                "fill_seconds": time.perf_counter() - t_fill}
     _log(f"shardc: rank tp={tp_rank} pp={pp_rank} loaded {rl.file} ({len(tensors)} tensors into "
@@ -191,12 +187,6 @@ def _param(name: str, p: Any, model: Any) -> Any:
     vocab = (idx.org_vocab_start_index, idx.org_vocab_end_index) if idx is not None and \
         name.endswith(".weight") else None
     return Param(name, tuple(p.shape), str(p.dtype).removeprefix("torch."), vocab)
-
-
-def _tensor(name: str, t: Any, rows: tuple[int, int] | None) -> Any:
-    from .fill import Tensor
-
-    return Tensor(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), rows)
 
 
 def _facts(model: Any, spec: Any) -> Any:
