@@ -114,6 +114,8 @@ class Manifest:
     source_quantization: dict[str, str] | None = None
     effective_plan_sha256: str | None = None
     _by_file: dict[str, ShardEntry] = field(default_factory=dict, init=False, repr=False, compare=False)
+    # to_layout's last answer, keyed by the canonical JSON of what it was computed from
+    _layout: tuple[bytes, Layout] | None = field(default=None, init=False, repr=False, compare=False)
 
     # -- reading --------------------------------------------------------------------------------
     @property
@@ -163,8 +165,15 @@ class Manifest:
         return entry.sha256 if entry else None
 
     def to_layout(self) -> Layout:
-        """Recompute the Layout from the manifest's plan and model config: the independent truth."""
-        return build_layout(model_from_config(self.config), plan_from_dict(self.plan))
+        """Recompute the Layout from the manifest's plan and model config: the independent truth.
+        Computed once per content (a DeepSeek-V3-sized Layout takes ~4 s, and a load asks for it in
+        more than one place, vLLM's load format first); the key is the canonical JSON of the
+        config and plan, so an edited manifest gets its own. The Layout is immutable: sharing it is
+        safe."""
+        key = canonical_json([self.config, self.plan])
+        if self._layout is None or self._layout[0] != key:
+            self._layout = (key, build_layout(model_from_config(self.config), plan_from_dict(self.plan)))
+        return self._layout[1]
 
     # -- writing --------------------------------------------------------------------------------
     @property

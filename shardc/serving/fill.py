@@ -65,8 +65,8 @@ class Tensor:
 @dataclass(frozen=True)
 class Piece:
     """Where a shard tensor goes: dim 0 rows [offset, offset + rows) of the parameter, inside
-    local expert ``expert`` (dim 0 of a fused-MoE stack) when not None. ``take``: rows of the
-    tensor copied (a vocabulary cut's padding stays out)."""
+    local expert ``expert`` (dim 0 of a fused-MoE stack) when not None. For a vocabulary cut,
+    ``rows`` counts its source rows only (its padding stays out)."""
 
     tensor: str
     expert: int | None
@@ -82,7 +82,6 @@ class ModelFacts:
     expert_templates: tuple[str, ...] = ()  # the family's gate, up, down checkpoint names ({e})
     local_experts: dict[int, int] | None = None  # global expert id -> local index; None: identity
     rename: Callable[[str], str | None] | None = None  # checkpoint name -> parameter name
-    skip: frozenset[str] = frozenset()  # tensors the engine's own loader skips (tied lm_head)
     fp32_kept: frozenset[str] = frozenset()  # tensors the family stores fp32 (may round: ROUNDED)
 
 
@@ -144,8 +143,6 @@ def fill_plan(shard: Iterable[Tensor], params: Iterable[Param], must_fill: Itera
     stacks = {(m["pre"] or "", m["w"], m["leaf"]): name for name in by_name if (m := _STACK.match(name))}
     plan: dict[str, list[Piece]] = {}
     for t in sorted(tensors.values(), key=lambda t: t.name):
-        if t.name in facts.skip:
-            continue
         dest = _destination(t, facts, by_name, roles, tensors, stacks)
         if dest is None or dest[0] not in by_name:
             raise ServeError(f"the shard's tensor fills no parameter of the engine's model "

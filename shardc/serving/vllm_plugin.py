@@ -81,6 +81,7 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     import shardc
 
     from ..formats.manifest import load
+    from ..layout.dtypes import torch_name
     from .fill import Engine, Tensor, check_engine, check_experts, fill_plan
 
     t0 = time.perf_counter()
@@ -106,7 +107,7 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
                                                      for r in range(par.pipeline_parallel_size)))
     check_engine(plan.name, plan.tp, plan.pp, plan.dp, plan.expert_parallel, layout.stages, engine)
     want = str(model_config.dtype).removeprefix("torch.")
-    base = str(getattr(torch, _torch_name(manifest.layout.base_dtype))).removeprefix("torch.")
+    base = torch_name(manifest.layout.base_dtype)
     if want != base:
         raise ServeError(f"the engine runs dtype {want}, the build {plan.name} is {base}", key="dtype",
                          hint=f"start vLLM with --dtype {base}")
@@ -124,11 +125,12 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     device = str(next(iter(params.values())).device) if params else "cpu"
     # the mapping is decided from the Layout's record of the shard, before a byte of it is read;
     # load_shard then checks the file's header and bytes against that same record
-    shard = [Tensor(s.name, s.shape, _torch_name(s.dtype), (s.start, s.stop) if str(s.split) == "vocab" else None)
+    shard = [Tensor(s.name, s.shape, torch_name(s.dtype), (s.start, s.stop) if str(s.split) == "vocab" else None)
              for s in rl.tensors]
     fills = fill_plan(shard, described, must, facts)
     t_read = time.perf_counter()
-    tensors = shardc.load_shard(directory, tp_rank, pp_rank, device=device, dp_rank=dp_rank)
+    # the Manifest already read (its Layout computed once: Manifest.to_layout), not the path again
+    tensors = shardc.load_shard(manifest, tp_rank, pp_rank, device=device, directory=directory, dp_rank=dp_rank)
     t_fill = time.perf_counter()
     vocab = {d.name for d in described if d.vocab is not None}
     # copies, never the shard's own memory as a parameter's storage: the shard's tensors are views of
@@ -158,25 +160,19 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
 def _check_config(directory: Path, manifest: Any) -> None:
     """vLLM builds its model from the build directory's config.json: it must be the file the build
     wrote (its sha256 in the manifest), or the model vLLM makes is not the one the shards are for."""
-    import hashlib
+    from ..formats.files import sha256_file
 
     entry = manifest.file("config.json")
     if entry is None:
         return
     try:
-        digest = hashlib.sha256((directory / "config.json").read_bytes()).hexdigest()
+        digest = sha256_file(directory / "config.json")
     except OSError as exc:
         raise ServeError(f"cannot read {directory / 'config.json'}: {exc.strerror}", key="config.json") from None
     if digest != entry.sha256:
         raise ServeError(f"{directory / 'config.json'} is not the file the build wrote (sha256 {digest[:12]}..., "
                          f"the manifest records {entry.sha256[:12]}...)", key="config.json",
                          hint="restore the build's config.json (shardc pull), or rebuild from the changed config")
-
-
-def _torch_name(dtype: str) -> str:
-    from ..layout.dtypes import torch_name
-
-    return torch_name(dtype)
 
 
 def _param(name: str, p: Any, model: Any) -> Any:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from cli_run import shardc
-from conftest import ENV, HERE
 from plan_helpers import plan as make_plan
 from vllm_models import save
+from vllm_run import ENV, HERE
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.heavy

@@ -17,10 +17,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_workers
 from moe_plans import moe_plan
 from plan_helpers import plan as make_plan
 from vllm_models import FAMILIES, save
+from vllm_run import run_workers
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.heavy

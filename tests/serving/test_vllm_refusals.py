@@ -9,9 +9,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_workers
 from plan_helpers import plan as make_plan
 from vllm_models import save
+from vllm_run import run_workers
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.heavy
