@@ -4,7 +4,8 @@ loader on the source checkpoint, the same model at the same tp, in the same run.
 
 Run with the main venv's python: it writes a synthetic bf16 Llama checkpoint (shardc's seeded writer;
 head_dim 128, a vocabulary that is a multiple of 128, so vLLM's vocabulary cut is shardc's), builds it
-with shardc at tp=2 bf16, both in a temp directory, then runs vLLM in a child process with vLLM's own
+with shardc at tp=2 bf16 twice, once with sha256 chunk digests (the default) and once with blake3
+(``replica_group.checkpoint.chunk_digest``), all in a temp directory, then runs vLLM in a child process with vLLM's own
 python (``--vllm-python``, default .venv-vllm/bin/python in this checkout, or in ../main beside a
 git worktree).
 
@@ -17,7 +18,7 @@ the very ``load_weights`` of the loader vLLM's ``get_model_loader`` returns (the
 the checkpoint, shardc's for the build: every shard byte checked against the manifest). Each worker
 times its ``load_weights`` and reads its own ``/proc/self/io`` just before and just after it.
 
-Two phases per loader, loaders alternating between rounds:
+Two phases per loader, each loader first in turn from round to round:
   * timed: every worker loads at once, as in an engine start, page cache dropped first
     (``echo 3 > /proc/sys/vm/drop_caches``, needs root; else every file is read once first and the
     output says "warm cache"); the load time is the slowest worker's (the engine waits for all);
@@ -25,12 +26,14 @@ Two phases per loader, loaders alternating between rounds:
     kernel fetch from storage, readahead included) against the checkpoint's size. On one host the
     workers share the page cache, so in the timed phase one worker's reads serve the other; alone,
     each worker's figure is what it needs from disk on a host of its own.
-Finally the two models' parameters are compared byte for byte on every worker.
+Finally every shardc model's parameters are compared byte for byte with the default loader's on every
+worker, and each worker times hashing its shard in memory with each digest (the floor of a checked load
+on its one core).
 
 Examples:
   python scripts/bench_vllm_load.py                        # ~0.6 GB checkpoint, tp=2, 3 rounds
   python scripts/bench_vllm_load.py --size-gb 1 --repeat 5 --json /tmp/vllm_load.json
-  python scripts/bench_vllm_load.py --chunk-digest blake3     # the build checked with blake3 digests
+  python scripts/bench_vllm_load.py --chunk-digest sha256     # only the build with sha256 chunk digests
   python scripts/bench_vllm_load.py --vllm-python /opt/vllm/bin/python
 """
 
@@ -51,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # vLLM's venv: the checkout's own, else the main checkout's beside this git worktree
 VLLM_PYTHONS = [ROOT / ".venv-vllm" / "bin" / "python", ROOT.parent / "main" / ".venv-vllm" / "bin" / "python"]
 DEFAULT_VLLM_PYTHON = next((p for p in VLLM_PYTHONS if p.exists()), VLLM_PYTHONS[0])
-LOADERS = ("default", "shardc")
+DIGESTS = ("sha256", "blake3")  # a build's chunk digests (replica_group.checkpoint.chunk_digest)
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 
@@ -70,19 +73,22 @@ def shape_for(size_gb: float) -> dict[str, Any]:
                 num_kv_heads=kv, head_dim=head_dim, vocab_size=vocab)
 
 
-def make_model(root: Path, size_gb: float, tp: int, digest: str = "sha256") -> tuple[Path, Path]:
-    """The synthetic checkpoint and its shardc build at ``tp``, bf16, with ``digest`` chunk digests
-    (the plan's replica_group.checkpoint.chunk_digest): (source dir, build dir)."""
+def make_model(root: Path, size_gb: float, tp: int, digests: tuple[str, ...] = DIGESTS) -> tuple[Path, dict[str, Path]]:
+    """The synthetic checkpoint and its shardc builds at ``tp``, bf16, one per chunk digest (the
+    plan's replica_group.checkpoint.chunk_digest): (source dir, {"shardc-<digest>": build dir})."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
     from shardc.layout.plan import plan_from_dict
 
     src = write_checkpoint(root / "src", llama_config(**shape_for(size_gb)))
-    plan = plan_from_dict({"replica_group": {"name": "bench-vllm", "tp_degree": tp, "pp_degree": 1,
-                                             "dtype": "bf16", "gpus_per_replica": tp,
-                                             "checkpoint": {"chunk_digest": digest}},
-                           "model": {"source": str(src)}})
-    return src, build(plan, out_dir=root / "build").manifest_path.parent
+    builds = {}
+    for digest in digests:
+        plan = plan_from_dict({"replica_group": {"name": "bench-vllm", "tp_degree": tp, "pp_degree": 1,
+                                                 "dtype": "bf16", "gpus_per_replica": tp,
+                                                 "checkpoint": {"chunk_digest": digest}},
+                               "model": {"source": str(src)}})
+        builds[f"shardc-{digest}"] = build(plan, out_dir=root / f"build-{digest}").manifest_path.parent
+    return src, builds
 
 
 def files_of(directory: Path) -> list[Path]:
@@ -146,8 +152,10 @@ def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> No
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     load_general_plugins()  # the entry point registers "shardc", as in every vLLM process
-    cfgs = {"default": _config(job["source"], job, "auto"), "shardc": _config(job["build"], job, "shardc")}
-    with set_current_vllm_config(cfgs["shardc"]):
+    loaders = ["default", *job["builds"]]
+    cfgs = {"default": _config(job["source"], job, "auto"),
+            **{name: _config(path, job, "shardc") for name, path in job["builds"].items()}}
+    with set_current_vllm_config(cfgs[loaders[1]]):
         init_distributed_environment(world_size=world, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{port}")
         initialize_model_parallel(tensor_model_parallel_size=world)
@@ -158,12 +166,12 @@ def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> No
     import shardc
 
     res: dict[str, Any] = {"rank": rank, "cpus": sorted(os.sched_getaffinity(0)), "shardc": shardc.__file__,
-                           "setup_s": time.time() - job["t0"], "first": {}, "timed": {n: [] for n in LOADERS},
+                           "setup_s": time.time() - job["t0"], "first": {}, "timed": {n: [] for n in loaders},
                            "alone": {}}
     # round 0 is each loader's first load in the process (its lazy imports, shardc's modules among
     # them, and its code paths run for the first time): recorded apart, not in the medians
     for r in range(job["repeat"] + 1):
-        for name in (LOADERS if r % 2 == 0 else LOADERS[::-1]):
+        for name in loaders[r % len(loaders):] + loaders[:r % len(loaders)]:  # each loader first in turn
             dist.barrier()
             if rank == 0:
                 res["cache"] = _drop_or_warm(job)
@@ -173,7 +181,7 @@ def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> No
                 res["first"][name] = seconds
             else:
                 res["timed"][name].append({"seconds": seconds, **io})
-    for name in LOADERS:
+    for name in loaders:
         res["alone"][name] = None
         for r in range(world):
             dist.barrier()
@@ -182,12 +190,32 @@ def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> No
                 seconds, io = _load(cfgs[name], models[name])
                 res["alone"][name] = {"seconds": seconds, **io}
     dist.barrier()
-    mine, theirs = dict(models["shardc"].named_parameters()), dict(models["default"].named_parameters())
-    res["parameters"] = len(mine)
-    res["differ"] = sorted(n for n in mine.keys() | theirs.keys() if n not in mine or n not in theirs
-                           or not _same(mine[n].data, theirs[n].data))
+    theirs = dict(models["default"].named_parameters())
+    res["parameters"], res["differ"] = len(theirs), []
+    for name in loaders[1:]:
+        mine = dict(models[name].named_parameters())
+        res["differ"] += sorted(f"{name}: {n}" for n in mine.keys() | theirs.keys() if n not in mine or n not in theirs
+                                or not _same(mine[n].data, theirs[n].data))
+    res["hash_s"] = _hash_floor(job, rank)
     with open(f"{out}.{rank}", "w") as f:
         json.dump(res, f)
+
+
+def _hash_floor(job: dict[str, Any], rank: int) -> dict[str, float]:
+    """Seconds to hash this worker's shard with each build's digest on its one core, the bytes
+    already in memory: the least any loader that checks every byte can take here."""
+    from shardc.digests import new_hash
+
+    name = f"model-tp{rank:02d}-pp00.safetensors"
+    out = {}
+    for loader, path in job["builds"].items():
+        data = Path(path, name).read_bytes()
+        digest = json.loads(Path(path, "manifest.json").read_text())["shards"][name].get("chunk_digest", "sha256")
+        t0 = time.perf_counter()
+        for i in range(0, len(data), 16 << 20):
+            new_hash(digest).update(memoryview(data)[i : i + (16 << 20)])
+        out[loader] = time.perf_counter() - t0
+    return out
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -236,15 +264,15 @@ def run_vllm(vllm_python: Path, job: dict[str, Any], tmp: Path, timeout: int) ->
 def summarize(ranks: list[dict[str, Any]], ckpt_bytes: int, shard_bytes: list[int], manifest_bytes: int,
               tp: int) -> dict[str, Any]:
     """Per loader: the median over rounds of the slowest worker's load seconds, and each worker's
-    read_bytes alone; shardc's time over the default's, and the bytes target (checkpoint / tp +
-    manifest) each shardc worker is held to."""
+    read_bytes alone; each shardc build's time over the default's, and the bytes target
+    (checkpoint / tp + manifest) each shardc worker is held to."""
     out: dict[str, Any] = {"method": "in-process harness: vLLM's workers' parallel state and loaders, no engine",
                            "cache": ranks[0].get("cache"), "tp": tp, "checkpoint_bytes": ckpt_bytes,
                            "manifest_bytes": manifest_bytes, "shard_bytes": shard_bytes,
                            "target_bytes_per_worker": ckpt_bytes / tp + manifest_bytes,
                            "parameters": ranks[0]["parameters"],
                            "differ": sorted({n for r in ranks for n in r["differ"]}), "loaders": {}}
-    for name in LOADERS:
+    for name in ranks[0]["timed"]:
         rounds = len(ranks[0]["timed"][name])
         slowest = [max(r["timed"][name][i]["seconds"] for r in ranks) for i in range(rounds)]
         out["loaders"][name] = {
@@ -255,32 +283,40 @@ def summarize(ranks: list[dict[str, Any]], ckpt_bytes: int, shard_bytes: list[in
             "alone_rchar_per_worker": [r["alone"][name]["rchar"] for r in ranks],
             "alone_s_per_worker": [r["alone"][name]["seconds"] for r in ranks],
             "first_load_s": max(r["first"][name] for r in ranks)}
+        if name != "default":
+            out["loaders"][name]["time_ratio"] = out["loaders"][name]["load_s"] / out["loaders"]["default"]["load_s"]
+            out["loaders"][name]["hash_only_s"] = max(r["hash_s"][name] for r in ranks)
     out["setup_s"] = max(r["setup_s"] for r in ranks)
-    out["time_ratio"] = out["loaders"]["shardc"]["load_s"] / out["loaders"]["default"]["load_s"]
     return out
 
 
 def report(s: dict[str, Any], repeat: int) -> None:
     gb, ck = 1e9, s["checkpoint_bytes"]
-    d, c = s["loaders"]["default"], s["loaders"]["shardc"]
+    d = s["loaders"]["default"]
+    mine = {n: v for n, v in s["loaders"].items() if n != "default"}
     print(f"vLLM load, tp={s['tp']}, checkpoint {ck / gb:.3f} GB bf16 ({s['parameters']} parameters per worker); "
-          f"{s['method']}; page cache: {s['cache']}; median of {repeat} round(s), loaders alternating")
-    print(f"  load_weights, slowest worker: default loader {d['load_s']:.2f}s, shardc {c['load_s']:.2f}s "
-          f"(every byte checked, {s['chunk_digest']}): shardc / default = {s['time_ratio']:.2f}x (target <= 1.0x)")
-    print(f"  (each loader's first load in its processes, imports included, not in the medians: default "
-          f"{d['first_load_s']:.2f}s, shardc {c['first_load_s']:.2f}s)")
+          f"{s['method']}; page cache: {s['cache']}; median of {repeat} round(s), each loader first in turn")
+    print(f"  load_weights, slowest worker: default loader {d['load_s']:.2f}s (rounds "
+          f"{', '.join(f'{x:.2f}' for x in d['load_s_rounds'])})")
+    for n, c in mine.items():
+        print(f"    {n}: {c['load_s']:.2f}s (rounds {', '.join(f'{x:.2f}' for x in c['load_s_rounds'])}), every byte "
+              f"checked: {n} / default = {c['time_ratio']:.2f}x (target <= 1.0x); hashing its shard alone, "
+              f"in memory on the worker's one core: {c['hash_only_s']:.2f}s")
+    print("  (each loader's first load in its processes, imports included, not in the medians: "
+          + ", ".join(f"{n} {v['first_load_s']:.2f}s" for n, v in s["loaders"].items()) + ")")
     print(f"  bytes read from disk per worker, each alone with the page cache dropped "
           f"(/proc/self/io read_bytes; shardc's target ~ checkpoint / {s['tp']} + manifest = "
           f"{s['target_bytes_per_worker'] / gb:.3f} GB):")
     for r in range(s["tp"]):
-        a, b = d["alone_read_bytes_per_worker"][r], c["alone_read_bytes_per_worker"][r]
-        print(f"    worker {r}: shardc {b / gb:.3f} GB ({b / ck:.2f}x the checkpoint; its shard "
-              f"{s['shard_bytes'][r] / gb:.3f} GB), default {a / gb:.3f} GB ({a / ck:.2f}x)")
-    td, tc = sum(d["timed_read_bytes_per_worker"]), sum(c["timed_read_bytes_per_worker"])
-    print(f"  all workers together while loading at once (one shared page cache): shardc {tc / gb:.3f} GB, "
-          f"default {td / gb:.3f} GB")
+        a = d["alone_read_bytes_per_worker"][r]
+        print(f"    worker {r} (its shard {s['shard_bytes'][r] / gb:.3f} GB): " + ", ".join(
+            f"{n} {c['alone_read_bytes_per_worker'][r] / gb:.3f} GB "
+            f"({c['alone_read_bytes_per_worker'][r] / ck:.2f}x the checkpoint)" for n, c in mine.items())
+            + f", default {a / gb:.3f} GB ({a / ck:.2f}x)")
+    print("  all workers together while loading at once (one shared page cache): " + ", ".join(
+        f"{n} {sum(c['timed_read_bytes_per_worker']) / gb:.3f} GB" for n, c in s["loaders"].items()))
     same = "every parameter byte-identical" if not s["differ"] else f"PARAMETERS DIFFER: {s['differ'][:5]}"
-    print(f"  the two loaders' models: {same}")
+    print(f"  each shardc build's model against the default loader's: {same}")
 
 
 def main() -> None:
@@ -288,8 +324,9 @@ def main() -> None:
     ap.add_argument("--size-gb", type=float, default=0.6, help="checkpoint size, GB (bf16); default 0.6")
     ap.add_argument("--tp", type=int, default=2, help="tensor parallel degree (default 2)")
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds per loader (default 3)")
-    ap.add_argument("--chunk-digest", choices=("sha256", "blake3"), default="sha256",
-                    help="the build's chunk digests, which shardc checks as it loads (default sha256)")
+    ap.add_argument("--chunk-digest", choices=(*DIGESTS, "both"), default="both",
+                    help="the builds' chunk digests, which shardc checks as it loads: one build per digest "
+                         "(default both)")
     ap.add_argument("--vllm-python", default=str(DEFAULT_VLLM_PYTHON), help="the python of vLLM's venv (default: .venv-vllm/bin/python)")
     ap.add_argument("--json", metavar="FILE", help="also write the figures to FILE")
     ap.add_argument("--timeout", type=int, default=600, help="seconds for vLLM's workers (default 600)")
@@ -310,21 +347,23 @@ def main() -> None:
         tmp = Path(t)
         t0 = time.perf_counter()
         try:
-            src, build = make_model(tmp, a.size_gb, a.tp, a.chunk_digest)
+            src, builds = make_model(tmp, a.size_gb, a.tp, DIGESTS if a.chunk_digest == "both" else (a.chunk_digest,))
         except ShardcError as exc:  # e.g. a tp the model's 16 heads, 4 KV heads or vocabulary do not divide
             ap.error(f"--tp {a.tp}: {exc.one_line()}")
-        print(f"checkpoint and tp={a.tp} build written in {time.perf_counter() - t0:.1f}s under {tmp}", flush=True)
+        print(f"checkpoint and {len(builds)} tp={a.tp} build(s) written in {time.perf_counter() - t0:.1f}s "
+              f"under {tmp}", flush=True)
         from shardc.formats.manifest import load
 
-        ranks_files = [build / rl.file for rl in load(build / "manifest.json").to_layout().ranks]
-        job = {"tp": a.tp, "repeat": a.repeat, "source": str(src), "build": str(build),
-               "files": [str(p) for p in files_of(src) + files_of(build)],
+        first = next(iter(builds.values()))
+        ranks_files = [first / rl.file for rl in load(first / "manifest.json").to_layout().ranks]
+        job = {"tp": a.tp, "repeat": a.repeat, "source": str(src), "builds": {n: str(p) for n, p in builds.items()},
+               "files": [str(p) for p in files_of(src) + [f for b in builds.values() for f in files_of(b)]],
                "env": {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join(
                    str(i) for i in range(a.tp)), "VLLM_LOGGING_LEVEL": "WARNING"}}
         ranks = run_vllm(vllm_python, job, tmp, a.timeout)
         s = summarize(ranks, sum(p.stat().st_size for p in src.glob("*.safetensors")),
-                      [p.stat().st_size for p in ranks_files], (build / "manifest.json").stat().st_size, a.tp)
-        s["shardc_module"], s["chunk_digest"] = ranks[0]["shardc"], a.chunk_digest
+                      [p.stat().st_size for p in ranks_files], (first / "manifest.json").stat().st_size, a.tp)
+        s["shardc_module"] = ranks[0]["shardc"]
     report(s, a.repeat)
     if a.json:
         Path(a.json).write_text(json.dumps(s, indent=1) + "\n")

@@ -18,18 +18,23 @@ __all__ = ["__version__", "load_shard"]
 
 def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cuda",
                directory: str | Path | None = None, dp_rank: int = 0,
-               endpoint_url: str | None = None) -> dict[str, Any]:
+               endpoint_url: str | None = None, into: Any = None) -> dict[str, Any]:
     """One rank's tensors ``{name: torch.Tensor}`` on ``device``, every byte checked against the
     manifest first. ``manifest``: a manifest path, a build directory, a ``Manifest``, or an
     ``s3://`` URI (streamed by shardc.store.stream, nothing written to disk); local ones are read
     by shardc.verify.loader, without importing the store (its modules are 30-40 ms of a cold
     start's imports), the shard's reads started first (shardc.formats.prefetch). Raises
-    ShardcError subclasses (VerifyMismatch for damaged bytes)."""
+    ShardcError subclasses (VerifyMismatch for damaged bytes). ``into``: {name: tensor}, CPU tensors
+    (an engine's parameters) the named tensors are read straight into, no copy (a local shard,
+    device="cpu"; shardc.verify.loader.load_shard)."""
     if isinstance(manifest, str) and manifest.startswith("s3://"):
         from .errors import StoreError
         from .store.stream import stream_rank
         from .verify.reader import tensors_of
 
+        if into is not None:
+            raise StoreError("load_shard of an s3:// manifest takes no into=", key="into",
+                             hint="shardc pull the build, then load_shard the local directory with into=")
         if directory is not None:
             raise StoreError("load_shard of an s3:// manifest streams the shard; directory= does not apply",
                              hint="drop directory=, or load_shard the local directory a pull wrote")
@@ -39,12 +44,12 @@ def load_shard(manifest: Any, tp_rank: int, pp_stage: int, *, device: str = "cud
 
     # the shard starts coming off the disk before the modules that check it are imported (70 ms
     # of a cold start); nothing from it is used unless it matches the checked manifest
-    early = prefetch.start(manifest, directory, tp_rank, pp_stage, dp_rank, device)
+    early = prefetch.start(manifest, directory, tp_rank, pp_stage, dp_rank, device) if into is None else None
     try:
         from .verify.loader import load_shard as load_local
 
         return load_local(manifest, tp_rank, pp_stage, device=device, directory=directory, dp_rank=dp_rank,
-                          early=early)
+                          early=early, into=into)
     finally:
         if early is not None:
             early.close()  # stops reads the loader did not take (a failed check, a mismatch)

@@ -101,11 +101,15 @@ class FileChunkReads(ChunkReads):
     page multiples; the last chunk's read is rounded up and ends at the file's end)."""
 
     def __init__(self, fd: int, name: str, size: int, chunk_size: int, digests: Sequence[str],
-                 digest: str = DEFAULT_CHUNK_DIGEST) -> None:
+                 digest: str = DEFAULT_CHUNK_DIGEST, *, direct: bool = True) -> None:
         super().__init__(name, size, chunk_size, digests, digest)
         self.fd = fd
-        # a file already in the page cache is copied from it (O_DIRECT would go to the disk again)
-        self.direct = not page_cached(fd, size) and enable_direct(fd)
+        # a file already in the page cache is copied from it (O_DIRECT would go to the disk again);
+        # ``direct=False``: the reads land in the caller's memory (``scatter``), which O_DIRECT's
+        # page alignment cannot be asked of, so they go through the page cache and its readahead
+        self.direct = direct and not page_cached(fd, size) and enable_direct(fd)
+        if not direct and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead window
 
     def restore(self) -> None:
         """Leave the caller's descriptor as it was given (cached I/O)."""
@@ -133,6 +137,22 @@ class FileChunkReads(ChunkReads):
     def read(self, i: int, mv: memoryview) -> memoryview:
         lo, hi = self.span(i)
         return self.read_at(lo, hi - lo, mv)
+
+    def scatter(self, i: int, views: Sequence[memoryview]) -> bool:
+        """Chunk ``i`` read straight into ``views`` (writable byte views whose lengths add up to the
+        chunk's, in file order: the tensors' own memory), in pieces of PIECE bytes, each hashed
+        right after its read; whether the chunk's digest matched. Cached I/O (``direct=False``)."""
+        assert not self.direct and sum(len(v) for v in views) == self.span(i)[1] - self.span(i)[0]
+        h, at = new_hash(self.digest), self.span(i)[0]
+        for view in views:
+            done = 0
+            while done < len(view):
+                part = self.read_at(at, min(PIECE, len(view) - done), view[done:])
+                h.update(part)
+                done, at = done + len(part), at + len(part)
+                if not part:
+                    return False  # short: the file shrank (``short`` is set; the caller says so)
+        return bool(h.hexdigest() == self.digests[i])
 
     def read_at(self, lo: int, want: int, mv: memoryview) -> memoryview:
         """``want`` bytes at offset ``lo`` into ``mv`` (room rounded up to a page); those read."""

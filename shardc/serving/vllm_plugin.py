@@ -14,10 +14,12 @@ Per worker, in this order (nothing is read from a shard before the checks that n
    parallelism, its expert placement (the fused-MoE layers' expert maps) must be the build's;
 3. fill.py maps each tensor the Layout gives the rank's shard to the parameter vLLM declares for it
    and refuses any parameter the default loader would fill that is not tiled exactly once;
-4. the rank (vLLM's parallel state) loads its shard with ``shardc.load_shard`` onto the worker's
-   device (the header and every chunk checked against that same Layout: a flipped byte stops the
-   start, naming the shard and the chunk); then the copies are made (the shard's buffer is freed
-   when the load returns).
+4. the rank (vLLM's parallel state) loads its shard with ``shardc.load_shard`` (the header and
+   every chunk checked against that same Layout: a flipped byte stops the start, naming the shard
+   and the chunk). On CPU every tensor that fills a piece of a parameter as it is stored (its
+   dtype, its shape, contiguous rows) is read straight into that piece (``into``: one pass from
+   the page cache, no second copy of the rank in memory); the rest (casts, a vocabulary cut with
+   padding, scalars) and, on a GPU, every tensor, are loaded onto the worker's device and copied.
 Errors reach vLLM as one RuntimeError line, "shardc load format: ...": the start fails, nothing is
 served.
 """
@@ -128,33 +130,60 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     shard = [Tensor(s.name, s.shape, torch_name(s.dtype), (s.start, s.stop) if str(s.split) == "vocab" else None)
              for s in rl.tensors]
     fills = fill_plan(shard, described, must, facts)
+    into = _destinations(fills, params, shard) if device == "cpu" else {}
     t_read = time.perf_counter()
-    # the Manifest already read (its Layout computed once: Manifest.to_layout), not the path again
-    tensors = shardc.load_shard(manifest, tp_rank, pp_rank, device=device, directory=directory, dp_rank=dp_rank)
+    # the Manifest already read (its Layout computed once: Manifest.to_layout), not the path again;
+    # on CPU the tensors that land whole in a parameter are read straight into it (``into``)
+    tensors = shardc.load_shard(manifest, tp_rank, pp_rank, device=device, directory=directory, dp_rank=dp_rank,
+                                into=into or None)
     t_fill = time.perf_counter()
     vocab = {d.name for d in described if d.vocab is not None}
-    # copies, never the shard's own memory as a parameter's storage: the shard's tensors are views of
-    # one buffer, and vLLM repacks many weights after loading (oneDNN on CPU, Marlin and the like on
-    # GPU) and drops the originals; one adopted view would keep the whole buffer alive beside them
-    nbytes = 0
+    # the rest are copied, never adopted (the shard's own memory as a parameter's storage): the
+    # shard's tensors are views of one buffer, and vLLM repacks many weights after loading (oneDNN
+    # on CPU, Marlin and the like on GPU) and drops the originals; one adopted view would keep the
+    # whole buffer alive beside them
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     with torch.no_grad():
         for pname, pieces in fills.items():
             data = params[pname].data
             for pc in pieces:
+                if pc.tensor in into:
+                    continue
                 src = tensors[pc.tensor]
                 dst = data if pc.expert is None else data[pc.expert]
                 dst.narrow(0, pc.offset, pc.rows).copy_(src[:pc.rows] if src.dim() else src)
-                nbytes += src.numel() * src.element_size()
             if pname in vocab:  # the engine's own padding rows stay zero, as its loader leaves them
                 data[pieces[0].rows:].zero_()
     summary = {"tp_rank": tp_rank, "pp_stage": pp_rank, "dp_rank": dp_rank, "file": rl.file,
-               "tensors": len(tensors), "parameters": len(fills), "bytes": nbytes,
+               "tensors": len(tensors), "parameters": len(fills), "bytes": nbytes, "read_into": len(into),
                "seconds": time.perf_counter() - t0, "read_seconds": t_fill - t_read,
                "fill_seconds": time.perf_counter() - t_fill}
     _log(f"shardc: rank tp={tp_rank} pp={pp_rank} loaded {rl.file} ({len(tensors)} tensors into "
-         f"{len(fills)} parameters, {nbytes / 2**20:.1f} MiB, every byte checked) in {summary['seconds']:.2f}s "
+         f"{len(fills)} parameters, {len(into)} read straight into them, {nbytes / 2**20:.1f} MiB, every byte "
+         f"checked) in {summary['seconds']:.2f}s "
          f"(checks {t_read - t0:.2f}s, read {t_fill - t_read:.2f}s, fill {summary['fill_seconds']:.2f}s)")
     return summary
+
+
+def _destinations(fills: dict[str, Any], params: dict[str, Any], shard: list[Any]) -> dict[str, Any]:
+    """The shard tensors that fill a piece of a parameter exactly as stored (same dtype and shape,
+    the piece contiguous: rows of the parameter, or of one local expert's slot in a fused-MoE
+    stack): tensor name -> that piece, a view of the parameter, for load_shard's ``into``. The
+    rest (a cast, a vocabulary cut with padding rows, a scalar) are copied after the load."""
+    by_name = {t.name: t for t in shard}
+    into: dict[str, Any] = {}
+    for pname, pieces in fills.items():
+        data = params[pname].data
+        for pc in pieces:
+            t = by_name[pc.tensor]
+            dst = data if pc.expert is None else data[pc.expert]
+            if not t.shape or dst.dim() == 0:
+                continue
+            view = dst.narrow(0, pc.offset, pc.rows)
+            if tuple(view.shape) == tuple(t.shape) and str(view.dtype).removeprefix("torch.") == t.dtype \
+                    and view.is_contiguous():
+                into[pc.tensor] = view
+    return into
 
 
 def _check_config(directory: Path, manifest: Any) -> None:

@@ -23,14 +23,16 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ShardFormatError, VerifyMismatch
+from ..errors import LayoutError, ShardFormatError, VerifyMismatch
 from ..formats import chunks as ch
-from ..formats.chunkread import ALIGN, ChunkReads, HostReads
+from ..formats.chunkread import ALIGN, ChunkReads, FileChunkReads, HostReads
 from ..formats.safetensors import MAX_HEADER, METADATA, parse_header
+from ..layout.dtypes import DTYPES
 from .reader import HeaderCheck, RawShard
 
 HINT = "re-pull the shard, or rebuild it; shardc verify gives the full report"
@@ -113,6 +115,132 @@ def to_host(source: ChunkReads, on_header: HeaderCheck | None, started: HostRead
     bad = [i for i, (_, good) in enumerate(heads) if not good] + [nhead + i for i, good in enumerate(rest) if not good]
     fail(source, bad, header, start)
     return RawShard("", header, reads.whole[start : source.size], error)
+
+
+# -- CPU, into the caller's tensors ---------------------------------------------------------------
+def into_host(source: FileChunkReads, on_header: HeaderCheck, into: Mapping[str, Any]) -> dict[str, Any]:
+    """Every chunk read straight into the caller's tensors (``into``: name -> a contiguous CPU
+    tensor of the header's dtype and shape; an engine's parameters) and the other tensors into one
+    buffer of their own, each chunk hashed as it arrives (``FileChunkReads.scatter``). The header's
+    chunks are read first into a buffer of their own and checked (``on_header``), and ``into``
+    against the header, before any other chunk is read. Nothing is returned until every digest
+    matched; a tensor in ``into`` holds unchecked bytes when this raises, so the caller must not
+    use it then. Returns every tensor: ``into``'s own objects, the rest views of the buffer.
+
+    Why: an engine that loads a shard and then copies it into its parameters holds the rank's
+    weights twice and touches every byte twice; read here, the bytes go from the page cache into
+    the parameters once (cached I/O: a parameter's memory is not page-aligned, as O_DIRECT needs)."""
+    import torch
+
+    if not source.count:  # an empty file: its header check fails
+        header_of(source, memoryview(b""), on_header)
+    first = bytearray(source.room(0))
+    heads = [source.checked(0, memoryview(first))]
+    nhead = head_chunks(source, heads[0][0])
+    head = bytearray(first[: len(heads[0][0])])
+    for i in range(1, nhead):
+        buf = bytearray(source.room(i))
+        heads.append(source.checked(i, memoryview(buf)))
+        head += buf[: len(heads[-1][0])]
+    header, _, start = header_of(source, memoryview(head), on_header)
+    assert header is not None  # on_header raised otherwise
+    places = _places(header, into, start)
+    rest = torch.empty(max(1, sum(p.hi - p.lo for p in places if p.staged is not None)), dtype=torch.uint8)
+    views = _views(places, into, memoryview(rest.numpy()).cast("B"), start, source.size)
+    done = len(head)  # the header's chunks: their tensor bytes are copied from the checked buffer
+    for lo, hi, mv in views:
+        if lo < done:
+            mv[: min(hi, done) - lo] = head[lo : min(hi, done)]
+    bad = [i for i, (_, good) in enumerate(heads) if not good]
+
+    def chunk(i: int) -> bool:
+        lo, hi = source.span(i)
+        return source.scatter(i, [mv[max(a, lo) - a : min(b, hi) - a] for a, b, mv in views if a < hi and b > lo])
+
+    # cached reads: one thread per core hashing and one more waiting on the disk keep the file's
+    # readahead ahead of the hashing (more threads would scatter its readahead window)
+    threads = min(max(1, source.count - nhead), ch.workers() + 1)
+    with ThreadPoolExecutor(threads, thread_name_prefix="shardc-load") as pool:
+        bad += [nhead + i for i, good in enumerate(pool.map(chunk, range(nhead, source.count))) if not good]
+    fail(source, bad, header, start)
+    return {p.name: into[p.name] if p.staged is None else
+            rest[p.staged : p.staged + p.hi - p.lo].view(p.dtype).reshape(p.shape) for p in places}
+
+
+@dataclass(frozen=True)
+class _Place:
+    """One header tensor: its bytes in the file (``lo``, ``hi``), its dtype and shape, and where
+    in the shared buffer it lands (``staged``; None: in the caller's tensor)."""
+
+    name: str
+    lo: int
+    hi: int
+    dtype: Any
+    shape: list[int]
+    staged: int | None
+
+
+def _places(header: dict[str, Any], into: Mapping[str, Any], start: int) -> list[_Place]:
+    """The header's tensors in file order, ``into`` checked against them (a caller's mistake is a
+    LayoutError, raised before any data is read)."""
+    import torch
+
+    unknown = sorted(set(into) - set(header) - {METADATA})
+    if unknown:
+        raise LayoutError(f"{unknown[0]} is not a tensor of this shard", key="into",
+                          hint="into= names tensors of the rank's shard (shardc inspect lists them)")
+    out, staged = [], 0
+    for name, info in sorted(((k, v) for k, v in header.items() if k != METADATA),
+                             key=lambda kv: int(kv[1]["data_offsets"][0])):
+        dtype, shape = getattr(torch, DTYPES[info["dtype"]].torch), [int(x) for x in info["shape"]]
+        lo, hi = (start + int(x) for x in info["data_offsets"])
+        t = into.get(name)
+        if t is None:
+            out.append(_Place(name, lo, hi, dtype, shape, staged))
+            staged += hi - lo
+            continue
+        check_into(name, t, dtype, shape)
+        out.append(_Place(name, lo, hi, dtype, shape, None))
+    return out
+
+
+def check_into(name: str, t: Any, dtype: Any, shape: list[int]) -> None:
+    """``into``'s tensor for ``name`` must be where the shard's bytes can land as they are: a
+    contiguous CPU tensor of the shard's dtype and shape (never a cast, a broadcast or a view
+    with gaps)."""
+    import torch
+
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.dtype == dtype and list(t.shape) == shape \
+            and t.is_contiguous():
+        return
+    got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+    if isinstance(t, torch.Tensor) and not t.is_contiguous():
+        got += " (not contiguous)"
+    raise LayoutError(f"{name}: the shard holds {dtype} {shape}, into= gives {got}", key="into",
+                      hint="give a contiguous CPU tensor of the shard's dtype and shape, or leave the tensor "
+                           "out of into=")
+
+
+def _views(places: list[_Place], into: Mapping[str, Any], rest: memoryview, start: int,
+           size: int) -> list[tuple[int, int, memoryview]]:
+    """The data section as (file offset, end, writable view) in file order: each tensor's own
+    memory (``into``) or its place in ``rest``; bytes that no tensor covers (none in a shard
+    shardc wrote) land in scratch memory, still hashed."""
+    import torch
+
+    out: list[tuple[int, int, memoryview]] = []
+    at = start
+    for p in places:
+        if p.lo > at:
+            out.append((at, p.lo, memoryview(bytearray(p.lo - at))))
+        t = into[p.name] if p.staged is None else None
+        mv = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") if t is not None \
+            else rest[p.staged : p.staged + p.hi - p.lo]
+        out.append((p.lo, p.hi, mv))
+        at = max(at, p.hi)
+    if size > at:
+        out.append((at, size, memoryview(bytearray(size - at))))
+    return out
 
 
 # -- a file (pull) --------------------------------------------------------------------------------

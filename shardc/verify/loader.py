@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ _FULL = "run shardc verify for the full report"
 
 def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, pp_stage: int, *,
                device: str = "cuda", directory: str | Path | None = None, dp_rank: int = 0,
-               early: EarlyRead | None = None) -> dict[str, Any]:
+               early: EarlyRead | None = None, into: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """One rank's tensors on ``device``, checked before any is returned.
 
     ``dp_rank``: the attention data-parallel group, for plans with dp_degree > 1 (each group's
@@ -41,11 +42,19 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     bad input (arguments of the wrong type included: this is a library call, so they get the CLI's
     one-line errors rather than a TypeError from deep inside). ``early``: the facade's early start
     of this very read (formats/prefetch.py), used only when it matches the validated entry; the
-    caller closes it.
+    caller closes it. ``into``: where some tensors are to land, name -> a contiguous CPU tensor of
+    the shard's dtype and shape (an engine's parameters; device="cpu"): the bytes are read straight
+    into it (verify/chunked.py ``into_host``) and the returned dict holds that very tensor. Its
+    contents are unspecified when this raises.
     """
     _check_arguments(tp_rank, pp_stage, device, directory, dp_rank)
+    if into is not None and (not isinstance(into, Mapping) or device != "cpu"):
+        raise LayoutError("takes a mapping of tensor names to CPU tensors, with device=\"cpu\"", key="into",
+                          hint="load_shard(..., device=\"cpu\", into={name: tensor}), or load and copy on a GPU")
     manifest, directory = _manifest_and_directory(manifest, directory)
     manifest, layout, rl, dev = rank_of(manifest, tp_rank, pp_stage, device, dp_rank)
+    if into is not None:
+        return _read_into(manifest, Path(directory), rl, layout, into)
     return tensors_of(_read_checked(manifest, Path(directory), rl, layout, dev, early))
 
 
@@ -159,6 +168,38 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
                 started.close()  # before the descriptor closes: no read outlives it
 
 
+def _read_into(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layout,
+               into: Mapping[str, Any]) -> dict[str, Any]:
+    """``load_shard(into=...)``: the shard opened once and checked as ``_read_open`` checks it, its
+    chunks read into ``into``'s tensors (verify/chunked.py ``into_host``); a shard without chunk
+    digests (a format_version 2 manifest) is read whole and checked, then copied."""
+    entry = manifest.shard(rl.file)
+    assert entry is not None  # check_manifest_against_layout names a missing entry
+    file = directory / rl.file
+    check_header = header_check(rl, layout)
+    with _open(file, rl.file) as f:
+        if entry.chunk_size is None:
+            tensors = tensors_of(_read_open(f, file, entry, rl, check_header, "cpu", None))
+            from .chunked import check_into
+
+            for name, t in into.items():
+                if name not in tensors:
+                    raise LayoutError(f"{name} is not a tensor of this shard", key="into",
+                                      hint="into= names tensors of the rank's shard (shardc inspect lists them)")
+                check_into(name, t, tensors[name].dtype, list(tensors[name].shape))
+            for name, t in into.items():
+                t.copy_(tensors[name])
+            return {**tensors, **into}
+        from ..formats.chunkread import FileChunkReads
+        from .chunked import into_host
+
+        _stat_checks(f, file, entry, rl)
+        source = FileChunkReads(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks,
+                                entry.chunk_digest, direct=False)
+        source.where = str(file)
+        return into_host(source, check_header, into)
+
+
 def _open(file: Path, name: str) -> Any:
     try:
         # O_NONBLOCK: a FIFO at the shard's name is refused below instead of blocking the open
@@ -169,17 +210,23 @@ def _open(file: Path, name: str) -> Any:
         raise VerifyMismatch(f"{name}: cannot be read ({exc.strerror})", hint="re-pull the shard") from None
 
 
+def _stat_checks(f: Any, file: Path, entry: ShardEntry, rl: RankLayout) -> None:
+    """The open shard is a regular file of the manifest's size."""
+    st = os.fstat(f.fileno())
+    if not stat.S_ISREG(st.st_mode):
+        raise VerifyMismatch(f"{rl.file}: not a regular file (at {file})", hint="re-pull the shard")
+    if st.st_size != entry.size:
+        raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
+                             hint="re-pull the shard")
+
+
 def _read_open(f: Any, file: Path, entry: ShardEntry, rl: RankLayout, check_header: HeaderCheck, dev: str,
                started: HostReads | None) -> RawShard:
     """The checks and the read on the open shard ``f``. ``started``: its chunk reads already under
     way, begun after the same two checks at the open (formats/prefetch.py, against the size that
     ``matches`` compared): a size that changed since is a change while it was read."""
-    st = os.fstat(f.fileno())
-    if started is None and not stat.S_ISREG(st.st_mode):
-        raise VerifyMismatch(f"{rl.file}: not a regular file (at {file})", hint="re-pull the shard")
-    if started is None and st.st_size != entry.size:
-        raise VerifyMismatch(f"{rl.file}: size {st.st_size} bytes, expected {entry.size} (truncated or replaced?)",
-                             hint="re-pull the shard")
+    if started is None:
+        _stat_checks(f, file, entry, rl)
     if entry.chunk_size is not None:  # every chunk checked on every core; raises for a bad one
         from .filechunks import read_chunked
 
