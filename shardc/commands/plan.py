@@ -139,6 +139,7 @@ Examples:
       --target-tpot-ms 50 --explain      # reproduce vLLM's numbers for a measured KV budget
   shardc plan --model llama-3.3-70b --gpu a100-80gb --lora-adapters 8 --lora-rank 64 --draft-model llama-3.1-8b
   shardc plan --model deepseek-v3 --gpu h200 --dtype fp8 --explain  # MLA latent whole per GPU, EP
+  shardc plan --model gpt-oss-120b --gpu h100-sxm  # as published (MXFP4 experts): one GPU
   shardc plan --model llama-3.1-405b --gpu h200 --param activations=2GiB --param hbm_efficiency=0.7
   shardc plan --model build/demo-tp3pp2-bf16 --emit vllm    # a build's own launch: its degrees, --load-format shardc
   shardc plan --model build/x --emit k8s --image REGISTRY/shardc-vllm:TAG --manifest-uri s3://models/x/manifest.json
@@ -156,8 +157,10 @@ Examples:
               help="fit: smallest unit that fits (TP first, then stages); cost: cheapest $/Mtok meeting the "
               "TPOT target; latency: lowest TPOT at batch 1.")
 @click.option("--nodes", type=POS_INT, default=1, show_default=True, help="Nodes available.")
-@click.option("--dtype", type=DTYPE, default="auto", show_default=True, metavar="auto|fp16|bf16|int8|fp8",
-              help="Weight dtype; auto searches the checkpoint's 16-bit dtype, int8 and fp8.")
+@click.option("--dtype", type=DTYPE, default="auto", show_default=True, metavar="auto|source|fp16|bf16|int8|fp8",
+              help="Weight dtype. source: a checkpoint published quantized (block FP8, MXFP4, compressed-tensors) "
+              "kept as stored, sized at its stored bytes, scales included; auto searches source first when "
+              "the checkpoint (or preset) is published so, then its 16-bit dtype, int8 and fp8.")
 @click.option("--kv-dtype", type=KV_DTYPE, default="auto", show_default=True, metavar="auto|fp16|bf16|fp8",
               help="KV-cache dtype; auto = 16-bit.")
 @click.option("--max-model-len", type=POS_INT, help="Longest request; one of them must fit in the KV cache "
@@ -172,8 +175,9 @@ Examples:
 @click.option("--avg-context", type=POS_INT,
               help="Average tokens per request: sizes the --concurrency demand, the batch and the KV reads. "
               "[default: 2048 for speed; the demand uses --max-model-len]")
-@click.option("--kv-cache-cap", type=SIZE, help="Ceiling on the KV pool a GPU allocates [default: 20GiB, "
-              "or --kv-memory]; a ceiling, not a reservation: the demand must fit under it.")
+@click.option("--kv-cache-cap", type=SIZE, help="Ceiling on the KV pool a GPU allocates [default: none (the "
+              "pool is what vLLM's budget leaves), or --kv-memory]; a ceiling, not a reservation: the demand "
+              "must fit under it.")
 @click.option("--kv-memory", type=SIZE, help="KV budget per GPU as a serving engine measured it "
               "(replaces the memory arithmetic, to reproduce an engine's numbers).")
 @click.option("--gpu-memory-utilization", type=POS_FLOAT, default=0.9, show_default=True,
@@ -215,8 +219,9 @@ Examples:
 @click.option("--manifest-uri", default="s3://CHANGE-ME/manifest.json", show_default=True,
               help="With --emit k8s: where the build's manifest lives (shardc pull's --manifest); for a build's "
               "pod, default: its plan's replica_group.checkpoint.manifest_uri.")
-@click.option("--image", help="With --emit k8s: the containers' image [default for a search's pod: "
-              "vllm/vllm-openai:latest; a build's pod requires one holding shardc and vLLM].")
+@click.option("--image", help="With --emit k8s (required there): the image both containers run; it must hold "
+              "shardc and vLLM (the pod pulls and verifies the build, then vLLM serves it with --load-format "
+              "shardc).")
 @click.option("--check", "check_file", type=click.Path(dir_okay=False, path_type=Path),
               help="Read a pod spec or `vllm serve` arguments (YAML) and list where they disagree with the "
               "pick, one line each (exit 1).")

@@ -18,25 +18,23 @@ def emit_config(result: Any, kind: str, manifest_uri: str, image: str | None = N
     """--emit vllm: the `vllm serve` command line; --emit k8s: a pod (YAML) for one replica."""
     import yaml
 
-    from ..planner.deploy import (
-        DEFAULT_IMAGE,
-        comment,
-        init_command,
-        pod_name,
-        pod_spec,
-        vllm_command,
-    )
+    from ..planner.deploy import comment, init_command, pod_name, pod_spec, vllm_command
 
     rec = result.require_recommendation()
-    if rec.dtype == "int8":  # vLLM quantizes fp8 online, not int8: it must load the quantized weights
-        click.echo("warning: vLLM has no online int8 weight-only mode: serve `shardc export` of the int8 "
-                   "build (its config.json carries the compressed-tensors quantization_config) in place of "
-                   f"{result.source}", err=True)
     if kind == "vllm":
+        if rec.dtype == "int8":  # vLLM quantizes fp8 online, not int8: it must load the quantized weights
+            click.echo("warning: vLLM has no online int8 weight-only mode: serve the int8 build (`--emit k8s`, "
+                       "or `shardc plan --model BUILD_DIR --emit vllm`: its config.json carries the "
+                       f"compressed-tensors quantization_config) in place of {result.source}", err=True)
         click.echo(vllm_command(result, rec))
         return
-    init = init_command(manifest_uri, pod_name(rec), rec.gpus)
-    text = yaml.safe_dump(pod_spec(result, rec, init, image or DEFAULT_IMAGE), sort_keys=False)  # one document, every string quoted
+    if image is None:
+        raise PlanError("the pod's two containers (shardc pull and verify, then vLLM serving the verified build "
+                        "with --load-format shardc) run one image, which must hold both shardc and vLLM",
+                        key="--image", hint="build one (pip install shardc vllm) and give --image "
+                        "REGISTRY/NAME:TAG; no public image holds both")
+    init = init_command(manifest_uri, pod_name(rec))
+    text = yaml.safe_dump(pod_spec(result, rec, init, image), sort_keys=False)  # one document, every string quoted
     click.echo(comment(f"shardc plan: {result.model_name} as {rec.label} on {rec.gpus} x {result.cluster.gpu.name}")
                + text, nl=False)
 

@@ -29,9 +29,11 @@ class Run:
 
     plan: str
     outputs: list[RunOutput]
-    seconds: float
-    load_seconds: float
+    seconds: float  # generation, on the rank holding the tokens (after every shard is loaded)
+    load_seconds: float  # that rank's shard load
     tokens_per_s: float | None
+    wall_seconds: float  # from the command's start to the last token (rank start-up and loads included)
+    first_token_seconds: float  # from the start of generation to the first token (prefill)
 
 
 @click.command("run", epilog="""\b
@@ -59,6 +61,9 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
             prompt_ids: tuple[str, ...], max_new_tokens: int, tokenizer: Path | None, device: str,
             timeout_s: float, as_json: bool) -> None:
     """Generate text greedily from a built plan: every rank loads only its own shard file."""
+    import time
+
+    t0 = time.perf_counter()
     from ..errors import ManifestError
     from ..runtime.api import generate, load_tokenizer, open_build
     from .output import Stderr, emit
@@ -80,6 +85,8 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
     res = generate(ref, encoded, max_new_tokens, timeout_s=timeout_s, device=device)
     if res is None:  # under torchrun, only the rank that holds the tokens prints
         return
+    wall = time.perf_counter() - t0
+    first = res.seconds - (res.decode_seconds if res.decode_seconds is not None else res.seconds)
     labels = list(prompts) + [",".join(map(str, p)) for p in encoded[len(prompts):]]
     texts = [tok.decode(t) if tok else None for t in res.tokens]
     n = sum(len(t) for t in res.tokens)
@@ -91,10 +98,13 @@ def run_cmd(manifest_path: str, directory: Path | None, prompts: tuple[str, ...]
             if len(labels) > 1:  # a continuation may span lines: say where each output starts
                 lines.append(f"{'' if i == 0 else chr(10)}--- output {i + 1} of {len(labels)} ---")
             lines.append(f"{lab}{x}" if x is not None else f"[{lab}] -> {','.join(map(str, t))}")
-        return [*lines, Stderr(f"({ref.name}: {n} tokens in {res.seconds:.2f}s after {res.load_seconds:.2f}s load)")]
+        return [*lines, Stderr(
+            f"({ref.name}: {n} tokens, {wall:.2f}s from the command's start to the last token: ranks started "
+            f"and every shard loaded in {wall - res.seconds:.2f}s (this rank's shard {res.load_seconds:.2f}s), "
+            f"the first token {first:.2f}s later, the rest in {res.seconds - first:.2f}s)")]
 
-    emit(Run(ref.name, outputs, res.seconds, res.load_seconds, n / res.seconds if res.seconds else None),
-         as_json, text)
+    emit(Run(ref.name, outputs, res.seconds, res.load_seconds, n / res.seconds if res.seconds else None,
+             wall, first), as_json, text)
 
 
 @click.command("gate", epilog="""\b
@@ -133,7 +143,8 @@ Examples:
                    "edited or a damaged cache is recomputed. Refused inside a build directory.")
 @click.option("--reference", type=click.Choice(["shardc", "transformers"]), default="shardc", show_default=True,
               help="What scores the baseline: shardc's sharded runtime, or transformers itself "
-                   "(AutoModelForCausalLM, eager attention, after verify's checks; needs a tp=1 baseline) "
+                   "(AutoModelForCausalLM, its default attention: SDPA where the model has it, after verify's checks; "
+                   "needs a tp=1 baseline) "
                    "so a runtime bug cannot pass both sides. The candidate is always scored by shardc.")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=1.0), default=120.0, show_default=True,
               help=_TIMEOUT_HELP)

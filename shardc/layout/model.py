@@ -22,7 +22,10 @@ from .readfile import CONFIG_LIMIT, read_regular_file
 ARCHITECTURES = BY_ARCHITECTURE  # every architecture a family module declares -> its family
 
 # Built-in presets (so plans validate and plan without downloading anything), from the families.
-PRESETS: dict[str, dict[str, Any]] = {k: p.config for f in FAMILIES for k, p in f.presets.items()}
+# A preset published quantized carries its quantization_config, as its config.json does.
+PRESETS: dict[str, dict[str, Any]] = {
+    k: p.config if p.quantization is None else {**p.config, "quantization_config": p.quantization}
+    for f in FAMILIES for k, p in f.presets.items()}
 # Hub repos whose config equals a preset (lets `hf://org/repo` plans validate offline), lower case.
 HUB_PRESETS: dict[str, str] = {r.lower(): k for f in FAMILIES for k, p in f.presets.items()
                                for r in p.repos}

@@ -26,7 +26,7 @@ from .records import Candidate, Search
 
 SHM_PER_GPU = 2 * GIB  # /dev/shm per GPU: NCCL's shared-memory transport and vLLM's broadcast queue
 HOST_BASE = 16 * GIB  # host memory besides the shards: Python, CUDA host allocations, the tokenizer
-DEFAULT_IMAGE = "vllm/vllm-openai:latest"
+PARTITION = "VLLM_PP_LAYER_PARTITION"  # vllm/envs.py: layers per pipeline stage, comma-separated
 DASHES = "-" * 2  # vLLM's option prefix (vLLM's options, not shardc's flags)
 
 
@@ -92,40 +92,85 @@ def max_model_len(s: Search, c: Candidate) -> int:
     return min(c.kv.max_model_len, c.kv.request_len)
 
 
-def vllm_options(s: Search, c: Candidate) -> dict[str, str | None]:
+def max_num_seqs(s: Search, c: Candidate) -> int:
+    """vLLM's --max-num-seqs for the pick (per DP rank under expert parallelism). With a concurrency
+    or a TPOT target given, the concurrency the plan's figures are at: more sequences in flight would
+    break the target. Otherwise (the default TPOT only sizes the batch) the sequences the KV pool
+    holds at the average context, and never fewer than that concurrency: a server capped at the
+    batch a default target allows would turn requests away that its memory holds. At most
+    --max-num-batched-tokens, which vLLM requires (vllm/config/scheduler.py, SchedulerConfig:
+    "max_num_batched_tokens ... must be greater than or equal to max_num_seqs")."""
+    assert c.speed is not None and c.kv is not None
+    bound = c.speed.batch if s.workload.concurrency is not None or s.workload.target_set else \
+        max(c.speed.batch, c.kv.sequences)
+    per_rank = math.ceil(bound / c.dp) if c.ep > 1 else bound
+    return max(1, min(per_rank, s.speed.max_num_batched_tokens))
+
+
+def vllm_options(s: Search, c: Candidate, build: bool = False) -> dict[str, str | None]:
     """vLLM's options for the pick, by vLLM's option name (None: a switch); an EP pick is data
-    parallel with expert parallelism, each DP rank scheduling its share of the sequences."""
+    parallel with expert parallelism, each DP rank scheduling its share of the sequences.
+
+    ``build``: vLLM serves the plan's shardc build (`--load-format shardc`, the pod): its config.json
+    says how it is quantized, so no --quantization, and --dtype is the build's 16-bit dtype.
+    Otherwise it serves the source model: --quantization fp8 for an fp8 pick (vLLM quantizes a
+    16-bit checkpoint to fp8 online); a `source` pick loads the published quantized checkpoint as
+    its config.json says."""
     assert c.speed is not None and c.pp is not None
     w, sp = s.workload, s.speed
-    opts: dict[str, str | None] = {}
+    opts: dict[str, str | None] = {"load-format": "shardc"} if build else {}
     if c.ep > 1:
         opts.update({"tensor-parallel-size": "1", "data-parallel-size": str(c.dp), "enable-expert-parallel": None})
-        seqs = math.ceil(c.speed.batch / c.dp)
     else:
         opts.update({"tensor-parallel-size": str(c.tp), "pipeline-parallel-size": str(c.pp)})
-        seqs = c.speed.batch
+    if build:
+        opts["dtype"] = "float16" if s.model.torch_dtype == "float16" else "bfloat16"
     opts.update({"max-model-len": str(max_model_len(s, c)),
                  "gpu-memory-utilization": f"{w.gpu_memory_utilization:g}",
                  "kv-cache-dtype": w.kv_dtype if w.kv_dtype == "fp8" else "auto",
-                 "max-num-seqs": str(max(seqs, 1)), "max-num-batched-tokens": str(sp.max_num_batched_tokens),
+                 "max-num-seqs": str(max_num_seqs(s, c)), "max-num-batched-tokens": str(sp.max_num_batched_tokens),
                  "block-size": str(w.block_size)})
-    if c.dtype == "fp8":
+    if c.dtype == "fp8" and not build:
         opts["quantization"] = "fp8"
     return opts
 
 
-def vllm_args(s: Search, c: Candidate) -> list[str]:
-    """`vllm serve` arguments for the pick: the model, then every option."""
+def vllm_args(s: Search, c: Candidate, model: str | None = None) -> list[str]:
+    """`vllm serve` arguments for the pick: the model (the source's, or ``model``: the directory its
+    build is pulled into, served with `--load-format shardc`), then every option."""
     _check_names(s)
-    args = [model_ref(s.source)]
-    for name, value in vllm_options(s, c).items():
+    args = [model_ref(s.source) if model is None else model]
+    for name, value in vllm_options(s, c, build=model is not None).items():
         args += [DASHES + name] if value is None else [DASHES + name, value]
     return args
 
 
 def vllm_command(s: Search, c: Candidate) -> str:
-    """The `vllm serve` command line, every word shell-quoted."""
-    return shlex.join(["vllm", "serve", *vllm_args(s, c)])
+    """The `vllm serve` command line, every word shell-quoted, one option per line (a backslash
+    ends each line but the last, as sh continues a line)."""
+    words = ["vllm", "serve", *vllm_args(s, c)]
+    head, rest = words[:3], words[3:]
+    parts, i = [shlex.join(head)], 0
+    while i < len(rest):
+        n = 2 if i + 1 < len(rest) and not rest[i + 1].startswith(DASHES) else 1
+        parts.append(shlex.join(rest[i:i + n]))
+        i += n
+    return " \\\n    ".join(parts)
+
+
+def plan_stages(c: Candidate) -> tuple[int, ...]:
+    """Layers per pipeline stage of the pick's plan (its ranks' layer ranges)."""
+    seen: dict[int, tuple[int, int]] = {r.pp_stage: r.layers for r in c.weights}
+    return tuple(b - a for _, (a, b) in sorted(seen.items()))
+
+
+def vllm_default_stages(layers: int, pp: int) -> tuple[int, ...]:
+    """vLLM's own split when VLLM_PP_LAYER_PARTITION is unset (vllm/distributed/utils.py
+    get_pp_indices): even, the remainder one each to the stages before the last, from the back."""
+    parts = [layers // pp] * pp
+    for i in range(2, layers % pp + 2):
+        parts[-i] += 1
+    return tuple(parts)
 
 
 def pod_name(c: Candidate) -> str:
@@ -142,32 +187,34 @@ def k8s_name(plan_name: str) -> str:
     return name[:63].strip("-.") or "shardc"
 
 
-def init_command(manifest_uri: str, name: str, gpus: int) -> str:
-    """The init container's shell line: `shardc pull` of the replica's ranks into /models/<name>,
-    then `shardc verify` on the GPUs; every word shell-quoted."""
+def init_command(manifest_uri: str, name: str) -> str:
+    """The init container's shell line: `shardc pull` of the build (every rank of the replica and
+    its side files) into /models/<name>, then `shardc verify` on the GPUs; every word shell-quoted."""
     refuse_control(manifest_uri, "manifest_uri", "the manifest URI")
-    ranks = [w for r in range(gpus) for w in (DASHES + "rank", str(r))]
-    pull = ["shardc", "pull", DASHES + "manifest", manifest_uri, *ranks, DASHES + "dest", f"/models/{name}"]
+    pull = ["shardc", "pull", DASHES + "manifest", manifest_uri, DASHES + "all", DASHES + "dest", f"/models/{name}"]
     verify = ["shardc", "verify", DASHES + "manifest", f"/models/{name}/manifest.json", DASHES + "device", "cuda"]
     return shlex.join(pull) + " && " + shlex.join(verify)
 
 
-def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> dict[str, Any]:
+def pod_spec(s: Search, c: Candidate, init: str, image: str) -> dict[str, Any]:
     """A pod holding one replica: its GPUs (tp x pp x dp), /dev/shm and host memory sized from the
-    plan, and an init container running ``init`` (the CLI's `shardc pull` of the replica's ranks
-    (0 to gpus - 1) into /models/<name>, then `shardc verify` on the GPUs). On one GPU vLLM serves
-    that directory (a tp=1 build is a checkpoint it loads); vLLM's own loader cannot load per-rank
-    shards, so a multi-GPU pod serves the source model and the init step checks the build that
-    matches it (a build's own launch, launch.py, serves the build through `--load-format shardc`)."""
-    assert c.memory is not None
+    plan, an init container running ``init`` (the CLI's `shardc pull` of the plan's build into
+    /models/<name>, then `shardc verify` on the GPUs), and vLLM serving that very directory with
+    `--load-format shardc` (shardc/serving/), whatever the degrees: what was verified is what is
+    served, and nothing is downloaded twice. ``image`` runs both containers, so it must hold shardc
+    and vLLM (no public image does). The plan's pipeline stages go to vLLM as
+    VLLM_PP_LAYER_PARTITION where vLLM's own split differs."""
+    assert c.memory is not None and c.pp is not None
+    refuse_control(image, "image", "the image")
     gpus, name = c.gpus, pod_name(c)
     shards = sum(r.nbytes for r in c.weights)  # every rank's shard: host memory while they load
     memory = math.ceil((shards + HOST_BASE) / GIB)
     shm = math.ceil(gpus * SHM_PER_GPU / GIB)
     resources = {"nvidia.com/gpu": gpus, "memory": f"{memory}Gi"}
-    args = vllm_args(s, c)
-    if gpus == 1:  # a tp=1 build is a Hugging Face checkpoint vLLM loads: serve the verified bytes
-        args[0] = f"/models/{name}"
+    env = [{"name": "SHARDC_MODEL_DIR", "value": f"/models/{name}"}]
+    stages = plan_stages(c)
+    if c.pp > 1 and stages != vllm_default_stages(sum(stages), c.pp):
+        env.append({"name": PARTITION, "value": ",".join(map(str, stages))})
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "vllm", "shardc/plan": name}},
@@ -176,8 +223,8 @@ def pod_spec(s: Search, c: Candidate, init: str, image: str = DEFAULT_IMAGE) -> 
                                 "resources": {"limits": {"nvidia.com/gpu": gpus}},
                                 "volumeMounts": [{"name": "models", "mountPath": "/models"}]}],
             "containers": [{"name": "vllm", "image": image, "command": ["vllm", "serve"],
-                            "args": args + _option("served-model-name", s.model_name),
-                            "env": [{"name": "SHARDC_MODEL_DIR", "value": f"/models/{name}"}],
+                            "args": vllm_args(s, c, f"/models/{name}") + _option("served-model-name", s.model_name),
+                            "env": env,
                             "resources": {"limits": dict(resources), "requests": dict(resources)},
                             "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                                              {"name": "models", "mountPath": "/models"}]}],
@@ -222,7 +269,7 @@ def _containers(doc: Any) -> list[dict[str, Any]]:
 def _split(line: str) -> list[str]:
     """A shell line's words, as sh reads them; one that sh could not read is one PlanError."""
     try:
-        return shlex.split(line)
+        return shlex.split(line.replace("\\\n", ""))  # a backslash ending a line continues it, as in sh
     except ValueError as exc:
         raise PlanError(f"cannot read the shell line {line[:60]!r}: {exc}", key="deployment",
                         hint="give a pod spec or `vllm serve` arguments as YAML") from None
@@ -290,12 +337,18 @@ def check_deployment(s: Search, c: Candidate, doc: Any) -> list[str]:
     if not flags and "gpus" not in facts:
         return ["no `vllm serve` arguments found (a pod spec whose container runs vllm serve, or the "
                 "command line itself)"]
-    want = {k: "true" if v is None else v for k, v in vllm_options(s, c).items()}
+    # a deployment serving the plan's build (the pod --emit k8s writes) or the source model (the
+    # `vllm serve` line --emit vllm prints): each is held to its own options
+    build = flags.get("load-format") == "shardc"
+    want = {k: "true" if v is None else v for k, v in vllm_options(s, c, build=build).items()}
     defaults = {"pipeline-parallel-size": "1", "tensor-parallel-size": "1", "data-parallel-size": "1",
                 "kv-cache-dtype": "auto", "gpu-memory-utilization": "0.9"}
     out = []
+    if build and "quantization" in flags:  # vLLM refuses a --quantization the build's config.json contradicts
+        out.append(f"{DASHES}quantization: the deployment has {flags['quantization']}, the build's config.json "
+                   f"says how it is quantized (drop {DASHES}quantization)")
     for key in ("tensor-parallel-size", "pipeline-parallel-size", "data-parallel-size", "kv-cache-dtype",
-                "gpu-memory-utilization", "enable-expert-parallel", "quantization"):
+                "gpu-memory-utilization", "enable-expert-parallel", *(() if build else ("quantization",))):
         plan, got = want.get(key, defaults.get(key)), flags.get(key, defaults.get(key))
         if key == "gpu-memory-utilization" and plan and got and math.isclose(float(plan), _number(got, float, key)):
             continue

@@ -143,6 +143,9 @@ class Workload:
     demand_tokens_per_s: float | None = None
     lora_adapters: int = 0  # adapters resident at once (vLLM's max_loras)
     lora_rank: int = 0  # their largest rank (max_lora_rank)
+    # the average context when none of avg_context, isl and osl is given (fit_defaults: never more
+    # than the longest request allows)
+    default_context: int = DEFAULT_AVG_CONTEXT
 
     @property
     def target_ms(self) -> float:
@@ -162,14 +165,14 @@ class Workload:
             return self.avg_context
         if self.isl is not None or self.osl is not None:
             return self.prompt + self.output // 2
-        return DEFAULT_AVG_CONTEXT
+        return self.default_context
 
     @property
     def prompt(self) -> int:
         """Prompt tokens per request (isl): --isl, else 3/4 of the average context."""
         if self.isl is not None:
             return self.isl
-        base = self.avg_context if self.avg_context is not None else DEFAULT_AVG_CONTEXT
+        base = self.avg_context if self.avg_context is not None else self.default_context
         return max(1, base * 3 // 4)
 
     @property
@@ -177,8 +180,21 @@ class Workload:
         """Output tokens per request (osl): --osl, else 1/2 of the average context."""
         if self.osl is not None:
             return self.osl
-        base = self.avg_context if self.avg_context is not None else DEFAULT_AVG_CONTEXT
+        base = self.avg_context if self.avg_context is not None else self.default_context
         return max(1, base // 2)
+
+    def origins(self) -> dict[str, str]:
+        """Where isl, osl and the average context come from, in words for the report: given, or
+        derived (from which input), or the default."""
+        given = {"isl": self.isl is not None, "osl": self.osl is not None, "avg": self.avg_context is not None}
+        out = {}
+        for key, fraction in (("isl", "3/4"), ("osl", "1/2")):
+            out[key] = ("" if given[key] else f"{fraction} of avg context" if given["avg"] else
+                        "default" if self.default_context == DEFAULT_AVG_CONTEXT else
+                        f"{fraction} of {self.default_context:,}, 4/5 of the longest request")
+        out["avg"] = ("" if given["avg"] else "isl + osl/2" if given["isl"] or given["osl"] else
+                      "default" if self.default_context == DEFAULT_AVG_CONTEXT else "4/5 of the longest request")
+        return out
 
     @property
     def target_set(self) -> bool:

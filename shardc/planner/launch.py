@@ -21,6 +21,7 @@ from typing import Any
 from .deploy import (
     DASHES,
     HOST_BASE,
+    PARTITION,
     SHM_PER_GPU,
     _number,
     _option,
@@ -29,12 +30,12 @@ from .deploy import (
     pod_problems,
     read_deployment,
     refuse_control,
+    vllm_default_stages,
 )
 from .gpus import GIB
 
 # The safetensors name of a build's 16-bit tensors -> vLLM's --dtype word (vllm/config/model.py ModelDType).
 VLLM_DTYPE = {"BF16": "bfloat16", "F16": "float16"}
-PARTITION = "VLLM_PP_LAYER_PARTITION"  # vllm/envs.py: layers per pipeline stage, comma-separated
 
 
 @dataclass(frozen=True)
@@ -62,15 +63,6 @@ class BuildLaunch:
     def label(self) -> str:
         ep = " expert_parallel" if self.expert_parallel else ""
         return f"tp={self.tp} pp={self.pp}" + (f" dp={self.dp}" if self.dp > 1 else "") + f"{ep} {self.dtype}"
-
-
-def vllm_default_stages(layers: int, pp: int) -> tuple[int, ...]:
-    """vLLM's own split when VLLM_PP_LAYER_PARTITION is unset (vllm/distributed/utils.py
-    get_pp_indices): even, the remainder one each to the stages before the last, from the back."""
-    parts = [layers // pp] * pp
-    for i in range(2, layers % pp + 2):
-        parts[-i] += 1
-    return tuple(parts)
 
 
 def _check(b: BuildLaunch) -> None:

@@ -310,8 +310,11 @@ class Search:
             "dtypes": list(self.dtypes),
             "objective": self.objective,
             "candidates": [c.to_json() for c in self.candidates],
-            "recommended": self.candidates.index(rec) if rec is not None else None,
-            "alternative": self.candidates.index(alt) if alt is not None else None,
+            # the picks themselves (as in ``candidates``), and where they sit in that list
+            "recommended": rec.to_json() if rec is not None else None,
+            "alternative": alt.to_json() if alt is not None else None,
+            "recommended_index": self.candidates.index(rec) if rec is not None else None,
+            "alternative_index": self.candidates.index(alt) if alt is not None else None,
             "fit": [t.to_json() for t in self.trails],
             "warnings": list(self.warnings),
             "plan": self.plan_for(rec) if rec is not None else None,

@@ -13,7 +13,7 @@ from .formulas import demand_tokens, demand_words
 from .gpus import GB, GIB
 from .policy import OBJECTIVE_WORDS
 from .records import Candidate, Search
-from .search import default_dtypes
+from .search import sixteen_bit
 
 BAR_WIDTH = 24
 BAR_LEGEND = ("bar: # weights  = KV cache  + overheads  . free  (whole GPU as CUDA reports it; | where vLLM's "
@@ -44,7 +44,7 @@ def memory_bar(c: Candidate, width: int = BAR_WIDTH, limit: float | None = None)
 
 def header(s: Search) -> list[str]:
     m, g, w, cl = s.model, s.cluster.gpu, s.workload, s.cluster
-    kv = f"{w.kv_dtype if w.kv_dtype != 'auto' else default_dtypes(m)[0]} ({w.kv_bytes} B/value)"
+    kv = f"{w.kv_dtype if w.kv_dtype != 'auto' else sixteen_bit(m)} ({w.kv_bytes} B/value)"
     budget = f"`kv_memory` {gib(w.kv_memory)}" if w.kv_memory is not None else f"utilization {w.gpu_memory_utilization:g}"
     mla = m.forward.mla
     attn = (f"MLA latent {mla.kv_lora_rank} + rope {mla.rope}" if mla is not None else
@@ -53,6 +53,7 @@ def header(s: Search) -> list[str]:
     moe = f", {experts} routed experts (top {k})" if experts else ""
     extras = ([f"{w.lora_adapters} LoRA adapters of rank {w.lora_rank}"] if w.lora_adapters else []) + (
         [f"draft model {s.draft_params / 1e9:.2f} B parameters"] if s.draft_params else [])
+    why = {k: f" ({v})" if v else "" for k, v in w.origins().items()}
     out = [
         f"model   {s.model_name}: {s.params / 1e9:.2f} B parameters, {m.num_layers} layers, hidden {m.hidden_size:,}, "
         f"{m.num_heads} heads / {attn}, vocab {m.vocab_size:,}{moe}"
@@ -66,7 +67,8 @@ def header(s: Search) -> list[str]:
         f"({demand_tokens(w, m.max_position_embeddings):,} tokens), "
         + (f"KV cap {gib(w.cap)}/GPU (a ceiling on the pool)" if w.capped else "no KV cap (the pool is what "
            "vLLM's budget leaves)")
-        + f", isl {w.prompt:,}, osl {w.output:,}, avg context {w.context:,}, {budget}, block {w.block_size}, "
+        + f", isl {w.prompt:,}{why['isl']}, osl {w.output:,}{why['osl']}, avg context {w.context:,}{why['avg']}, "
+        f"{budget}, block {w.block_size}, "
         f"KV {kv}, TPOT <= {w.target_ms:g} ms{'' if w.target_set else ' (default: sizes the batch only)'}, "
         + (f"TTFT <= {w.ttft_ms:g} ms, " if w.ttft_ms is not None else "")
         + (f"concurrency {w.concurrency}, " if w.concurrency is not None else "") +
@@ -82,19 +84,23 @@ def table(s: Search) -> list[str]:
     rows.sort(key=lambda c: (c is not s.recommended, c is not s.alternative, not c.meets_target,
                              c.cost.dollars_per_mtok if c.cost else 0, c.tp, c.pp or 0))
     out = header(s) + [""]
-    out.append(f"  {'candidate':<17}{'GPUs':>5}{'weights':>10}{'KV need/pool GiB':>18}{'KV B/tok':>10}{'max len':>9}{'seqs':>6}"
-               f"{'conc':>6}{'TTFT':>9}{'TPOT':>9}{'tok/s/GPU':>10}{'$/Mtok':>8}  memory per GPU")
+    # right-aligned columns: (header, width); a column widens to its widest cell plus one space, so
+    # cells never run together (a 512-token max len beside 399,549 sequences)
+    cols = [("GPUs", 5), ("weights", 10), ("KV need/pool GiB", 18), ("KV B/tok", 10), ("max len", 9), ("seqs", 6),
+            ("conc", 6), ("TTFT", 9), ("TPOT", 9), ("tok/s/GPU", 10), ("$/Mtok", 8)]
+    cells = []
     for c in rows:
         assert c.memory and c.kv and c.speed and c.cost
+        cells.append([f"{c.gpus}", f"{c.memory.weights / GIB:.2f} GiB",
+                      f"{c.kv.demand_bytes / GIB:.2f}/{c.kv.budget / GIB:<6.2f}", f"{c.kv.bytes_per_token:,}",
+                      f"{c.kv.max_model_len:,}", f"{c.kv.sequences:,}", f"{c.speed.batch:,}",
+                      f"{c.speed.ttft_s * 1e3:.0f}ms", f"{c.speed.tpot_s * 1e3:.1f}ms",
+                      f"{c.speed.tokens_per_s_per_gpu:,.0f}", f"{c.cost.dollars_per_mtok:.2f}"])
+    widths = [max([w] + [len(row[i]) + 1 for row in cells]) for i, (_, w) in enumerate(cols)]
+    out.append(f"  {'candidate':<17}" + "".join(f"{h:>{w}}" for (h, _), w in zip(cols, widths, strict=True)) + "  memory per GPU")
+    for c, row in zip(rows, cells, strict=True):
         mark = "*" if c is s.recommended else "+" if c is s.alternative else "!" if not c.meets_target else " "
-        out.append(
-            f"{mark} {c.label:<17}{c.gpus:>5}{c.memory.weights / GIB:>6.2f} GiB"
-            f"{c.kv.demand_bytes / GIB:>11.2f}/{c.kv.budget / GIB:<6.2f}{c.kv.bytes_per_token:>9,}{c.kv.max_model_len:>9,}"
-            f"{c.kv.sequences:>6,}{c.speed.batch:>6,}"
-            f"{c.speed.ttft_s * 1e3:>7.0f}ms{c.speed.tpot_s * 1e3:>7.1f}ms{c.speed.tokens_per_s_per_gpu:>10,.0f}"
-            f"{c.cost.dollars_per_mtok:>8.2f}  "
-            f"{memory_bar(c)}"
-        )
+        out.append(f"{mark} {c.label:<17}" + "".join(f"{x:>{w}}" for x, w in zip(row, widths, strict=True)) + f"  {memory_bar(c)}")
     if not rows:
         out.append("  (no candidate fits)")
     out += ["  KV need/pool: the demand's KV per GPU / the pool the unit allocates (vLLM's budget, at most "

@@ -12,6 +12,7 @@ so the table can say why.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -40,7 +41,24 @@ def default_dtypes(model: Any) -> tuple[str, ...]:
     from ..layout.sourcequant import detect_source
 
     own = ("source",) if detect_source(model.config) is not None else ()
-    return (*own, "fp16" if model.torch_dtype == "float16" else "bf16", "int8", "fp8")
+    return (*own, sixteen_bit(model), "int8", "fp8")
+
+
+def fit_defaults(w: Workload, model: Any) -> Workload:
+    """The workload with its default average context (2,048 tokens: 1,536-token prompts, 1,024-token
+    outputs) lowered to 4/5 of the longest request when that is shorter, so that a default prompt
+    plus its output fits it; given values are left as they are (and checked)."""
+    if w.avg_context is not None or w.isl is not None or w.osl is not None:
+        return w
+    longest = w.max_model_len or model.max_position_embeddings
+    if w.default_context * 5 // 4 <= longest:
+        return w
+    return dataclasses.replace(w, default_context=max(1, longest * 4 // 5))
+
+
+def sixteen_bit(model: Any) -> str:
+    """The checkpoint's 16-bit dtype (its compute dtype, and the KV cache's under --kv-dtype auto)."""
+    return "fp16" if model.torch_dtype == "float16" else "bf16"
 
 
 def search(
@@ -60,7 +78,7 @@ def search(
 ) -> Search:
     """Judge every candidate and pick one for ``objective`` (fit, cost or latency). ``tps``/``pps``
     restrict the search (e.g. to reproduce); ``draft`` is a speculative-decoding draft model."""
-    w, ov, sp = workload or Workload(), overheads or Overheads(), speed or SpeedParams()
+    w, ov, sp = fit_defaults(workload or Workload(), model), overheads or Overheads(), speed or SpeedParams()
     check_inputs(model, cluster, w, sp)
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown objective {objective!r}", key="objective", hint=f"use {', '.join(OBJECTIVES)}")

@@ -34,6 +34,7 @@ from shardc.planner.search import search
 PICK = ("--gpu", "h100-sxm", "--dtype", "bf16", "--tp", "2")
 LABEL = "tp=2 pp=1 bf16"
 URI = "s3://b/$(touch pwned) `id` 'q' \"d\" #x/m.json"  # a manifest URI a shell must not run
+IMAGE = "registry.example.com/shardc-vllm:0.1"  # --emit k8s's image (it holds shardc and vLLM)
 OUT_NAME = "$(id) 'p' #.yaml"
 # Names a directory may have: YAML's document marker, a comment sign, a mapping, both quotes, a
 # command substitution, backticks, a leading dash (an option to vLLM's argparse), XML's and
@@ -66,6 +67,11 @@ def model_dir(root: Path, name: str | bytes, config: str) -> Path:
     return path
 
 
+def unfold(line: str) -> str:
+    """A shell line as sh reads it: a backslash that ends a line continues it."""
+    return line.replace("\\\n", "")
+
+
 def served_name(args: list[str]) -> str:
     """The value of vLLM's --served-model-name, in either of its two spellings."""
     if "--served-model-name" in args:
@@ -84,13 +90,16 @@ def check_pod(stdout: str, name: str, source: Path, uri: str) -> dict:
     pod_id = pod["metadata"]["name"]
     assert DNS_1123.fullmatch(pod_id) and len(pod_id) <= 63 and pod["metadata"]["labels"]["shardc/plan"] == pod_id
     (vllm,) = pod["spec"]["containers"]
-    assert vllm["command"] == ["vllm", "serve"] and vllm["args"][0] == str(source)
+    # vLLM serves the verified build (the load format), never the source path
+    assert vllm["command"] == ["vllm", "serve"] and vllm["args"][:3] == [f"/models/{pod_id}", "--load-format", "shardc"]
+    assert str(source) not in json.dumps(pod)
     assert served_name(vllm["args"]) == name
     (init,) = pod["spec"]["initContainers"]
     assert init["command"][:2] == ["sh", "-c"] and len(init["command"]) == 3
     assert shlex.split(init["command"][2]) == [
-        "shardc", "pull", "--manifest", uri, "--rank", "0", "--rank", "1", "--dest", f"/models/{pod_id}", "&&",
+        "shardc", "pull", "--manifest", uri, "--all", "--dest", f"/models/{pod_id}", "&&",
         "shardc", "verify", "--manifest", f"/models/{pod_id}/manifest.json", "--device", "cuda"]
+    assert vllm["image"] == init["image"] == IMAGE
     return pod
 
 
@@ -100,10 +109,11 @@ def test_a_hostile_directory_name_round_trips_through_every_emitter(tmp_path, co
     # --emit vllm: the shell line splits into the exact argv
     r = shardc("plan", "--model", src, *PICK, "--emit", "vllm")
     assert r.returncode == 0, r.stderr
-    argv = shlex.split(r.stdout)
-    assert argv[:4] == ["vllm", "serve", str(src), "--tensor-parallel-size"] and r.stdout.count("\n") == 1
+    argv = shlex.split(unfold(r.stdout))
+    assert argv[:4] == ["vllm", "serve", str(src), "--tensor-parallel-size"]
+    assert all(line.endswith(" \\") for line in r.stdout.splitlines()[:-1])
     # --emit k8s: one document, the name and path exact, the init line's argv exact; --check reads it back
-    r = shardc("plan", "--model", src, *PICK, "--emit", "k8s", "--manifest-uri", URI)
+    r = shardc("plan", "--model", src, *PICK, "--emit", "k8s", "--manifest-uri", URI, "--image", IMAGE)
     assert r.returncode == 0, r.stderr
     pod = check_pod(r.stdout, name, src, URI)
     if name == "-served":  # a value vLLM's argparse would take for an option is joined to its flag
@@ -147,11 +157,11 @@ def test_a_two_thousand_character_path(tmp_path, config):
     assert all(len(p) == 249 for p in parts)
     src = model_dir(tmp_path, os.path.join(*parts), config).resolve()
     assert len(str(src)) > 2000
-    r = shardc("plan", "--model", src, *PICK, "--emit", "k8s", "--manifest-uri", URI)
+    r = shardc("plan", "--model", src, *PICK, "--emit", "k8s", "--manifest-uri", URI, "--image", IMAGE)
     assert r.returncode == 0, r.stderr
     check_pod(r.stdout, parts[-1], src, URI)
     r = shardc("plan", "--model", src, *PICK, "--emit", "vllm")
-    assert shlex.split(r.stdout)[:3] == ["vllm", "serve", str(src)]
+    assert shlex.split(unfold(r.stdout))[:3] == ["vllm", "serve", str(src)]
 
 
 def _search(name: str, source: str = "/models/x"):
@@ -165,9 +175,9 @@ def test_a_two_thousand_character_name_through_the_library(tmp_path, capsys):
     assert len(name) == 2000
     result = _search(name, "/m/" + name)
     rec = result.require_recommendation()
-    emit_config(result, "k8s", URI)
+    emit_config(result, "k8s", URI, IMAGE)
     check_pod(capsys.readouterr().out, name, Path("/m/" + name), URI)
-    assert shlex.split(vllm_command(result, rec))[:3] == ["vllm", "serve", "/m/" + name]
+    assert shlex.split(unfold(vllm_command(result, rec)))[:3] == ["vllm", "serve", "/m/" + name]
     out = tmp_path / "plan.yaml"
     write_plan(result.plan_for(rec), out, result, rec)
     text = out.read_text()
@@ -181,12 +191,12 @@ def test_a_two_thousand_character_name_through_the_library(tmp_path, capsys):
 def test_the_library_refuses_a_control_character_and_comments_cannot_break(bad):
     result = _search(f"m{bad}---")
     rec = result.require_recommendation()
-    for make in (lambda: vllm_command(result, rec), lambda: pod_spec(result, rec, "true")):
+    for make in (lambda: vllm_command(result, rec), lambda: pod_spec(result, rec, "true", IMAGE)):
         with pytest.raises(PlanError) as err:
             make()
         assert err.value.key == "model" and f"(U+{ord(bad):04X}) at character 2: " in err.value.message
     with pytest.raises(PlanError) as err:
-        init_command(f"s3://b/m{bad}.json", "x", 1)
+        init_command(f"s3://b/m{bad}.json", "x")
     assert err.value.key == "manifest_uri"
     line = comment(f"a{bad}---{bad}kind: Pod")
     assert line.count("\n") == 1 and line.endswith("\n") and list(yaml.safe_load_all(line + "a: 1\n")) == [{"a": 1}]
@@ -197,7 +207,7 @@ def test_the_issue_s_pod_injection_is_one_line_and_nothing_is_printed(tmp_path, 
     """#41's example, a directory named to append a second document (a Pod running any image)."""
     name = "m\n---\napiVersion: v1\nkind: Pod\nmetadata: {name: evil}\nspec: {containers: [{name: x, image: evil}]}"
     model_dir(tmp_path, name, config)
-    for extra in (("--emit", "k8s"), ("--emit", "vllm"), ("--out", "p.yaml"), ()):
+    for extra in (("--emit", "k8s", "--image", IMAGE), ("--emit", "vllm"), ("--out", "p.yaml"), ()):
         r = shardc("plan", "--model", name, *PICK, *extra, cwd=tmp_path)
         assert one_line(r) == (
             "error: --model: the model path holds a control character (U+000A) at character 2: "
@@ -220,14 +230,14 @@ def test_a_control_character_in_the_directory_name_is_refused(tmp_path, config, 
     assert r.stdout == "" and not (tmp_path / "p.yaml").exists() and line.isprintable()
     # a plain name that links to it: the path as resolved is refused the same
     (tmp_path / "plain").symlink_to(src)
-    r = shardc("plan", "--model", tmp_path / "plain", *PICK, "--emit", "k8s")
+    r = shardc("plan", "--model", tmp_path / "plain", *PICK, "--emit", "k8s", "--image", IMAGE)
     one_line(r, f"error: --model: the model path holds {kind} ({code}) at character ")
     assert r.stdout == ""
 
 
 def test_control_characters_in_the_other_strings_are_refused(tmp_path, config):
     src = model_dir(tmp_path, "plain", config)
-    cases = [("--manifest-uri", ("--emit", "k8s", "--manifest-uri", "s3://b/m.json\nkind: Pod")),
+    cases = [("--manifest-uri", ("--emit", "k8s", "--image", IMAGE, "--manifest-uri", "s3://b/m.json\nkind: Pod")),
              ("--out", ("--out", tmp_path / "p\n.yaml")), ("--plot", ("--plot", tmp_path / "p\r.svg")),
              ("--check", ("--check", tmp_path / "pod\x1b.yaml")), ("--draft-model", ("--draft-model", "x\ny"))]
     for flag, extra in cases:

@@ -196,7 +196,7 @@ def test_json_carries_ep_and_dp_for_every_candidate():
         assert bool(eps) == (model == "mixtral-8x7b")
     rec = data_rec = json.loads(_run("--model", "mixtral-8x7b", "--gpu", "a100-40gb", "--dtype", "bf16",
                                      "--json").stdout)
-    rec = data_rec["candidates"][data_rec["recommended"]]
+    rec = data_rec["recommended"]
     assert (rec["ep"], rec["dp"], rec["tp"], rec["gpus"]) == (4, 4, 1, 4)
     assert data_rec["plan"]["replica_group"]["dp_degree"] == 4
     assert data_rec["plan"]["replica_group"]["expert_parallel"] is True

@@ -178,7 +178,7 @@ def test_explain_and_json_show_the_demand_and_the_rejections():
     by_label = {(c["tp"], c["pp"]): c for c in data["candidates"] if c["pp"]}
     assert by_label[2, 1]["kv_demand_bytes"] == 32_768 * 163_840  # 4 KV heads per GPU
     assert by_label[4, 1]["kv_demand_bytes"] == 32_768 * 81_920  # 2 KV heads per GPU
-    assert data["candidates"][data["recommended"]]["tp"] == 2 and data["fit"][0]["minimum"] == 2
+    assert data["recommended"]["tp"] == 2 and data["fit"][0]["minimum"] == 2
 
 
 @pytest.mark.parametrize("args, text", [
@@ -200,7 +200,7 @@ def test_long_context_with_the_opt_in():
              "--param", "allow_long_context=1", "--json")
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    rec = data["candidates"][data["recommended"]]
+    rec = data["recommended"]
     # tp=4: 200,000 tokens x 81,920 B = 16,384,000,000 B <= the 20 GiB pool; capacity 16 x floor(20 GiB /
     # (16 x 81,920)) = 262,144 tokens, reported up to the 200,000 asked for
     assert rec["tp"] == 4 and rec["kv_demand_bytes"] == 200_000 * 81_920 and rec["kv"]["max_model_len"] == 200_000

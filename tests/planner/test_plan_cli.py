@@ -111,7 +111,7 @@ def test_no_alternative_when_more_gpus_are_slower(demo: Path):
     data = json.loads(r.stdout)
     by_tp = {c["tp"]: c for c in data["candidates"] if c["pp"] == 1 and c["dtype"] == "bf16"
              and c["status"] != "infeasible"}
-    assert sorted(by_tp) == [1, 3] and data["candidates"][data["recommended"]]["tp"] == 1
+    assert sorted(by_tp) == [1, 3] and data["recommended"]["tp"] == 1
     # tp=1, batch 1: every weight is read once (tied embeddings serve as lm_head): 134,515,008 params x 2 B
     # = 269,030,016 B at 864 GB/s x hbm_efficiency, plus the KV of 2,048 tokens x (2 x 30 layers x 3 KV
     # heads x 64 x 2 B = 23,040 B) = 47,185,920 B at 864 GB/s x kv_hbm_efficiency (compute ~2 us hides
@@ -136,7 +136,7 @@ def test_no_alternative_when_more_gpus_are_slower(demo: Path):
 def test_alternative_is_named_when_faster():
     r = plan("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16", "--json")
     data = json.loads(r.stdout)
-    rec, alt = data["candidates"][data["recommended"]], data["candidates"][data["alternative"]]
+    rec, alt = data["recommended"], data["alternative"]
     assert (rec["tp"], alt["tp"]) == (4, 8) and alt["speed"]["tpot1_s"] < rec["speed"]["tpot1_s"]
     r = plan("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16")
     got = line(r, "fastest alternative")
@@ -193,7 +193,7 @@ def test_utilization_095_recommends_tp2_at_32k():
     """vLLM at 0.95 starts tp=2: the context and graphs fit the 5% headroom, though the card is above 95%."""
     r = plan(*L70_32K, "--gpu-memory-utilization", "0.95", "--json")
     data = json.loads(r.stdout)
-    rec = data["candidates"][data["recommended"]]
+    rec = data["recommended"]
     assert (rec["tp"], rec["pp"], rec["dtype"]) == (2, 1, "bf16")
     # budget 84,987,740,160 x 0.95 = 80,738,353,152 B; the pool = 80,738,353,152 - 70,555,025,408 weights
     # - 402,653,184 (activations + NCCL) = 9,780,674,560 B (below the 20 GiB cap: memory sets it)

@@ -290,7 +290,7 @@ def test_cli_table_explain_and_json():
         assert text in r.stdout, text
     r = _run("--model", "llama-3.3-70b", "--gpu", "h100-sxm", "--json")
     data = json.loads(r.stdout)
-    rec = data["candidates"][data["recommended"]]
+    rec = data["recommended"]
     assert rec["status"] == "ok" and rec["speed"]["tpot_s"] <= 0.025
     assert plan_from_dict(data["plan"]).tp == rec["tp"]
 
@@ -551,7 +551,7 @@ def test_cli_mla_writes_a_plan(tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert "advisory" not in data and data["plan"] is not None and data["objective"] == "fit"
-    assert data["candidates"][data["recommended"]]["kv"]["bytes_per_token"] == 1280
+    assert data["recommended"]["kv"]["bytes_per_token"] == 1280
     out = tmp_path / "p.yaml"
     r = _run("--model", str(cfg), "--gpu", "l40s", "--dtype", "bf16", "--out", str(out))
     assert r.exit_code == 0, r.output
@@ -568,9 +568,8 @@ def test_objectives_pick_differently_and_json_says_which():
     assert lat.recommended.speed.tpot1_s == min(c.speed.tpot1_s for c in lat.fitting() if not c.skipped)
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16", "--json")
     data = json.loads(r.stdout)
-    cands = data["candidates"]
-    assert data["objective"] == "fit" and cands[data["recommended"]]["tp"] == 4
-    assert cands[data["alternative"]]["tp"] == 8 and data["fit"][0]["minimum"] == 3
+    assert data["objective"] == "fit" and data["recommended"]["tp"] == 4
+    assert data["alternative"]["tp"] == 8 and data["fit"][0]["minimum"] == 3
     r = _run("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16", "--explain")
     # (131.42 GiB weights + 40.00 GiB demand) / 70.86 GiB room = 2.42 -> 3
     assert "Choice (objective fit" in r.stdout and "minimum = ceil(171.42 / 70.86) = 3 GPUs" in r.stdout
@@ -587,11 +586,11 @@ def test_no_default_target_exit_405b_h200_16_per_node():
     assert "--target-tpot-ms" in r.stdout and "`" not in r.stdout  # fields shown as this command's flags
     r = _run(*args, "--objective", "cost", "--json")  # tp=16 meets 25 ms: the cheapest that does
     data = json.loads(r.stdout)
-    assert r.exit_code == 0 and data["candidates"][data["recommended"]]["tp"] == 16 and not data["warnings"]
+    assert r.exit_code == 0 and data["recommended"]["tp"] == 16 and not data["warnings"]
     r = _run(*args, "--objective", "cost", "--json", "--param", "layer_overhead_us=100")  # slower kernels
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
-    assert data["candidates"][data["recommended"]]["tp"] == 16  # the fastest that fits
+    assert data["recommended"]["tp"] == 16  # the fastest that fits
     assert "recommending the fastest that fits" in data["warnings"][0]
     assert r.stderr.startswith("warning: no candidate meets the default 25 ms")
     r = _run(*args, "--target-tpot-ms", "25", "--param", "layer_overhead_us=100")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
+import shlex
 
 import pytest
 import yaml
@@ -21,6 +21,7 @@ from shardc.planner.search import search
 
 L8 = ("--model", "llama-3.1-8b", "--gpu", "h100-sxm")
 WORKLOAD = ("--isl", "1536", "--osl", "1024", "--max-model-len", "2560")
+IMAGE = "registry.example.com/shardc-vllm:0.1"  # the pod's image: it holds shardc and vLLM
 
 
 L70 = load_model("llama-3.3-70b")
@@ -89,7 +90,7 @@ def test_json_carries_the_serving_figures_of_every_candidate():
         # tokens/s per GPU = requests/s x osl / GPUs, and $/Mtok follows the served tokens
         assert c["tokens_per_s_per_gpu"] == pytest.approx(c["requests_per_s"] * 1024 / c["gpus"])
         assert c["cost"]["dollars_per_mtok"] == pytest.approx(2.80 * 1e6 / (c["tokens_per_s_per_gpu"] * 3600))
-    rec = data["candidates"][data["recommended"]]
+    rec = data["recommended"]
     assert rec["tpot_ms"] <= 25 and rec["serving"]["isl"] == 1536
 
 
@@ -136,22 +137,35 @@ def test_plot_renders_the_front_and_the_pick(tmp_path):
 def test_emit_vllm_and_k8s_agree_with_the_plan(tmp_path):
     r = _run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--emit", "vllm")
     assert r.exit_code == 0, r.output
-    cmd = r.stdout.strip()
-    assert cmd.startswith("vllm serve meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 2 "
-                          "--pipeline-parallel-size 1 --max-model-len 2560 ")
-    assert "--quantization fp8" in cmd and "--gpu-memory-utilization 0.9" in cmd
-    seqs = int(re.search(r"--max-num-seqs (\d+)", cmd).group(1))
+    lines = r.stdout.strip().splitlines()
+    # one option per line, each line but the last continued with a backslash, as sh reads it
+    assert lines[0] == "vllm serve meta-llama/Llama-3.1-8B-Instruct \\"
+    assert all(x.endswith(" \\") for x in lines[:-1]) and all(x.startswith("    --") for x in lines[1:])
+    cmd = r.stdout.replace("\\\n", "")
+    assert cmd.split()[:5] == ["vllm", "serve", "meta-llama/Llama-3.1-8B-Instruct", "--tensor-parallel-size", "2"]
+    argv = shlex.split(cmd)
+    assert argv[argv.index("--quantization") + 1] == "fp8" and argv[argv.index("--gpu-memory-utilization") + 1] == "0.9"
+    seqs = int(argv[argv.index("--max-num-seqs") + 1])
     data = json.loads(_run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--json").stdout)
-    assert seqs == data["candidates"][data["recommended"]]["concurrency"]
+    rec = data["recommended"]
+    # no concurrency or TPOT target given: what the KV pool holds at the average context
+    assert seqs == max(rec["concurrency"], rec["kv"]["sequences"])
     pod_file = tmp_path / "pod.yaml"
-    r = _run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--emit", "k8s", "--manifest-uri", "s3://b/m.json")
+    r = _run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--emit", "k8s", "--manifest-uri", "s3://b/m.json",
+             "--image", IMAGE)
     assert r.exit_code == 0, r.output
     pod_file.write_text(r.stdout)
     pod = yaml.safe_load(r.stdout)
     (ct,) = pod["spec"]["containers"]
-    assert ct["resources"]["limits"]["nvidia.com/gpu"] == 2 and ct["args"][0] == "meta-llama/Llama-3.1-8B-Instruct"
+    # the verified build is what vLLM serves, at tp=2 too: the shardc load format, no --quantization
+    # (the fp8 build's config.json says how it is quantized)
+    name = pod["metadata"]["name"]
+    assert ct["resources"]["limits"]["nvidia.com/gpu"] == 2 and ct["args"][:3] == [f"/models/{name}", "--load-format",
+                                                                                   "shardc"]
+    assert "--quantization" not in ct["args"] and ct["args"][ct["args"].index("--dtype") + 1] == "bfloat16"
+    assert ct["image"] == pod["spec"]["initContainers"][0]["image"] == IMAGE
     init = pod["spec"]["initContainers"][0]["command"][-1]
-    assert "shardc pull --manifest s3://b/m.json --rank 0 --rank 1" in init and "shardc verify" in init
+    assert f"shardc pull --manifest s3://b/m.json --all --dest /models/{name}" in init and "shardc verify" in init
     assert "--device cuda" in init
     assert pod["spec"]["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "4Gi"}
     r = _run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--check", str(pod_file))
@@ -161,13 +175,26 @@ def test_emit_vllm_and_k8s_agree_with_the_plan(tmp_path):
     assert r.exit_code == 1, r.output
     lines = r.stdout.strip().splitlines()
     assert any("--tensor-parallel-size: the deployment has 2, the plan 4" in x for x in lines)
-    assert any("--quantization: the deployment has fp8, the plan none" in x for x in lines)
     assert any("nvidia.com/gpu: the deployment requests 2, the plan needs 4" in x for x in lines)
-    # one GPU: the verified tp=1 build is the checkpoint vLLM serves
-    r = _run(*L8, *WORKLOAD, "--dtype", "bf16", "--tp", "1", "--emit", "k8s", "--manifest-uri", "s3://b/m.json")
+    # a --quantization beside the shardc load format contradicts the build's config.json: caught
+    bad = yaml.safe_load(pod_file.read_text())
+    bad["spec"]["containers"][0]["args"] += ["--quantization", "fp8"]
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(bad))
+    r = _run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--check", str(tmp_path / "bad.yaml"))
+    assert r.exit_code == 1 and "--quantization: the deployment has fp8, the build's config.json says" in r.stdout
+    # the source's vllm serve line, checked: its online --quantization fp8 is what the plan asks
+    (tmp_path / "line.yaml").write_text(yaml.safe_dump(cmd))
+    r = _run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--check", str(tmp_path / "line.yaml"))
+    assert r.exit_code == 0 and "agrees with the plan" in r.stdout, r.output
+    # one GPU: the same
+    r = _run(*L8, *WORKLOAD, "--dtype", "bf16", "--tp", "1", "--emit", "k8s", "--manifest-uri", "s3://b/m.json",
+             "--image", IMAGE)
     one = yaml.safe_load(r.stdout)
     assert one["spec"]["containers"][0]["args"][0] == one["spec"]["containers"][0]["env"][0]["value"] \
         == "/models/" + one["metadata"]["name"]
+    # no image: one line naming --image, nothing printed
+    r = _run(*L8, *WORKLOAD, "--dtype", "bf16", "--tp", "1", "--emit", "k8s")
+    assert r.exit_code == 2 and r.stderr.startswith("error: --image:") and not r.stdout
     r = _run(*L8, *WORKLOAD, "--check", str(tmp_path / "missing.yaml"))
     assert r.exit_code == 2 and r.stderr.startswith("error: --check: cannot read")
     args_file = tmp_path / "args.yaml"  # bare vLLM arguments
@@ -176,12 +203,26 @@ def test_emit_vllm_and_k8s_agree_with_the_plan(tmp_path):
     assert r.exit_code == 1 and "--max-model-len: the deployment asks 99999" in r.stdout
 
 
+def test_max_num_seqs_is_the_concurrency_a_target_holds():
+    """With a TPOT target (or a concurrency) the figures are at the plan's concurrency, and vLLM is
+    held to it; a 70B fp8 on one H100 under the default target gets what its KV pool holds, not 1."""
+    argv = shlex.split(_run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--target-tpot-ms", "20",
+                            "--emit", "vllm").stdout.replace("\\\n", ""))
+    data = json.loads(_run(*L8, *WORKLOAD, "--dtype", "fp8", "--tp", "2", "--target-tpot-ms", "20", "--json").stdout)
+    assert int(argv[argv.index("--max-num-seqs") + 1]) == data["recommended"]["concurrency"]
+    seventy = ("--model", "llama-3.3-70b", "--gpu", "h100-sxm", "--dtype", "fp8", "--max-model-len", "8192")
+    data = json.loads(_run(*seventy, "--json").stdout)
+    argv = shlex.split(_run(*seventy, "--emit", "vllm").stdout.replace("\\\n", ""))
+    assert data["recommended"]["tp"] == 1 and data["recommended"]["concurrency"] == 1
+    assert int(argv[argv.index("--max-num-seqs") + 1]) == data["recommended"]["kv"]["sequences"] > 1
+
+
 def test_emit_for_an_expert_parallel_pick():
     r = _run("--model", "mixtral-8x7b", "--gpu", "a100-40gb", "--dtype", "bf16", "--emit", "vllm")
     assert r.exit_code == 0, r.output
-    assert "--tensor-parallel-size 1 --data-parallel-size 4 --enable-expert-parallel" in r.stdout
+    assert "--tensor-parallel-size 1 \\\n    --data-parallel-size 4 \\\n    --enable-expert-parallel" in r.stdout
     pod = yaml.safe_load(_run("--model", "mixtral-8x7b", "--gpu", "a100-40gb", "--dtype", "bf16",
-                              "--emit", "k8s").stdout)
+                              "--emit", "k8s", "--image", IMAGE).stdout)
     assert pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4  # tp 1 x pp 1 x dp 4
 
 

@@ -315,11 +315,17 @@ def test_help_does_not_import_torch():
 
 @pytest.mark.heavy
 def test_cli_run_demo(demo):
+    t0 = time.perf_counter()
     p = _shardc("run", "--manifest", str(demo["tp3pp2"].manifest_path), "--prompt",
                 "The capital of France is", "--max-new-tokens", "6", "--json")
+    took = time.perf_counter() - t0
     assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)["outputs"][0]
+    data = json.loads(p.stdout)
+    out = data["outputs"][0]
     assert "Paris" in out["text"] and len(out["tokens"]) <= 6
+    # the wall time a user waits, not only the generation: rank start-up and loads inside it
+    assert data["seconds"] + data["load_seconds"] <= data["wall_seconds"] <= took
+    assert 0 <= data["first_token_seconds"] <= data["seconds"]
     p = _shardc("run", "--manifest", str(demo["tp1pp1"].manifest_path), "--prompt-ids", "1,x")
     assert p.returncode == 2 and "comma-separated" in p.stderr
 

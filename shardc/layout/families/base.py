@@ -198,10 +198,13 @@ class Forward:
 @dataclass(frozen=True)
 class Preset:
     """A published model's config.json, so plans validate and plan offline; ``repos``: the hub
-    repositories whose config it is (the first is where ``shardc build`` fetches the weights)."""
+    repositories whose config it is (the first is where ``shardc build`` fetches the weights);
+    ``quantization``: its ``quantization_config``, verbatim, when published quantized (layout/model.py
+    PRESETS adds it: the planner sizes that stored form, ``dtype: source``, first)."""
 
     config: dict[str, Any]
     repos: tuple[str, ...] = ()
+    quantization: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def forward(m: ModelShape) -> Forward:
     return Forward(activation=o["activation"], moe=moe, mla=mla(m), attn_scale=softmax_scale(m), yarn=True)
 
 
-DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its fp8 quantization_config and auto_map
+DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its auto_map and quantization_config (below)
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "attention_bias": False,
     "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1,
     "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
@@ -210,10 +210,14 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its fp8 quantizatio
     "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
 }
 
+# The published checkpoint's quantization_config (block FP8, 128 x 128 scales), as deepseek-ai/DeepSeek-V3's
+# README_WEIGHTS.md ("FP8 Weight Documentation") states it.
+DEEPSEEK_V3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
 FAMILY = Family(
     name="deepseek_v3",
     architectures=("DeepseekV3ForCausalLM",),
     model_types={"DeepseekV3ForCausalLM": "deepseek_v3"},
     read=read, tensors=tensors, forward=forward, unused=unused,
-    presets={"deepseek-v3": Preset(DEEPSEEK_V3, ("deepseek-ai/DeepSeek-V3",))},
+    presets={"deepseek-v3": Preset(DEEPSEEK_V3, ("deepseek-ai/DeepSeek-V3",), quantization=DEEPSEEK_V3_FP8)},
 )

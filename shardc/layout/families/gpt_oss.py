@@ -107,8 +107,7 @@ def forward(m: ModelShape) -> Forward:
 
 
 def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
-    """A published gpt-oss config.json (openai/gpt-oss-*), its MXFP4 quantization_config left out:
-    the planner sizes the bf16 form shardc builds."""
+    """A published gpt-oss config.json (openai/gpt-oss-*), less its quantization_config (MXFP4)."""
     return {
         "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
         "intermediate_size": 2880, "num_hidden_layers": layers, "num_attention_heads": 64,
@@ -123,11 +122,16 @@ def _gpt_oss(layers: int, experts: int) -> dict[str, Any]:
     }
 
 
+# The published checkpoints' quantization_config: the routed experts in MXFP4, the rest bf16; as
+# transformers' models/gpt_oss/convert_gpt_oss_weights_to_hf.py writes it into the hub's config.json.
+GPT_OSS_MXFP4 = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                            "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"}
+
 FAMILY = Family(
     name="gpt_oss",
     architectures=("GptOssForCausalLM",),
     model_types={"GptOssForCausalLM": "gpt_oss"},
     read=read, tensors=tensors, forward=forward, rope=rope,
-    presets={"gpt-oss-120b": Preset(_gpt_oss(36, 128), ("openai/gpt-oss-120b",)),
-             "gpt-oss-20b": Preset(_gpt_oss(24, 32), ("openai/gpt-oss-20b",))},
+    presets={"gpt-oss-120b": Preset(_gpt_oss(36, 128), ("openai/gpt-oss-120b",), quantization=GPT_OSS_MXFP4),
+             "gpt-oss-20b": Preset(_gpt_oss(24, 32), ("openai/gpt-oss-20b",), quantization=GPT_OSS_MXFP4)},
 )

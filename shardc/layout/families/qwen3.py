@@ -48,6 +48,10 @@ def _qwen3(hidden: int, inter: int, layers: int, heads: int, kv: int, tied: bool
     }
 
 
+# Qwen's dense FP8 releases (Qwen/Qwen3-8B-FP8, Qwen3-32B-FP8): the 16-bit release's config.json plus
+# this quantization_config (block FP8 with 128 x 128 scales, no modules left out).
+QWEN3_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
 FAMILY = Family(
     name="qwen3",
     architectures=("Qwen3ForCausalLM",),
@@ -56,5 +60,8 @@ FAMILY = Family(
     presets={
         "qwen3-8b": Preset(_qwen3(4096, 12288, 36, 32, 8, False), ("Qwen/Qwen3-8B",)),
         "qwen3-32b": Preset(_qwen3(5120, 25600, 64, 64, 8, False), ("Qwen/Qwen3-32B",)),
+        "qwen3-8b-fp8": Preset(_qwen3(4096, 12288, 36, 32, 8, False), ("Qwen/Qwen3-8B-FP8",), quantization=QWEN3_FP8),
+        "qwen3-32b-fp8": Preset(_qwen3(5120, 25600, 64, 64, 8, False), ("Qwen/Qwen3-32B-FP8",),
+                                quantization=QWEN3_FP8),
     },
 )
