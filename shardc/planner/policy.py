@@ -155,9 +155,10 @@ def recommend(s: Search) -> None:
         return
     if not rec.meets_target and not s.warnings:
         s.warnings.append(
-            f"{rec.label} misses the default {DEFAULT_TPOT_MS:g} ms TPOT target ({rec.speed.tpot1_s * 1e3:.1f} ms "
-            f"at batch 1, costed at batch 1); recommended anyway as {OBJECTIVE_WORDS[s.objective]}, since no "
-            "`target_tpot_ms` was given")
+            f"{rec.label} misses the default {DEFAULT_TPOT_MS:g} ms TPOT target ({rec.speed.tpot_s * 1e3:.1f} ms "
+            f"at concurrency {rec.speed.batch}, the figures' concurrency"
+            + (f"; {rec.speed.tpot1_s * 1e3:.1f} ms at batch 1" if rec.speed.batch > 1 else "")
+            + f"); recommended anyway as {OBJECTIVE_WORDS[s.objective]}, since no `target_tpot_ms` was given")
     cards, tpot1 = rec.gpus, rec.speed.tpot1_s
     s.alternative = _fastest([c for c in fitting if c.pp == 1 and c.dtype == rec.dtype and c.tp > cards
                               and c.speed.tpot1_s < tpot1])  # more GPUs are only worth naming when faster

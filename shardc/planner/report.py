@@ -78,6 +78,13 @@ def header(s: Search) -> list[str]:
     return out
 
 
+def served_len(c: Candidate) -> int:
+    """The longest request the unit serves: what its KV pool holds, at most the length asked for
+    (the max model length its launch gets, planner/deploy.py)."""
+    assert c.kv is not None
+    return min(c.kv.max_model_len, c.kv.request_len)
+
+
 def table(s: Search) -> list[str]:
     """Fitting candidates by cost, then why the others are out."""
     rows = [c for c in s.candidates if c.fits and not c.skipped]
@@ -93,8 +100,8 @@ def table(s: Search) -> list[str]:
         assert c.memory and c.kv and c.speed and c.cost
         cells.append([f"{c.gpus}", f"{c.memory.weights / GIB:.2f} GiB",
                       f"{c.kv.demand_bytes / GIB:.2f}/{c.kv.budget / GIB:<6.2f}", f"{c.kv.bytes_per_token:,}",
-                      f"{c.kv.max_model_len:,}", f"{c.kv.sequences:,}", f"{c.speed.batch:,}",
-                      f"{c.speed.ttft_s * 1e3:.0f}ms", f"{c.speed.tpot_s * 1e3:.1f}ms",
+                      f"{served_len(c):,}", f"{c.kv.sequences:,}", f"{c.speed.batch:,}",
+                      f"{c.speed.ttft_s * 1e3:.0f}ms", f"{c.speed.tpot_s * 1e3:.1f}ms" + ("" if c.meets_target else "!"),
                       f"{c.speed.tokens_per_s_per_gpu:,.0f}", f"{c.cost.dollars_per_mtok:.2f}"])
     widths = [max([w] + [len(row[i]) + 1 for row in cells]) for i, (_, w) in enumerate(cols)]
     out.append(f"  {'candidate':<17}" + "".join(f"{h:>{w}}" for (h, _), w in zip(cols, widths, strict=True)) + "  memory per GPU")
@@ -106,7 +113,9 @@ def table(s: Search) -> list[str]:
     out += ["  KV need/pool: the demand's KV per GPU / the pool the unit allocates (vLLM's budget, at most "
             "the cap); conc: requests in flight; TTFT/TPOT/tok/s with prefill interleaved (isl "
             f"{s.workload.prompt:,}, osl {s.workload.output:,})", "  " + BAR_LEGEND,
-            "  * recommended   + fastest alternative   ! misses the TPOT target (shown at batch 1)"]
+            "  * recommended   + fastest alternative   ! misses the TPOT target: the row, and its TPOT at the "
+            "concurrency shown (1 when a single request misses it" + (", else the `concurrency` asked for)"
+                                                                     if s.workload.concurrency else ")")]
     if any(c.ep > 1 for c in s.candidates):
         out.append("  ep=N dp=N: expert parallel on N GPUs (plan: dp_degree N, tp_degree 1, expert_parallel): each "
                    "holds the non-expert weights whole and 1/N of the experts, and the KV of 1/N of the requests")
@@ -131,7 +140,9 @@ def summary(s: Search) -> list[str]:
             f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica "
             f"({c.speed.tokens_per_s_per_gpu:,.0f} per GPU, {c.speed.requests_per_s:.2f} requests/s) at "
             f"{c.speed.tpot_s * 1e3:.1f} ms TPOT, {c.speed.ttft_s * 1e3:.0f} ms TTFT (concurrency {c.speed.batch}), "
-            f"${c.cost.dollars_per_mtok:.2f} per million output tokens, max model length {c.kv.max_model_len:,}")
+            f"${c.cost.dollars_per_mtok:.2f} per million output tokens, max model length {served_len(c):,}"
+            + (f" (the length asked for; its KV pool holds {c.kv.max_model_len:,} tokens)"
+               if c.kv.max_model_len > served_len(c) else ""))
     out = [line]
     a = s.alternative
     if a is not None and a.speed and a.cost:

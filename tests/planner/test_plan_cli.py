@@ -212,7 +212,8 @@ def test_utilization_095_recommends_tp2_at_32k():
     assert data["fit"][0]["room"] == pytest.approx(80_335_699_968) and data["fit"][0]["minimum"] == 2
     r = plan(*L70_32K, "--gpu-memory-utilization", "0.95")
     assert line(r, "recommended").startswith("recommended (fit): tp=2 pp=1 bf16 on 2 GPUs: ")
-    assert line(r, "recommended").endswith("max model length 59,696")
+    assert line(r, "recommended").endswith("max model length 32,768 (the length asked for; its KV pool holds "
+                                           "59,696 tokens)")
 
 
 def test_utilization_that_leaves_no_room_for_the_context_is_one_line():
