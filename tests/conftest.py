@@ -17,6 +17,10 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under pytest-xdist (`make test`) each worker gets a temp directory of its own, inherited by
     the processes its tests start: the other worker's scratch files (a gate's logits, a job's
     directory) never appear where a test looks for what it left behind."""
+    # Commands' stderr is checked line for line (one error line, or nothing); a build that runs
+    # longer than the progress interval on a loaded runner would log progress lines beside it. The
+    # suite's processes log progress once an hour; tests/cli/test_progress_log.py sets its own.
+    os.environ.setdefault("SHARDC_PROGRESS_EVERY", "3600")
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker:
         import tempfile

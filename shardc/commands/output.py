@@ -10,7 +10,6 @@ names a field (``rank``, ``tp_rank``, the planner's ``block_size``); it never na
 from __future__ import annotations
 
 import json
-import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -118,8 +117,9 @@ def echo_json(obj: Any) -> None:
 
 
 def show_progress(quiet: bool) -> bool:
-    """Progress bars only on a TTY, and never with --quiet."""
-    return not quiet and sys.stderr.isatty()
+    """Progress unless --quiet: a bar on a terminal, a line every few seconds in a log
+    (shardc/progress.py)."""
+    return not quiet
 
 
 def summary_lines(summary: dict[str, Any], state: str, out_dir: Any) -> list[str]:

@@ -198,10 +198,9 @@ def _prepare_output(run: BuildRun) -> None:
     check_space(run.out, run.layout, replacing=run.commit.replacing)
     _remove_leftovers(run.out)
     if run.progress:
-        from tqdm import tqdm
+        from ..progress import bar
 
-        run.bar = tqdm(total=sum(rl.nbytes for rl in run.layout.ranks), unit="B", unit_scale=True,
-                       unit_divisor=1024, desc=f"build {run.plan.name}")
+        run.bar = bar(sum(rl.nbytes for rl in run.layout.ranks), f"build {run.plan.name}", leave=True)
 
 
 def _remove_leftovers(out: Path) -> None:

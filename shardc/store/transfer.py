@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -54,10 +53,9 @@ def strip_compressed(manifest: Manifest) -> Manifest:
 
 
 def progress_bar(progress: bool, desc: str, total: int) -> Any:
-    from tqdm import tqdm
+    from ..progress import bar
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                disable=not progress, file=sys.stderr, leave=False)
+    return bar(total, desc, enabled=progress)
 
 
 def os_errors(fn: Callable[..., T]) -> Callable[..., T]:
