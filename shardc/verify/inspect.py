@@ -30,6 +30,11 @@ class Description:
     tensors: tuple[dict[str, Any], ...]
     experts: dict[str, list[int]] | None = optional()  # kind MANIFEST only
     metadata: dict[str, str] | None = optional()  # kind SHARD only
+    # kind MANIFEST only, the build as data (what `lines` says in words): the plan, its degrees and
+    # dtypes, every shard, and what the directory loads as
+    plan: dict[str, Any] | None = optional()
+    shards: list[dict[str, Any]] | None = optional()
+    loads_as: dict[str, Any] | None = optional()
 
 
 def describe(path: Path) -> Description:
@@ -57,7 +62,7 @@ def describe(path: Path) -> Description:
     if lay.dtype in stored:
         lines.append(f"quantized  {lay.dtype} weight-only per channel, compressed-tensors "
                      f"{stored[lay.dtype]}")
-    hf = _hf_line(m)
+    hf, problem = _hf_line(m)
     if hf is not None:
         lines.append(hf)
     tensors = []
@@ -68,30 +73,57 @@ def describe(path: Path) -> Description:
                      + (f"  experts {_ranges(s.experts)}" if s.experts else ""))
         for name, t in s.tensors.items():
             tensors.append({"file": s.file, "name": name, **t})
+    plan = {"name": m.name, "sha256": m.plan_sha256, "effective_sha256": m.effective_sha256,
+            "tp": lay.tp_degree, "pp": lay.pp_degree, "dp": lay.dp_degree,
+            "expert_parallel": bool(m.plan["replica_group"].get("expert_parallel", False)),
+            "dtype": lay.dtype, "base_dtype": lay.base_dtype, "stages": [list(x) for x in lay.stages],
+            "architecture": model["architecture"], "source": m.source.uri}
+    shards = [{"file": s.file, "rank": s.rank, "tp_rank": s.tp_rank, "pp_stage": s.pp_stage, "dp_rank": s.dp_rank,
+               "layers": list(s.layers), "size": s.size, "sha256": s.sha256, "tensors": len(s.tensors),
+               "experts": list(s.experts), "chunk_digest": s.chunk_digest if s.chunk_size else None}
+              for s in m.shards]
+    loads_as = {"hf_checkpoint": problem is None, "hf_checkpoint_why_not": problem, **_vllm(m)}
     return Description(Described.MANIFEST, tuple(lines), tuple(tensors),
-                       experts={s.file: list(s.experts) for s in m.shards if s.experts})
+                       experts={s.file: list(s.experts) for s in m.shards if s.experts},
+                       plan=plan, shards=shards, loads_as=loads_as)
 
 
-def _hf_line(m: Manifest) -> str | None:
+def _hf_line(m: Manifest) -> tuple[str | None, str | None]:
     """Whether the directory loads as an HF checkpoint, by the rule the index writer follows
     (``hf_checkpoint_problem`` on the Layout recomputed from the manifest), not by the index's
     presence alone: an older shardc wrote one for stacked experts over DP ranks, which
-    transformers refuses. Nothing for a tp > 1 build without an index (no one expects one)."""
+    transformers refuses. The line (none for a tp > 1 build without an index: no one expects
+    one) and why the directory is not a checkpoint (None: it is)."""
     from ..compiler.outputs import INDEX, hf_checkpoint_problem
 
     listed = m.file(INDEX) is not None
-    if not listed and m.layout.tp_degree != 1:
-        return None
     try:
         problem = hf_checkpoint_problem(m.to_layout())
     except ShardcError as exc:  # a manifest whose plan or config no longer lays out
         problem = f"its layout cannot be recomputed ({exc.message})"
+    if problem is None and not listed:
+        problem = "no model.safetensors.index.json listed (an older shardc, or edited)"
+    if not listed and m.layout.tp_degree != 1:
+        return None, problem
     if problem is None:
-        return (f"hf index   {INDEX} (the directory loads as an HF checkpoint)" if listed else
-                "hf index   none listed, though this build should have one (an older shardc, or edited)")
+        return f"hf index   {INDEX} (the directory loads as an HF checkpoint)", None
+    if not listed and "no model.safetensors.index.json" in problem:
+        return "hf index   none listed, though this build should have one (an older shardc, or edited)", problem
     if listed:
-        return f"hf index   {INDEX} is listed, but the directory is not an HF checkpoint: {problem}"
-    return f"hf index   none: the directory is not an HF checkpoint ({problem}); shardc export makes one"
+        return f"hf index   {INDEX} is listed, but the directory is not an HF checkpoint: {problem}", problem
+    return f"hf index   none: the directory is not an HF checkpoint ({problem}); shardc export makes one", problem
+
+
+def _vllm(m: Manifest) -> dict[str, Any]:
+    """Whether vLLM's `--load-format shardc` (shardc/serving/) takes the build: every family but
+    one whose experts are stacked (gpt-oss: vLLM reorders them in its own loader)."""
+    try:
+        moe = m.to_layout().model.forward.moe
+    except ShardcError as exc:
+        return {"vllm_load_format": None, "vllm_why_not": f"its layout cannot be recomputed ({exc.message})"}
+    if moe is not None and not moe.expert:
+        return {"vllm_load_format": None, "vllm_why_not": "its experts are stacked, which vLLM reorders as it loads"}
+    return {"vllm_load_format": "shardc", "vllm_why_not": None}
 
 
 def _ranges(ids: tuple[int, ...]) -> str:
