@@ -12,6 +12,7 @@ Returns the bytes (SVG with text kept as text, or PNG); the CLI writes them atom
 from __future__ import annotations
 
 import io
+from typing import Any
 
 from ..errors import PlanError
 from .gpus import GIB
@@ -36,10 +37,28 @@ def _points(c: Candidate) -> list[tuple[float, float, str]]:
     return [(v.tpot_s * 1e3, v.tokens_per_s_per_gpu, c.label) for v in curve]
 
 
-def render(s: Search, fmt: str) -> bytes:
-    """The picture as ``fmt`` (svg or png) bytes; PlanError when matplotlib is missing or nothing fits."""
-    if fmt not in FORMATS:
-        raise PlanError(f"unknown picture format {fmt!r}", key="plot", hint="name the file .svg or .png")
+# where a tag may sit around its point (offset in points, horizontal alignment), tried in order
+_SPOTS = ((8, 8, "left"), (8, -16, "left"), (-8, 8, "right"), (-8, -16, "right"), (8, 22, "left"),
+          (8, -30, "left"), (-8, 22, "right"), (-8, -30, "right"), (8, 36, "left"), (8, -44, "left"))
+
+
+def _place(ax: Any, renderer: Any, placed: list[Any], text: str, xy: tuple[float, float], color: str) -> None:
+    """Annotate ``xy`` with ``text`` at the first spot whose box overlaps no label already placed
+    (nor leaves the axes); the last spot when none is free. Its box joins ``placed``."""
+    frame = ax.get_window_extent(renderer)
+    for dx, dy, ha in _SPOTS:
+        t = ax.annotate(text, xy, textcoords="offset points", xytext=(dx, dy), ha=ha, color=color)
+        box = t.get_window_extent(renderer)
+        inside = frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+        if inside and not any(box.overlaps(b) for b in placed):
+            break
+        if (dx, dy, ha) != _SPOTS[-1]:
+            t.remove()
+    placed.append(box)
+
+
+def figure(s: Search) -> Any:
+    """The picture as a matplotlib figure; PlanError when matplotlib is missing or nothing fits."""
     try:
         import matplotlib
 
@@ -74,18 +93,19 @@ def render(s: Search, fmt: str) -> bytes:
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks([t for t in (5, 10, 15, 20, 30, 50, 75, 100, 150, 200, 300, 500)
                    if min(p[0] for p in everything) * 0.8 <= t <= max(p[0] for p in everything) * 1.25])
-    for c, tag, color in ((s.alternative, "fastest alternative", "#e6550d"), (s.recommended, "recommended", "#31a354")):
-        if c is None or c.speed is None:
-            continue
-        x, y = c.speed.tpot_s * 1e3, c.speed.tokens_per_s_per_gpu
-        ax.scatter([x], [y], color=color, s=90, zorder=4)
-        ax.annotate(f"{tag}: {c.label}", (x, y), textcoords="offset points", xytext=(8, 8), color=color)
-    ax.axvline(s.workload.target_ms, color="#999999", linestyle="--", linewidth=1)
+    ax.axvline(s.workload.target_ms, color="#999999", linestyle="--", linewidth=1, label="TPOT target")
+    picks = [(c, tag, color) for c, tag, color in ((s.recommended, "recommended", "#31a354"),
+                                                   (s.alternative, "fastest alternative", "#e6550d"))
+             if c is not None and c.speed is not None]
+    for c, _, color in picks:
+        assert c.speed is not None
+        ax.scatter([c.speed.tpot_s * 1e3], [c.speed.tokens_per_s_per_gpu], color=color, s=90, zorder=4)
     ax.set_xlabel("TPOT (ms per output token, prefill interleaved)")
     ax.set_ylabel("output tokens/s per GPU")
     ax.set_title(f"{s.model_name} on {s.cluster.gpu.name}: isl {s.workload.prompt:,}, osl {s.workload.output:,}",
                  parse_math=False)  # the model's name is text: a '$' in it is not mathtext (#41)
-    ax.legend(loc="best")
+    # below the axes, where no curve, point or tag can be under it
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize="small", frameon=False)
     ax.grid(alpha=0.3)
     shown = sorted(cands, key=lambda c: (c is not s.recommended, c.gpus, c.label))[:16]
     labels = [c.label for c in shown]
@@ -107,6 +127,23 @@ def render(s: Search, fmt: str) -> bytes:
     bars.set_title("memory per GPU")
     bars.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
+    # the tags last, once the layout is final: each where its box overlaps no other label
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    placed = [t.get_window_extent(renderer) for t in ax.texts]  # the front's names
+    for c, tag, color in picks:
+        assert c.speed is not None
+        _place(ax, renderer, placed, f"{tag}: {c.label}", (c.speed.tpot_s * 1e3, c.speed.tokens_per_s_per_gpu), color)
+    return fig
+
+
+def render(s: Search, fmt: str) -> bytes:
+    """The picture as ``fmt`` (svg or png) bytes; PlanError when matplotlib is missing or nothing fits."""
+    if fmt not in FORMATS:
+        raise PlanError(f"unknown picture format {fmt!r}", key="plot", hint="name the file .svg or .png")
+    import matplotlib.pyplot as plt
+
+    fig = figure(s)
     out = io.BytesIO()
     fig.savefig(out, format=fmt, metadata={"Date": None} if fmt == "svg" else None)
     plt.close(fig)

@@ -259,3 +259,44 @@ def test_a_quantized_checkpoint_is_planned_at_its_stored_size(tmp_path):
     r = _run("--model", str(path), "--gpu", "h100-sxm", "--tp", "1", "--dtype", "source", "--out", str(tmp_path / "p.yaml"))
     assert r.exit_code == 0, r.output
     assert yaml.safe_load((tmp_path / "p.yaml").read_text())["replica_group"]["dtype"] == "source"
+
+
+@pytest.mark.parametrize("args", [
+    ("--model", "llama-3.1-8b", "--gpu", "l40s", "--max-model-len", "8192", "--concurrency", "32",
+     "--avg-context", "4096"),  # the README's L40S example: the two picks' points close together
+    L8 + WORKLOAD,
+    ("--model", "llama-3.3-70b", "--gpu", "h100-sxm", "--dtype", "fp8", "--max-model-len", "8192"),
+])
+def test_plot_labels_never_overlap_and_every_curve_is_in_the_legend(args, tmp_path, monkeypatch):
+    """#43: the tags of the recommendation and the fastest alternative are placed where their boxes
+    overlap no other label, inside the axes; the grey sweeps, the front and the target are named in
+    the legend, which sits outside the axes. The figure --plot renders, kept open to measure."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    import shardc.planner.plot as plot
+
+    made = []
+    real = plot.figure
+    monkeypatch.setattr(plot, "figure", lambda s: made.append((s, real(s))) or made[-1][1])
+    monkeypatch.setattr(plt, "close", lambda *a: None)
+    r = _run(*args, "--plot", str(tmp_path / "p.png"))
+    assert r.exit_code == 0, r.output
+    (s, fig), = made
+    monkeypatch.undo()
+    try:
+        ax = fig.axes[0]
+        renderer = fig.canvas.get_renderer()
+        texts = [t for t in ax.texts if t.get_text()]
+        tags = [t for t in texts if t.get_text().startswith(("recommended:", "fastest alternative:"))]
+        assert len(tags) == 1 + (s.alternative is not None)
+        frame = ax.get_window_extent(renderer)
+        for t in tags:
+            box = t.get_window_extent(renderer)
+            assert frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1
+            assert not any(box.overlaps(o.get_window_extent(renderer)) for o in texts if o is not t), t.get_text()
+        names = [x.get_text() for x in ax.get_legend().get_texts()]
+        assert names == ["candidate at concurrency 1, 2, 4, ...", "Pareto front", "TPOT target"]
+        assert not ax.get_legend().get_window_extent(renderer).overlaps(frame)
+    finally:
+        plt.close(fig)
