@@ -22,10 +22,11 @@ def emit_config(result: Any, kind: str, manifest_uri: str, image: str | None = N
 
     rec = result.require_recommendation()
     if kind == "vllm":
-        if rec.dtype == "int8":  # vLLM quantizes fp8 online, not int8: it must load the quantized weights
-            click.echo("warning: vLLM has no online int8 weight-only mode: serve the int8 build (`--emit k8s`, "
-                       "or `shardc plan --model BUILD_DIR --emit vllm`: its config.json carries the "
-                       f"compressed-tensors quantization_config) in place of {result.source}", err=True)
+        if rec.dtype == "int8":  # vLLM quantizes fp8 online, not int8: the source line would serve 16 bits
+            raise PlanError(f"the pick {rec.label} is int8, which vLLM cannot make from {result.source} (it has no "
+                            "online int8 weight-only mode): the line would serve 16-bit weights",
+                            key="--emit", hint="serve the int8 build: `shardc build` the plan (--out), then "
+                            "`shardc plan --model BUILD_DIR --emit vllm`, or --emit k8s; or --dtype fp8 / bf16")
         click.echo(vllm_command(result, rec))
         return
     if image is None:

@@ -300,3 +300,14 @@ def test_plot_labels_never_overlap_and_every_curve_is_in_the_legend(args, tmp_pa
         assert not ax.get_legend().get_window_extent(renderer).overlaps(frame)
     finally:
         plt.close(fig)
+
+
+def test_an_int8_pick_has_no_source_line():
+    """vLLM has no online int8: a `vllm serve` line of the 16-bit source would serve 16 bits. One line
+    naming --emit and the way that works (the build's own launch, or the pod), exit 2, nothing printed."""
+    r = _run(*L8, *WORKLOAD, "--dtype", "int8", "--emit", "vllm")
+    assert r.exit_code == 2 and not r.stdout
+    assert r.stderr.startswith("error: --emit: the pick tp=1 pp=1 int8 is int8, which vLLM cannot make from ")
+    assert "--emit k8s" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = _run(*L8, *WORKLOAD, "--dtype", "int8", "--emit", "k8s", "--image", IMAGE)
+    assert r.exit_code == 0 and "--load-format" in r.stdout
