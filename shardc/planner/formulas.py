@@ -39,13 +39,21 @@ def rate_dtype(model: Any, dtype: str) -> str:
     bits; the bytes themselves come from the Layout, at their real size."""
     if dtype != "source":
         return dtype
+    if _SOURCE_RATE[0] is model:  # asked for every step of every sweep: DeepSeek-V3's table is ~50k rows
+        return _SOURCE_RATE[1]
     from ..layout.sourcequant import detect_source
 
     sq = detect_source(model.config)
     if sq is None:
-        return "bf16"
-    names = sorted(sq.quantized(model))
-    return "fp8" if names and sq.stored(names[0])[0].dtypes[0] == "F8_E4M3" else "int8"
+        rate = "bf16"
+    else:
+        names = sorted(sq.quantized(model))
+        rate = "fp8" if names and sq.stored(names[0])[0].dtypes[0] == "F8_E4M3" else "int8"
+    _SOURCE_RATE[:] = [model, rate]
+    return rate
+
+
+_SOURCE_RATE: list[Any] = [None, ""]  # the last model rate_dtype answered for, and its answer
 
 
 @dataclass(frozen=True)
