@@ -41,13 +41,18 @@ class _Lines:
         sys.stderr.flush()
 
 
+def terminal() -> bool:
+    """Whether stderr is a terminal (a bar redrawn in place) or a log (lines)."""
+    return sys.stderr.isatty()
+
+
 def bar(total: int, desc: str, *, enabled: bool = True, leave: bool = False) -> Any:
     """A byte-counting tqdm bar on stderr (``enabled=False``: a disabled one, same interface)."""
     from tqdm import tqdm
 
     common: dict[str, Any] = {"total": total, "unit": "B", "unit_scale": True, "unit_divisor": 1024, "desc": desc,
                               "disable": not enabled}
-    if sys.stderr.isatty():
+    if terminal():
         return tqdm(**common, file=sys.stderr, leave=leave)
     # a log: no bar redrawn in place; a line every interval, and one at the end
     gap = every()

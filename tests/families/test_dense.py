@@ -171,7 +171,7 @@ def test_real_size_presets_dry_run_and_plan(tmp_path, preset, tp, params, pick):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert abs(out["model"]["params"] / params - 1) < 0.005
-    assert out["candidates"][out["recommended"]]["tp"] == pick
+    assert out["recommended"]["tp"] == pick
 
 
 @pytest.mark.heavy

@@ -439,7 +439,7 @@ def test_a_rotted_shard_is_named_with_both_hashes(twins, tmp_path, monkeypatch, 
     assert not [n for n in os.listdir(store) if SHARD1 in n]
 
 
-def test_push_progress_counts_the_bytes_it_uploads(twins, tmp_path, capsys):
+def test_push_progress_counts_the_bytes_it_uploads(twins, tmp_path, capsys, terminal):
     from tqdm import tqdm
 
     a = twins["a"]
@@ -654,7 +654,7 @@ def test_pull_cannot_rename_over_a_directory(twins, tmp_path):
     assert (dest / SHARD1).read_bytes() == (twins["a"].out_dir / SHARD1).read_bytes()
 
 
-def test_pull_progress_counts_the_bytes_it_fetches(twins, tmp_path, capsys):
+def test_pull_progress_counts_the_bytes_it_fetches(twins, tmp_path, capsys, terminal):
     from tqdm import tqdm
 
     a = twins["a"]
@@ -729,7 +729,7 @@ def test_a_download_that_cannot_start_leaves_no_partial_file(twins, tmp_path, mo
     assert os.listdir(dest) == []
 
 
-def test_a_failed_pull_clears_its_progress_bar_before_the_error(twins, tmp_path, capsys):
+def test_a_failed_pull_clears_its_progress_bar_before_the_error(twins, tmp_path, capsys, terminal):
     """The bar is closed (its line cleared) before the error reaches the caller, who prints it."""
     store = Path(_pushed(twins, tmp_path))
     flip(store / SHARD0)
@@ -795,7 +795,7 @@ def test_pull_makes_as_many_attempts_as_it_is_told(twins, s3, tmp_path, attempts
     assert f"after {n} attempts" in exc.value.message
 
 
-def test_push_progress_total_is_exact_for_a_small_repair(twins, tmp_path, capsys):
+def test_push_progress_total_is_exact_for_a_small_repair(twins, tmp_path, capsys, terminal):
     """Only config.json (a few hundred bytes, shown to the byte) is missing: the bar's total is
     its size, not one byte more."""
     a = twins["a"]
@@ -807,3 +807,12 @@ def test_push_progress_total_is_exact_for_a_small_repair(twins, tmp_path, capsys
     size = (a.out_dir / "config.json").stat().st_size
     assert size < 1000
     assert f"/{size} [" in capsys.readouterr().err
+
+
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal (its bar redrawn in place: what these tests read); in a log it is
+    lines every few seconds (shardc/progress.py, tests/cli/test_progress_log.py)."""
+    from shardc import progress
+
+    monkeypatch.setattr(progress, "terminal", lambda: True)

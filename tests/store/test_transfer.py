@@ -27,7 +27,10 @@ def _bar_output(capsys, progress: bool) -> tuple[str, str]:
     return out.out, out.err
 
 
-def test_progress_bar_form(capsys):
+def test_progress_bar_form(capsys, monkeypatch):
+    from shardc import progress
+
+    monkeypatch.setattr(progress, "terminal", lambda: True)  # the bar on a terminal (in a log: lines)
     out, err = _bar_output(capsys, True)
     assert out == ""  # stdout stays for --json
     first, *_ = err.strip("\r").split("\r")
