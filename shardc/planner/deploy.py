@@ -89,7 +89,7 @@ def model_ref(source: str) -> str:
 def max_model_len(s: Search, c: Candidate) -> int:
     """The longest request the unit's KV pool holds, at most the length asked for (or the model's)."""
     assert c.kv is not None
-    return min(c.kv.max_model_len, c.kv.request_len)
+    return c.kv.served_len
 
 
 def max_num_seqs(s: Search, c: Candidate) -> int:

@@ -70,6 +70,12 @@ class KvFigures:
     demand_tokens: int = 0  # demand_tokens(): what the pool must hold at once
     demand_bytes: int = 0  # those tokens' KV on one GPU (of the stage with the most KV per token)
 
+    @property
+    def served_len(self) -> int:
+        """The longest request the unit serves: what the pool holds, at most the length asked for
+        (the table's max len, the summary's, and the launch's --max-model-len)."""
+        return min(self.max_model_len, self.request_len)
+
 
 @dataclass(frozen=True)
 class Speed:

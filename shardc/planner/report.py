@@ -78,13 +78,6 @@ def header(s: Search) -> list[str]:
     return out
 
 
-def served_len(c: Candidate) -> int:
-    """The longest request the unit serves: what its KV pool holds, at most the length asked for
-    (the max model length its launch gets, planner/deploy.py)."""
-    assert c.kv is not None
-    return min(c.kv.max_model_len, c.kv.request_len)
-
-
 def table(s: Search) -> list[str]:
     """Fitting candidates by cost, then why the others are out."""
     rows = [c for c in s.candidates if c.fits and not c.skipped]
@@ -100,7 +93,7 @@ def table(s: Search) -> list[str]:
         assert c.memory and c.kv and c.speed and c.cost
         cells.append([f"{c.gpus}", f"{c.memory.weights / GIB:.2f} GiB",
                       f"{c.kv.demand_bytes / GIB:.2f}/{c.kv.budget / GIB:<6.2f}", f"{c.kv.bytes_per_token:,}",
-                      f"{served_len(c):,}", f"{c.kv.sequences:,}", f"{c.speed.batch:,}",
+                      f"{c.kv.served_len:,}", f"{c.kv.sequences:,}", f"{c.speed.batch:,}",
                       f"{c.speed.ttft_s * 1e3:.0f}ms", f"{c.speed.tpot_s * 1e3:.1f}ms" + ("" if c.meets_target else "!"),
                       f"{c.speed.tokens_per_s_per_gpu:,.0f}", f"{c.cost.dollars_per_mtok:.2f}"])
     widths = [max([w] + [len(row[i]) + 1 for row in cells]) for i, (_, w) in enumerate(cols)]
@@ -140,9 +133,9 @@ def summary(s: Search) -> list[str]:
             f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica "
             f"({c.speed.tokens_per_s_per_gpu:,.0f} per GPU, {c.speed.requests_per_s:.2f} requests/s) at "
             f"{c.speed.tpot_s * 1e3:.1f} ms TPOT, {c.speed.ttft_s * 1e3:.0f} ms TTFT (concurrency {c.speed.batch}), "
-            f"${c.cost.dollars_per_mtok:.2f} per million output tokens, max model length {served_len(c):,}"
+            f"${c.cost.dollars_per_mtok:.2f} per million output tokens, max model length {c.kv.served_len:,}"
             + (f" (the length asked for; its KV pool holds {c.kv.max_model_len:,} tokens)"
-               if c.kv.max_model_len > served_len(c) else ""))
+               if c.kv.max_model_len > c.kv.served_len else ""))
     out = [line]
     a = s.alternative
     if a is not None and a.speed and a.cost:
