@@ -250,10 +250,8 @@ def demo_builds(demo_model_dir, tmp_path_factory):
     return {
         "tp1pp1": _build(demo_model_dir, out, 1, 1),
         "tp3pp2": _build(demo_model_dir, out, 3, 2),
-        "int8": _build(demo_model_dir, out, 1, 1, "int8"),
-        "fp8": _build(demo_model_dir, out, 1, 1, "fp8"),
         "out": out,
-        # one baseline pass for the four gates below (the same baseline, text and windows): the
+        # one baseline pass for the gates below (the same baseline, text and windows): the
         # first scores it and writes its logits, the others read them back; the same numbers as a
         # fresh pass (test_baseline_cache_is_identical_and_keyed)
         "cache": out / "baseline-tp1pp1.safetensors",
@@ -272,28 +270,9 @@ def _demo_gate(demo_builds, candidate: Path, *extra: str) -> subprocess.Complete
     return p
 
 
-@pytest.mark.heavy
-def test_demo_bf16_tp3pp2_passes(demo_builds):
-    p = _demo_gate(demo_builds, demo_builds["tp3pp2"])
-    assert p.returncode == 0, p.stdout + p.stderr
-    r = json.loads(p.stdout)
-    # Only bf16 rounding of the row-parallel partial sums differs: delta ~ 0, far inside 0.5%.
-    assert r["pass"] and abs(r["ppl_delta_pct"]) < 0.3
-    assert r["kl_mean"] < 5e-3 and r["top1_agreement"] > 0.95
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("dtype", ["int8", "fp8"])
-def test_demo_quantized_measured_honestly(demo_builds, dtype, capsys):
-    """int8 / fp8 are measured, not assumed: the verdict is whatever the threshold says."""
-    p = _demo_gate(demo_builds, demo_builds[dtype])
-    assert p.returncode in (0, 1), p.stderr
-    r = json.loads(p.stdout)
-    assert r["pass"] == (abs(r["ppl_delta_pct"]) <= 0.5) == (p.returncode == 0)
-    assert r["kl_mean"] > 0 and r["top1_agreement"] < 1.0  # quantization is visible
-    with capsys.disabled():
-        print(f"\n[gate {dtype}] ppl delta {r['ppl_delta_pct']:+.3f}% CI {r['ppl_delta_ci95_pct']} "
-              f"KL {r['kl_mean']:.2e} top1 {r['top1_agreement']:.4f} -> {'PASS' if r['pass'] else 'FAIL'}")
+# The demo's bf16 tp3pp2, int8 and fp8 gates, measured rather than assumed (pass exactly when the
+# threshold says, quantization visible in KL and top-1), are tests/docs/test_readme_gate_figures.py:
+# the README's figures at the gate's defaults, with these checks on each report.
 
 
 def _swap_row_parallel(build_dir: Path, layer: int) -> None:
