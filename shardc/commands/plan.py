@@ -23,7 +23,6 @@ from .options import json_option
 from .output import flag_for
 
 _FIELD = re.compile(r"`([a-z_]+)`")
-DEFAULT_GPUS_PER_NODE = 8  # one node of eight, as the presets' servers come
 
 
 def flags(text: str) -> str:
@@ -148,9 +147,10 @@ Examples:
               help=f"Model preset ({', '.join(PRESETS)}), a config.json, or a checkpoint directory; or a shardc "
               "build's directory (holding manifest.json), whose own launch --emit prints and --check checks.")
 @click.option("--gpu", "gpu_name", metavar="PRESET", help="a100-40gb, a100-80gb, a100-40gb-pcie, "
-              "a100-80gb-pcie, h100-sxm, h200, l40s. Required, except for a build's launch.")
+              "a100-80gb-pcie, h100-sxm, h200, l40s, b200, b300, gb200, gb300, rtx-pro-6000. Required, except for "
+              "a build's launch.")
 @click.option("--gpus-per-node", type=POS_INT, help="GPUs per node: the NVLink domain that TP stays inside. "
-              "[default: 8]")
+              "[default: 8; gb200, gb300: 72, the NVL72 rack]")
 @click.option("--gpus", type=POS_INT, help="The GPUs of your node: the same as --gpus-per-node (with --nodes M, "
               "M nodes of that many); both given must agree.")
 @click.option("--objective", type=OBJECTIVE, default="fit", show_default=True, metavar="fit|cost|latency",
@@ -268,7 +268,7 @@ def _plan(model_ref: str, gpu_name: str | None, gpus_per_node: int | None, gpus:
           manifest_uri: str = "", check_file: Path | None = None, image: str | None = None) -> None:
     from ..planner.deploy import refuse_control
     from ..planner.explain import explain as explain_lines
-    from ..planner.formulas import Overheads, SpeedParams, Workload
+    from ..planner.formulas import Overheads, SpeedParams, Workload, speed_for
     from ..planner.gpus import GB, Cluster, get_gpu, get_interconnect, override_gpu
     from ..planner.models import resolve_model
     from ..planner.report import header, summary, table
@@ -297,7 +297,7 @@ def _plan(model_ref: str, gpu_name: str | None, gpus_per_node: int | None, gpus:
         hbm_bandwidth=hbm_bandwidth * GB if hbm_bandwidth else None,
         link_bandwidth=nvlink_bandwidth * GB if nvlink_bandwidth else None, fabric=fabric,
     )
-    cluster = Cluster(gpu, node_gpus(gpus, gpus_per_node), nodes, get_interconnect(interconnect))
+    cluster = Cluster(gpu, node_gpus(gpus, gpus_per_node) or gpu.domain, nodes, get_interconnect(interconnect))
     named = dict(params)
     workload = Workload(
         avg_context=avg_context, max_model_len=max_model_len, concurrency=concurrency, isl=isl, osl=osl,
@@ -309,7 +309,7 @@ def _plan(model_ref: str, gpu_name: str | None, gpus_per_node: int | None, gpus:
         demand_tokens_per_s=demand_tokens_per_s, lora_adapters=lora_adapters or 0, lora_rank=lora_rank or 0,
     )
     over = Overheads(**{k: v for k, v in named.items() if k in Overheads.__dataclass_fields__})
-    speed = SpeedParams(**{k: v for k, v in named.items() if k in SpeedParams.__dataclass_fields__})
+    speed = speed_for(gpu, **{k: v for k, v in named.items() if k in SpeedParams.__dataclass_fields__})
     result = search(model, cluster, workload, dtypes=None if dtype == "auto" else [dtype], tps=tps or None,
                     pps=pps or None, overheads=over, speed=speed, model_name=name, source=source,
                     objective=objective, draft=draft)
@@ -358,12 +358,13 @@ def _echo_json(result: Any) -> None:
         click.echo(f"warning: {flags(warning)}", err=True)
 
 
-def node_gpus(gpus: int | None, gpus_per_node: int | None) -> int:
-    """--gpus is --gpus-per-node under the name users reach for; given both, they must agree."""
+def node_gpus(gpus: int | None, gpus_per_node: int | None) -> int | None:
+    """--gpus is --gpus-per-node under the name users reach for; given both, they must agree. None:
+    neither given (the GPU preset's node: eight, or an NVL72 rack's 72)."""
     if gpus is not None and gpus_per_node is not None and gpus != gpus_per_node:
         raise PlanError(f"--gpus {gpus} and --gpus-per-node {gpus_per_node} disagree", key="--gpus",
                         hint="--gpus is the GPUs of one node, the same as --gpus-per-node: give one of them")
-    return gpus or gpus_per_node or DEFAULT_GPUS_PER_NODE
+    return gpus or gpus_per_node
 
 
 def _source_for(source: str, model_ref: str, out_file: Path) -> str:

@@ -151,7 +151,7 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
     words = demand_words(w, m.max_position_embeddings)
     o += ["", "Memory per GPU (vLLM's accounting: KV = total x utilization - weights - profiled activations "
           "- NCCL; the CUDA context and graphs sit in the headroom):",
-          f"  usable = {gib(g.memory)} (as CUDA reports it) x {w.gpu_memory_utilization:g} = {gib(mem.usable)}",
+          f"  usable = {gib(g.memory)} ({g.memory_from}) x {w.gpu_memory_utilization:g} = {gib(mem.usable)}",
           "  overheads in vLLM's budget = " + " + ".join(f"{k} {v / GIB:.2f}" for k, v in inside.items())
           + f" = {gib(mem.in_budget)}; in the headroom = "
           + " + ".join(f"{k} {v / GIB:.2f}" for k, v in head.items()) + f" = {gib(sum(head.values()))}",
@@ -268,7 +268,10 @@ def _explain_serving(s: Search, c: Candidate) -> list[str]:
          f"one prompt alone {x.prefill_s * 1e3:.2f} ms",
          f"  TPOT = {x.mixed_share:.3f} x {x.mixed_step_s * 1e3:.2f} + {1 - x.mixed_share:.3f} x "
          f"{x.decode_step_s * 1e3:.2f} = {x.tpot_s * 1e3:.2f} ms (batch 1: {v.tpot1_s * 1e3:.2f} ms)",
-         f"  TTFT = {x.chunks} x {x.mixed_step_s * 1e3:.2f} + {x.decode_step_s * 1e3:.2f} / 2 = {x.ttft_s * 1e3:.1f} ms",
+         f"  TTFT = wait {x.wait_s * 1e3:.2f} (the step in progress and the prompts ahead; the others keep the "
+         f"unit prefilling {x.prefilling:.0%} of the time) + {x.chunks} x {x.mixed_step_s * 1e3:.2f} = "
+         f"{x.ttft_s * 1e3:.1f} ms" if x.concurrency > 1 else
+         f"  TTFT = one prefill alone on the idle unit = {x.ttft_s * 1e3:.1f} ms",
          f"  request = {x.ttft_s * 1e3:.1f} + ({x.osl:,} - 1) x {x.tpot_s * 1e3:.2f} = {x.latency_s:.2f} s; "
          f"{x.concurrency} / {x.latency_s:.2f} s = {x.requests_per_s:.2f} requests/s",
          "", "Throughput and cost:",

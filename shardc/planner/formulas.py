@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .gpus import GIB
+from .gpus import CALIBRATED, GIB
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
@@ -128,6 +128,12 @@ class SpeedParams:
     # with `kv_memory` (vLLM's kv_cache_memory_bytes, which bypasses the utilization budget), a GPU
     # filled beyond this is infeasible; with the utilization budget, the headroom rule applies instead
     max_memory_fraction: float = 0.95
+
+
+def speed_for(gpu: Any, **given: Any) -> SpeedParams:
+    """The speed knobs for ``gpu`` (a gpus.GPU): its generation's fitted efficiencies, then what the
+    command line gave (``--param NAME=VALUE``) over them."""
+    return SpeedParams(**{**CALIBRATED.get(gpu.peer or "", {}), **given})  # gpus.CALIBRATED: fitted per card
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ from the command line (``--gpu-memory``, ``--hbm-bandwidth``, ``--nvlink-bandwid
 ``--interconnect``, ``--fabric``).
 
 The fabric (the link inside a node) also bounds tensor parallelism: an NVLink domain serves TP up
-to its size, PCIe up to 4 cards, an NVLink bridge a pair. Figures on fabrics other than NVLink are
-labelled "reduced calibration": the efficiency defaults were set on NVLink systems.
+to its size, PCIe up to 4 cards, an NVLink bridge a pair. The speed model is calibrated per card
+against aiconfigurator 0.12's measured vLLM tables (``GPU.peer``, scripts/bench_plan.py --peer); a
+card without such data, or a preset given another fabric (``--fabric``), is labelled "uncalibrated".
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ class Interconnect:
     latency: float  # seconds per ring hop (NCCL LL protocol, order of magnitude)
     description: str
     tp_limit: int | None = None  # widest TP group the link serves well; None: the whole domain
-    calibrated: bool = True  # the speed defaults were set on this fabric (NVLink); else "reduced"
 
 
 INTERCONNECTS: dict[str, Interconnect] = {
@@ -41,16 +41,19 @@ INTERCONNECTS: dict[str, Interconnect] = {
     for i in (
         Interconnect("nvlink3", 300 * GB, 2e-6, "NVLink 3 (A100 SXM): 12 links x 25 GB/s per direction"),
         Interconnect("nvlink4", 450 * GB, 2e-6, "NVLink 4 (H100/H200 SXM): 18 links x 25 GB/s per direction"),
+        # aiconfigurator 0.12's b200_sxm / gb200 intra_node_bw: 900 GB/s per GPU, one direction
+        Interconnect("nvlink5", 900 * GB, 2e-6, "NVLink 5 (B200/B300 SXM, GB200/GB300 NVL72): 18 links x 50 GB/s "
+                     "per direction"),
         # PCIe: all-reduce traffic crosses the root complex, so a TP group wider than one switch's
-        # four cards loses to TP4 x PP2; the speed model was not calibrated on it.
+        # four cards loses to TP4 x PP2.
         Interconnect("pcie4", 32 * GB, 5e-6, "PCIe 4.0 x16: 32 GB/s per direction, through the host",
-                     tp_limit=4, calibrated=False),
+                     tp_limit=4),
         Interconnect("pcie5", 64 * GB, 5e-6, "PCIe 5.0 x16: 64 GB/s per direction, through the host",
-                     tp_limit=4, calibrated=False),
+                     tp_limit=4),
         Interconnect("nvlink-bridge", 300 * GB, 3e-6, "NVLink bridge (A100 PCIe pairs): 600 GB/s both "
-                     "directions between two cards", tp_limit=2, calibrated=False),
+                     "directions between two cards", tp_limit=2),
         Interconnect("xgmi", 448 * GB, 3e-6, "AMD Infinity Fabric (xGMI), 8-GPU hive: 7 links x 64 GB/s per "
-                     "direction", calibrated=False),
+                     "direction"),
         Interconnect("ib-hdr", 25 * GB, 6e-6, "InfiniBand HDR: one 200 Gb/s NIC per GPU"),
         Interconnect("ib-ndr", 50 * GB, 6e-6, "InfiniBand NDR: one 400 Gb/s NIC per GPU"),
     )
@@ -62,7 +65,7 @@ DEFAULT_INTER_NODE = "ib-ndr"
 
 @dataclass(frozen=True)
 class GPU:
-    """One accelerator: memory as CUDA reports it, HBM bandwidth, dense 16-bit tensor FLOP/s."""
+    """One accelerator: memory (as CUDA reports it where known), HBM bandwidth, dense 16-bit tensor FLOP/s."""
 
     name: str
     memory: int  # bytes, as cudaGetDeviceProperties reports them
@@ -70,33 +73,90 @@ class GPU:
     flops: float  # dense BF16/FP16 tensor-core FLOP/s (activations stay 16-bit: weight-only quant)
     link: Interconnect  # inside the node (the NVLink domain; PCIe cards have only PCIe)
     description: str
+    domain: int = 8  # GPUs per node (the NVLink domain) when the command line gives none: NVL72 racks are 72
+    memory_from: str = "as CUDA reports it"  # where ``memory`` comes from, as the header and --explain say it
+    # the aiconfigurator 0.12 system whose measured vLLM tables the speed model was calibrated on
+    # (scripts/bench_plan.py --peer); None: no measured data for this card, its figures are uncalibrated
+    peer: str | None = None
 
     @property
     def nvlink(self) -> bool:
         return self.link.name.startswith("nvlink")
 
 
-def _gpu(name: str, memory: int, hbm_gbs: float, tflops: float, link: str, desc: str) -> GPU:
-    return GPU(name, memory, hbm_gbs * GB, tflops * 1e12, INTERCONNECTS[link], desc)
+def _gpu(name: str, memory: int, hbm_gbs: float, tflops: float, link: str, desc: str, *, domain: int = 8,
+         peer: str | None = None, memory_from: str = "as CUDA reports it") -> GPU:
+    return GPU(name, memory, hbm_gbs * GB, tflops * 1e12, INTERCONNECTS[link], desc, domain=domain, peer=peer,
+               memory_from=memory_from)
+
+
+SMI = "as nvidia-smi reports it"  # Blackwell cards: aiconfigurator's figure, a little above CUDA's
 
 
 # Memory values: deviceQuery "Total amount of global memory" in bytes where published; H200 from
 # PyTorch's "total capacity of 139.80 GiB". HBM/FLOP/s: NVIDIA data sheets (dense, no sparsity).
+# Blackwell cards: every figure from aiconfigurator 0.12's system files (systems/<peer>.yaml:
+# mem_capacity, mem_bw, bfloat16_tc_flops, fp8_tc_flops, intra_node_bw, num_gpus_per_rack), whose
+# memory is nvidia-smi's total (GB200 189,471 MiB, B300 275,040 MiB, GB300 284,208 MiB, RTX PRO 6000
+# 97,887 MiB; B200 "180 GiB"), a few hundred MiB above what CUDA reports on the cards measured both ways.
 GPUS: dict[str, GPU] = {
     g.name: g
     for g in (
         _gpu("a100-40gb", 42_298_834_944, 1555, 312, "nvlink3", "A100-SXM4-40GB (HBM2)"),
-        _gpu("a100-80gb", 84_987_740_160, 2039, 312, "nvlink3", "A100-SXM4-80GB (HBM2e)"),
+        _gpu("a100-80gb", 84_987_740_160, 2039, 312, "nvlink3", "A100-SXM4-80GB (HBM2e)", peer="a100_sxm"),
         _gpu("a100-40gb-pcie", 42_297_786_368, 1555, 312, "pcie4", "A100-PCIE-40GB"),
         _gpu("a100-80gb-pcie", 84_974_239_744, 1935, 312, "pcie4", "A100 80GB PCIe"),
-        _gpu("h100-sxm", 85_028_896_768, 3350, 989, "nvlink4", "H100 80GB HBM3 (SXM5)"),
-        _gpu("h200", round(139.80 * GIB), 4800, 989, "nvlink4", "H200 141GB HBM3e (SXM)"),
-        _gpu("l40s", 47_576_711_168, 864, 362, "pcie4", "L40S 48GB GDDR6 (PCIe, no NVLink)"),
+        _gpu("h100-sxm", 85_028_896_768, 3350, 989, "nvlink4", "H100 80GB HBM3 (SXM5)", peer="h100_sxm"),
+        _gpu("h200", round(139.80 * GIB), 4800, 989, "nvlink4", "H200 141GB HBM3e (SXM)", peer="h200_sxm"),
+        _gpu("l40s", 47_576_711_168, 864, 362, "pcie4", "L40S 48GB GDDR6 (PCIe, no NVLink)", peer="l40s"),
+        _gpu("b200", 193_273_528_320, 7700, 2250, "nvlink5", "B200 180GB HBM3e (SXM, HGX 8-GPU)", peer="b200_sxm",
+             memory_from="as aiconfigurator sizes it"),
+        _gpu("b300", 288_400_343_040, 7750, 2250, "nvlink5", "B300 288GB HBM3e (SXM, HGX 8-GPU)", peer="b300_sxm",
+             memory_from=SMI),
+        _gpu("gb200", 198_674_743_296, 8000, 2500, "nvlink5", "GB200 NVL72: 72 B200 GPUs in one NVLink domain",
+             domain=72, peer="gb200", memory_from=SMI),
+        _gpu("gb300", 298_013_687_808, 8000, 2500, "nvlink5", "GB300 NVL72: 72 B300 GPUs in one NVLink domain",
+             domain=72, peer="gb300", memory_from=SMI),
+        _gpu("rtx-pro-6000", 102_641_958_912, 1792, 467.8, "pcie5",
+             "RTX PRO 6000 Blackwell Server Edition 96GB GDDR7 (PCIe 5.0, no NVLink)", peer="rtx_pro_6000_server",
+             memory_from=SMI),
     )
 }
-# FP8 tensor cores (Hopper, Ada): vLLM runs an fp8 checkpoint's GEMMs in fp8 (W8A8, dynamic
+# FP8 tensor cores (Hopper, Ada, Blackwell): vLLM runs an fp8 checkpoint's GEMMs in fp8 (W8A8, dynamic
 # per-token activation scales), at twice the 16-bit rate (data sheets, dense). Others: 16-bit.
-FP8_TFLOPS = {"h100-sxm": 1979, "h200": 1979, "l40s": 733}
+FP8_TFLOPS = {"h100-sxm": 1979, "h200": 1979, "l40s": 733, "b200": 4500, "b300": 4500, "gb200": 5000,
+              "gb300": 5000, "rtx-pro-6000": 935.6}
+
+
+# The speed model's efficiencies fitted per card (scripts/bench_plan.py --peer --fit, each card's grid on its
+# own; docs/performance.md "Speed model calibration"), keyed by the aiconfigurator system (GPU.peer), as
+# formulas.SpeedParams field values. Hopper's fit (h100_sxm and h200_sxm together) is SpeedParams' defaults;
+# a card without an entry computes with them.
+CALIBRATED: dict[str, dict[str, float]] = {
+    "b200_sxm": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.59, "kv_hbm_efficiency": 0.86, "compute_efficiency": 0.91,
+                 "fp8_compute_efficiency": 0.56, "link_efficiency": 0.42, "layer_overhead_us": 64.6,
+                 "step_overhead_ms": 0.1},
+    "gb200": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.56, "kv_hbm_efficiency": 0.9, "compute_efficiency": 0.7,
+              "fp8_compute_efficiency": 0.51, "link_efficiency": 0.48, "layer_overhead_us": 67.4, "step_overhead_ms": 0},
+    "rtx_pro_6000_server": {"hbm_efficiency": 0.94, "w8_hbm_efficiency": 0.95, "kv_hbm_efficiency": 0.65,
+                            "compute_efficiency": 0.95, "fp8_compute_efficiency": 0.95, "link_efficiency": 0.42,
+                            "layer_overhead_us": 27.3, "step_overhead_ms": 0},
+    "b300_sxm": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.64, "kv_hbm_efficiency": 0.95, "compute_efficiency": 0.76,
+                 "fp8_compute_efficiency": 0.4, "link_efficiency": 0.47, "layer_overhead_us": 65.4,
+                 "step_overhead_ms": 0},
+    "gb300": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.59, "kv_hbm_efficiency": 0.95, "compute_efficiency": 0.9,
+              "fp8_compute_efficiency": 0.66, "link_efficiency": 0.42, "layer_overhead_us": 69.9, "step_overhead_ms": 0},
+    # A100 has no fp8 tensor cores: its grid has bf16 cells only, so the 8-bit knobs stay Hopper's
+    "a100_sxm": {"hbm_efficiency": 0.78, "kv_hbm_efficiency": 0.55, "compute_efficiency": 0.95, "link_efficiency": 0.24,
+                 "layer_overhead_us": 59.1, "step_overhead_ms": 0},
+    "l40s": {"hbm_efficiency": 0.87, "w8_hbm_efficiency": 0.95, "kv_hbm_efficiency": 0.88, "compute_efficiency": 0.95,
+             "fp8_compute_efficiency": 0.64, "link_efficiency": 0.15, "layer_overhead_us": 39.3, "step_overhead_ms": 0},
+}
+# The worst cell after that fit: max |shardc / aiconfigurator - 1| over the card's grid, TPOT and tokens/s per
+# GPU. Within CALIBRATION_TOLERANCE the card is calibrated; beyond it its figures are labelled approximate.
+WORST_CELL: dict[str, float] = {"a100_sxm": 0.08, "h100_sxm": 0.10, "h200_sxm": 0.11, "rtx_pro_6000_server": 0.20,
+                                "l40s": 0.37, "b200_sxm": 0.41, "b300_sxm": 0.48, "gb200": 0.51, "gb300": 0.50}
+CALIBRATION_TOLERANCE = 0.15
 
 
 def gemm_flops(gpu: GPU, dtype: str) -> float:
@@ -120,6 +180,8 @@ def rates(gpu: GPU, dtype: str, sp: Any) -> tuple[float, float, float]:
 GPU_ALIASES = {
     "a100": "a100-80gb", "a100-sxm": "a100-80gb", "a100-80gb-sxm": "a100-80gb",
     "a100-40gb-sxm": "a100-40gb", "h100": "h100-sxm", "h100-80gb": "h100-sxm", "h200-sxm": "h200",
+    "b200-sxm": "b200", "b300-sxm": "b300", "gb200-nvl72": "gb200", "gb300-nvl72": "gb300",
+    "rtx-pro-6000-server": "rtx-pro-6000", "rtx-pro-6000-blackwell": "rtx-pro-6000",
 }
 
 
@@ -155,11 +217,13 @@ def override_gpu(
     out = gpu
     if fabric is not None:
         try:
-            out = dataclasses.replace(out, link=get_interconnect(fabric))
+            link = get_interconnect(fabric)
         except PlanError as exc:
             raise PlanError(exc.message, key="fabric", hint=exc.hint) from None
+        # the measured system had the preset's own fabric: another one is not what was calibrated
+        out = dataclasses.replace(out, link=link, peer=out.peer if link == out.link else None)
     if memory is not None:
-        out = dataclasses.replace(out, memory=memory)
+        out = dataclasses.replace(out, memory=memory, memory_from="as given")
     if hbm_bandwidth is not None:
         out = dataclasses.replace(out, hbm_bandwidth=hbm_bandwidth)
     if link_bandwidth is not None:
@@ -190,12 +254,30 @@ class Cluster:
         return min(self.gpus_per_node, self.gpu.link.tp_limit or self.gpus_per_node)
 
     @property
+    def worst_cell(self) -> float | None:
+        """The speed model's worst cell against measured data of this card on this fabric (GPU.peer);
+        None: no such data."""
+        return WORST_CELL.get(self.gpu.peer) if self.gpu.peer else None
+
+    @property
     def calibrated(self) -> bool:
-        return self.gpu.link.calibrated
+        """Whether the speed model is within CALIBRATION_TOLERANCE of this card's measured data."""
+        worst = self.worst_cell
+        return worst is not None and worst <= CALIBRATION_TOLERANCE
+
+    @property
+    def calibration(self) -> str:
+        """calibrated | approximate (measured, the fit's worst cell beyond the tolerance) | uncalibrated."""
+        return "calibrated" if self.calibrated else "uncalibrated" if self.worst_cell is None else "approximate"
 
     def fabric(self) -> str:
         """The fabric in words, as the header and --json say it."""
         link = self.gpu.link
-        domain = "NVLink domain" if self.gpu.nvlink and link.calibrated else f"{link.name} fabric"
+        domain = "NVLink domain" if self.gpu.nvlink and link.tp_limit is None else f"{link.name} fabric"
         out = f"{domain}: TP up to {self.tp_limit}"
-        return out if link.calibrated else out + " (reduced calibration: speed defaults set on NVLink)"
+        if self.calibration == "uncalibrated":
+            return out + " (uncalibrated: no measured data for this card and fabric)"
+        if self.calibration == "approximate":
+            return out + (f" (approximate: speed up to {self.worst_cell:.0%} from aiconfigurator 0.12's measured "
+                          "vLLM data for this card)")
+        return out

@@ -306,6 +306,7 @@ class Search:
                 "gpu": dataclasses.asdict(gpu), "gpus_per_node": cl.gpus_per_node,
                 "nodes": cl.nodes, "inter_node": dataclasses.asdict(cl.inter_node),
                 "fabric": {"link": gpu.link.name, "tp_limit": cl.tp_limit, "calibrated": cl.calibrated,
+                           "calibration": cl.calibration, "worst_cell": cl.worst_cell,
                            "description": cl.fabric()},
             },
             "workload": {**dataclasses.asdict(self.workload), "cap": self.workload.cap if self.workload.capped else None,

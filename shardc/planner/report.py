@@ -59,7 +59,7 @@ def header(s: Search) -> list[str]:
         f"{m.num_heads} heads / {attn}, vocab {m.vocab_size:,}{moe}"
         f"{', tied embeddings' if m.tie_word_embeddings else ''}",
         f"gpus    {cl.total_gpus} x {g.name} ({cl.nodes} node{'s' if cl.nodes > 1 else ''} x {cl.gpus_per_node}): "
-        f"{gib(g.memory)} as CUDA reports it, HBM {g.hbm_bandwidth / GB:,.0f} GB/s, "
+        f"{gib(g.memory)} {g.memory_from}, HBM {g.hbm_bandwidth / GB:,.0f} GB/s, "
         f"{g.link.name} {g.link.bandwidth / GB:,.0f} GB/s"
         + (f", {cl.inter_node.name} between nodes" if cl.nodes > 1 else ""),
         f"fabric  {cl.fabric()}",
@@ -128,7 +128,7 @@ def summary(s: Search) -> list[str]:
     if c is None:
         return ["no recommendation (see the reasons above)"]
     assert c.speed and c.cost and c.kv
-    tags = [] if s.cluster.calibrated else ["reduced calibration"]
+    tags = [] if s.cluster.calibrated else [s.cluster.calibration]
     line = (f"recommended ({s.objective}{''.join(', ' + t for t in tags)}): {c.label} on {c.cost.gpus} "
             f"GPU{'s' if c.cost.gpus > 1 else ''}: {c.speed.tokens_per_s:,.0f} tok/s per replica "
             f"({c.speed.tokens_per_s_per_gpu:,.0f} per GPU, {c.speed.requests_per_s:.2f} requests/s) at "

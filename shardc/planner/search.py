@@ -27,6 +27,7 @@ from .formulas import (
     Overheads,
     SpeedParams,
     Workload,
+    speed_for,
 )
 from .gpus import Cluster
 from .models import param_count
@@ -78,7 +79,7 @@ def search(
 ) -> Search:
     """Judge every candidate and pick one for ``objective`` (fit, cost or latency). ``tps``/``pps``
     restrict the search (e.g. to reproduce); ``draft`` is a speculative-decoding draft model."""
-    w, ov, sp = fit_defaults(workload or Workload(), model), overheads or Overheads(), speed or SpeedParams()
+    w, ov, sp = fit_defaults(workload or Workload(), model), overheads or Overheads(), speed or speed_for(cluster.gpu)
     check_inputs(model, cluster, w, sp)
     if objective not in OBJECTIVES:
         raise PlanError(f"unknown objective {objective!r}", key="objective", hint=f"use {', '.join(OBJECTIVES)}")

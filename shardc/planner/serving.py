@@ -12,13 +12,28 @@ C x chunks / (chunks + osl - 1) of all steps carries a prompt chunk (at least on
 step; more when C is large). A request's TPOT is the mean of the steps it decodes through:
 
     TPOT = share x mixed step + (1 - share) x decode step
-    TTFT = chunks x mixed step + half a decode step (the step running when it arrives)
     request latency = TTFT + (osl - 1) x TPOT;  requests/s = C / latency;  tokens/s = requests/s x osl
 
-(aiconfigurator's "agg" mode schedules the same way: its mix and generation-only steps.) The
-concurrency is --concurrency when given, else the largest that meets the TPOT (and TTFT) targets
-within the KV cache and max_num_seqs. The step costs come from the unit's own model
-(candidate.py dense TP/PP, ep.py expert parallel) as a ``StepFn``.
+(aiconfigurator's "agg" mode schedules the same way: its mix and generation-only steps.)
+
+TTFT is the wait for a request's prefill under the scheduler, then the prefill. A request arrives
+while the C - 1 others run (the arrival theorem of closed queues: it sees the engine as C - 1 requests
+keep it), so the steps it meets carry a prompt in a share s' = (C - 1) x chunks / (chunks + osl - 1)
+of them, and the engine is prefilling a share rho = s' x mixed / (s' x mixed + (1 - s') x decode) of
+the time. It waits for (1) the step running when it arrives, which a random arrival meets in
+proportion to its length (E[step^2] / (2 E[step])), then (2) the prompts queued ahead of it: vLLM
+admits waiting prompts first come, first served, into the steps' token budget, and prefill is a
+server busy rho of the time with a fixed service, so M/D/1's mean queue rho^2 / (2 (1 - rho))
+prompts, each chunks x mixed step, k of them per step where the budget holds k whole prompts; then
+(3) its own chunks x mixed steps:
+
+    TTFT = residual step + queue ahead + chunks x mixed step
+
+At C = 1 the engine is idle when the request arrives: TTFT is one prefill alone. Decode steps
+interleave but never delay a waiting prompt beyond the step in progress (the scheduler puts waiting
+prompts in the next step's budget). The concurrency is --concurrency when given, else the largest
+that meets the TPOT (and TTFT) targets within the KV cache and max_num_seqs. The step costs come from
+the unit's own model (candidate.py dense TP/PP, ep.py expert parallel) as a ``StepFn``.
 """
 
 from __future__ import annotations
@@ -58,6 +73,8 @@ class Serving:
     decode_step_s: float
     mixed_step_s: float
     prefill_s: float  # one prompt alone on the idle unit: the TTFT floor
+    wait_s: float  # TTFT's wait before the request's own prefill: the step in progress, the prompts ahead
+    prefilling: float  # share of the time the others keep the unit prefilling (the queue's utilization)
     ttft_s: float
     tpot_s: float
     latency_s: float  # one request, first prompt token to last output token
@@ -71,7 +88,8 @@ class Serving:
                 "tokens_per_s": self.tokens_per_s, "isl": self.isl, "osl": self.osl, "chunk": self.chunk,
                 "chunks": self.chunks, "mixed_share": self.mixed_share,
                 "decode_step_ms": self.decode_step_s * 1e3, "mixed_step_ms": self.mixed_step_s * 1e3,
-                "prefill_ms": self.prefill_s * 1e3, "latency_ms": self.latency_s * 1e3}
+                "prefill_ms": self.prefill_s * 1e3, "wait_ms": self.wait_s * 1e3, "prefilling": self.prefilling,
+                "latency_ms": self.latency_s * 1e3}
 
 
 def serving_at(step: StepFn, c: int, w: Workload, sp: SpeedParams, gpus: int) -> Serving:
@@ -86,12 +104,27 @@ def serving_at(step: StepFn, c: int, w: Workload, sp: SpeedParams, gpus: int) ->
     decode = step(c, 0.0, isl).total
     mixed = step(max(c - 1, 0), tokens, isl).total
     prefill = chunks * step(0, chunk, isl).total
-    ttft = chunks * mixed + decode / 2
+    wait, busy = queue_wait(c, chunks, osl, mixed, decode, room // isl if chunks == 1 else 1)
+    ttft = wait + chunks * mixed if c > 1 else prefill
     tpot = share * mixed + (1 - share) * decode if osl > 1 else decode
     latency = ttft + (osl - 1) * tpot
     rps = c / latency
-    return Serving(c, isl, osl, chunk, chunks, share, decode, mixed, prefill, ttft, tpot, latency, rps,
+    return Serving(c, isl, osl, chunk, chunks, share, decode, mixed, prefill, wait, busy, ttft, tpot, latency, rps,
                    rps * osl, rps * osl / gpus)
+
+
+def queue_wait(c: int, chunks: int, osl: int, mixed: float, decode: float, per_step: int) -> tuple[float, float]:
+    """(seconds a request waits before its own prefill, share of the time the other c - 1 keep the unit
+    prefilling): the step it arrives in plus M/D/1's queue of prompts ahead (module docstring);
+    ``per_step`` whole prompts fit one step's budget."""
+    if c <= 1:
+        return 0.0, 0.0
+    s = min(1.0, (c - 1) * chunks / (chunks + osl - 1))
+    mean = s * mixed + (1 - s) * decode
+    residual = (s * mixed ** 2 + (1 - s) * decode ** 2) / (2 * mean)
+    rho = min(s * mixed / mean, 0.95)  # at saturation the closed loop caps the queue at c - 1 prompts
+    ahead = min(rho ** 2 / (2 * (1 - rho)), c - 1)
+    return residual + ahead * chunks * mixed / max(per_step, 1), rho
 
 
 def choose(step: StepFn, cap: int, w: Workload, sp: SpeedParams, gpus: int) -> tuple[Serving, str, bool]:

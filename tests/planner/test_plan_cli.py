@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from shardc.planner.formulas import SpeedParams
+from shardc.planner.formulas import speed_for
+from shardc.planner.gpus import get_gpu
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
@@ -117,7 +118,7 @@ def test_no_alternative_when_more_gpus_are_slower(demo: Path):
     # heads x 64 x 2 B = 23,040 B) = 47,185,920 B at 864 GB/s x kv_hbm_efficiency (compute ~2 us hides
     # under it), plus 30 layers x layer_overhead_us and the step overhead; one step in 1,024 also carries
     # the 1,536-token prompt (1/1,024 of a ~2 ms prefill: within the 1 %)
-    sp = SpeedParams()
+    sp = speed_for(get_gpu("l40s"))  # L40S's own fitted efficiencies (gpus.CALIBRATED)
     step = (269_030_016 / (864e9 * sp.hbm_efficiency) + 47_185_920 / (864e9 * sp.kv_hbm_efficiency)
             + 30 * sp.layer_overhead_us * 1e-6 + sp.step_overhead_ms * 1e-3)
     assert by_tp[1]["speed"]["tpot1_s"] == pytest.approx(step, rel=1e-2)
@@ -183,7 +184,7 @@ def test_help_documents_gpus():
     r = plan("--help")
     text = " ".join(r.stdout.split())
     assert "--gpus N The GPUs of your node" in text and "both given must agree" in text
-    assert "[default: 8]" in text.split("--gpus-per-node N")[1].split("--gpus N")[0]
+    assert "[default: 8; gb200, gb300: 72, the NVL72 rack]" in text.split("--gpus-per-node N")[1].split("--gpus N")[0]
 
 
 # --- #27 follow-up: --gpu-memory-utilization 0.95 follows vLLM's accounting -------------------------
@@ -236,7 +237,7 @@ def test_default_utilization_keeps_the_27_picks():
     assert line(plan("--model", "llama-3.3-70b", "--gpu", "a100-80gb", "--dtype", "bf16"),
                 "recommended").startswith("recommended (fit): tp=4 pp=1 bf16")
     assert line(plan("--model", "llama-3.3-70b", "--gpu", "a100-40gb-pcie", "--dtype", "bf16", "--max-model-len",
-                     "32768"), "recommended").startswith("recommended (fit, reduced calibration): tp=4 pp=2 bf16")
+                     "32768"), "recommended").startswith("recommended (fit, uncalibrated): tp=4 pp=2 bf16")
 
 
 def test_a_size_of_bytes_typed_without_its_unit_is_refused_not_planned():

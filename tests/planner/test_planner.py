@@ -39,6 +39,7 @@ from shardc.planner.formulas import (
     ring_allreduce_s,
     round_to_blocks,
     sequences_at,
+    speed_for,
 )
 from shardc.planner.gpus import GIB, GPUS, Cluster, get_gpu, get_interconnect, override_gpu
 from shardc.planner.models import PRESET_SOURCES, param_count, resolve_model
@@ -169,7 +170,7 @@ def test_ring_allreduce_bubble_and_cost():
 
 def test_decode_step_is_the_roofline_plus_allreduce_and_fixed_costs():
     c = _only(L70, 4, 1, "bf16")
-    v, g, sp = c.speed, A100.gpu, SpeedParams()
+    v, g, sp = c.speed, A100.gpu, speed_for(A100.gpu)  # A100's own fitted efficiencies (gpus.CALIBRATED)
     rw = c.weights[0]
     mem = rw.read_bytes / (g.hbm_bandwidth * sp.hbm_efficiency) + v.batch * 2048 * 81_920 / (
         g.hbm_bandwidth * sp.kv_hbm_efficiency)  # weights at the GEMMs' rate, the KV at paged attention's
@@ -285,7 +286,7 @@ def test_cli_table_explain_and_json():
              "--kv-memory", "5.63GiB", "--max-model-len", "32768", "--target-tpot-ms", "100", "--explain")
     assert r.exit_code == 0, r.output
     for text in ("= 163,840 B", "= 5,368,709,120 B = 5.00 GiB", "= 2,306 -> 36,896 tokens",
-                 "= 65.71 GiB", "activations 0.25", f"hbm_efficiency {SpeedParams().hbm_efficiency:g}",
+                 "= 65.71 GiB", "activations 0.25", f"hbm_efficiency {speed_for(get_gpu('a100-80gb')).hbm_efficiency:g}",
                  "KV demand = one 32,768-token request: 32,768 tokens x 163,840 B = 5.00 GiB per GPU -> fits"):
         assert text in r.stdout, text
     r = _run("--model", "llama-3.3-70b", "--gpu", "h100-sxm", "--json")
@@ -427,7 +428,10 @@ def test_fit_a100_sxm_bf16_70b_is_tp4_with_tp8_beside_it():
                               ("tp=2 pp=1 bf16", two.reasons[0])]
     alt = s.alternative  # the only single-node TP unit with more than 4 cards
     assert alt.label == "tp=8 pp=1 bf16" and alt.speed.tpot1_s < rec.speed.tpot1_s
-    assert not s.warnings  # tp=4 meets the default 25 ms target
+    # A100's measured kernels (its fitted efficiencies): tp=4 decodes at 27.7 ms at batch 1, over the
+    # default 25 ms, which the pick says; tp=8 beside it is the faster unit
+    (warning,) = s.warnings
+    assert warning.startswith("tp=4 pp=1 bf16 misses the default 25 ms TPOT target (27.7 ms at concurrency 1")
 
 
 def test_fit_pcie_tp_limit_gives_tp4_pp2_where_sxm_gives_tp8():
@@ -450,9 +454,10 @@ def test_fit_pcie_tp_limit_gives_tp4_pp2_where_sxm_gives_tp8():
     assert rec.speed.bubble == pytest.approx(1 / (rec.speed.microbatches + 1))  # (p-1)/(m+p-1), p = 2
     tp8 = next(c for c in s.candidates if c.tp == 8)
     assert "over the pcie4 TP limit: tp=8 > 4" in tp8.reasons[0]
-    assert not s.cluster.calibrated and "reduced calibration" in summary(s)[0]
+    # aiconfigurator 0.12 has no measured data for A100 PCIe (nor for the 40 GB SXM card): uncalibrated
+    assert not s.cluster.calibrated and "uncalibrated" in summary(s)[0]
     sxm = search(L70, Cluster(get_gpu("a100-40gb")), w, dtypes=["bf16"])
-    assert sxm.recommended.label == "tp=8 pp=1 bf16" and sxm.cluster.calibrated  # valid TP >= 5 in NVLink
+    assert sxm.recommended.label == "tp=8 pp=1 bf16" and sxm.cluster.fabric().startswith("NVLink domain: TP up to 8")
     # the issue's command: 80 GB PCIe cards hold 70B bf16 on 4 (as SXM does), and tp=8 is refused
     p80 = search(L70, Cluster(get_gpu("a100-80gb-pcie")), dtypes=["bf16"])
     assert p80.recommended.label == "tp=4 pp=1 bf16" and p80.alternative is None

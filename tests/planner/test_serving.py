@@ -40,15 +40,27 @@ def _only(model, tp, pp, dtype, workload):
 def test_serving_interleaves_prefill_with_decode():
     """isl 1,536 / osl 1,024 at concurrency 64 (A100-80GB, 70B bf16 tp=4): the prompt fits one step
     (8,192-token budget), so a request has 1 prefill step and 1,023 decode steps, and a share
-    64 x 1 / (1 + 1,023) = 1/16 of all steps carries a prompt; TPOT is their mean, TTFT one mixed
-    step plus half a decode step; tokens/s = 64 / (TTFT + 1,023 x TPOT) x 1,024."""
+    64 x 1 / (1 + 1,023) = 1/16 of all steps carries a prompt; TPOT is the mean step;
+    tokens/s = 64 / (TTFT + 1,023 x TPOT) x 1,024. TTFT: the wait under the scheduler, then the
+    prompt's one mixed step (serving.py): the other 63 requests put a prompt in 63 / 1,024 of the steps."""
     w = Workload(isl=1536, osl=1024, concurrency=64, max_model_len=2560, target_tpot_ms=1000)
     c = _only(L70, 4, 1, "bf16", w)
     x = c.serving
     assert (x.concurrency, x.chunk, x.chunks) == (64, 1536, 1) and x.mixed_share == pytest.approx(1 / 16)
     assert x.mixed_step_s > 3 * x.decode_step_s  # the prompt's 1,536 tokens are compute-bound
     assert x.tpot_s == pytest.approx(x.mixed_step_s / 16 + x.decode_step_s * 15 / 16)
-    assert x.ttft_s == pytest.approx(x.mixed_step_s + x.decode_step_s / 2)
+    m, d = x.mixed_step_s, x.decode_step_s
+    s = 63 / 1024
+    mean = s * m + (1 - s) * d
+    residual = (s * m * m + (1 - s) * d * d) / (2 * mean)  # the step in progress, met in proportion to its length
+    rho = s * m / mean  # the share of the time the others keep the unit prefilling
+    ahead = rho ** 2 / (2 * (1 - rho))  # M/D/1's mean queue of prompts; (8,192 - 63) // 1,536 = 5 per step
+    assert x.prefilling == pytest.approx(rho) and 0.2 < rho < 0.5
+    assert x.wait_s == pytest.approx(residual + ahead * m / 5)
+    assert x.ttft_s == pytest.approx(x.wait_s + m)
+    # alone, a request finds the unit idle: its TTFT is one prefill
+    one = _only(L70, 4, 1, "bf16", dataclasses.replace(w, concurrency=1)).serving
+    assert one.ttft_s == one.prefill_s and one.wait_s == 0
     latency = x.ttft_s + 1023 * x.tpot_s
     assert x.tokens_per_s == pytest.approx(64 / latency * 1024) and c.speed.tokens_per_s == x.tokens_per_s
     assert x.tokens_per_s_per_gpu == pytest.approx(x.tokens_per_s / 4)
