@@ -110,9 +110,10 @@ class Overheads:
 class SpeedParams:
     """Knobs of the engine-step model (serving.py); each one is printed by ``--explain``.
 
-    The efficiencies and overheads are fitted, one set for every cell, against aiconfigurator 0.12's measured
-    vLLM kernel tables (scripts/bench_plan.py --fit; docs/performance.md "Speed model calibration"):
-    they are properties of the kernels on a GPU generation, not of one model or batch."""
+    The efficiencies and overheads are fitted per card (these defaults: Hopper's; gpus.CALIBRATED the
+    others, speed_for picks them) against aiconfigurator 0.12's measured vLLM kernel tables
+    (scripts/bench_plan.py --peer --fit; docs/performance.md): they are properties of the kernels on a
+    card, not of one model or batch."""
 
     hbm_efficiency: float = 0.93  # share of peak HBM bandwidth 16-bit weight GEMMs reach
     kv_hbm_efficiency: float = 0.68  # the same for the paged-attention kernels' KV reads
