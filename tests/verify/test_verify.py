@@ -364,12 +364,14 @@ def test_distributed_rank0_dies_after_joining(builds):
     """Rank 0 is killed once ranks 0-2 joined, while rank 1 is still verifying (its shard's open
     waits on a lease until rank 0 is gone), so rank 1 meets the dead store with its verdict in
     hand. Ranks 1 and 2 end with one line naming rank 0, rank 3 (started after) with the
-    rendezvous it cannot reach; exit 1 each, within a bound."""
+    rendezvous it cannot reach; exit 1 each, within a bound. Ranks 0-2 wait up to 30 s for rank 3:
+    with 5 s, on a loaded machine rank 0 gave up on rank 3 (and took its store along) before the
+    test's own client had connected to watch the joins."""
     manifest = builds[2, 2, "bf16"] / "manifest.json"
     with _held_port() as held, _running() as procs:
         port = held.getsockname()[1]
         with _opens_wait(manifest.parent / "model-tp01-pp00.safetensors"):  # global rank 1
-            procs.update({r: _start_rank(manifest, r, 4, port, 5) for r in (0, 1, 2)})
+            procs.update({r: _start_rank(manifest, r, 4, port, 30) for r in (0, 1, 2)})
             _watch(port).wait(["joined/0", "joined/1", "joined/2"])
             procs[0].kill()
             procs[0].wait()
