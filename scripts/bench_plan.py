@@ -22,8 +22,8 @@ aiconfigurator's answers are kept (--peer-cache, default scripts/data/aiconfigur
 tests/planner/test_calibration.py reruns the comparison from it without aiconfigurator) so a rerun
 costs only shardc's arithmetic. --fit
 searches the efficiency parameters (SpeedParams: hbm_efficiency, compute_efficiency,
-layer_overhead_us, ...) that minimise the worst cell, one set per group of systems (--fit-groups: a
-card generation), and prints them as rows of formulas.CALIBRATED.
+layer_overhead_us, ...) that minimise the worst cell, one set per group of systems (--fit-groups:
+a card, or Hopper's two together), and prints them as rows of gpus.CALIBRATED.
 
           python scripts/bench_plan.py --peer                 (~3 min the first time)
           python scripts/bench_plan.py --peer --fit
@@ -56,12 +56,12 @@ def wall(cmd: list[str], runs: int) -> list[float]:
     return times
 
 
+from shardc.planner.gpus import GPUS  # noqa: E402 (after the path set-up above)
+
 PEER_DATA = ROOT / "scripts" / "data" / "aiconfigurator-0.12-peer.json"  # its answers, committed
 MODELS = {"llama-3.1-8b": "8B", "llama-3.1-70b": "70B"}
-# every preset with measured data in aiconfigurator 0.12 (its `peer`): Ampere, Ada, Hopper, Blackwell
-SYSTEMS = {"a100-80gb": "a100_sxm", "l40s": "l40s", "h100-sxm": "h100_sxm", "h200": "h200_sxm",
-           "rtx-pro-6000": "rtx_pro_6000_server", "b200": "b200_sxm", "b300": "b300_sxm", "gb200": "gb200",
-           "gb300": "gb300"}
+# every preset with measured data in aiconfigurator 0.12 -> its system there (GPU.peer)
+SYSTEMS = {name: g.peer for name, g in GPUS.items() if g.peer}
 DTYPES = {"bf16": "bfloat16", "fp8": "fp8"}
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 ISL, OSL = 1536, 1024
@@ -214,7 +214,7 @@ def fit(cells: list[tuple[str, str, str, int, int]], peer: dict[str, dict[str, f
         logs = [math.log(a) for a, b, _ in r.values()] + [math.log(b) for a, b, _ in r.values()]
         return (sum(v ** 8 for v in logs) / len(logs)) ** (1 / 8)
 
-    x0 = [getattr(start, k) or 1.0 for k in FITTED]
+    x0 = [getattr(start, k) or 1.0 for k in FITTED]  # a zero start (step_overhead_ms) gives no simplex to move
     res = minimize(loss, x0, method="Nelder-Mead", options={"maxfev": 1200, "xatol": 1e-3, "fatol": 1e-5})
     best = params(list(res.x))
     rounded = dataclasses.replace(best, **{k: round(getattr(best, k), 2 if k.endswith("efficiency") else 1)
@@ -231,7 +231,7 @@ def peer_main(a: argparse.Namespace) -> None:
     peer = run_peer(cells, Path(a.peer_cache))
     r = {}
     for group in a.fit_groups.split(";") if a.fit else []:
-        # one fitted set per group of systems (a card generation), printed as formulas.CALIBRATED rows
+        # one fitted set per group of systems (a card; Hopper's two together), printed as gpus.CALIBRATED rows
         from shardc.planner.formulas import speed_for
         from shardc.planner.gpus import get_gpu
 
@@ -274,17 +274,16 @@ def summary(r: dict[str, tuple[float, float, float]]) -> dict[str, dict]:
     label the planner prints, and the TTFT ratios' median and range."""
     import statistics
 
-    from shardc.planner.gpus import CALIBRATION_TOLERANCE, WORST_CELL, get_gpu
+    from shardc.planner.gpus import Cluster, get_gpu
 
     out: dict[str, dict] = {}
     for g in dict.fromkeys(k.split("/")[1] for k in r):
         own = [v for k, v in r.items() if k.split("/")[1] == g]
-        recorded = WORST_CELL.get(get_gpu(g).peer or "")
+        cluster = Cluster(get_gpu(g))
         ttft = [f for _, _, f in own]
-        out[g] = {"cells": len(own), "worst": worst({str(i): v for i, v in enumerate(own)}), "recorded": recorded,
-                  "label": "calibrated" if recorded is not None and recorded <= CALIBRATION_TOLERANCE
-                  else "approximate", "ttft_median": statistics.median(ttft), "ttft_min": min(ttft),
-                  "ttft_max": max(ttft)}
+        out[g] = {"cells": len(own), "worst": worst({str(i): v for i, v in enumerate(own)}),
+                  "recorded": cluster.worst_cell, "label": cluster.calibration, "ttft_median": statistics.median(ttft),
+                  "ttft_min": min(ttft), "ttft_max": max(ttft)}
     return out
 
 
@@ -297,8 +296,9 @@ def main() -> None:
                     "committed ones, which tests/planner/test_calibration.py holds the planner to; cells not in it "
                     "are asked and added)")
     ap.add_argument("--fit", action="store_true", help="with --peer: fit the efficiency parameters")
-    ap.add_argument("--fit-groups", default="h100-sxm,h200;b200,b300;gb200,gb300;rtx-pro-6000;l40s;a100-80gb",
-                    help="with --fit: the systems that share one parameter set, groups separated by ';'")
+    ap.add_argument("--fit-groups", default="h100-sxm,h200;b200;b300;gb200;gb300;rtx-pro-6000;l40s;a100-80gb",
+                    help="with --fit: the systems that share one parameter set, groups separated by ';' (the "
+                    "default: how gpus.CALIBRATED was fitted, Hopper's two cards together, every other card alone)")
     ap.add_argument("--quick", action="store_true", help="with --peer: concurrency 1, 16, 64 only")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="with --peer: the GPU presets to compare "
                     f"(default: every one with aiconfigurator data: {','.join(SYSTEMS)})")

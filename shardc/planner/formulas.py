@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from .gpus import CALIBRATED, GIB
+from .gpus import CALIBRATED, GIB, GPU
 
 ACT_BYTES = 2  # activations (all-reduce payloads, PP hand-offs) stay 16-bit: weight-only quant
 KV_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}
@@ -131,9 +131,9 @@ class SpeedParams:
     max_memory_fraction: float = 0.95
 
 
-def speed_for(gpu: Any, **given: Any) -> SpeedParams:
-    """The speed knobs for ``gpu`` (a gpus.GPU): its generation's fitted efficiencies, then what the
-    command line gave (``--param NAME=VALUE``) over them."""
+def speed_for(gpu: GPU, **given: Any) -> SpeedParams:
+    """The speed knobs for ``gpu``: the card's fitted efficiencies, then what the command line gave
+    (``--param NAME=VALUE``) over them."""
     return SpeedParams(**{**CALIBRATED.get(gpu.peer or "", {}), **given})  # gpus.CALIBRATED: fitted per card
 
 

@@ -220,8 +220,9 @@ def override_gpu(
             link = get_interconnect(fabric)
         except PlanError as exc:
             raise PlanError(exc.message, key="fabric", hint=exc.hint) from None
-        # the measured system had the preset's own fabric: another one is not what was calibrated
-        out = dataclasses.replace(out, link=link, peer=out.peer if link == out.link else None)
+        # the card's fitted kernel efficiencies still hold; its calibration label does not
+        # (Cluster.worst_cell: the measured system had the preset's own fabric)
+        out = dataclasses.replace(out, link=link)
     if memory is not None:
         out = dataclasses.replace(out, memory=memory, memory_from="as given")
     if hbm_bandwidth is not None:
@@ -256,8 +257,11 @@ class Cluster:
     @property
     def worst_cell(self) -> float | None:
         """The speed model's worst cell against measured data of this card on this fabric (GPU.peer);
-        None: no such data."""
-        return WORST_CELL.get(self.gpu.peer) if self.gpu.peer else None
+        None: no such data, or the preset given another fabric than the one measured."""
+        preset = GPUS.get(self.gpu.name)
+        if not self.gpu.peer or preset is None or preset.link.name != self.gpu.link.name:
+            return None
+        return WORST_CELL.get(self.gpu.peer)
 
     @property
     def calibrated(self) -> bool:

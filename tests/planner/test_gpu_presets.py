@@ -64,7 +64,9 @@ def test_calibration_is_measured_data_on_the_presets_own_fabric():
     # Hopper is calibrated (the grid, within 15 %)
     assert Cluster(get_gpu("h100-sxm")).calibrated and Cluster(get_gpu("h200")).calibrated
     # a preset given another fabric is not the system that was measured; the same fabric still is
-    assert Cluster(override_gpu(get_gpu("l40s"), fabric="nvlink-bridge")).calibration == "uncalibrated"
+    bridged = override_gpu(get_gpu("l40s"), fabric="nvlink-bridge")
+    assert Cluster(bridged).calibration == "uncalibrated"
+    assert speed_for(bridged) == speed_for(get_gpu("l40s"))  # the card's kernels are still the card's
     assert Cluster(override_gpu(get_gpu("h200"), fabric="nvlink4")).calibrated
 
 
