@@ -135,7 +135,7 @@ Examples:
   shardc plan --model llama-3.3-70b --gpu h100-sxm --dtype bf16 --target-tpot-ms 30 --out plans/l70.yaml
   shardc plan --model /data/Llama-3.3-70B-Instruct --gpu a100-80gb --nodes 2 --json
   shardc plan --model llama-3.3-70b --gpu a100-80gb --tp 2 --dtype bf16 --max-model-len 32768 --kv-memory 5.63GiB \\
-      --target-tpot-ms 50 --explain      # reproduce vLLM's numbers for a measured KV budget
+      --target-tpot-ms 60 --explain      # reproduce vLLM's numbers for a measured KV budget
   shardc plan --model llama-3.3-70b --gpu a100-80gb --lora-adapters 8 --lora-rank 64 --draft-model llama-3.1-8b
   shardc plan --model deepseek-v3 --gpu h200 --dtype fp8 --explain  # MLA latent whole per GPU, EP
   shardc plan --model gpt-oss-120b --gpu h100-sxm  # as published (MXFP4 experts): one GPU

@@ -21,7 +21,6 @@ from ..layout.plan import plan_from_dict
 from .formulas import (
     ACT_BYTES,
     Workload,
-    custom_allreduce_s,
     demand_tokens,
     demand_words,
     dollars_per_mtok,
@@ -35,8 +34,9 @@ from .formulas import (
     request_kv_bytes,
     ring_allreduce_s,
     sequences_at,
+    vllm_allreduce_s,
 )
-from .gpus import GIB, rates
+from .gpus import GIB, rates, single_token_us
 from .records import Candidate, Cost, GpuMemory, KvFigures, Search, Speed
 from .serving import Step, choose, serving_at, sweep
 from .weights import plan_dict, plan_name, rank_weights
@@ -165,9 +165,13 @@ def _speed(s: Search, c: Candidate) -> None:
     tp, pp = c.tp, c.pp or 1
     link = gpu.link
     hbm_w, hbm_kv, flops = rates(gpu, rate_dtype(model, c.dtype or ""), sp)
+    one_token_us = single_token_us(gpu, rate_dtype(model, c.dtype or ""), sp)
     heads, attn = model.num_heads // tp, attn_flops(model)
     stages = [max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.read_bytes) for st in range(pp)]
-    allreduce = custom_allreduce_s if link.name.startswith("nvlink") else ring_allreduce_s
+    def allreduce(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+        if link.name.startswith("nvlink"):
+            return vllm_allreduce_s(n, nbytes, bandwidth, latency, sp.two_stage_us)
+        return ring_allreduce_s(n, nbytes, bandwidth, latency)
 
     def slot(d: float, p: float, plen: int) -> tuple[Step, int]:
         """One micro-batch of ``d`` decoding sequences and ``p`` prompt tokens through the slowest stage."""
@@ -182,10 +186,12 @@ def _speed(s: Search, c: Candidate) -> None:
             comp = ((d + p) * 2 * rw.linear_params + layers * heads * attn * (d * w.context + p * plen / 2)) / flops
             comm = 2 * layers * allreduce(tp, (d + p) * model.hidden_size * ACT_BYTES,
                                           link.bandwidth * sp.link_efficiency, link.latency)
+            if tp > 1:  # each all-reduce's launch and barrier, beyond the link's latency
+                comm += 2 * layers * sp.allreduce_overhead_us * 1e-6
             if st < pp - 1:
                 hop = link if cl.node_of(st * tp) == cl.node_of((st + 1) * tp) else cl.inter_node
                 comm += (d + p) * model.hidden_size * ACT_BYTES / (hop.bandwidth * sp.link_efficiency) + hop.latency
-            fixed = layers * sp.layer_overhead_us * 1e-6
+            fixed = layers * (sp.layer_overhead_us + (one_token_us if d + p <= 1 else 0.0)) * 1e-6
             one = Step(max(mem, comp) + comm + fixed, mem, comp, comm, fixed)
             if one.total > worst.total:
                 worst, where = one, st

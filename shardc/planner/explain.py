@@ -10,8 +10,8 @@ from typing import Any
 
 from .candidate import attn_flops, kv_bpt, routing
 from .ep import ep_demand_words, linear_block
-from .formulas import SpeedParams, demand_words, experts_touched, rate_dtype
-from .gpus import GB, GIB, GPU, gemm_flops
+from .formulas import SpeedParams, demand_words, experts_touched, rate_dtype, vllm_allreduce_stages
+from .gpus import GB, GIB, GPU, gemm_flops, single_token_us
 from .policy import OBJECTIVE_WORDS
 from .records import Candidate, Search
 from .report import gib
@@ -224,13 +224,13 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
          f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.context:,}) FLOP / "
          f"({gemm_flops(g, rate_dtype(s.model, c.dtype or '')) / 1e12:,.0f} TFLOP/s {'fp8' if rate_dtype(s.model, c.dtype or '') == 'fp8' and gemm_flops(g, 'fp8') > g.flops else '16-bit'}"
          f" x {_c_eff(sp, c, g, s.model):g}) = {v.compute_s * 1e3:.2f} ms",
-         f"  all-reduce: 2 x {layers} layers x [2({tp}-1)/{tp} x {b:g} x {m.hidden_size:,} x 2 B / "
-         f"({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g}) + "
-         + (f"2 x {link.latency * 1e6:g} us] (vLLM's two-shot custom all-reduce over NVLink)"
-            if link.name.startswith("nvlink") else f"2({tp}-1) x {link.latency * 1e6:g} us] (ring)")
+         _allreduce_words(link, tp, layers, b, m.hidden_size, sp)
          + (" + the hand-off to the next stage" if pp > 1 and v.stage < pp - 1 else "")
          + f" = {v.allreduce_s * 1e3:.2f} ms ({link.name if cl.nodes == 1 else link.name + '/' + cl.inter_node.name})",
-         f"  fixed: {layers} layers x {sp.layer_overhead_us:g} us = {v.fixed_s * 1e3:.2f} ms",
+         f"  fixed: {layers} layers x {sp.layer_overhead_us:g} us"
+         + (f" + {layers} x {one:g} us (fp8 GEMMs of one row)"
+            if (one := single_token_us(g, rate_dtype(s.model, c.dtype or ""), sp)) and b <= 1 else "")
+         + f" = {v.fixed_s * 1e3:.2f} ms",
          f"  slot = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) + {v.allreduce_s * 1e3:.2f} + "
          f"{v.fixed_s * 1e3:.2f} = {v.slot_s * 1e3:.2f} ms"]
     if pp > 1:
@@ -239,6 +239,23 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     else:
         o.append(f"  step = slot + {sp.step_overhead_ms:g} ms (scheduler, sampling)")
     return o + _explain_serving(s, c)
+
+
+def _allreduce_words(link: Any, tp: int, layers: int, b: float, hidden: int, sp: SpeedParams) -> str:
+    """The all-reduce term of --explain's step, with the kernel vLLM picks for this size
+    (formulas.vllm_allreduce_s) or the ring off NVLink."""
+    size, bw = f"{b:g} x {hidden:,} x 2 B", f"({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g})"
+    nbytes = b * hidden * 2
+    if not link.name.startswith("nvlink"):
+        words = f"[2({tp}-1)/{tp} x {size} / {bw} + 2({tp}-1) x {link.latency * 1e6:g} us] (ring)"
+    elif vllm_allreduce_stages(tp, nbytes) == 1:
+        words = (f"[({tp}-1) x {size} / {bw} + {link.latency * 1e6:g} us] (vLLM's one-stage custom all-reduce: "
+                 f"{nbytes / 1024:,.0f} KiB on {tp} GPUs)")
+    else:
+        words = (f"[2({tp}-1)/{tp} x {size} / {bw} + 2 x {link.latency * 1e6:g} us + {sp.two_stage_us:g} us] "
+                 f"(vLLM's two-stage custom all-reduce: {nbytes / 1024:,.0f} KiB on {tp} GPUs)")
+    over = f" + 2 x {layers} x {sp.allreduce_overhead_us:g} us launch" if tp > 1 and sp.allreduce_overhead_us else ""
+    return f"  all-reduce: 2 x {layers} layers x {words}{over}"
 
 
 def _w_eff(sp: SpeedParams, c: Candidate, model: Any) -> float:
@@ -319,7 +336,9 @@ def _explain_choice(s: Search, c: Candidate) -> list[str]:
           f"kv_hbm_efficiency {sp.kv_hbm_efficiency:g}, compute_efficiency {sp.compute_efficiency:g}, "
           f"fp8_compute_efficiency {sp.fp8_compute_efficiency:g}, "
           f"link_efficiency {sp.link_efficiency:g}, layer_overhead_us {sp.layer_overhead_us:g}, "
-          f"step_overhead_ms {sp.step_overhead_ms:g} (fitted to aiconfigurator 0.12's vLLM tables: "
+          f"step_overhead_ms {sp.step_overhead_ms:g}, allreduce_overhead_us {sp.allreduce_overhead_us:g}, "
+          f"two_stage_us {sp.two_stage_us:g}, "
+          f"fp8_single_token_us {sp.fp8_single_token_us:g} (fitted to aiconfigurator 0.12's vLLM tables: "
           "docs/performance.md), "
           f"max_num_batched_tokens {sp.max_num_batched_tokens}, microbatches {sp.microbatches or 'one per stage'}, "
           f"max_num_seqs {sp.max_num_seqs}, max memory per GPU {sp.max_memory_fraction:.0%} (with `kv_memory`)"]

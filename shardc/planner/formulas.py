@@ -115,14 +115,19 @@ class SpeedParams:
     (scripts/bench_plan.py --peer --fit; docs/performance.md): they are properties of the kernels on a
     card, not of one model or batch."""
 
-    hbm_efficiency: float = 0.93  # share of peak HBM bandwidth 16-bit weight GEMMs reach
-    kv_hbm_efficiency: float = 0.68  # the same for the paged-attention kernels' KV reads
-    w8_hbm_efficiency: float = 0.78  # the same for 8-bit weights (fp8, int8): their kernels stream less well
-    compute_efficiency: float = 0.79  # share of peak 16-bit FLOP/s that GEMMs and attention reach (prefill)
+    hbm_efficiency: float = 0.91  # share of peak HBM bandwidth 16-bit weight GEMMs reach
+    kv_hbm_efficiency: float = 0.67  # the same for the paged-attention kernels' KV reads
+    w8_hbm_efficiency: float = 0.76  # the same for 8-bit weights (fp8, int8): their kernels stream less well
+    compute_efficiency: float = 0.77  # share of peak 16-bit FLOP/s that GEMMs and attention reach (prefill)
     fp8_compute_efficiency: float = 0.43  # share of peak fp8 FLOP/s that fp8 GEMMs reach
-    link_efficiency: float = 0.43  # share of link bandwidth NCCL reaches (bus bandwidth)
-    layer_overhead_us: float = 45.3  # per layer and step: norms, activation, attention launch (fixed)
+    link_efficiency: float = 0.47  # share of link bandwidth NCCL reaches (bus bandwidth)
+    layer_overhead_us: float = 36.8  # per layer and step: norms, activation, attention launch (fixed)
     step_overhead_ms: float = 0.0  # per engine step: scheduler, sampling, logits (fixed)
+    allreduce_overhead_us: float = 4.8  # per TP all-reduce: its kernel's launch and barrier (fixed)
+    two_stage_us: float = 1.3  # per two-stage custom all-reduce (vllm_allreduce_s): its second barrier
+    # per layer, a step of one token with fp8 weights: where fp8 GEMMs of one row take a slower kernel
+    # than of two (fixed, whatever the weights' size: aiconfigurator 0.12 on Blackwell; 0 elsewhere)
+    fp8_single_token_us: float = 1.5
     max_num_batched_tokens: int = 8192  # vLLM's token budget per step (chunked prefill)
     microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage
     max_num_seqs: int = 256  # scheduler cap on the decode batch (vLLM's default)
@@ -330,6 +335,24 @@ def custom_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float) 
     if n <= 1:
         return 0.0
     return 2 * (n - 1) / n * nbytes / bandwidth + 2 * latency
+
+
+def vllm_allreduce_s(n: int, nbytes: float, bandwidth: float, latency: float, two_stage_us: float) -> float:
+    """vLLM's custom all-reduce over NVLink as it picks its kernel (csrc/custom_all_reduce.cuh,
+    CustomAllreduce::allreduce): one stage (every GPU reads every peer's whole buffer: (n-1) x bytes /
+    bandwidth, one round of latency) for 2 GPUs, and on a full NVLink mesh below 512 KiB for up to 4
+    GPUs or 256 KiB for up to 8; else two stages (custom_allreduce_s, plus ``two_stage_us`` for its
+    second barrier); free for n = 1."""
+    if n <= 1:
+        return 0.0
+    if vllm_allreduce_stages(n, nbytes) == 1:
+        return (n - 1) * nbytes / bandwidth + latency
+    return custom_allreduce_s(n, nbytes, bandwidth, latency) + two_stage_us * 1e-6
+
+
+def vllm_allreduce_stages(n: int, nbytes: float) -> int:
+    """1 or 2: the custom all-reduce kernel vLLM runs for ``nbytes`` on ``n`` NVLink GPUs."""
+    return 1 if n == 2 or (n <= 4 and nbytes < 512 * 1024) or (n <= 8 and nbytes < 256 * 1024) else 2
 
 
 def all_to_all_s(n: int, nbytes: float, bandwidth: float, latency: float) -> float:

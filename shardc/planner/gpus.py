@@ -133,29 +133,34 @@ FP8_TFLOPS = {"h100-sxm": 1979, "h200": 1979, "l40s": 733, "b200": 4500, "b300":
 # formulas.SpeedParams field values. Hopper's fit (h100_sxm and h200_sxm together) is SpeedParams' defaults;
 # a card without an entry computes with them.
 CALIBRATED: dict[str, dict[str, float]] = {
-    "b200_sxm": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.59, "kv_hbm_efficiency": 0.86, "compute_efficiency": 0.91,
-                 "fp8_compute_efficiency": 0.56, "link_efficiency": 0.42, "layer_overhead_us": 64.6,
-                 "step_overhead_ms": 0.1},
-    "gb200": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.56, "kv_hbm_efficiency": 0.9, "compute_efficiency": 0.7,
-              "fp8_compute_efficiency": 0.51, "link_efficiency": 0.48, "layer_overhead_us": 67.4, "step_overhead_ms": 0},
-    "rtx_pro_6000_server": {"hbm_efficiency": 0.94, "w8_hbm_efficiency": 0.95, "kv_hbm_efficiency": 0.65,
-                            "compute_efficiency": 0.95, "fp8_compute_efficiency": 0.95, "link_efficiency": 0.42,
-                            "layer_overhead_us": 27.3, "step_overhead_ms": 0},
-    "b300_sxm": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.64, "kv_hbm_efficiency": 0.95, "compute_efficiency": 0.76,
-                 "fp8_compute_efficiency": 0.4, "link_efficiency": 0.47, "layer_overhead_us": 65.4,
-                 "step_overhead_ms": 0},
-    "gb300": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.59, "kv_hbm_efficiency": 0.95, "compute_efficiency": 0.9,
-              "fp8_compute_efficiency": 0.66, "link_efficiency": 0.42, "layer_overhead_us": 69.9, "step_overhead_ms": 0},
+    "b200_sxm": {"hbm_efficiency": 0.91, "w8_hbm_efficiency": 0.54, "kv_hbm_efficiency": 0.73, "compute_efficiency": 0.8,
+                 "fp8_compute_efficiency": 0.5, "link_efficiency": 0.62, "layer_overhead_us": 22.1,
+                 "step_overhead_ms": 0, "allreduce_overhead_us": 19.5, "two_stage_us": 5.7, "fp8_single_token_us": 43.9},
+    "gb200": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.61, "kv_hbm_efficiency": 0.66, "compute_efficiency": 0.63,
+              "fp8_compute_efficiency": 0.43, "link_efficiency": 0.28, "layer_overhead_us": 32.4, "step_overhead_ms": 0,
+              "allreduce_overhead_us": 5.9, "two_stage_us": 0, "fp8_single_token_us": 65.4},
+    "b300_sxm": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.67, "kv_hbm_efficiency": 0.65, "compute_efficiency": 0.73,
+                 "fp8_compute_efficiency": 0.47, "link_efficiency": 0.41, "layer_overhead_us": 35.4,
+                 "step_overhead_ms": 0, "allreduce_overhead_us": 6.0, "two_stage_us": 11.4, "fp8_single_token_us": 56.9},
+    "gb300": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.61, "kv_hbm_efficiency": 0.73, "compute_efficiency": 0.85,
+              "fp8_compute_efficiency": 0.38, "link_efficiency": 0.25, "layer_overhead_us": 35.2, "step_overhead_ms": 0,
+              "allreduce_overhead_us": 5.6, "two_stage_us": 1.5, "fp8_single_token_us": 60.4},
+    # PCIe cards: all-reduces are NCCL rings, so two_stage_us (vLLM's custom all-reduce) is 0
+    "rtx_pro_6000_server": {"hbm_efficiency": 0.83, "w8_hbm_efficiency": 0.75, "kv_hbm_efficiency": 0.74,
+                            "compute_efficiency": 0.78, "fp8_compute_efficiency": 0.95, "link_efficiency": 0.35,
+                            "layer_overhead_us": 0, "step_overhead_ms": 0.15, "allreduce_overhead_us": 0,
+                            "two_stage_us": 0, "fp8_single_token_us": 2.2},
+    "l40s": {"hbm_efficiency": 0.7, "w8_hbm_efficiency": 0.75, "kv_hbm_efficiency": 0.95, "compute_efficiency": 0.95,
+             "fp8_compute_efficiency": 0.65, "link_efficiency": 0.15, "layer_overhead_us": 0, "step_overhead_ms": 0,
+             "allreduce_overhead_us": 0, "two_stage_us": 0, "fp8_single_token_us": 0},
     # A100 has no fp8 tensor cores: its grid has bf16 cells only, so the 8-bit knobs stay Hopper's
-    "a100_sxm": {"hbm_efficiency": 0.78, "kv_hbm_efficiency": 0.55, "compute_efficiency": 0.95, "link_efficiency": 0.24,
-                 "layer_overhead_us": 59.1, "step_overhead_ms": 0},
-    "l40s": {"hbm_efficiency": 0.87, "w8_hbm_efficiency": 0.95, "kv_hbm_efficiency": 0.88, "compute_efficiency": 0.95,
-             "fp8_compute_efficiency": 0.64, "link_efficiency": 0.15, "layer_overhead_us": 39.3, "step_overhead_ms": 0},
+    "a100_sxm": {"hbm_efficiency": 0.75, "kv_hbm_efficiency": 0.56, "compute_efficiency": 0.86, "link_efficiency": 0.26,
+                 "layer_overhead_us": 42.6, "step_overhead_ms": 0, "allreduce_overhead_us": 7.0, "two_stage_us": 0},
 }
 # The worst cell after that fit: max |shardc / aiconfigurator - 1| over the card's grid, TPOT and tokens/s per
 # GPU. Within CALIBRATION_TOLERANCE the card is calibrated; beyond it its figures are labelled approximate.
-WORST_CELL: dict[str, float] = {"a100_sxm": 0.08, "h100_sxm": 0.10, "h200_sxm": 0.11, "rtx_pro_6000_server": 0.20,
-                                "l40s": 0.37, "b200_sxm": 0.41, "b300_sxm": 0.48, "gb200": 0.51, "gb300": 0.50}
+WORST_CELL: dict[str, float] = {"a100_sxm": 0.07, "h100_sxm": 0.10, "h200_sxm": 0.10, "rtx_pro_6000_server": 0.12,
+                                "l40s": 0.33, "b200_sxm": 0.22, "b300_sxm": 0.12, "gb200": 0.14, "gb300": 0.17}
 CALIBRATION_TOLERANCE = 0.15
 
 
@@ -175,6 +180,14 @@ def rates(gpu: GPU, dtype: str, sp: Any) -> tuple[float, float, float]:
     fp8 = dtype == "fp8" and gpu.name in FP8_TFLOPS
     flops = gemm_flops(gpu, dtype) * (sp.fp8_compute_efficiency if fp8 else sp.compute_efficiency)
     return weights, gpu.hbm_bandwidth * sp.kv_hbm_efficiency, flops
+
+
+def single_token_us(gpu: GPU, dtype: str, sp: Any) -> float:
+    """Microseconds per layer a step of one token costs beyond the roofline where its fp8 GEMMs of one
+    row take a slower kernel (sp.fp8_single_token_us: aiconfigurator 0.12 measures vLLM 0.24's on
+    Blackwell at ~65 us per layer whatever the model's size and tp, B200 8B fp8 tp1: TPOT 4.87 ms at
+    concurrency 1, 3.18 ms at 2); 0 for 16-bit weights and cards without fp8 tensor cores."""
+    return sp.fp8_single_token_us if dtype == "fp8" and gpu.name in FP8_TFLOPS else 0.0
 
 
 GPU_ALIASES = {

@@ -98,18 +98,24 @@ def _fit(s: Search) -> Candidate | None:
                 trail.chosen = c.label
                 _rejected(trail, mine.values(), tp)
                 return c
-        staged = [tp for tp, pp in mine if pp > 1]
-        if not staged:
-            continue
-        tp = max(staged)
-        start = max(2, math.ceil(trail.minimum / tp))
-        for pp in sorted(p for t, p in mine if t == tp and p >= start):
-            c = mine[tp, pp]
-            trail.steps.append((c.label, _verdict(c, need, w.target_ms)))
-            if c.fits and not c.skipped and (c.meets_target or not need):
-                trail.chosen = c.label
-                _rejected(trail, mine.values(), tp * pp)
-                return c
+        # stages go with the largest TP first; a TP whose staged units all exceed the GPUs there are
+        # (never worked out: kimi-k2 on 8 GPUs, whose tp=8 would need 16 for two stages) is passed over
+        staged = sorted({tp for (tp, pp), c in mine.items() if pp > 1 and c.memory is not None}, reverse=True)
+        for tp in staged:
+            # the card minimum counts an MLA latent whole on every GPU, as TP holds it; stages split it
+            # by layers, so with MLA it bounds nothing here (kimi-k2 on 8 x H200: 9 cards by the
+            # minimum, yet tp=4 pp=2 fits) and every stage count is tried
+            start = 2 if s.model.forward.mla is not None else max(2, math.ceil(trail.minimum / tp))
+            for pp in sorted(p for t, p in mine if t == tp and p >= start):
+                c = mine[tp, pp]
+                trail.steps.append((c.label, _verdict(c, need, w.target_ms)))
+                if c.fits and not c.skipped and (c.meets_target or not need):
+                    trail.chosen = c.label
+                    _rejected(trail, mine.values(), tp * pp)
+                    return c
+    if not need:  # a unit fits that the card minimum ruled out: never "no recommendation" for it
+        fitting = [c for c in s.fitting() if not c.skipped]
+        return min(fitting, key=lambda c: (DTYPE_ORDER.index(c.dtype), c.gpus, -c.tp), default=None)
     return None
 
 

@@ -242,7 +242,7 @@ class Search:
             return self.recommended
         where = f"{self.cluster.total_gpus} x {self.cluster.gpu.name}"
         fitting = [c for c in self.fitting() if not c.skipped]
-        if fitting:
+        if fitting and self.workload.target_set:
             fastest = min(fitting, key=lambda c: c.speed.tpot1_s if c.speed else math.inf)
             tpot = fastest.speed.tpot1_s * 1e3 if fastest.speed else math.inf
             raise PlanError(

@@ -96,6 +96,40 @@ def test_deepseek_v3_fp8_on_8_h200():
     assert len(twins) == 2 and all(f"{x.cost.dollars_per_mtok:.2f}" == f"{c.cost.dollars_per_mtok:.2f}" for x in twins)
 
 
+def test_kimi_k2_fp8_on_8_h200_goes_to_stages():
+    """moonshotai/Kimi-K2-Instruct (DeepSeek-V3's architecture, 384 experts, block FP8 as published) on
+    8 x H200: every unit of 8 that fits has two or four stages, since one 131,072-token request's MLA
+    latent (whole on every GPU under TP) no longer fits beside the weights at tp=8, while stages split
+    it by layers. The card minimum counts the latent whole (9 cards), so the fit rules once tried only
+    tp=8's stages (16 GPUs) and recommended nothing; the pick is tp=4 pp=2 as published."""
+    model = load_model("kimi-k2")
+    assert (model.num_layers, model.forward.moe.experts, PRESETS["kimi-k2"]["model_type"]) == (61, 384, "kimi_k2")
+    s = search(model, Cluster(get_gpu("h200")), Workload(), model_name="kimi-k2")
+    c = s.require_recommendation()
+    assert (c.dtype, c.tp, c.pp, c.gpus) == ("source", 4, 2, 8)
+    tp8 = next(x for x in s.candidates if (x.dtype, x.tp, x.pp, x.ep) == ("source", 8, 1, 1))
+    assert not tp8.fits and "KV demand" in tp8.reasons[0]
+    assert s.trails[0].minimum == 9
+
+
+def test_qwen3_moe_fp8_presets_leave_the_router_in_16_bits():
+    """Qwen/Qwen3-30B-A3B-FP8 and -235B-A22B-FP8: the 16-bit release's config plus block FP8 that leaves
+    lm_head and every layer's router (mlp.gate) and norms out (145 and 283 entries, as published)."""
+    for name, layers in (("qwen3-30b-a3b-fp8", 48), ("qwen3-235b-a22b-fp8", 94)):
+        q = PRESETS[name]["quantization_config"]
+        assert len(q["modules_to_not_convert"]) == 1 + 3 * layers and q["modules_to_not_convert"][:3] == [
+            "lm_head", "model.layers.0.input_layernorm", "model.layers.0.mlp.gate"]
+        assert {k: v for k, v in PRESETS[name].items() if k != "quantization_config"} == PRESETS[name.removesuffix("-fp8")]
+    s = search(load_model("qwen3-30b-a3b-fp8"), Cluster(get_gpu("h200")), Workload(), model_name="qwen3-30b-a3b-fp8")
+    c = s.require_recommendation()
+    assert (c.dtype, c.gpus) == ("source", 1)
+    fp8 = next(x for x in s.candidates if (x.dtype, x.tp, x.pp, x.ep) == ("fp8", 1, 1, 1))
+    # the same e4m3 values; the published form has one fp32 scale per 128 x 128 block, shardc's fp8
+    # one per output row (48 x (128 experts x 3,584 + attention 7,168) rows x 4 B = 89,456,640 B against
+    # 48 x (128 x 288 + 1,152) blocks x 4 B = 7,299,072 B)
+    assert fp8.memory.weights - c.memory.weights == 82_157_568
+
+
 def test_dtype_source_is_in_help_and_the_kv_line_names_a_real_dtype():
     help_text = " ".join(shardc_in("plan", "--help").stdout.split())
     assert "auto|source|fp16|bf16|int8|fp8" in help_text and "stored bytes" in help_text

@@ -134,6 +134,18 @@ def _qwen3_moe(hidden: int, layers: int, heads: int, kv: int, experts: int, moe_
     }
 
 
+def _qwen3_moe_fp8(layers: int) -> dict[str, Any]:
+    """The quantization_config of Qwen's MoE FP8 releases (Qwen/Qwen3-30B-A3B-FP8, Qwen3-235B-A22B-FP8):
+    block FP8 with 128 x 128 scales, lm_head and every layer's router (mlp.gate) and two norms left out,
+    in this order. Read from the config.json copies aiconfigurator 0.12 ships
+    (aiconfigurator_core/model_configs/Qwen--Qwen3-30B-A3B-FP8_config.json, ...-235B-A22B-FP8_...:
+    145 and 283 entries, equal to this list); the rest of each config.json is the 16-bit release's."""
+    keep = ["lm_head"] + [f"model.layers.{i}.{m}" for i in range(layers)
+                          for m in ("input_layernorm", "mlp.gate", "post_attention_layernorm")]
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "modules_to_not_convert": keep, "quant_method": "fp8",
+            "weight_block_size": [128, 128]}
+
+
 QWEN15_MOE_A27B = {  # Qwen/Qwen1.5-MoE-A2.7B
     "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
     "intermediate_size": 5632, "num_hidden_layers": 24, "num_attention_heads": 16,
@@ -161,5 +173,9 @@ QWEN3_MOE = Family(
     presets={
         "qwen3-30b-a3b": Preset(_qwen3_moe(2048, 48, 32, 4, 128, 768), ("Qwen/Qwen3-30B-A3B",)),
         "qwen3-235b-a22b": Preset(_qwen3_moe(4096, 94, 64, 4, 128, 1536), ("Qwen/Qwen3-235B-A22B",)),
+        "qwen3-30b-a3b-fp8": Preset(_qwen3_moe(2048, 48, 32, 4, 128, 768), ("Qwen/Qwen3-30B-A3B-FP8",),
+                                    quantization=_qwen3_moe_fp8(48)),
+        "qwen3-235b-a22b-fp8": Preset(_qwen3_moe(4096, 94, 64, 4, 128, 1536), ("Qwen/Qwen3-235B-A22B-FP8",),
+                                      quantization=_qwen3_moe_fp8(94)),
     },
 )
