@@ -210,24 +210,18 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its auto_map and qu
     "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
 }
 
-KIMI_K2 = {  # moonshotai/Kimi-K2-Instruct config.json, less its auto_map and quantization_config (DEEPSEEK_V3_FP8's
-    # four keys, no module left out), as aiconfigurator 0.12 ships it
-    # (aiconfigurator_core/model_configs/moonshotai--Kimi-K2-Instruct_config.json): DeepSeek-V3's architecture
-    # with 384 routed experts, 64 heads, one dense layer, one expert group, no MTP layer
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "attention_bias": False,
-    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163585,
-    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02,
-    "intermediate_size": 18432, "kv_lora_rank": 512, "max_position_embeddings": 131072,
-    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
-    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
-    "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
-    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_theta": 50000.0, "routed_scaling_factor": 2.827,
+# moonshotai/Kimi-K2-Instruct's config.json, less its auto_map and quantization_config (DEEPSEEK_V3_FP8's
+# four keys, no module left out): DeepSeek-V3's with these values, as aiconfigurator 0.12 ships it
+# (aiconfigurator_core/model_configs/moonshotai--Kimi-K2-Instruct_config.json; every key compared): 384
+# routed experts in one group, 64 heads, one dense layer, no MTP layer, its own rope and vocabulary (and no
+# ep_size key)
+KIMI_K2 = {
+    **{k: v for k, v in DEEPSEEK_V3.items() if k != "ep_size"}, "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585,
+    "first_k_dense_replace": 1, "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384,
+    "num_attention_heads": 64, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "rope_theta": 50000.0,
+    "routed_scaling_factor": 2.827, "topk_group": 1, "transformers_version": "4.48.3", "vocab_size": 163840,
     "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"},
-    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1,
-    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.48.3", "use_cache": True,
-    "v_head_dim": 128, "vocab_size": 163840,
 }
 
 # The published checkpoint's quantization_config (block FP8, 128 x 128 scales), as deepseek-ai/DeepSeek-V3's
