@@ -126,7 +126,8 @@ class SpeedParams:
     allreduce_overhead_us: float = 4.8  # per TP all-reduce: its kernel's launch and barrier (fixed)
     two_stage_us: float = 1.3  # per two-stage custom all-reduce (vllm_allreduce_s): its second barrier
     # per layer, a step of one token with fp8 weights: where fp8 GEMMs of one row take a slower kernel
-    # than of two (fixed, whatever the weights' size: aiconfigurator 0.12 on Blackwell; 0 elsewhere)
+    # than of two (fixed, whatever the weights' size: 44-65 us on Blackwell in aiconfigurator 0.12's
+    # tables; Hopper's 1.5 is next to nothing)
     fp8_single_token_us: float = 1.5
     max_num_batched_tokens: int = 8192  # vLLM's token budget per step (chunked prefill)
     microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage

@@ -115,7 +115,11 @@ def _fit(s: Search) -> Candidate | None:
                     return c
     if not need:  # a unit fits that the card minimum ruled out: never "no recommendation" for it
         fitting = [c for c in s.fitting() if not c.skipped]
-        return min(fitting, key=lambda c: (DTYPE_ORDER.index(c.dtype), c.gpus, -c.tp), default=None)
+        rec = min(fitting, key=lambda c: (DTYPE_ORDER.index(c.dtype), c.gpus, -c.tp), default=None)
+        for trail in (t for t in s.trails if rec is not None and t.dtype == rec.dtype):
+            trail.steps.append((rec.label, "fits, below the card minimum: the fewest GPUs that fit"))
+            trail.chosen = rec.label
+        return rec
     return None
 
 

@@ -216,8 +216,9 @@ DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its auto_map and qu
 # routed experts in one group, 64 heads, one dense layer, no MTP layer, its own rope and vocabulary (and no
 # ep_size key)
 KIMI_K2 = {
-    **{k: v for k, v in DEEPSEEK_V3.items() if k != "ep_size"}, "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585,
-    "first_k_dense_replace": 1, "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384,
+    **{k: v for k, v in DEEPSEEK_V3.items() if k != "ep_size"},
+    "model_type": "kimi_k2", "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1,
+    "max_position_embeddings": 131072, "n_group": 1, "n_routed_experts": 384,
     "num_attention_heads": 64, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "rope_theta": 50000.0,
     "routed_scaling_factor": 2.827, "topk_group": 1, "transformers_version": "4.48.3", "vocab_size": 163840,
     "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
