@@ -191,6 +191,12 @@ FITTED = ("hbm_efficiency", "w8_hbm_efficiency", "kv_hbm_efficiency", "compute_e
           "allreduce_overhead_us", "two_stage_us", "fp8_single_token_us")
 
 
+# Knobs held at a measured value where the grid does not pin them, per aiconfigurator system. L40S's
+# decode grid fits compute at 0.30 / 0.18 or 0.60 / 0.45 alike (within 7 %); aiconfigurator's own L40S GEMM
+# table (systems/data/l40s/gemm/vllm/0.24.0) runs Llama-3.1 8B / 70B projections at prefill sizes
+# (m 1,024-4,096) at 0.54-0.74 of the bf16 data sheet and 0.34-0.58 of the fp8 one.
+PINNED = {"l40s": {"compute_efficiency": 0.6, "fp8_compute_efficiency": 0.45}}
+
 # where the fit starts: the given set (Hopper's), then one whose weights stream at less of the peak with a
 # smaller fixed cost per layer (Blackwell's basin: B200 8B and 70B bf16 at tp1 and batch 1 solve to 84 %
 # and 34 us), fp8's one-token cost in both
@@ -199,7 +205,8 @@ STARTS = ({"allreduce_overhead_us": 2.0, "two_stage_us": 5.0, "fp8_single_token_
            "two_stage_us": 10.0, "fp8_single_token_us": 60.0})
 
 
-def fit(cells: list[tuple[str, str, str, int, int]], peer: dict[str, dict[str, float]], start: object) -> object:
+def fit(cells: list[tuple[str, str, str, int, int]], peer: dict[str, dict[str, float]],
+        start: object) -> tuple[object, list[str]]:
     """One parameter set for the given cells (FITTED; the rest stay; the 8-bit ones only where the
     cells have fp8), from ``start`` and each of STARTS: least squares on the cells' log ratios for
     TPOT and tokens/s/GPU (scipy, which aiconfigurator brings), then Nelder-Mead from there on their
@@ -210,9 +217,16 @@ def fit(cells: list[tuple[str, str, str, int, int]], peer: dict[str, dict[str, f
 
     from scipy.optimize import least_squares, minimize
 
-    names = list(FITTED)
+    names = list(FITTED)  # less what no cell of the group can see, which stays at ``start``'s value
     if not any(c[2] == "fp8" for c in cells):
         names = [k for k in names if k not in ("w8_hbm_efficiency", "fp8_compute_efficiency", "fp8_single_token_us")]
+    if not any(GPUS[c[1]].nvlink for c in cells):  # PCIe: no custom two-stage all-reduce
+        names.remove("two_stage_us")
+    if all(c[3] == 1 or GPUS[c[1]].allreduce_s(c[3], 0) is not None for c in cells):  # the system's all-reduce measured
+        names = [k for k in names if k not in ("link_efficiency", "allreduce_overhead_us")]
+    pinned = {k: v for c in cells for k, v in PINNED.get(GPUS[c[1]].peer or "", {}).items()}
+    names = [k for k in names if k not in pinned]
+    start = dataclasses.replace(start, **pinned)
     lo = [0.05 if k.endswith("efficiency") else 0.0 for k in names]
     hi = [0.95 if k.endswith("efficiency") else 500.0 for k in names]  # a share of a peak: never all of it
 
@@ -244,7 +258,43 @@ def fit(cells: list[tuple[str, str, str, int, int]], peer: dict[str, dict[str, f
                                            for k in names})
     print(f"  fitted ({res.nfev} evaluations from the best start): "
           + ", ".join(f"{k}={getattr(rounded, k):g}" for k in names), file=sys.stderr)
-    return rounded
+    return rounded, names
+
+
+TABLES = ROOT / "shardc" / "planner" / "allreduce_tables.py"
+
+
+def allreduce_tables(systems: list[str]) -> None:
+    """Write shardc/planner/allreduce_tables.py: vLLM's all-reduce as aiconfigurator 0.12 measured it on each
+    system (systems/data/<peer>/comm/vllm/<newest>/custom_allreduce_perf.parquet, bf16, CUDA graphs: the
+    rows its own vLLM estimate reads), message bytes -> seconds per GPU count."""
+    import importlib.resources
+
+    import pandas as pd  # aiconfigurator brings it
+
+    root = importlib.resources.files("aiconfigurator_core") / "systems" / "data"
+    out = ['"""vLLM\'s TP all-reduce as aiconfigurator 0.12 measured it, per system (GPU.peer): GPUs -> ((message',
+           "bytes, seconds), ...), bf16 under CUDA graphs. Written by `python scripts/bench_plan.py --allreduce-tables",
+           f'{",".join(systems)}` from its systems/data/<system>/comm/vllm/<newest>/custom_allreduce_perf.parquet;',
+           'GPU.allreduce_s interpolates it. Do not edit by hand."""', "", "from __future__ import annotations", "",
+           "MEASURED: dict[str, dict[int, tuple[tuple[int, float], ...]]] = {"]
+    for name in systems:
+        peer = SYSTEMS[name]
+        base = Path(str(root / peer / "comm" / "vllm"))
+        newest = max(base.iterdir(), key=lambda p: tuple(int(x) for x in p.name.split(".") if x.isdigit()))
+        d = pd.read_parquet(newest / "custom_allreduce_perf.parquet")
+        d = d[(d.backend == "vllm_graph") & (d.allreduce_dtype == "bfloat16")]
+        out.append(f"    # {newest.relative_to(Path(str(root)))}")
+        out.append(f'    "{peer}": {{')
+        for n, g in d.groupby("num_gpus"):
+            pts = [f"({int(m) * 2}, {lat * 1e-3:.4g})" for m, lat in zip(g.message_size, g.latency, strict=True)]
+            out.append(f"        {int(n)}: (")
+            out += ["            " + ", ".join(pts[i:i + 6]) + "," for i in range(0, len(pts), 6)]
+            out.append("        ),")
+        out.append("    },")
+    out.append("}")
+    TABLES.write_text("\n".join(out) + "\n")
+    print(f"wrote {TABLES.relative_to(ROOT)}: {', '.join(systems)}", file=sys.stderr)
 
 
 def peer_main(a: argparse.Namespace) -> None:
@@ -260,8 +310,9 @@ def peer_main(a: argparse.Namespace) -> None:
         names = group.split(",")
         own = [c for c in cells if c[1] in names]
         if own:
-            speed = fit(own, peer, SpeedParams())  # every card from the same start: Hopper's set
-            print(f"  {group}: " + ", ".join(f'"{k}": {getattr(speed, k):g}' for k in FITTED), file=sys.stderr)
+            speed, names = fit(own, peer, SpeedParams())  # every card from the same start: Hopper's set
+            names += [k for k in FITTED if k in PINNED.get(GPUS[own[0][1]].peer or "", {})]
+            print(f"  {group}: " + ", ".join(f'"{k}": {getattr(speed, k):g}' for k in names), file=sys.stderr)
             r.update(ratios(shardc_cells(own, speed), peer))
     if not a.fit:
         r = ratios(shardc_cells(cells), peer)
@@ -324,7 +375,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="with --peer: concurrency 1, 16, 64 only")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="with --peer: the GPU presets to compare "
                     f"(default: every one with aiconfigurator data: {','.join(SYSTEMS)})")
+    ap.add_argument("--allreduce-tables", metavar="GPUS", help="write shardc/planner/allreduce_tables.py from "
+                    "aiconfigurator's measured vLLM all-reduce for these GPU presets (comma-separated)")
     a = ap.parse_args()
+    if a.allreduce_tables:
+        allreduce_tables(a.allreduce_tables.split(","))
+        return
     if a.peer:
         peer_main(a)
         return

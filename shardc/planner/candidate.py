@@ -169,6 +169,9 @@ def _speed(s: Search, c: Candidate) -> None:
     heads, attn = model.num_heads // tp, attn_flops(model)
     stages = [max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.read_bytes) for st in range(pp)]
     def allreduce(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
+        measured = gpu.allreduce_s(n, nbytes)
+        if measured is not None:  # the system's own measurement (GPU.allreduce), no link efficiency
+            return measured
         if link.name.startswith("nvlink"):
             return vllm_allreduce_s(n, nbytes, bandwidth, latency, sp.two_stage_us)
         return ring_allreduce_s(n, nbytes, bandwidth, latency)
@@ -186,8 +189,8 @@ def _speed(s: Search, c: Candidate) -> None:
             comp = ((d + p) * 2 * rw.linear_params + layers * heads * attn * (d * w.context + p * plen / 2)) / flops
             comm = 2 * layers * allreduce(tp, (d + p) * model.hidden_size * ACT_BYTES,
                                           link.bandwidth * sp.link_efficiency, link.latency)
-            if tp > 1:  # each all-reduce's launch and barrier, beyond the link's latency
-                comm += 2 * layers * sp.allreduce_overhead_us * 1e-6
+            if tp > 1 and gpu.allreduce_s(tp, 0) is None:  # each all-reduce's launch and barrier,
+                comm += 2 * layers * sp.allreduce_overhead_us * 1e-6  # in a measured one's latency already
             if st < pp - 1:
                 hop = link if cl.node_of(st * tp) == cl.node_of((st + 1) * tp) else cl.inter_node
                 comm += (d + p) * model.hidden_size * ACT_BYTES / (hop.bandwidth * sp.link_efficiency) + hop.latency

@@ -224,7 +224,7 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
          f"  compute: {b:g} x (2 x {rw.linear_params:,} params + {attn} x {w.context:,}) FLOP / "
          f"({gemm_flops(g, rate_dtype(s.model, c.dtype or '')) / 1e12:,.0f} TFLOP/s {'fp8' if rate_dtype(s.model, c.dtype or '') == 'fp8' and gemm_flops(g, 'fp8') > g.flops else '16-bit'}"
          f" x {_c_eff(sp, c, g, s.model):g}) = {v.compute_s * 1e3:.2f} ms",
-         _allreduce_words(link, tp, layers, b, m.hidden_size, sp)
+         _allreduce_words(g, tp, layers, b, m.hidden_size, sp)
          + (" + the hand-off to the next stage" if pp > 1 and v.stage < pp - 1 else "")
          + f" = {v.allreduce_s * 1e3:.2f} ms ({link.name if cl.nodes == 1 else link.name + '/' + cl.inter_node.name})",
          f"  fixed: {layers} layers x {sp.layer_overhead_us:g} us"
@@ -241,12 +241,16 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     return o + _explain_serving(s, c)
 
 
-def _allreduce_words(link: Any, tp: int, layers: int, b: float, hidden: int, sp: SpeedParams) -> str:
+def _allreduce_words(g: GPU, tp: int, layers: int, b: float, hidden: int, sp: SpeedParams) -> str:
     """The all-reduce term of --explain's step, with the kernel vLLM picks for this size
-    (formulas.vllm_allreduce_s) or the ring off NVLink."""
+    (formulas.vllm_allreduce_s), the system's measured all-reduce (GPU.allreduce) or the ring off NVLink."""
+    link, nbytes = g.link, b * hidden * 2
     size, bw = f"{b:g} x {hidden:,} x 2 B", f"({link.bandwidth / GB:,.0f} GB/s x {sp.link_efficiency:g})"
-    nbytes = b * hidden * 2
-    if not link.name.startswith("nvlink"):
+    measured = g.allreduce_s(tp, nbytes)
+    if measured is not None:
+        words = (f"{measured * 1e6:.1f} us (vLLM's all-reduce of {nbytes / 1024:,.0f} KiB as measured on {tp} "
+                 f"{g.name} GPUs, aiconfigurator 0.12)")
+    elif not link.name.startswith("nvlink"):
         words = f"[2({tp}-1)/{tp} x {size} / {bw} + 2({tp}-1) x {link.latency * 1e6:g} us] (ring)"
     elif vllm_allreduce_stages(tp, nbytes) == 1:
         words = (f"[({tp}-1) x {size} / {bw} + {link.latency * 1e6:g} us] (vLLM's one-stage custom all-reduce: "
@@ -254,7 +258,8 @@ def _allreduce_words(link: Any, tp: int, layers: int, b: float, hidden: int, sp:
     else:
         words = (f"[2({tp}-1)/{tp} x {size} / {bw} + 2 x {link.latency * 1e6:g} us + {sp.two_stage_us:g} us] "
                  f"(vLLM's two-stage custom all-reduce: {nbytes / 1024:,.0f} KiB on {tp} GPUs)")
-    over = f" + 2 x {layers} x {sp.allreduce_overhead_us:g} us launch" if tp > 1 and sp.allreduce_overhead_us else ""
+    over = (f" + 2 x {layers} x {sp.allreduce_overhead_us:g} us launch"
+            if tp > 1 and sp.allreduce_overhead_us and measured is None else "")
     return f"  all-reduce: 2 x {layers} layers x {words}{over}"
 
 

@@ -16,10 +16,12 @@ card without such data, or a preset given another fabric (``--fabric``), is labe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PlanError
+from .allreduce_tables import MEASURED
 
 GIB = 1 << 30
 GB = 10**9
@@ -78,6 +80,23 @@ class GPU:
     # the aiconfigurator 0.12 system whose measured vLLM tables the speed model was calibrated on
     # (scripts/bench_plan.py --peer); None: no measured data for this card, its figures are uncalibrated
     peer: str | None = None
+    # vLLM's TP all-reduce as measured on this system, where the link's formula does not follow it
+    # (allreduce_tables.MEASURED): GPUs -> ((message bytes, seconds), ...); empty: the formula
+    allreduce: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
+
+    def allreduce_s(self, n: int, nbytes: float) -> float | None:
+        """Seconds of one measured all-reduce of ``nbytes`` over ``n`` of these GPUs, interpolated linearly
+        between the measured sizes (the smallest's time below them, proportional beyond the largest);
+        None where nothing was measured for ``n``."""
+        pts = next((t for k, t in self.allreduce if k == n), None)
+        if pts is None:
+            return None
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in itertools.pairwise(pts):
+            if nbytes <= b1:
+                return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
+        return pts[-1][1] * nbytes / pts[-1][0]
 
     @property
     def nvlink(self) -> bool:
@@ -86,10 +105,15 @@ class GPU:
 
 def _gpu(name: str, memory: int, hbm_gbs: float, tflops: float, link: str, desc: str, *, domain: int = 8,
          peer: str | None = None, memory_from: str = "as CUDA reports it") -> GPU:
+    table = tuple(sorted(MEASURED.get(peer or "", {}).items()))
     return GPU(name, memory, hbm_gbs * GB, tflops * 1e12, INTERCONNECTS[link], desc, domain=domain, peer=peer,
-               memory_from=memory_from)
+               memory_from=memory_from, allreduce=table)
 
 
+# Measured all-reduce tables (allreduce_tables.py) for the systems the formula cannot follow. L40S servers
+# put the cards in pairs under PCIe switches: a pair reduces peer to peer, a wider group through the
+# host's root complex, whose bandwidth the whole group shares: a 4 MiB message takes 0.23 ms on 2 GPUs
+# and 1.65 ms on 4 (7.2x, where a ring's bandwidth term grows 1.5x).
 SMI = "as nvidia-smi reports it"  # Blackwell cards: aiconfigurator's figure, a little above CUDA's
 
 
@@ -145,14 +169,15 @@ CALIBRATED: dict[str, dict[str, float]] = {
     "gb300": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.61, "kv_hbm_efficiency": 0.73, "compute_efficiency": 0.85,
               "fp8_compute_efficiency": 0.38, "link_efficiency": 0.25, "layer_overhead_us": 35.2, "step_overhead_ms": 0,
               "allreduce_overhead_us": 5.6, "two_stage_us": 1.5, "fp8_single_token_us": 60.4},
-    # PCIe cards: all-reduces are NCCL rings, so two_stage_us (vLLM's custom all-reduce) is 0
+    # PCIe cards: no custom two-stage all-reduce, so two_stage_us is 0
     "rtx_pro_6000_server": {"hbm_efficiency": 0.83, "w8_hbm_efficiency": 0.75, "kv_hbm_efficiency": 0.74,
                             "compute_efficiency": 0.78, "fp8_compute_efficiency": 0.95, "link_efficiency": 0.35,
                             "layer_overhead_us": 0, "step_overhead_ms": 0.15, "allreduce_overhead_us": 0,
                             "two_stage_us": 0, "fp8_single_token_us": 2.2},
-    "l40s": {"hbm_efficiency": 0.7, "w8_hbm_efficiency": 0.75, "kv_hbm_efficiency": 0.95, "compute_efficiency": 0.95,
-             "fp8_compute_efficiency": 0.65, "link_efficiency": 0.15, "layer_overhead_us": 0, "step_overhead_ms": 0,
-             "allreduce_overhead_us": 0, "two_stage_us": 0, "fp8_single_token_us": 0},
+    # L40S: its all-reduce is measured (GPU.allreduce), so link_efficiency and allreduce_overhead_us stay
+    # Hopper's, unused by its TP; compute held at aiconfigurator's own L40S GEMM rates (bench_plan.PINNED)
+    "l40s": {"hbm_efficiency": 0.77, "w8_hbm_efficiency": 0.69, "kv_hbm_efficiency": 0.7, "compute_efficiency": 0.6,
+             "fp8_compute_efficiency": 0.45, "layer_overhead_us": 0, "step_overhead_ms": 0, "fp8_single_token_us": 2.9},
     # A100 has no fp8 tensor cores: its grid has bf16 cells only, so the 8-bit knobs stay Hopper's
     "a100_sxm": {"hbm_efficiency": 0.75, "kv_hbm_efficiency": 0.56, "compute_efficiency": 0.86, "link_efficiency": 0.26,
                  "layer_overhead_us": 42.6, "step_overhead_ms": 0, "allreduce_overhead_us": 7.0, "two_stage_us": 0},
@@ -160,7 +185,7 @@ CALIBRATED: dict[str, dict[str, float]] = {
 # The worst cell after that fit: max |shardc / aiconfigurator - 1| over the card's grid, TPOT and tokens/s per
 # GPU. Within CALIBRATION_TOLERANCE the card is calibrated; beyond it its figures are labelled approximate.
 WORST_CELL: dict[str, float] = {"a100_sxm": 0.07, "h100_sxm": 0.10, "h200_sxm": 0.10, "rtx_pro_6000_server": 0.12,
-                                "l40s": 0.33, "b200_sxm": 0.22, "b300_sxm": 0.12, "gb200": 0.14, "gb300": 0.17}
+                                "l40s": 0.06, "b200_sxm": 0.22, "b300_sxm": 0.12, "gb200": 0.14, "gb300": 0.17}
 CALIBRATION_TOLERANCE = 0.15
 
 
@@ -235,14 +260,14 @@ def override_gpu(
             raise PlanError(exc.message, key="fabric", hint=exc.hint) from None
         # the card's fitted kernel efficiencies still hold; its calibration label does not
         # (Cluster.worst_cell: the measured system had the preset's own fabric)
-        out = dataclasses.replace(out, link=link)
+        out = dataclasses.replace(out, link=link, allreduce=())  # measured on the preset's own fabric
     if memory is not None:
         out = dataclasses.replace(out, memory=memory, memory_from="as given")
     if hbm_bandwidth is not None:
         out = dataclasses.replace(out, hbm_bandwidth=hbm_bandwidth)
     if link_bandwidth is not None:
         link = dataclasses.replace(out.link, bandwidth=link_bandwidth)
-        out = dataclasses.replace(out, link=link)
+        out = dataclasses.replace(out, link=link, allreduce=())
     return out
 
 

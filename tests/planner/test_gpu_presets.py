@@ -98,3 +98,34 @@ def test_llama_70b_bf16_fits_one_b200_and_405b_fp8_one_b300():
     l405 = resolve_model("llama-3.1-405b")[0]
     s = search(l405, Cluster(get_gpu("b300")), Workload(max_model_len=8192), dtypes=["fp8"])
     assert s.recommended.label == "tp=2 pp=1 fp8"
+
+
+def test_l40s_all_reduces_as_measured_where_no_ring_does():
+    """L40S's TP all-reduce is aiconfigurator 0.12's measured vLLM table (allreduce_tables.MEASURED), read
+    at its points, linear between them, proportional beyond; a tp=4 step pays what the table says."""
+    g = get_gpu("l40s")
+    # measured points (message bytes -> s): 4 MiB on 2 GPUs 0.2294 ms, on 4 1.649 ms (7.2x; a ring: 1.5x)
+    assert g.allreduce_s(2, 4 << 20) == pytest.approx(0.2294e-3)
+    assert g.allreduce_s(4, 4 << 20) == pytest.approx(1.649e-3)
+    # halfway between 2 MiB (0.8408 ms) and 4 MiB on 4 GPUs: the mean; below the smallest: the smallest
+    assert g.allreduce_s(4, 3 << 20) == pytest.approx((0.8408e-3 + 1.649e-3) / 2)
+    assert g.allreduce_s(4, 8) == g.allreduce_s(4, 256) == pytest.approx(1.329e-5)
+    assert g.allreduce_s(2, 2 << 30) == pytest.approx(2 * 0.05595)  # beyond 1 GiB: proportional
+    assert g.allreduce_s(3, 4 << 20) is None  # not measured: the link's formula (a ring)
+    assert get_gpu("h200").allreduce_s(2, 4 << 20) is None  # Hopper: vLLM's kernel formula fits
+    # another fabric (or bandwidth) is not the system measured: the formula again
+    assert override_gpu(g, fabric="nvlink-bridge").allreduce_s(2, 4 << 20) is None
+    assert override_gpu(g, link_bandwidth=64e9).allreduce_s(2, 4 << 20) is None
+    # Llama-3.1-8B bf16 tp=4 at batch 1 on L40S: 2 x 32 layers x the 8 KiB row's measured 14.32 us
+    # (between 4 KiB 14.09 and 8 KiB 14.32), no link efficiency, no extra launch cost
+    model = resolve_model("llama-3.1-8b")[0]
+    c = search(model, Cluster(g), Workload(concurrency=1), dtypes=["bf16"], tps=[4], pps=[1]).candidates[0]
+    assert c.speed is not None
+    assert c.speed.allreduce_s == pytest.approx(2 * 32 * g.allreduce_s(4, 4096 * 2))
+    assert g.allreduce_s(4, 4096 * 2) == pytest.approx(1.432e-5)
+    # --explain names the measurement instead of a formula, and no launch cost on top
+    r = CliRunner().invoke(main, ["plan", "--model", "llama-3.1-8b", "--gpu", "l40s", "--tp", "4", "--dtype", "bf16",
+                                  "--explain"])
+    assert r.exit_code == 0, r.output
+    (words,) = [ln for ln in r.output.splitlines() if ln.strip().startswith("all-reduce:")]
+    assert "as measured on 4 l40s GPUs, aiconfigurator 0.12" in words and "launch" not in words
