@@ -67,8 +67,9 @@ def _exit_past_stuck_calls(code: int) -> None:
 
     if sys.stderr is sys.__stderr__ and any(t.name == "shardc-store-call" and t.is_alive()
                                             for t in threading.enumerate()):
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:  # None under pythonw-like hosts: nothing to flush
+                stream.flush()
         os._exit(code)
 
 

@@ -21,7 +21,7 @@ PKG = Path(shardc.__file__).resolve().parent
 # each other; planner uses layout only.
 LAYERS = {
     "shardc.version": 0, "shardc.errors": 0, "shardc.results": 0, "shardc.digests": 0,
-    "shardc.progress": 0,
+    "shardc.progress": 0, "shardc.units": 0,
     "shardc.layout": 1, "shardc.formats": 2, "shardc.compiler": 3, "shardc.verify": 4,
     "shardc.store": 5, "shardc.runtime": 5, "shardc.planner": 5,
     "shardc.commands": 6, "shardc.cli": 7,

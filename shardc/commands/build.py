@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
+from typing import Any
 
 import click
 
+from ..errors import ShardcError
 from ..formats.files import human_size
 from .options import endpoint_option, json_option, quiet_option
 
@@ -56,8 +59,21 @@ def build_cmd(plan_file, source, out_dir, manifests_dir, force, allow_pickle, up
         return
     from ..compiler.compile import build
 
-    result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
-                   allow_pickle=allow_pickle, manifests_dir=manifests_dir, replace=replace)
+    # The cyclic garbage collector finds next to nothing in a build, yet runs hundreds of times
+    # (mostly while numba loads; docs/performance.md §2): this process, the command's own, holds it
+    # until the build is done. The library leaves the interpreter's state to its caller.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        result = build(plan, out_dir, force=force, progress=show_progress(quiet) and not as_json,
+                       allow_pickle=allow_pickle, manifests_dir=manifests_dir, replace=replace)
+    except ShardcError as exc:
+        if source and exc.key == "model.source":  # the plan's field, which --source set
+            exc.key = "source"
+        raise
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     summary = result.summary()
     pushed = None
     if upload:
@@ -99,7 +115,7 @@ def _dry_run(plan, model_ref: str | None, as_json: bool) -> None:
     from .output import emit
 
     layout = build_layout(model_for_source(plan.source, model_ref), plan)
-    ranks = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
+    ranks: list[dict[str, Any]] = [{"file": r.file, "rank": r.rank, "tp_rank": r.tp_rank, "pp_stage": r.pp_stage,
               "layers": list(r.layers), "tensors": len(r.tensors), "bytes": r.nbytes,
               "file_bytes": shard_file_size(layout, r)} for r in layout.ranks]
     emit({"plan": plan.name, "plan_sha256": plan.sha256, "effective_plan_sha256": plan.effective_sha256,

@@ -10,6 +10,7 @@ names a field (``rank``, ``tp_rank``, the planner's ``block_size``); it never na
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 # command: a field is shown as the flag only where the running command has that flag (flag_for).
 FLAGS = {
     "rank": "--rank", "tp_rank": "--tp-rank", "pp_stage": "--pp-stage", "source": "--source",
-    "reference": "--reference", "deep": "--deep",
+    "reference": "--reference", "deep": "--deep", "out": "--out", "max_shard_size": "--max-shard-size",
+    "replace": "--replace", "force": "--force", "dequantize": "--dequantize", "allow_pickle": "--allow-pickle",
     # shardc plan's inputs (the planner's errors, and `field` mentions in its hints and warnings)
     "model": "--model", "gpu": "--gpu", "gpus_per_node": "--gpus-per-node", "nodes": "--nodes",
     "dtype": "--dtype", "kv_dtype": "--kv-dtype", "max_model_len": "--max-model-len",
@@ -71,22 +73,29 @@ def emit(result: Any, as_json: bool, text: Callable[[], Iterable[str]] | None = 
             click.echo(line, err=isinstance(line, Stderr))
 
 
+_FIELD = re.compile(r"`([a-z_]+)`")
+
+
+def in_flags(text: str, command: click.Command | None = None) -> str:
+    """The library's words in the command line's: a `field` (the library quotes the fields of its
+    calls in backticks) becomes the flag that sets it where ``command`` has one; other text stays."""
+    return _FIELD.sub(lambda m: flag_for(m.group(1), command) or m.group(0), text)
+
+
 def error_line(exc: ShardcError, command: click.Command | None = None) -> str:
     """The one line the CLI prints for an expected error, in the command line's words (a message
     quoting another library's multi-line text is folded onto the line)."""
-    flag = flag_for(exc.key, command)
-    if flag is not None:
-        text = f"{flag}: {exc.message}"
-        text = f"{text} (hint: {exc.hint})" if exc.hint else text
-    else:
-        text = exc.one_line()
+    key = (flag_for(exc.key, command) or exc.key) if exc.key is not None else None
+    text = in_flags(exc.message if key is None else f"{key}: {exc.message}", command)
+    text = f"{text} (hint: {in_flags(exc.hint, command)})" if exc.hint else text
     return " ".join(text.splitlines())
 
 
 def error_object(exc: ShardcError, command: click.Command | None = None) -> dict[str, Any]:
     """An expected error as data, for ``--json``: what the one line says, field by field."""
     key = (flag_for(exc.key, command) or exc.key) if exc.key is not None else None
-    return {"error": exc.message, "key": key, "hint": exc.hint, "exit": exc.exit_code}
+    return {"error": in_flags(exc.message, command), "key": key,
+            "hint": in_flags(exc.hint, command) if exc.hint else exc.hint, "exit": exc.exit_code}
 
 
 def chosen_ranks(rank: list[int] | tuple[int, ...] | int | None, tp_rank: int | None,

@@ -9,7 +9,6 @@ field-to-flag table (output.py ``FLAGS``) maps them to this command's flags. Not
 from __future__ import annotations
 
 import os
-import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -19,15 +18,14 @@ import click
 from ..errors import PlanError, ShardcError
 from ..formats.files import write_atomic
 from ..layout.model import PRESETS
+from ..units import parse_size
 from .options import json_option
-from .output import flag_for
-
-_FIELD = re.compile(r"`([a-z_]+)`")
+from .output import flag_for, in_flags
 
 
 def flags(text: str) -> str:
     """`field` -> its flag, in a hint, a warning or a report line (unknown names are left alone)."""
-    return _FIELD.sub(lambda m: flag_for(m.group(1), plan_cmd) or m.group(0), text)
+    return in_flags(text, plan_cmd)
 
 
 def _as_flags(exc: ShardcError, key: str | None = None) -> ShardcError:
@@ -35,26 +33,6 @@ def _as_flags(exc: ShardcError, key: str | None = None) -> ShardcError:
     exc.key = key or flag_for(exc.key, plan_cmd) or exc.key
     exc.hint = flags(exc.hint) if exc.hint else exc.hint
     return exc
-
-_UNITS = {"": 1 << 30, "b": 1, "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20,
-          "gib": 1 << 30, "gi": 1 << 30, "tib": 1 << 40, "ti": 1 << 40, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9, "tb": 10**12}
-_MAX_SIZE = 1 << 50
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str, *, allow_zero: bool = False) -> float:
-    """'20GiB', '5.63 GiB', '512MiB', '80GB'; a bare number is GiB (like kv_cache_cap_gb in plans)."""
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in _UNITS or float(m.group(1)) < 0 or (float(m.group(1)) == 0 and not allow_zero):
-        raise ValueError("must be a positive size such as 20GiB, 5.63GiB, 512MiB or 80GB")
-    size = float(m.group(1)) * _UNITS[unit]
-    if size > _MAX_SIZE:  # no GPU, cache or budget this planner sizes is a PiB: a unit was dropped
-        bare = " (a bare number is GiB: write bytes with a B, as 80000000000B)" if not unit else ""
-        raise ValueError(f"must be at most 1 PiB{bare}")
-    return size
-
 
 class _Flag(click.ParamType):
     """A value parser whose failures are PlanErrors naming the flag (one line, exit 2)."""
@@ -115,7 +93,7 @@ def _param(text: str) -> tuple[str, float]:
             raise ValueError("allow_long_context must be 0 or 1")
         return name, int(value)
     if name in Overheads.__dataclass_fields__:
-        return name, int(parse_size(value, allow_zero=True))
+        return name, parse_size(value, allow_zero=True)
     number = float(value)
     if number <= 0 or (name == "max_memory_fraction" and number > 1):
         raise ValueError(f"{name} must be positive" + (" and at most 1" if name == "max_memory_fraction" else ""))
@@ -308,7 +286,7 @@ def _plan(model_ref: str, gpu_name: str | None, gpus_per_node: int | None, gpus:
         target_tpot_ms=target_tpot_ms, price_per_gpu_hour=price_per_gpu_hour,
         demand_tokens_per_s=demand_tokens_per_s, lora_adapters=lora_adapters or 0, lora_rank=lora_rank or 0,
     )
-    over = Overheads(**{k: v for k, v in named.items() if k in Overheads.__dataclass_fields__})
+    over = Overheads(**{k: int(v) for k, v in named.items() if k in Overheads.__dataclass_fields__})
     speed = speed_for(gpu, **{k: v for k, v in named.items() if k in SpeedParams.__dataclass_fields__})
     result = search(model, cluster, workload, dtypes=None if dtype == "auto" else [dtype], tps=tps or None,
                     pps=pps or None, overheads=over, speed=speed, model_name=name, source=source,

@@ -92,11 +92,15 @@ Examples:
 @json_option
 def export_cmd(manifest_ref, out_dir, max_shard_size, replace, endpoint_url, quiet, as_json) -> None:
     """Write a build as one Hugging Face checkpoint: model-0000i-of-0000n.safetensors + index."""
-    from ..compiler.export import export, parse_size
+    from ..compiler.export import export
     from ..store.reshard_input import open_input
-    from .output import emit
+    from ..units import parse_size
+    from .output import UsageError, emit
 
-    limit = parse_size(max_shard_size)
+    try:
+        limit = parse_size(max_shard_size)
+    except ValueError as exc:
+        raise UsageError(f"{exc}, found {max_shard_size!r}", key="--max-shard-size") from None
     inp = open_input(manifest_ref, endpoint_url=endpoint_url, spool_parent=out_dir.parent)
     res = export(inp, out_dir, max_shard_size=limit, replace=replace)
     emit(res, as_json, lambda: [

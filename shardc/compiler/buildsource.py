@@ -120,7 +120,7 @@ class BuildSource:
                 for st in squant.stored(name):
                     if st.suffix and not st.value:
                         self.tensors[name + st.suffix] = TensorInfo("", st.dtypes[0], st.shape(shapes[name]))
-        self._offsets: dict[str, dict[str, tuple[int, str, list[int]]]] = {}
+        self._offsets: dict[str, dict[str, tuple[int, str, list[int], int]]] = {}
         self._rank_of = {rl.file: rl for rl in self.in_layout.ranks}
         self._lock = threading.Lock()
 
@@ -142,8 +142,9 @@ class BuildSource:
         """Nothing to hold: the input's files are opened ``O_NOFOLLOW`` and hashed (``confirm``)."""
         yield
 
-    def view(self, name: str) -> np.ndarray:
-        """The whole 16-bit tensor (or, with --dequantize, q * scale in fp32)."""
+    def view(self, name: str) -> np.ndarray | Tiles:
+        """The whole 16-bit tensor (or, with `dequantize`, q * scale in fp32); speculative, the input
+        ranks' pieces side by side where they are mapped (Tiles), put together only where cut."""
         if name in self.in_quant:
             if not self.dequantize:  # check_dtypes refused such plans; a bug if we get here
                 raise AssertionError(f"{name} is quantized in the input build")
@@ -151,7 +152,7 @@ class BuildSource:
             return np.multiply(q, scale, dtype=np.float32)  # as the runtime dequantizes: fp32 q * s
         return self._assemble_stored(name, "weight", tiles=self._speculative)
 
-    def dense(self, name: str) -> np.ndarray:
+    def dense(self, name: str) -> np.ndarray | Tiles:
         """``view`` (a stored quantization is QuantizedSource's to dequantize: ``as_source``)."""
         return self.view(name)
 
@@ -184,6 +185,7 @@ class BuildSource:
         """int8's X.weight_shape holds what the input's Layout says (the unpacked [out, in] of
         each rank's slice): a file whose packed values would be read at another width is refused."""
         for p in self.pieces.get((name, "shape"), []):
+            assert p.spec.value is not None  # X.weight_shape's contents are in the Layout
             got = self._read(p).tolist()
             if got != list(p.spec.value):
                 raise VerifyMismatch(f"tensor {p.spec.name} of {p.file} is {got}, the input layout says "
@@ -193,6 +195,7 @@ class BuildSource:
         """The full tensor from its pieces, int8 unpacked. One distinct piece without padding is
         returned as a mapped view (no copy); replicas of a piece must be byte-identical."""
         a = self._assemble_stored(name, role)
+        assert isinstance(a, np.ndarray)  # no tiles asked for
         if not self.pieces[(name, role)][0].spec.pack:
             return a
         self._check_values(name)  # same files as the packed pieces: checked by _assemble_stored
@@ -222,7 +225,8 @@ class BuildSource:
             if p.spec.dim is None or a.shape == shape:
                 return a
         if tiles and pack == 1:
-            parts = sorted((p.spec.start, p.spec.stop, a) for p, a in distinct.values())
+            # split pieces (dim set below) carry their bounds
+            parts = sorted((p.spec.start or 0, p.spec.stop or 0, a) for p, a in distinct.values())
             dim = next(iter(distinct.values()))[0].spec.dim
             if dim is not None and _covers(parts, shape[dim]):
                 return Tiles(shape, parts[0][2].dtype, dim, tuple(parts))
@@ -231,10 +235,12 @@ class BuildSource:
         for p, a in distinct.values():
             if p.spec.dim is None:
                 raise ManifestError(f"tensor {name} is both whole and split in the input build")
+            assert p.spec.start is not None and p.spec.stop is not None  # a split piece has its bounds
             per = pack if p.spec.dim == 1 else 1  # packed: start/stop count source columns
             out[(slice(None),) * p.spec.dim + (slice(p.spec.start // per, p.spec.stop // per),)] = a
             covered += p.spec.stop - p.spec.start
         dim = next(iter(distinct.values()))[0].spec.dim
+        assert dim is not None  # the loop above refused whole pieces
         if covered != self.tensors[name].shape[dim]:
             raise ManifestError(f"the input ranks do not cover tensor {name} exactly")
         return out
@@ -353,7 +359,7 @@ def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set
                     f"the input build holds {t.source} as {held}; a {out.plan.dtype} plan needs it as "
                     f"{want}, which means dequantizing (lossy)",
                     key="replica_group.dtype",
-                    hint=f"reshard to dtype {held} (exact), or pass --dequantize to accept the loss",
+                    hint=f"reshard to dtype {held} (exact), or give `dequantize` to accept the loss",
                 )
             lossy.add(t.source)
     return lossy

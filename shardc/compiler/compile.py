@@ -9,7 +9,6 @@ and gets a small ``.done`` record so a killed build resumes; manifest.json is wr
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +57,7 @@ class BuildResult:
     def summary(self) -> dict[str, Any]:
         """Machine-readable summary for --json."""
         m = self.manifest
+        assert m is not None  # set by the time a build returns its result
         return {
             "plan": m.name,
             "plan_sha256": m.plan_sha256,
@@ -117,8 +117,7 @@ def build(
     record in ``manifests_dir``, is replaced only with ``replace``; files that are not a build never."""
     t0 = time.perf_counter()
     if source is None:  # reshard passes an input build as the source
-        checkpoint = open_source(plan.source, allow_pickle=allow_pickle,
-                                 key="source" if "model.source" in plan.overrides else "model.source")
+        checkpoint = open_source(plan.source, allow_pickle=allow_pickle)
         checkpoint.uri = plan.source_uri
         model = model_from_config(checkpoint.config)
         source = with_quantization(checkpoint, model)  # a quantized checkpoint: read by its format
@@ -138,10 +137,6 @@ def build(
         raise SourceError(f"cannot create output directory {out}: {exc.strerror}") from None
     lock = take_lock(out, busy=f"another shardc build is writing to {out}", busy_hint="wait for it to finish",
                      open_hint="build into a writable directory you own (--out DIR)")  # for the whole build
-    # The cyclic garbage collector finds next to nothing in a build, yet runs hundreds of times
-    # (mostly while numba loads; docs/performance.md §2): it waits until the build is done.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
     try:
         # A rebuild killed while switching its files in left a journal: finish that switch before
         # anything looks at the directory (up-to-date check, temp cleanup), whatever this plan is.
@@ -152,8 +147,6 @@ def build(
             run.result.finished_switch = finished
             return _run(run)
     finally:
-        if gc_was_enabled:
-            gc.enable()
         os.close(lock)
 
 
@@ -324,6 +317,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
 
 
 def _finish(run: BuildRun) -> BuildResult:
+    assert run.result.manifest is not None  # written (or found up to date) before the finish
     copy_manifest(run.result.manifest, run.manifests_dir)
     run.result.seconds = time.perf_counter() - run.t0
     return run.result

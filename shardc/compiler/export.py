@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import time
 from collections.abc import Iterator
@@ -49,20 +48,6 @@ from .materialize import Materializer, stream_region
 from .outdir import HF_FILE, check_export_dir
 from .outputs import INDEX, TOKENIZER_FILES, output_config
 from .sources import Source
-
-DEFAULT_MAX_SHARD = "5GB"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20 (decimal and binary units, as transformers reads them)."""
-    m = _SIZE.match(str(text))
-    if not m or float(m.group(1)) <= 0:
-        raise ManifestError(f"--max-shard-size {text!r} is not a size", key="max_shard_size",
-                            hint="use a number with a unit: 5GB, 500MB, 2GiB")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
 
 
 def export_plan(manifest: Manifest):
@@ -139,6 +124,9 @@ def export(inp: BuildInput, out_dir: str | Path, *, max_shard_size: int = 5 * 10
     ``replace`` (``compiler/outdir.py``)."""
     t0 = time.perf_counter()
     try:
+        if max_shard_size < 1:
+            raise PlanError(f"must be at least 1 byte, found {max_shard_size}", key="max_shard_size",
+                            hint="5GB is 5 * 10**9, transformers' default")
         plan = export_plan(inp.manifest)
         layout = build_layout(model_from_config(inp.manifest.config), plan)
         build_source = BuildSource(inp, layout)
@@ -172,7 +160,7 @@ def _refuse_input_dir(out: Path, inp: BuildInput) -> None:
             pass
     if same:
         raise PlanError(f"the output directory {out} is the input build's own directory",
-                        key="--out", hint="export into another directory")
+                        key="out", hint="export into another directory")
 
 
 @contextmanager
@@ -185,7 +173,7 @@ def _locked(out: Path) -> Iterator[None]:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise OutputError(f"cannot create the output directory {out}: {exc.strerror or exc}",
-                          hint="export into a writable directory (--out DIR)") from None
+                          hint="export into a writable directory (`out`)") from None
     try:
         lock = take_lock(out, busy=f"another shardc export or build is writing to {out}",
                          busy_hint="wait for it to finish, or export into another directory",
@@ -219,7 +207,7 @@ def _export_locked(inp: BuildInput, source: Source, layout, out: Path,
     files written and their total bytes."""
     if os.path.lexists(out / "manifest.json") or os.path.lexists(out / SWITCH_JOURNAL):
         raise PlanError(f"the output directory {out} holds a shardc build, which the export would break",
-                        key="--out", hint="export into another directory")
+                        key="out", hint="export into another directory")
     try:
         for stale in temp_files(out):  # left by a killed run (the lock says none is running)
             if stale.is_symlink() or not stale.is_dir():  # a directory is not one of our files

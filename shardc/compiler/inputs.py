@@ -117,7 +117,7 @@ class Spool:
             self.path, self._fd = _locked_dir(self.parent)
         except OSError as exc:
             raise OutputError(f"cannot create a temporary directory for the input in {self.parent}: "
-                              f"{exc.strerror or exc}", hint="free space or pick a writable --out") from None
+                              f"{exc.strerror or exc}", hint="free space or pick a writable `out`") from None
 
     def close(self) -> None:
         """Remove the directory (still holding its lock, so no other run sees it half gone)."""

@@ -41,7 +41,7 @@ class Leases:
     def broken(self, name: str) -> bool:
         """Whether another process is waiting to truncate or write ``name``."""
         fd = self.fds.get(name)
-        if fd is None:
+        if fd is None or _F_GETLEASE is None:  # no lease taken (not Linux: none can be)
             return False
         try:
             return fcntl.fcntl(fd, _F_GETLEASE) != fcntl.F_RDLCK

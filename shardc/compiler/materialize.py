@@ -35,6 +35,7 @@ def region(full: np.ndarray | Tiles, spec: TensorSpec) -> np.ndarray:
         return np.concatenate([region(full, p) for p in spec.split_pieces()])
     if spec.dim is None:
         return full
+    assert spec.start is not None and spec.stop is not None  # a cut along ``dim`` has its bounds
     p = (spec.pack or 1) if spec.dim == 1 else 1  # packed: ``pack`` source columns per element
     return full[(slice(None),) * spec.dim + (slice(spec.start // p, spec.stop // p),)]
 
@@ -78,8 +79,9 @@ def stream_region(writer: ShardWriter, full: np.ndarray, spec: TensorSpec) -> No
 
 def _stream_rows(writer: ShardWriter, full: np.ndarray | Tiles, spec: TensorSpec) -> None:
     if isinstance(full, Tiles):
-        lo = [spec.start if spec.dim == i else 0 for i in range(len(full.shape))]
-        shape = tuple(spec.stop - spec.start if spec.dim == i else n for i, n in enumerate(full.shape))
+        start, stop = spec.start or 0, spec.stop or 0  # read only along ``dim``, where both are set
+        lo = [start if spec.dim == i else 0 for i in range(len(full.shape))]
+        shape = tuple(stop - start if spec.dim == i else n for i, n in enumerate(full.shape))
     else:
         part = region(full, spec)
         shape = part.shape
@@ -146,8 +148,8 @@ class Materializer:
         if spec.value is not None:  # X.weight_shape: its contents are in the Layout
             return np.asarray(spec.value, np.int64)
         key = (spec.source, spec.quant)
-        if spec.quant and self.queue is not None and not self.source.holds_quantized(*key):
-            q, scale = self.queue.get(key)
+        if spec.quant and self.queue is not None and not self.source.holds_quantized(spec.source, spec.quant):
+            q, scale = self.queue.get((spec.source, spec.quant))
             return scale if spec.scale_of else q
         if key != self._key:
             self._value = None  # release the previous tensor before reading the next

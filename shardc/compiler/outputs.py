@@ -175,7 +175,7 @@ def check_space(out: Path, layout: Layout, replacing: bool = False) -> None:
         kept = "; the build already there stays until the new one is complete" if replacing else ""
         raise OutputError(
             f"{out} has {human_size(free)} free but this plan's shards need {human_size(need)} more{kept}",
-            hint="free space, or build elsewhere with --out DIR",
+            hint="free space, or build elsewhere (`out`)",
         )
 
 

@@ -66,7 +66,7 @@ def reshard(
         out = Path(out_dir) if out_dir else Path("build") / plan.name
         if out.resolve() == inp.directory.resolve():
             raise PlanError(f"the output directory {out} is the input build's own directory",
-                            key="--out", hint="reshard into another directory")
+                            key="out", hint="reshard into another directory")
         existed = out.exists()
         source = BuildSource(inp, layout, dequantize=dequantize, speculative=True)
         # config and tokenizer files: only those the input lists, copied as they were hashed (small:

@@ -275,17 +275,17 @@ def _resolve_hf(uri: str) -> tuple[Path, str]:
                 raise SourceError(f"cannot fetch {uri}: the hub is not reachable from here and no "
                                   "snapshot of it is in the local Hugging Face cache",
                                   hint="download it where the hub is reachable (hf download REPO "
-                                       "--local-dir DIR) and build with --source DIR") from None
+                                       "--local-dir DIR) and build from that directory (`source`)") from None
             detail = " ".join(str(exc).split())  # the hub's messages span lines; ours is one
             raise SourceError(f"cannot fetch {uri}: {detail[:300]}",
                               hint="check the repo id, revision and HF_TOKEN") from None
     return Path(path), Path(path).name  # snapshot dirs are named by commit hash
 
 
-def open_source(uri: str, *, allow_pickle: bool = False, key: str = "model.source") -> CheckpointSource:
-    """Resolve a source URI and index its tensors (headers only; no tensor data is read).
-    ``key``: where the URI came from, for errors (``source`` when the command line overrode the
-    plan's ``model.source``)."""
+def open_source(uri: str, *, allow_pickle: bool = False) -> CheckpointSource:
+    """Resolve a source URI and index its tensors (headers only; no tensor data is read). Errors
+    are keyed ``model.source``, the plan's field, wherever the URI came from: a caller that
+    overrode it (``Plan.with_source``) names its own flag."""
     revision = None
     if uri.startswith("hf://"):
         directory, revision = _resolve_hf(uri)
@@ -299,10 +299,9 @@ def open_source(uri: str, *, allow_pickle: bool = False, key: str = "model.sourc
     else:
         directory = Path(uri.removeprefix("file://"))
     if not directory.is_dir():
-        hint = ("pass --source a checkpoint directory that exists" if key == "source"
-                else "run scripts/setup_demo.py for the demo model" if ".cache/demo" in str(directory)
-                else "fix model.source in the plan, or pass --source DIR")
-        raise SourceError(f"source directory {directory} does not exist", key=key, hint=hint)
+        hint = ("run scripts/setup_demo.py for the demo model" if ".cache/demo" in str(directory)
+                else "give a checkpoint directory that exists")
+        raise SourceError(f"source directory {directory} does not exist", key="model.source", hint=hint)
     config = read_config(directory / "config.json", SourceError)
 
     files = _weight_files(directory)
@@ -313,13 +312,13 @@ def open_source(uri: str, *, allow_pickle: bool = False, key: str = "model.sourc
             raise SourceError(f"no *.safetensors files in {directory}", key="model.source")
         if uri.startswith("hf://"):  # README: from the hub, only safetensors are ever read
             raise SourceError(f"{uri} holds only pickled .bin weights; shardc reads only safetensors "
-                              "from the hub, even with --allow-pickle", key="model.source",
+                              "from the hub, even with `allow_pickle`", key="model.source",
                               hint="use a revision with safetensors weights, or download the repo and "
-                                   "pass its directory with --allow-pickle")
+                                   "give its directory with `allow_pickle`")
         if not allow_pickle:
             raise SourceError(
                 f"{directory} holds only pickled .bin weights, which can run code when loaded",
-                hint="convert to safetensors, or pass --allow-pickle to load them with weights_only=True",
+                hint="convert to safetensors, or give `allow_pickle` to load them with weights_only=True",
             )
         files, pickled = bins, True
     stamps = {}

@@ -19,6 +19,7 @@ from ..layout.ranks import Layout
 from ..layout.sourcequant import SourceQuantization, detect_source
 from ..layout.tensors import source_tensors
 from .sources import Source, TensorInfo
+from .tiles import Tiles
 
 
 class QuantizedSource:
@@ -62,14 +63,15 @@ class QuantizedSource:
         with self.inner.guard():
             yield
 
-    def view(self, name: str) -> np.ndarray:
+    def view(self, name: str) -> np.ndarray | Tiles:
         return self.inner.view(name)
 
-    def dense(self, name: str) -> np.ndarray:
+    def dense(self, name: str) -> np.ndarray | Tiles:
         """``view``, or a quantized weight's float32 dequantization by its format's reference."""
         if name not in self.squant_shapes:
             return self.inner.dense(name)
-        return self.squant.dequantize(name, self.squant_shapes[name], self.inner.view)
+        # the format's reference reads arrays (np.asarray: the same object for one; Tiles put together)
+        return self.squant.dequantize(name, self.squant_shapes[name], lambda n: np.asarray(self.inner.view(n)))
 
     def holds_quantized(self, name: str, scheme: str) -> bool:
         return self.inner.holds_quantized(name, scheme)
@@ -138,8 +140,8 @@ def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, .
                 raise SourceError(f"tensor {tname!r} has shape {list(info.shape)}, but weight {name} "
                                   f"{list(full)} with {sq.label} implies {list(want)}",
                                   hint="the checkpoint does not match its quantization_config (weight_block_size?)")
-            if st.value and src.view(tname).tolist() != list(full):  # X.weight_shape: what unpacking reads
-                raise SourceError(f"tensor {tname!r} holds {src.view(tname).tolist()}, but weight {name} is "
+            if st.value and np.asarray(src.view(tname)).tolist() != list(full):  # X.weight_shape: what unpacking reads
+                raise SourceError(f"tensor {tname!r} holds {np.asarray(src.view(tname)).tolist()}, but weight {name} is "
                                   f"{list(full)}", hint="the checkpoint does not match its config.json")
             out[tname] = want
     for name in expected:  # a weight the table keeps 16-bit, stored quantized (a quantized lm_head)

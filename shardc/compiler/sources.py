@@ -26,6 +26,7 @@ import numpy as np
 from ..formats.manifest import SourceRecord
 from ..layout.model import ModelSpec
 from ..layout.sourcequant import SourceQuantization
+from .tiles import Tiles
 
 
 @dataclass(frozen=True)
@@ -44,11 +45,27 @@ class Source(Protocol):
 
     uri: str  # as the plan (or the command line) wrote it: recorded in the manifest
     directory: Path  # where config.json and the tokenizer files are copied from
-    config: dict[str, Any]  # the model's config.json
-    tensors: Mapping[str, TensorInfo]  # every tensor the source holds, by name
-    # a quantized source's format and the [out, in] of each weight it stores quantized (None / empty otherwise)
-    squant: SourceQuantization | None
-    squant_shapes: Mapping[str, tuple[int, ...]]
+
+    # read-only to the compiler (a wrapper such as QuantizedSource passes its inner source's on)
+    @property
+    def config(self) -> dict[str, Any]:
+        """The model's config.json."""
+        ...
+
+    @property
+    def tensors(self) -> Mapping[str, TensorInfo]:
+        """Every tensor the source holds, by name."""
+        ...
+
+    @property
+    def squant(self) -> SourceQuantization | None:
+        """A quantized source's format (None otherwise)."""
+        ...
+
+    @property
+    def squant_shapes(self) -> Mapping[str, tuple[int, ...]]:
+        """The [out, in] of each weight a quantized source stores quantized (empty otherwise)."""
+        ...
 
     def check(self, model: ModelSpec, quantized: Source | None = None) -> None:
         """Refuse (SourceError) a source that is not ``model``'s before a byte is written.
@@ -59,11 +76,12 @@ class Source(Protocol):
         """Held while the build maps the source's bytes (a truncated file: an error, not SIGBUS)."""
         ...
 
-    def view(self, name: str) -> np.ndarray:
-        """The tensor as stored, read-only (a mapped view where it can be)."""
+    def view(self, name: str) -> np.ndarray | Tiles:
+        """The tensor as stored, read-only (a mapped view where it can be; a reshard's input ranks
+        side by side, where they are mapped: Tiles)."""
         ...
 
-    def dense(self, name: str) -> np.ndarray:
+    def dense(self, name: str) -> np.ndarray | Tiles:
         """``view``, or a quantized weight dequantized by its format's reference."""
         ...
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -50,7 +51,7 @@ def write_stage(
                 # source views and quantized tensors, so the per-rank work spreads over the cores
                 futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], mat.full(spec), spec, bar))
             if first.quant and last[(first.source, first.quant)] == i:
-                _when_all(futures, lambda spec=first: mat.release(spec))
+                _when_all(futures, functools.partial(mat.release, first))
             pending.append((first.nbytes, futures))
             while len(pending) > 1 and sum(n for n, _ in pending) > budget:
                 for f in pending.pop(0)[1]:

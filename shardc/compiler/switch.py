@@ -38,7 +38,7 @@ MANIFEST = "manifest.json"
 FORMAT = "shardc-switch"
 JOURNAL_LIMIT = 4 << 20  # a few hundred bytes per file; a 4096-rank build stays far below
 NAME_MAX = 255  # bytes in one directory entry's name (Linux): a longer name is none of ours
-_FIX = "delete it and rebuild (shardc build PLAN --out DIR --force)"
+_FIX = "delete it and rebuild (`force`)"
 
 
 def write_journal(out: Path, staged: dict[Path, Path], manifest: Path,
@@ -53,9 +53,10 @@ def write_journal(out: Path, staged: dict[Path, Path], manifest: Path,
     if problem := _unswitchable(out, renames, remove):
         raise OutputError(f"cannot switch the new build into {out}: its switch {problem}",
                           hint="remove or rename it, then rerun; the build already there is untouched")
-    journal = {"format": FORMAT, "version": 1, "renames": renames, "remove": sorted(remove)}
+    removed = sorted(remove)
+    journal = {"format": FORMAT, "version": 1, "renames": renames, "remove": removed}
     write_atomic(out / SWITCH_JOURNAL, canonical_json(journal))  # fsyncs the file and the directory
-    return renames, journal["remove"]
+    return renames, removed
 
 
 def finish_switch(out: Path) -> bool:

@@ -83,6 +83,7 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     model = model_from_config(config)
     dtype_name = from_torch_name(model.torch_dtype)
+    assert dtype_name is not None, model.torch_dtype  # the configs this writes name a torch dtype
     tdtype = getattr(torch, torch_name(dtype_name))
     tensors = source_tensors(model)
     groups = [tensors[i::num_files] for i in range(num_files)] if num_files > 1 else [tensors]

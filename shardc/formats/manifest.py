@@ -324,4 +324,4 @@ def interrupted_switch(directory: str | Path) -> ManifestError | None:
     if os.path.lexists(directory / "manifest.json") or not os.path.lexists(directory / SWITCH_JOURNAL):
         return None
     return ManifestError(f"{directory} has no manifest.json: a rebuild was interrupted while switching its files in",
-                         hint=f"rerun the build into it (any shardc build --out {directory}): it finishes the switch first")
+                         hint=f"rerun a build into it (any plan, `out` {directory}): it finishes the switch first")

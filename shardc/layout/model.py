@@ -321,6 +321,6 @@ def model_for_source(source: str, override: str | None = None) -> ModelSpec:
             return load_model(HUB_PRESETS[repo])
         raise ModelError(
             f"no built-in preset for {source}",
-            hint=f"pass --model with a preset ({', '.join(sorted(PRESETS))}) or a config.json",
+            hint=f"give `model` a preset ({', '.join(sorted(PRESETS))}) or a config.json",
         )
     return load_model(source.removeprefix("file://"))

@@ -248,8 +248,8 @@ def data_sha256(data: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json(data)).hexdigest()
 
 
-# Plan keys a command line may override (dotted paths into the plan), and the flag that does it.
-OVERRIDABLE = {"model.source": "--source"}
+# Plan keys a command line may override (dotted paths into the plan): `shardc build --source`.
+OVERRIDABLE = ("model.source",)
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, str]) -> dict[str, Any]:

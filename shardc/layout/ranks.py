@@ -204,7 +204,7 @@ class Layout:
             t, p = pairs[0]
             raise LayoutError(f"tp_rank={t} pp_stage={p} names {self.plan.dp} ranks of this plan "
                               f"(dp_degree={self.plan.dp})", key="rank",
-                              hint=f"pass --rank R, one of 0..{world - 1}")
+                              hint=f"give `rank` one of 0..{world - 1}")
         chosen = {}
         for r in ranks:
             if not 0 <= r < world:

@@ -46,11 +46,11 @@ def open_deep(ref: str, layout: Layout) -> Source | str:
                 inp.close()
                 return problem
             return BuildSource(inp, layout, dequantize=True).as_source()
-        checkpoint = open_source(ref, key="deep")
+        checkpoint = open_source(ref)
     except ShardcError as exc:
-        if exc.key in (None, "model.source", "source"):  # the reference, not a plan's source
+        if exc.key in (None, "model.source"):  # the reference, not a plan's source
             exc.key = "deep"
-            if exc.hint is None or "--source" in exc.hint or "model.source" in exc.hint:
+            if exc.hint is None:
                 exc.hint = DEEP_HINT
         raise
     problem = other_model(ref, checkpoint.config, layout.model)

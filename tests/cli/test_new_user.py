@@ -87,7 +87,7 @@ def test_offline_hub_source_is_one_line(tmp_path):
     assert one_line(r) == (
         "error: cannot fetch hf://nobody/nothing: the hub is not reachable from here and no snapshot of it "
         "is in the local Hugging Face cache (hint: download it where the hub is reachable (hf download "
-        "REPO --local-dir DIR) and build with --source DIR)")
+        "REPO --local-dir DIR) and build from that directory (--source))")
     assert not (tmp_path / "o").exists()
 
 
@@ -96,11 +96,11 @@ def test_a_missing_source_directory_names_the_flag_or_the_plan_key(small, tmp_pa
     r = shardc("build", plan, "--source", tmp_path / "nowhere", "--out", tmp_path / "o")
     assert r.returncode == 2
     assert one_line(r) == (f"error: --source: source directory {tmp_path / 'nowhere'} does not exist "
-                           "(hint: pass --source a checkpoint directory that exists)")
+                           "(hint: give a checkpoint directory that exists)")
     gone = _plan(tmp_path, "gone", tmp_path / "gone-src")
     r = shardc("build", gone, "--out", tmp_path / "o")
     assert one_line(r) == (f"error: model.source: source directory {tmp_path / 'gone-src'} does not exist "
-                           "(hint: fix model.source in the plan, or pass --source DIR)")
+                           "(hint: give a checkpoint directory that exists)")
     assert not (tmp_path / "o").exists()
 
 

@@ -179,7 +179,7 @@ def test_pickle_from_the_hub_refused_even_when_allowed(make_ckpt, tmp_path, monk
     for extra in ([], ["--allow-pickle"]):
         r, out = run_build(tmp_path, plan, None, extra)
         assert_one_line(r, "hf://acme/bins holds only pickled .bin weights; shardc reads only "
-                           "safetensors from the hub, even with --allow-pickle", out)
+                           "safetensors from the hub, even with --allow-pickle", out)  # the CLI's flag for `allow_pickle`
 
 
 def test_unsafe_index_name(make_ckpt, tmp_path):

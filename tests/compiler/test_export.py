@@ -393,23 +393,38 @@ def test_a_build_into_a_directory_being_exported_is_refused(builds, reference, t
 
 # --- in-process checks (fast; what mutation testing runs) ---------------------------------------
 
-@pytest.mark.parametrize(("text", "want"), [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("1.5KB", 1500), ("7", 7),
+@pytest.mark.parametrize(("text", "want"), [("5GB", 5 * 10**9), ("500MiB", 500 * 2**20), ("1.5KB", 1500), ("7B", 7),
                                             (" 2 gib ", 2 * 2**30), ("3TB", 3 * 10**12), ("1TiB", 2**40),
                                             ("2MB", 2 * 10**6), ("4KiB", 4096), ("9B", 9)])
 def test_parse_size(text, want):
-    from shardc.compiler.export import parse_size
+    from shardc.units import parse_size
 
     assert parse_size(text) == want
 
 
-@pytest.mark.parametrize("text", ["0", "0GB", "-1GB", "5XB", "", "GB", "1e3", "5 G B"])
-def test_parse_size_refuses(text):
-    from shardc.compiler.export import parse_size
-    from shardc.errors import ManifestError
+@pytest.mark.parametrize(("text", "why"), [("0", "must be positive"), ("0GB", "must be positive"),
+                                           ("-1GB", "must be a size"), ("5XB", "has no unit 'XB'"),
+                                           ("", "must be a size"), ("GB", "must be a size"), ("1e3", "must be a size"),
+                                           ("5 G B", "must be a size"), ("7", "needs a unit")])
+def test_parse_size_refuses(text, why):
+    """One unit rule (shardc/units.py): a bare number is refused, whatever the command."""
+    from shardc.units import parse_size
 
-    with pytest.raises(ManifestError, match="is not a size") as e:
+    with pytest.raises(ValueError, match=why):
         parse_size(text)
-    assert e.value.key == "max_shard_size" and e.value.hint == "use a number with a unit: 5GB, 500MB, 2GiB"
+
+
+def test_max_shard_size_is_checked_by_the_library_and_named_as_a_flag_by_the_cli(builds, tmp_path):
+    from shardc.errors import PlanError
+
+    with pytest.raises(PlanError) as e:
+        export(open_local_input(builds["a"] / "manifest.json"), tmp_path / "x", max_shard_size=0)
+    assert (e.value.key, e.value.message) == ("max_shard_size", "must be at least 1 byte, found 0")
+    assert not (tmp_path / "x").exists()
+    r = cli_export(builds["a"], tmp_path / "y", "--max-shard-size", "7")
+    one_line(r, "--max-shard-size: needs a unit (20GiB, 5.63GiB, 512MiB, 80GB or 1000B): a bare number could be "
+             "bytes, GiB or GB, found '7'", 2)
+    assert not (tmp_path / "y").exists()
 
 
 def test_groups_cut_before_the_limit_is_crossed():
@@ -653,7 +668,7 @@ def test_exact_refusals_in_process(builds, reference, tmp_path):
     with pytest.raises(PlanError) as e:
         export(open_local_input(builds["one"] / "manifest.json"), builds["one"])
     assert (e.value.message, e.value.key, e.value.hint) == (
-        f"the output directory {builds['one']} is the input build's own directory", "--out",
+        f"the output directory {builds['one']} is the input build's own directory", "out",
         "export into another directory")
     bound = tmp_path / "bound"
     bound.mkdir()
@@ -674,7 +689,7 @@ def test_exact_refusals_in_process(builds, reference, tmp_path):
     with pytest.raises(PlanError) as e:
         export(open_local_input(builds["a"] / "manifest.json"), d)
     assert (e.value.message, e.value.key, e.value.hint) == (
-        f"the output directory {d} holds a shardc build, which the export would break", "--out",
+        f"the output directory {d} holds a shardc build, which the export would break", "out",
         "export into another directory")
     bad = tmp_path / "badplan"
     shutil.copytree(builds["a"], bad)

@@ -120,7 +120,7 @@ def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
     from shardc.layout.model import model_from_config
 
     members = set(Source.__annotations__) | {n for n, v in vars(Source).items()
-                                             if callable(v) and not n.startswith("_")}
+                                             if (callable(v) or isinstance(v, property)) and not n.startswith("_")}
     assert {"tensors", "squant_shapes", "check", "view", "dense", "confirm", "identity"} <= members
     assert not ({CheckpointSource, QuantizedSource} & set(BuildSource.__mro__))
     assert CheckpointSource not in QuantizedSource.__mro__

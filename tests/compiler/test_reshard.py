@@ -129,7 +129,7 @@ def test_dtype_rules(make_ckpt, tmp_path):
     for dtype in ("bf16", "fp8"):
         with pytest.raises(PlanError) as exc:
             reshard(open_local_input(a.manifest_path), plan_of(ckpt, 1, 1, dtype), tmp_path / dtype)
-        assert exc.value.key == "replica_group.dtype" and "--dequantize" in exc.value.hint
+        assert exc.value.key == "replica_group.dtype" and "`dequantize`" in exc.value.hint
         assert not (tmp_path / dtype).exists()
     r = reshard(open_local_input(a.manifest_path), plan_of(ckpt, 1, 1, "bf16"), tmp_path / "deq", dequantize=True)
     lossy = r.manifest.source.reshard_of.dequantized

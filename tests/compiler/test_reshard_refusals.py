@@ -80,7 +80,7 @@ def test_quantized_input_to_another_dtype_is_refused_in_one_line(work, tmp_path,
     assert exc.value.one_line() == (
         "replica_group.dtype: the input build holds model.layers.0.mlp.down_proj.weight as int8; a "
         f"{dtype} plan needs it as {want}, which means dequantizing (lossy) (hint: reshard to dtype int8 "
-        "(exact), or pass --dequantize to accept the loss)")
+        "(exact), or give `dequantize` to accept the loss)")
     assert not out.exists()
 
 
@@ -117,7 +117,8 @@ def test_output_onto_the_input_is_refused_in_one_line(work, tmp_path):
     before = sorted(p.name for p in inp.iterdir())
     with pytest.raises(PlanError) as exc:
         reshard(open_local_input(inp), plan(work["ckpt"], 1, 2), inp)
-    assert exc.value.one_line() == (f"--out: the output directory {inp} is the input build's own directory "
+    # the library names its field; the CLI (error_line) says --out
+    assert exc.value.one_line() == (f"out: the output directory {inp} is the input build's own directory "
                                     "(hint: reshard into another directory)")
     assert sorted(p.name for p in inp.iterdir()) == before
 

@@ -22,7 +22,7 @@ from shardc.errors import ManifestError, OutputError
 JOURNAL = ".shardc-switch.json"
 H1, H2, H3 = "0123456789abcdef", "00000000000000aa", "fedcba9876543210"
 HINT = ("it records a rebuild interrupted while switching its files in; "
-        "delete it and rebuild (shardc build PLAN --out DIR --force)")
+        "delete it and rebuild (`force`)")  # the library's field; shardc build says --force
 
 
 def staged_build(out: Path) -> dict[str, bytes]:

@@ -241,11 +241,13 @@ def test_default_utilization_keeps_the_27_picks():
 
 
 def test_a_size_of_bytes_typed_without_its_unit_is_refused_not_planned():
-    """A bare number is GiB (as kv_cache_cap_gb): 9,200,000,000 meant as bytes planned a 9.2-billion-GiB
-    card and printed a pool of billions of GiB, exit 0. Nothing this planner sizes reaches a PiB."""
+    """9,200,000,000 meant as bytes once planned a 9.2-billion-GiB card (a bare number was GiB) and
+    printed a pool of billions of GiB, exit 0. One unit rule now (shardc/units.py): a size names its
+    unit, in every command. Nothing this planner sizes reaches a PiB."""
     r = plan(*L70_32K, "--gpu-memory", "9200000000")
-    assert error_line(r) == ("error: --gpu-memory: must be at most 1 PiB (a bare number is GiB: write bytes with "
-                             "a B, as 80000000000B), found '9200000000'")
+    assert error_line(r) == ("error: --gpu-memory: needs a unit (20GiB, 5.63GiB, 512MiB, 80GB or 1000B): a bare "
+                             "number could be bytes, GiB or GB, found '9200000000'")
+    assert error_line(plan(*L70_32K, "--kv-cache-cap", "20")).startswith("error: --kv-cache-cap: needs a unit")
     assert r.stdout == ""
     assert error_line(plan(*L70_32K, "--gpu-memory", "2PiB")).startswith("error: --gpu-memory: must be")
     assert error_line(plan(*L70_32K, "--gpu-memory", "2000TiB")) == (
