@@ -4,8 +4,8 @@ The results of push, pull, export, verify, inspect, gate and the runtime API are
 sets of words are ``StrEnum``s), defined next to the code that makes them; nothing edits one after
 it is made. ``to_json`` is their only serialization: ``--json`` output (commands/output.py), a
 gate report file, and a rank's verdict sent through the rendezvous store all go through it, so
-the JSON keys are the field names, except where a field says otherwise (``json_name``: ``pass`` is
-a Python keyword) or is left out while unset (``optional``: the JSON never had that key then).
+the JSON keys are the field names, except where a field says otherwise (``field(metadata={"json": "pass"})``: ``pass``
+is a Python keyword) or is left out while unset (``optional``: the JSON never had that key then).
 Like ``errors``, this module is imported by every package and imports nothing of shardc.
 """
 
@@ -30,11 +30,6 @@ def optional(default: Any = None) -> Any:
     """A field whose key is absent from the JSON while it is None (a verify report has
     ``plan_check`` only when a plan was given)."""
     return dataclasses.field(default=default, metadata={"omit_none": True})
-
-
-def json_name(name: str, **kwargs: Any) -> Any:
-    """A field spelled ``name`` in the JSON (a Python keyword, or a word the JSON already uses)."""
-    return dataclasses.field(metadata={"json": name}, **kwargs)
 
 
 def to_json(obj: Any) -> Any:

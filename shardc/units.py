@@ -13,7 +13,7 @@ import re
 
 UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
          "kib": 1 << 10, "ki": 1 << 10, "mib": 1 << 20, "mi": 1 << 20, "gib": 1 << 30, "gi": 1 << 30,
-         "tib": 1 << 40, "ti": 1 << 40}
+         "tib": 1 << 40, "ti": 1 << 40, "pb": 10**15, "pib": 1 << 50, "pi": 1 << 50}
 MAX_SIZE = 1 << 50  # no GPU, cache, budget or shard is a PiB: a larger figure is a slip
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 EXAMPLES = "20GiB, 5.63GiB, 512MiB, 80GB or 1000B"
@@ -33,7 +33,7 @@ def parse_size(text: str, *, allow_zero: bool = False) -> int:
     if not unit:
         raise ValueError(f"needs a unit ({EXAMPLES}): a bare number could be bytes, GiB or GB")
     if unit not in UNITS:
-        raise ValueError(f"has no unit {m.group(2)!r}: use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB")
+        raise ValueError(f"has no unit {m.group(2)!r}: use B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB or PiB")
     size = number * UNITS[unit]
     if size > MAX_SIZE:
         raise ValueError("must be at most 1 PiB")

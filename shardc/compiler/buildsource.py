@@ -39,8 +39,9 @@ from ..formats.manifest import Manifest, ReshardRecord, SourceRecord
 from ..formats.safetensors import read_header
 from ..layout.dtypes import DTYPE_BYTES
 from ..layout.model import ModelSpec
-from ..layout.ranks import Layout, TensorSpec, source_tensors
+from ..layout.ranks import Layout, TensorSpec
 from ..layout.sourcequant import SourceQuantization
+from ..layout.tensors import source_tensors
 from .arrays import as_bytes, np_dtype
 from .inputs import BuildInput, shard_problems
 from .quantize import unpack_int8

@@ -22,7 +22,8 @@ from ..formats.manifest import Manifest, ShardEntry, new_manifest
 from ..formats.safetensors import ShardWriter
 from ..layout.model import model_from_config
 from ..layout.plan import Plan
-from ..layout.ranks import SCALE_SUFFIX, Layout, RankLayout, build_layout
+from ..layout.quantization import SCALE_SUFFIX
+from ..layout.ranks import Layout, RankLayout, build_layout
 from ..version import __version__
 from .commit import Committer, choose_committer, output_error
 from .lock import take_lock

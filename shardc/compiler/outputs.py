@@ -32,14 +32,14 @@ from .sources import Source
 
 def output_config(layout: Layout) -> dict[str, Any]:
     """config.json next to the shards: the model config plus quantization_config when quantized."""
-    from ..layout.ranks import base_dtype
+    from ..layout.quantization import base_dtype
 
     cfg = json.loads(json.dumps(layout.model.config))
     cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
     if layout.plan.dtype != "source":  # a quantized source's block describes weights no longer held
         cfg.pop("quantization_config", None)
     if layout.plan.quantized:
-        from ..layout.ranks import quantizable
+        from ..layout.quantization import quantizable
         from .quantize import quantization_config
 
         specs = [t for rl in layout.ranks for t in rl.tensors]

@@ -32,8 +32,8 @@ from ..formats.manifest import FileEntry, SourceRecord
 from ..formats.safetensors import read_header
 from ..layout.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
 from ..layout.model import ModelSpec, read_config
-from ..layout.ranks import source_tensors
 from ..layout.readfile import CONFIG_LIMIT, read_regular_file
+from ..layout.tensors import source_tensors
 from .arrays import from_torch, np_dtype
 from .lease import Leases, read_leases
 from .sourcequant import check_stored

@@ -17,7 +17,7 @@ from typing import Any
 from ..formats.safetensors import ShardWriter
 from ..layout.dtypes import from_torch_name, torch_name
 from ..layout.model import model_from_config
-from ..layout.ranks import source_tensors
+from ..layout.tensors import source_tensors
 
 
 def llama_config(

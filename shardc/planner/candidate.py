@@ -96,6 +96,7 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
 def _memory(s: Search, c: Candidate) -> None:
     """Per-GPU memory of every stage, the KV figures of the replica, and the memory rules."""
     model, w, gpu = s.model, s.workload, s.cluster.gpu
+    assert c.pp is not None  # evaluate's candidate, made with its pp
     world = c.tp * c.pp
     over, inside = s.overheads.per_gpu(world), s.overheads.in_budget(world)
     draft = -(-2 * s.draft_params // world)
@@ -182,7 +183,7 @@ def _speed(s: Search, c: Candidate) -> None:
         for st, rw in enumerate(stages):
             layers = rw.layers[1] - rw.layers[0]
             bpt = kv_bpt(model, layers, tp, w.kv_bytes)
-            read = rw.read_bytes
+            read: float = rw.read_bytes
             if rw.expert_bytes:  # MoE: a step reads the routed experts its tokens picked
                 read -= rw.expert_bytes * (1 - experts_touched(d + p, *routing(model)))
             mem = read / hbm_w + d * w.context * bpt / hbm_kv

@@ -52,11 +52,11 @@ def check_inputs(model: ModelSpec, cluster: Cluster, w: Workload, speed: SpeedPa
     if w.capped and w.cap >= cluster.gpu.memory:
         raise bad("kv_cache_cap", f"{w.cap / GIB:.2f} GiB per GPU is more than the GPU's "
                   f"{cluster.gpu.memory / GIB:.2f} GiB", "the cap is per GPU")
-    for name, value in (("block_size", w.block_size), ("avg_context", w.context),
-                        ("target_tpot_ms", w.target_ms), ("price_per_gpu_hour", w.price_per_gpu_hour),
-                        ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes)):
-        if not value > 0:
-            raise bad(name, f"must be positive, found {value}")
+    for name, amount in (("block_size", w.block_size), ("avg_context", w.context),
+                         ("target_tpot_ms", w.target_ms), ("price_per_gpu_hour", w.price_per_gpu_hour),
+                         ("gpus_per_node", cluster.gpus_per_node), ("nodes", cluster.nodes)):
+        if not amount > 0:
+            raise bad(name, f"must be positive, found {amount}")
     if speed.microbatches is not None and speed.microbatches < 1:
         raise bad("microbatches", f"must be positive, found {speed.microbatches}")
     if (w.lora_adapters > 0) != (w.lora_rank > 0) or min(w.lora_adapters, w.lora_rank) < 0:

@@ -286,10 +286,16 @@ def _number(value: Any, kind: type, what: str) -> Any:
 _SHELL_C = re.compile(r"-[a-z]*c[a-z]*")  # sh -c, bash -lc, sh -ec: the next word is a shell line
 
 
+def _listed(ct: dict[str, Any], key: str) -> list[Any]:
+    """``ct[key]`` when it is a list, else nothing (absent, or not a list of words)."""
+    value = ct.get(key)
+    return value if isinstance(value, list) else []
+
+
 def _words(ct: dict[str, Any]) -> list[str]:
     """A container's argv (command, then args) as the process gets it: each word whole (a served
     model name may hold spaces and quotes), except the line a shell runs (`sh -c LINE`), split."""
-    words = [str(x) for key in ("command", "args") for x in (ct.get(key) if isinstance(ct.get(key), list) else [])]
+    words = [str(x) for key in ("command", "args") for x in _listed(ct, key)]
     shell = bool(words) and words[0].rsplit("/", 1)[-1] in ("sh", "bash", "dash", "ash", "zsh")
     i = next((i for i, w in enumerate(words[1:-1], 1) if _SHELL_C.fullmatch(w)), None) if shell else None
     return words if i is None else words[:i + 1] + _split(words[i + 1]) + words[i + 2:]
@@ -360,6 +366,7 @@ def check_deployment(s: Search, c: Candidate, doc: Any) -> list[str]:
     if "max-num-seqs" in flags and _number(flags["max-num-seqs"], int, "max-num-seqs") < int(want["max-num-seqs"]):
         out.append(f"{DASHES}max-num-seqs: the deployment allows {flags['max-num-seqs']}, the plan's figures are at "
                    f"{want['max-num-seqs']}")
+    assert c.pp is not None  # a pick: worked out at its pp
     return out + pod_problems(facts, c.gpus, (c.tp, c.pp, c.dp), "the plan needs", "the plan sizes")
 
 

@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from ..errors import LayoutError, PlanError, QuantizationError
 from ..layout.model import ModelSpec
 from ..layout.plan import plan_from_dict
-from ..layout.ranks import build_layout, check_degrees, layer_of
-from ..layout.tensors import STACKED, tensor_table
+from ..layout.ranks import build_layout, check_degrees
+from ..layout.tensors import STACKED, layer_of, tensor_table
 from .candidate import Candidate, attn_flops, kv_bpt, lora_bytes, memory_reasons, routing, unit_cost
 from .formulas import (
     ACT_BYTES,
@@ -93,7 +93,9 @@ class EpWeights:
 def ep_weights(model: ModelSpec, dtype: str) -> EpWeights:
     """The split, from the Layout of a tp=1 probe with one layer of each kind (sparse or dense)."""
     k, experts = routing(model)
-    sparse = model.forward.moe.sparse
+    moe = model.forward.moe
+    assert moe is not None  # asked for MoE models only (search.py: when routing() finds experts)
+    sparse = moe.sparse
     first = {kind: sparse.index(kind) for kind in set(sparse)}  # one probe layer of each kind
     probe = dataclasses.replace(model, num_layers=max(first.values()) + 1)
     plan = plan_from_dict(plan_dict("probe", "src", 1, 1, dtype))

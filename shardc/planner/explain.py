@@ -208,7 +208,8 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     layers = rw.layers[1] - rw.layers[0]
     b = v.batch / v.microbatches
     bpt = kv_bpt(m, layers, tp, w.kv_bytes)
-    read, routed = rw.read_bytes, ""
+    read: float = rw.read_bytes  # less the routed experts a step leaves unread
+    routed = ""
     if rw.expert_bytes:
         k, experts = routing(m)
         share = experts_touched(b, k, experts)
@@ -321,8 +322,8 @@ def _explain_choice(s: Search, c: Candidate) -> list[str]:
         o += [f"  next: {x.label} ${x.cost.dollars_per_mtok:.3f}" for x in others[:3] if x.cost]
     else:
         ranked = sorted((x for x in s.candidates if x.fits and not x.skipped and x.speed),
-                        key=lambda x: (x.speed.tpot1_s, x.tp * (x.pp or 1)))
-        o += [f"  {x.label}: {x.speed.tpot1_s * 1e3:.2f} ms at batch 1" for x in ranked[:4]]
+                        key=lambda x: (x.require_speed().tpot1_s, x.tp * (x.pp or 1)))
+        o += [f"  {x.label}: {x.require_speed().tpot1_s * 1e3:.2f} ms at batch 1" for x in ranked[:4]]
     if c is not s.recommended:
         o.append(f"  {c.label} is not the recommendation: status {c.status}")
     a = s.alternative

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from ..layout.model import PRESET_SOURCES, PRESETS, ModelSpec, load_model
-from ..layout.ranks import source_tensors
+from ..layout.tensors import source_tensors
 
 __all__ = ["PRESET_SOURCES", "param_count", "resolve_model"]
 

@@ -65,6 +65,7 @@ def figure(s: Search) -> Any:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         import matplotlib.ticker
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         raise PlanError("matplotlib is not installed", key="plot",
                         hint="pip install 'shardc[plot]'") from None
@@ -129,7 +130,9 @@ def figure(s: Search) -> Any:
     fig.tight_layout()
     # the tags last, once the layout is final: each where its box overlaps no other label
     fig.canvas.draw()
-    renderer = fig.canvas.get_renderer()
+    canvas = fig.canvas
+    assert isinstance(canvas, FigureCanvasAgg)  # matplotlib.use("Agg") above
+    renderer = canvas.get_renderer()
     placed = [t.get_window_extent(renderer) for t in ax.texts]  # the front's names
     for c, tag, color in picks:
         assert c.speed is not None

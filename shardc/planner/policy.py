@@ -59,7 +59,8 @@ def _verdict(c: Candidate, need_target: bool, target_ms: float) -> str:
         return c.skipped
     used = f"fits: fullest GPU at {c.memory.used_fraction:.1%}" if c.memory else "fits"
     if need_target and not c.meets_target:
-        return f"{used}, but misses the {target_ms:g} ms target ({c.speed.tpot1_s * 1e3:.1f} ms at batch 1)"
+        tpot1 = c.require_speed().tpot1_s
+        return f"{used}, but misses the {target_ms:g} ms target ({tpot1 * 1e3:.1f} ms at batch 1)"
     return used
 
 
@@ -116,9 +117,10 @@ def _fit(s: Search) -> Candidate | None:
     if not need:  # a unit fits that the card minimum ruled out: never "no recommendation" for it
         fitting = [c for c in s.fitting() if not c.skipped]
         rec = min(fitting, key=lambda c: (DTYPE_ORDER.index(c.dtype), c.gpus, -c.tp), default=None)
-        for trail in (t for t in s.trails if rec is not None and t.dtype == rec.dtype):
-            trail.steps.append((rec.label, "fits, below the card minimum: the fewest GPUs that fit"))
-            trail.chosen = rec.label
+        if rec is not None:
+            for trail in (t for t in s.trails if t.dtype == rec.dtype):
+                trail.steps.append((rec.label, "fits, below the card minimum: the fewest GPUs that fit"))
+                trail.chosen = rec.label
         return rec
     return None
 
@@ -139,7 +141,12 @@ def _why_not(trail: FitTrail, c: Candidate) -> str:
 
 
 def _fastest(cands: list[Candidate]) -> Candidate | None:
-    return min(cands, key=lambda c: (c.speed.tpot1_s, c.gpus, _dtype_rank(c)), default=None)
+    return min(cands, key=lambda c: (c.require_speed().tpot1_s, c.gpus, _dtype_rank(c)), default=None)
+
+
+def _dollars_per_mtok(c: Candidate) -> float:
+    assert c.cost is not None  # worked out with the speed, which every unit that fits has
+    return c.cost.dollars_per_mtok
 
 
 def recommend(s: Search) -> None:
@@ -150,28 +157,31 @@ def recommend(s: Search) -> None:
     if s.objective == "fit":
         rec = _fit(s)
     elif s.objective == "cost":
-        rec = min(meeting, key=lambda c: (round(c.cost.dollars_per_mtok, 9), c.tp, c.pp, _dtype_rank(c)),
+        rec = min(meeting, key=lambda c: (round(_dollars_per_mtok(c), 9), c.tp, c.pp, _dtype_rank(c)),
                   default=None)
         if rec is None and not w.target_set and fitting:
             rec = _fastest(fitting)
+            assert rec is not None  # of a non-empty list
             s.warnings.append(
                 f"no candidate meets the default {DEFAULT_TPOT_MS:g} ms TPOT target; recommending the fastest "
-                f"that fits, {rec.label} ({rec.speed.tpot1_s * 1e3:.1f} ms at batch 1); give `target_tpot_ms` "
-                "to require a target")
+                f"that fits, {rec.label} ({rec.require_speed().tpot1_s * 1e3:.1f} ms at batch 1); give "
+                "`target_tpot_ms` to require a target")
     else:
         rec = _fastest(meeting if w.target_set else fitting)
     s.recommended = rec
     if rec is None:
         return
+    speed = rec.require_speed()
     if not rec.meets_target and not s.warnings:
         s.warnings.append(
-            f"{rec.label} misses the default {DEFAULT_TPOT_MS:g} ms TPOT target ({rec.speed.tpot_s * 1e3:.1f} ms "
-            f"at concurrency {rec.speed.batch}, the figures' concurrency"
-            + (f"; {rec.speed.tpot1_s * 1e3:.1f} ms at batch 1" if rec.speed.batch > 1 else "")
+            f"{rec.label} misses the default {DEFAULT_TPOT_MS:g} ms TPOT target ({speed.tpot_s * 1e3:.1f} ms "
+            f"at concurrency {speed.batch}, the figures' concurrency"
+            + (f"; {speed.tpot1_s * 1e3:.1f} ms at batch 1" if speed.batch > 1 else "")
             + f"); recommended anyway as {OBJECTIVE_WORDS[s.objective]}, since no `target_tpot_ms` was given")
-    cards, tpot1 = rec.gpus, rec.speed.tpot1_s
+    cards, tpot1 = rec.gpus, speed.tpot1_s
+    # more GPUs are only worth naming when faster
     s.alternative = _fastest([c for c in fitting if c.pp == 1 and c.dtype == rec.dtype and c.tp > cards
-                              and c.speed.tpot1_s < tpot1])  # more GPUs are only worth naming when faster
+                              and c.require_speed().tpot1_s < tpot1])
 
 
 def fit_trail(s: Search, dtype: str) -> FitTrail:

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import PlanError
 from ..layout.model import ModelSpec
 from ..layout.plan import Plan, plan_from_dict
-from ..layout.ranks import MAX_TP_HINT, valid_tp_degrees
+from ..layout.tensors import MAX_TP_HINT, valid_tp_degrees
 from .formulas import Overheads, SpeedParams, Workload
 from .gpus import GIB, Cluster
 from .serving import Serving
@@ -147,6 +147,12 @@ class Candidate:
             return "skipped"
         return "ok" if self.meets_target else "slow"
 
+    def require_speed(self) -> Speed:
+        """The speed figures, which every unit that fits has (worked out right after its memory
+        when no memory rule failed: candidate.py, ep.py); asked of such units only."""
+        assert self.speed is not None
+        return self.speed
+
     @property
     def label(self) -> str:
         if self.ep > 1:
@@ -252,8 +258,14 @@ class Search:
                 hint="raise `target_tpot_ms`, add GPUs (`nodes`) or pick a faster `gpu`",
             )
         tried = [c for c in self.candidates if c.memory is not None]
+
+        def room(c: Candidate) -> tuple[float, int]:
+            assert c.memory is not None  # one of ``tried``
+            return c.memory.kv_available, -c.gpus
+
+        near: Candidate | None
         if tried:
-            near = max(tried, key=lambda c: (c.memory.kv_available, -c.gpus))
+            near = max(tried, key=room)
             detail = f"closest is {near.label}: {near.reasons[0]}"
         else:
             near = self.candidates[0] if self.candidates else None
@@ -268,6 +280,7 @@ class Search:
         if tried and self.workload.kv_memory is None and outside > self.cluster.gpu.memory * (
                 1 - self.workload.gpu_memory_utilization):  # every unit: no "closest" to name
             most = math.floor((1 - outside / self.cluster.gpu.memory) * 100) / 100
+            assert near is not None  # ``tried``'s closest
             raise PlanError(f"{self.model_name} fits no candidate on {where}; {near.reasons[0]}",
                             key="gpu_memory_utilization",
                             hint=f"use `gpu_memory_utilization` {most:g} or less: vLLM needs "
@@ -287,6 +300,7 @@ class Search:
     def plan_for(self, cand: Candidate, source: str | None = None) -> dict[str, Any]:
         """The plan file for a fitting candidate; plan_from_dict validates it before it is returned."""
         assert cand.pp is not None and cand.dtype is not None and cand.speed is not None
+        assert cand.kv is not None  # a fitting candidate: fitting means its KV figures are there
         data = plan_dict(
             plan_name(self.model_name, cand.tp, cand.pp, cand.dtype, cand.ep), source or self.source, cand.tp,
             cand.pp, cand.dtype, kv_cache_cap_gib=math.floor((self.workload.cap if self.workload.capped else

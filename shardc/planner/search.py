@@ -122,8 +122,8 @@ def search(
         for d in dts:
             if pp == 1:
                 s.candidates.append(first[tp, d])
-            elif fit[d] is not None:
-                s.candidates.append(Candidate(tp, pp, d, skipped=f"TP first: {fit[d].label} fits inside the "
+            elif (fitted := fit[d]) is not None:
+                s.candidates.append(Candidate(tp, pp, d, skipped=f"TP first: {fitted.label} fits inside the "
                                               f"{domain}"))
             else:
                 s.candidates.append(evaluate(s, tp, pp, d))

@@ -24,8 +24,8 @@ from ..layout.plan import (
     QUANTIZED_DTYPES,
     Plan,
 )
-from ..layout.ranks import build_layout, check_degrees, layer_of, stage_ranges
-from ..layout.tensors import STACKED, tensor_table
+from ..layout.ranks import build_layout, check_degrees, stage_ranges
+from ..layout.tensors import STACKED, layer_of, tensor_table
 
 
 @dataclass(frozen=True)

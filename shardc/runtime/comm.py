@@ -233,9 +233,9 @@ class Comm:
             parts = [torch.empty_like(x) for _ in range(self.tp)]
             self._run(what, dist.all_gather, parts, x, group=self.tp_group)
             return torch.cat(parts, dim=-1)
-        parts = [torch.empty_like(x) for _ in range(self.tp)] if self.tp_rank == 0 else None
-        self._run(what, dist.gather, x, parts, dst=self.tp0, group=self.tp_group)
-        return torch.cat(parts, dim=-1) if parts is not None else None
+        gathered = [torch.empty_like(x) for _ in range(self.tp)] if self.tp_rank == 0 else None
+        self._run(what, dist.gather, x, gathered, dst=self.tp0, group=self.tp_group)
+        return torch.cat(gathered, dim=-1) if gathered is not None else None
 
     # -- point to point ------------------------------------------------------------------------
     def isend(self, x: torch.Tensor, dst: int, what: str) -> Any:

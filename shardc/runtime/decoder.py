@@ -176,6 +176,8 @@ class StageModel:
         if lw.moe is not None:
             m = self._moe(lw.moe, h, f"layer {lw.index} moe all-reduce")
         else:
+            # a dense layer: they are None on a sparse one only
+            assert lw.gate is not None and lw.up is not None and lw.down is not None
             g = self._act(_linear(h, lw.gate, b.get("gate"))) * _linear(h, lw.up, b.get("up"))
             m = self._row(g, lw.down, b.get("down"), f"layer {lw.index} mlp all-reduce")
         if f.sandwich:
@@ -245,7 +247,9 @@ class StageModel:
         key = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         # eager attention (transformers' eager_attention_forward): scores in the model dtype times
         # the scale, the causal mask, softmax in fp32 rounded back, then the values
-        scores = torch.matmul(query, key.transpose(2, 3)) * self.f.attn_scale
+        scale = self.f.attn_scale
+        assert scale is not None  # an MLA family gives its softmax scale (families/deepseek.py)
+        scores = torch.matmul(query, key.transpose(2, 3)) * scale
         if t > 1:
             mask = torch.ones(t, n, dtype=torch.bool, device=h.device).tril(n - t)
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)

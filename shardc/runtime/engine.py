@@ -55,6 +55,7 @@ class StageRunner:
         if self.first:
             return self.model.embed(ids.to(self.comm.device))
         shape = (ids.shape[0], ids.shape[1], self.hidden)
+        assert self.prev is not None  # set for every stage but the first
         return self.comm.recv(shape, self.model.dtype, self.prev,
                               f"receiving {what} from pipeline stage {self.comm.pp_stage - 1}")
 
@@ -73,6 +74,7 @@ class StageRunner:
                 h = self.model.layers(x)
                 if not self.last:
                     self.trace.append((m, t0, time.time()))
+                    assert self.next is not None  # set for every stage but the last
                     self._send(h, self.next, f"sending {what} to pipeline stage {self.comm.pp_stage + 1}")
                     continue
                 logits = self.model.logits(h, everyone=False)
@@ -124,6 +126,7 @@ class StageRunner:
                 with torch.inference_mode():
                     h = self.model.layers(self._stage_input(ids, what), caches[m])
                     if not self.last:
+                        assert self.next is not None  # set for every stage but the last
                         self._send(h, self.next, f"sending {what} to pipeline stage {self.comm.pp_stage + 1}")
                         awaiting[m] = True
                         continue

@@ -155,6 +155,7 @@ def _check_open(f: Any, path: Path, key: dict[str, Any], copy_to: Path | None) -
         if not hmac.compare_digest(h.hexdigest().encode(), digest.encode("utf-8", "surrogatepass")):
             return "mismatch", "edited or damaged since it was written"
         if out is not None:
+            assert tmp is not None and copy_to is not None  # out is open only with a target (_copy_target)
             out.close()
             os.replace(tmp, copy_to)
             tmp = None

@@ -180,8 +180,10 @@ def _watch(procs: list[subprocess.Popen], d: Path, store: Any, world: int, job: 
         if failed and first_fail is None:
             first_fail = now
         running = [r for r, c in enumerate(codes) if c is None]
-        if failed and (not running or now - first_fail > GRACE_S or _died(codes, d)):
-            raise _diagnose(codes, d, job, store, world)
+        if failed:
+            assert first_fail is not None  # set above at the first failure
+            if not running or now - first_fail > GRACE_S or _died(codes, d):
+                raise _diagnose(codes, d, job, store, world)
         if now - last_poll > 0.5:  # heartbeats: the backstop for a job where nobody times out
             last_poll = now
             beats = _beats(store, world)

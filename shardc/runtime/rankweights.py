@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+# One routed expert's weights: (gate, up, down), or stacked (gpt-oss) (gate_up, gate_up bias, down,
+# down bias or None)
+ExpertWeights = (tuple[torch.Tensor, ...]
+                 | tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None])
+
 
 @dataclass
 class MoeWeights:
@@ -18,7 +23,7 @@ class MoeWeights:
     sigmoid gate (Qwen2-MoE)."""
 
     router: torch.Tensor
-    experts: dict[int, tuple[torch.Tensor | None, ...]]
+    experts: dict[int, ExpertWeights]
     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     shared_gate: torch.Tensor | None = None
     score_bias: torch.Tensor | None = None  # e_score_correction_bias (DeepSeek-V3), the choice only

@@ -124,6 +124,7 @@ def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | 
         n, t = rows.shape
         vocab = int(base.manifest.model["vocab_size"])
         name = from_torch_name(str(dtype))
+        assert name is not None  # the compute dtype, a 16-bit safetensors dtype (weights.compute_dtype)
         meta = {"shardc.baseline_cache": json.dumps(key, sort_keys=True)}  # as worker._LogitSaver writes
         writer = ShardWriter(Path(path), [("logits", name, (n, t - 1, vocab))], meta)
         t0 = time.perf_counter()
@@ -160,9 +161,11 @@ def _load(directory: Path, dtype: Any, dev: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     with contextlib.redirect_stderr(io.StringIO()):
-        model, info = AutoModelForCausalLM.from_pretrained(
+        # output_loading_info=True returns (model, info); transformers' types know the model alone
+        loaded: tuple[Any, dict[str, list[Any]]] = AutoModelForCausalLM.from_pretrained(  # type: ignore[assignment]
             str(directory.resolve()), dtype=dtype, attn_implementation=ATTENTION,
             local_files_only=True, trust_remote_code=False, output_loading_info=True)
+        model, info = loaded
     bad = {k: sorted(map(str, v))[:3] for k, v in info.items() if v}
     if bad:
         raise ReferenceUnfit(f"transformers does not read the build at {directory} as its model: {bad}",

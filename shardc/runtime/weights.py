@@ -11,6 +11,7 @@ is unpacked first from compressed-tensors' pack-quantized ``X.weight_packed`` + 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,15 +20,10 @@ from ..compiler.quantize import dequantize
 from ..errors import ManifestError
 from ..formats.manifest import Manifest
 from ..layout.dtypes import torch_name
-from ..layout.ranks import (
-    PACKED_SUFFIX,
-    SCALE_SUFFIX,
-    SHAPE_SUFFIX,
-    Layout,
-    RankLayout,
-    tensor_table,
-)
-from .rankweights import Dims, LayerWeights, MoeWeights, StageWeights
+from ..layout.quantization import PACKED_SUFFIX, SCALE_SUFFIX, SHAPE_SUFFIX
+from ..layout.ranks import Layout, RankLayout
+from ..layout.tensors import tensor_table
+from .rankweights import Dims, ExpertWeights, LayerWeights, MoeWeights, StageWeights
 
 _PROJ = {
     "q": "self_attn.q_proj",
@@ -102,8 +98,9 @@ def local_dims(layout: Layout) -> Dims:
     )
 
 
-def _stacked_experts(get, split: bool, p: str, names: tuple[str, str, str, str], rl: RankLayout,
-                     experts: int) -> dict[int, tuple[torch.Tensor | None, ...]]:
+def _stacked_experts(get: Callable[[str], torch.Tensor], split: bool, p: str,
+                     names: tuple[str, str, str, str], rl: RankLayout,
+                     experts: int) -> dict[int, ExpertWeights]:
     """Stacked experts (gpt-oss) as per-expert views: this rank's block of dim 0 (expert
     parallelism: ``rl.experts``; otherwise every expert, its TP slice). ``split`` over TP, an
     expert's down bias is added by TP rank 0 only, so the all-reduced sum holds it once."""
@@ -145,7 +142,9 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
             return spec.shape
         if stored.weight_shape(spec.shape) is not None:  # MXFP4's blocks: [E, out, in/32, 16]
             return stored.weight_shape(spec.shape)
-        return next(specs[name + st.suffix].value for st in kept[name].stored(name) if st.value)
+        value = next(specs[name + st.suffix].value for st in kept[name].stored(name) if st.value)
+        assert value is not None  # the Layout fixes the contents of a stored X.weight_shape
+        return value
     copy_out = any(t.quant for t in rl.tensors) or bool(kept)
 
     # w = q * scale per output channel, the scale rounded to the compute dtype first as the serving
@@ -182,7 +181,9 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
     layers = []
     for i in range(*rl.layers):
         p = f"model.layers.{i}."
-        w, bias = {}, {}
+        # the projections by role (None: not on this layer), as LayerWeights' fields
+        w: dict[str, torch.Tensor | None] = {}
+        bias: dict[str, torch.Tensor] = {}
         for module, roles in fused:
             w |= dict(zip(roles, split(p + module + ".weight"), strict=True))
             if p + module + ".bias" in specs:
@@ -206,13 +207,16 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         else:
             ln2 = get(p + "post_attention_layernorm.weight")
         sinks = get(p + "self_attn.sinks") if p + "self_attn.sinks" in specs else None
+        # ``w`` holds q, k, v, o, gate, up, down by now, keys built from the family's tables: mypy
+        # cannot match a dict's keys to the fields they fill
         layers.append(LayerWeights(index=i, ln1=get(p + "input_layernorm.weight"), ln2=ln2,
-                                   bias=bias, norms=norms, mla=latent, sinks=sinks, **w))
+                                   bias=bias, norms=norms, mla=latent, sinks=sinks, **w))  # type: ignore[arg-type]
         if sparse:
             assert moe is not None
             if moe.stacked:
-                split = layout.plan.tp > 1 and not layout.plan.expert_parallel
-                experts = _stacked_experts(get, split, p, moe.stacked, rl, moe.experts)
+                # not ``split``: that is the fused-tensor cutter above, which the next layer still calls
+                tp_split = layout.plan.tp > 1 and not layout.plan.expert_parallel
+                experts = _stacked_experts(get, tp_split, p, moe.stacked, rl, moe.experts)
             else:
                 experts = {e: tuple(get(p + t.format(e=e)) for t in moe.expert)
                            for e in range(moe.experts) if _held(specs, p + moe.expert[0].format(e=e))}

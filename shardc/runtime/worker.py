@@ -196,6 +196,7 @@ class _LogitSaver:
             return
         s = job["score"]
         name = from_torch_name(str(model.dtype))
+        assert name is not None  # the compute dtype, a 16-bit safetensors dtype (weights.compute_dtype)
         n, t = windows.shape
         shape = (n, t - 1, model.d.vocab)
         meta = {"shardc.baseline_cache": json.dumps(s.get("cache_key", {}), sort_keys=True)}

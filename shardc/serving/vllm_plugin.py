@@ -29,9 +29,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ServeError, ShardcError
+
+if TYPE_CHECKING:
+    from ..layout.ranks import TensorSpec
 
 LOAD_FORMAT = "shardc"
 
@@ -127,8 +130,7 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
     device = str(next(iter(params.values())).device) if params else "cpu"
     # the mapping is decided from the Layout's record of the shard, before a byte of it is read;
     # load_shard then checks the file's header and bytes against that same record
-    shard = [Tensor(s.name, s.shape, torch_name(s.dtype), (s.start, s.stop) if str(s.split) == "vocab" else None)
-             for s in rl.tensors]
+    shard = [Tensor(s.name, s.shape, torch_name(s.dtype), _vocab_rows(s)) for s in rl.tensors]
     fills = fill_plan(shard, described, must, facts)
     into = _destinations(fills, params, shard) if device == "cpu" else {}
     t_read = time.perf_counter()
@@ -163,6 +165,14 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
          f"checked) in {summary['seconds']:.2f}s "
          f"(checks {t_read - t0:.2f}s, read {t_fill - t_read:.2f}s, fill {summary['fill_seconds']:.2f}s)")
     return summary
+
+
+def _vocab_rows(s: TensorSpec) -> tuple[int, int] | None:
+    """The vocabulary rows [start, stop) a vocab-split tensor holds (None: another split)."""
+    if str(s.split) != "vocab":
+        return None
+    assert s.start is not None and s.stop is not None  # the Layout's vocab cut sets both
+    return s.start, s.stop
 
 
 def _destinations(fills: dict[str, Any], params: dict[str, Any], shard: list[Any]) -> dict[str, Any]:

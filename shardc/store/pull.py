@@ -164,7 +164,8 @@ def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,
     shards = manifest.shards
     if ranks is None and global_ranks is None:
         return list(shards)
-    by_pair = {(s.tp_rank, s.pp_stage): s for s in shards}
+    # looked up by tuple(pair): any length, as the caller's pairs come
+    by_pair: dict[tuple[int, ...], ShardEntry] = {(s.tp_rank, s.pp_stage): s for s in shards}
     by_rank = {s.rank: s for s in shards}
     tp, pp, dp = manifest.layout.tp_degree, manifest.layout.pp_degree, manifest.layout.dp_degree or 1
     world = tp * pp * dp
@@ -203,7 +204,8 @@ def _compressed(comp: dict[str, Any] | None, fname: str) -> dict[str, Any] | Non
             or not isinstance(comp.get("size"), int) or not isinstance(comp.get("sha256"), str)):
         raise ManifestError(f"the manifest's compressed record of {fname} is malformed or uses an "
                             f"unknown codec", hint="push the build again with this shardc version")
-    safe_name(comp.get("object"), "compressed object name")
+    # whatever the manifest holds: safe_name refuses a non-str too, though typed for a str
+    safe_name(comp.get("object"), "compressed object name")  # type: ignore[arg-type]
     return comp
 
 

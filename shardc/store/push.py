@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -242,7 +243,7 @@ def _prepared(todo: list[Upload], bar: Any, hashers: ThreadPoolExecutor) -> Iter
                 tmp.unlink(missing_ok=True)
                 raise _rotted(u, sha)
             size, path = tmp.stat().st_size, tmp
-            cleanup: Callable[[], None] = lambda t=tmp: t.unlink(missing_ok=True)  # noqa: E731
+            cleanup: Callable[[], None] = functools.partial(tmp.unlink, missing_ok=True)  # this item's tmp
         else:
             verified = hashers.submit(_check_local, u)
             size, path, meta = u.size, u.local, {"sha256": u.sha256}

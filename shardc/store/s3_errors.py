@@ -75,7 +75,8 @@ def _translate(exc: BaseException, what: str, *, bucket: str, endpoint: str,
             return StoreError(f"{what}: HTTP {status} {code or ''} after {attempts} attempts{detail}",
                               hint=_RETRY_HINT)
         return StoreError(f"{what}: {code or status}: {msg}".rstrip(": "))
-    from s3transfer.exceptions import RetriesExceededError
+    # s3transfer (boto3's transfer manager) ships neither types nor stubs
+    from s3transfer.exceptions import RetriesExceededError  # type: ignore[import-untyped]
     from urllib3.exceptions import ProtocolError
 
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):

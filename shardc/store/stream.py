@@ -26,7 +26,7 @@ from ..verify.chunked import load_chunks
 from ..verify.loader import header_check, rank_of
 from ..verify.reader import RawShard, nonfinite, tensors_of
 from ..verify.report import VerifyReport
-from .base import S3Settings
+from .base import S3Settings, Store
 from .ranged import RangedChunks
 from .s3 import S3Store
 
@@ -35,7 +35,7 @@ _PULL = "shardc pull it to a local disk, then load_shard the directory"
 
 def stream_rank(manifest_uri: str, tp_rank: int, pp_stage: int, *, device: str, dp_rank: int = 0,
                 endpoint_url: str | None = None, settings: S3Settings | None = None,
-                opened: tuple[S3Store, Manifest] | None = None) -> RawShard:
+                opened: tuple[Store, Manifest] | None = None) -> RawShard:
     """One rank's shard from the store onto ``device``, every chunk and the header checked."""
     from ..verify.loader import _check_arguments
     from .pull import check_names, open_manifest

@@ -274,7 +274,9 @@ def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -
         where = f"host memory ({human_size(total)})"
     if need > total:
         res.warnings.append(
-            f"weights {human_size(rl.nbytes)} + KV cap {human_size(kv)} exceed {where}"
+            # kv is a float (a cap in GB can be fractional): human_size formats any number of bytes,
+            # its ``int`` annotation (formats/files.py) is narrower than that
+            f"weights {human_size(rl.nbytes)} + KV cap {human_size(kv)} exceed {where}"  # type: ignore[arg-type]
         )
 
 

@@ -146,7 +146,7 @@ def into_host(source: FileChunkReads, on_header: HeaderCheck, into: Mapping[str,
     assert header is not None  # on_header raised otherwise
     places = _places(header, into, start)
     rest = torch.empty(max(1, sum(p.hi - p.lo for p in places if p.staged is not None)), dtype=torch.uint8)
-    views = _views(places, into, memoryview(rest.numpy()).cast("B"), start, source.size)
+    views = _views(places, into, rest.numpy().data.cast("B"), start, source.size)  # .data: as reader.py
     done = len(head)  # the header's chunks: their tensor bytes are copied from the checked buffer
     for lo, hi, mv in views:
         if lo < done:
@@ -234,8 +234,11 @@ def _views(places: list[_Place], into: Mapping[str, Any], rest: memoryview, star
         if p.lo > at:
             out.append((at, p.lo, memoryview(bytearray(p.lo - at))))
         t = into[p.name] if p.staged is None else None
-        mv = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B") if t is not None \
-            else rest[p.staged : p.staged + p.hi - p.lo]
+        if t is not None:
+            mv = memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+        else:
+            assert p.staged is not None  # not in a caller's tensor: staged in ``rest`` (_places)
+            mv = rest[p.staged : p.staged + p.hi - p.lo]
         out.append((p.lo, p.hi, mv))
         at = max(at, p.hi)
     if size > at:

@@ -67,11 +67,13 @@ def read_shard(source: Path | BinaryIO, device: str, *, finite: bool = False,
     data lands in memory of its own (never a mapping of the file): the tensors are the bytes that
     were hashed, whatever later happens to the file. ``keep=False`` (CPU only): nothing is kept,
     ``data`` is a ``meta`` tensor (for a check that returns no tensor)."""
-    if not hasattr(source, "readinto"):
-        with open(source, "rb", buffering=0) as f:  # type: ignore[arg-type]
-            return read_shard(f, device, finite=finite, on_header=on_header, keep=keep)
+    if not hasattr(source, "readinto"):  # a path: every binary file has readinto, no path does
+        assert isinstance(source, (str, bytes, int, os.PathLike))  # what open() takes
+        with open(source, "rb", buffering=0) as opened:
+            return read_shard(opened, device, finite=finite, on_header=on_header, keep=keep)
     import torch
 
+    assert not isinstance(source, Path)  # it has readinto: a file
     f = source
     size = os.fstat(f.fileno()).st_size
     h = hashlib.sha256()
@@ -84,10 +86,10 @@ def read_shard(source: Path | BinaryIO, device: str, *, finite: bool = False,
         error, n = "file shorter than its header length says", 0
         f.seek(8 if len(prefix) == 8 else len(prefix))
     else:
-        raw = f.read(n)
-        h.update(raw)
+        head = f.read(n)
+        h.update(head)
         try:
-            tensors, meta = parse_header(raw, Path(f.name).name)
+            tensors, meta = parse_header(head, Path(f.name).name)
             header = {**tensors, METADATA: meta}
         except ShardFormatError as exc:
             error = exc.message
@@ -127,7 +129,8 @@ def _read_to_host(f: Any, length: int, h: Any, header: dict[str, Any] | None,
     import torch
 
     data = torch.empty(length, dtype=torch.uint8, device="cpu" if keep else "meta")
-    whole = memoryview(data.numpy()) if keep and length else None
+    # ndarray.data: the array's memoryview (numpy's stubs give ndarray the buffer protocol on 3.12+ only)
+    whole = data.numpy().data if keep and length else None
     ring = [memoryview(bytearray(HOST_CHUNK)) for _ in range(HOST_RING + 1)]
     bad: list[str] = []
     scratch: dict[str, Any] = {}
@@ -146,6 +149,7 @@ def _read_to_host(f: Any, length: int, h: Any, header: dict[str, Any] | None,
                 if len(pending) > HOST_RING:
                     pending.popleft().result()
                 if dtype is not None and (not bad or bad[-1] != name) and _piece_bad(mv[:k], dtype, scratch):
+                    assert name is not None  # a segment with a dtype is a tensor's
                     bad.append(name)
                 pos += k
                 i += 1
@@ -173,7 +177,8 @@ def _segments(header: dict[str, Any] | None, length: int) -> list[tuple[int, str
         if dtype in _FLOAT and (e - s) % DTYPE_BYTES[dtype]:  # part of an element: hash only, tensors_of fails it
             return [(length, None, None)]
         spans.append((s, e, name, dtype if dtype in _FLOAT else None))
-    out, pos = [], 0
+    out: list[tuple[int, str | None, str | None]] = []
+    pos = 0
     for s, e, name, dtype in sorted(spans):
         if s < pos or e > length:  # overlapping or out of range: hash only; the header check fails it
             return [(length, None, None)]
@@ -227,7 +232,7 @@ def _read_to_cuda(f: Any, length: int, dev: Any, h: Any, hasher: ThreadPoolExecu
     nbuf = min(PINNED_BUFFERS, -(-length // CHUNK))
     size = min(CHUNK, length)
     ring = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(nbuf)]
-    views = [memoryview(b.numpy()) for b in ring]
+    views = [b.numpy().data for b in ring]  # memoryviews, as in _read_to_host
     hashed: list[Future[Any] | None] = [None] * nbuf
     copied: list[Any] = [None] * nbuf
     stream = torch.cuda.Stream(dev)
@@ -235,8 +240,8 @@ def _read_to_cuda(f: Any, length: int, dev: Any, h: Any, hasher: ThreadPoolExecu
     pos = i = 0
     while pos < length:
         j = i % nbuf
-        if hashed[j] is not None:
-            hashed[j].result()
+        if (pending := hashed[j]) is not None:
+            pending.result()
         if copied[j] is not None:
             copied[j].synchronize()
         k = f.readinto(views[j][: min(size, length - pos)])

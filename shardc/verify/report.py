@@ -29,7 +29,8 @@ class RankVerdict:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> RankVerdict:
         """Back from ``to_json`` (a peer's verdict read from the rendezvous store)."""
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+        return cls(**fields)
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import QuantizationError
-from .base import SourceQuantization, Stored  # noqa: F401
+from .base import SourceQuantization, Stored
 from .compressed import CompressedTensors
 from .fp8_block import BlockFP8
 from .mxfp4 import MXFP4
+
+__all__ = ["FORMATS", "BlockFP8", "CompressedTensors", "MXFP4", "SourceQuantization", "Stored", "detect_source"]
 
 # Formats shardc reads, tried in order.
 FORMATS: tuple[type[SourceQuantization], ...] = (BlockFP8, CompressedTensors, MXFP4)
