@@ -400,8 +400,8 @@ def main() -> None:
 
     try:
         a.device = indexed(a.device)
-    except ShardcError as exc:
-        ap.error(exc.message)
+    except ShardcError as exc:  # the library names its field (device); this script's flag is --device
+        ap.error(f"--device {exc.message}")
     with tempfile.TemporaryDirectory(prefix="bench-loader-", dir=os.environ.get("BENCH_DIR")) as tmp:
         # compiled bytecode of every loader's modules, kept for the run: an installed package (the
         # peers; shardc from a wheel) has its .pyc files, but a checkout run with

@@ -24,10 +24,16 @@ if TYPE_CHECKING:
 
 # library field -> the flag that sets it (like huggingface_hub's CLI error mapping), for every
 # command: a field is shown as the flag only where the running command has that flag (flag_for).
-FLAGS = {
+GLOBAL_FLAGS = {"--debug"}  # shardc's own options (cli.py), before the command
+FLAGS: dict[str, str | tuple[str, ...]] = {
     "rank": "--rank", "tp_rank": "--tp-rank", "pp_stage": "--pp-stage", "source": "--source",
     "reference": "--reference", "deep": "--deep", "out": "--out", "max_shard_size": "--max-shard-size",
     "replace": "--replace", "force": "--force", "dequantize": "--dequantize", "allow_pickle": "--allow-pickle",
+    "device": "--device", "timeout_s": "--timeout", "tokenizer": "--tokenizer", "build_dir": "--build-dir",
+    "dest_uri": "--to", "compress": "--compress", "endpoint_url": "--endpoint-url", "debug": "--debug",
+    "manifests_dir": "--manifests-dir", "golden": "--golden", "window": "--window", "max_tokens": "--max-tokens",
+    # a build's directory: run and verify's --dir; gate reads two builds, each from its own
+    "directory": ("--dir", "--baseline-dir / --candidate-dir"),
     # shardc plan's inputs (the planner's errors, and `field` mentions in its hints and warnings)
     "model": "--model", "gpu": "--gpu", "gpus_per_node": "--gpus-per-node", "nodes": "--nodes",
     "dtype": "--dtype", "kv_dtype": "--kv-dtype", "max_model_len": "--max-model-len",
@@ -46,11 +52,15 @@ FLAGS = {
 def flag_for(field: str | None, command: click.Command | None) -> str | None:
     """The flag that sets ``field`` in ``command``, or None where that command has no such flag
     (a ``rank`` error of ``shardc run`` is not about a --rank it does not take); ``command`` None:
-    the table's flag."""
-    flag = FLAGS.get(field or "")
-    if flag is None or command is None:
-        return flag
-    return flag if flag.split()[0] in {o for p in command.params for o in p.opts} else None
+    the table's (first) flag. Global flags (``--debug``) belong to every command."""
+    flags = FLAGS.get(field or "")
+    if flags is None:
+        return None
+    options = (flags,) if isinstance(flags, str) else flags
+    if command is None:
+        return options[0]
+    have = {o for p in command.params for o in p.opts} | GLOBAL_FLAGS
+    return next((f for f in options if f.split()[0] in have), None)
 
 
 class UsageError(ShardcError):

@@ -360,7 +360,7 @@ def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set
                     f"the input build holds {t.source} as {held}; a {out.plan.dtype} plan needs it as "
                     f"{want}, which means dequantizing (lossy)",
                     key="replica_group.dtype",
-                    hint=f"reshard to dtype {held} (exact), or give `dequantize` to accept the loss",
+                    hint=f"reshard to dtype {held} (exact), or use `dequantize` to accept the loss",
                 )
             lossy.add(t.source)
     return lossy

@@ -60,7 +60,7 @@ def _refuse_foreign(out: Path, foreign: list[str], what: str) -> None:
         return
     shown = ", ".join(foreign[:SHOWN]) + (f", … ({len(foreign) - SHOWN} more)" if len(foreign) > SHOWN else "")
     raise OccupiedOutput(f"{out} holds {len(foreign)} file(s) that are not {what}: {shown}",
-                         hint="move them away or write into an empty directory (--out DIR); --replace "
+                         hint="move them away or write into an empty directory (`out`); `replace` "
                               "never deletes files shardc did not write")
 
 
@@ -90,12 +90,12 @@ def check_build_dir(out: Path, plan_name: str, files: set[str], *, replace: bool
         if old is None:
             raise OccupiedOutput(f"{out} holds a manifest.json shardc cannot read; refusing to replace it "
                                  f"with plan '{plan_name}'",
-                                 hint="pass --replace to replace it, or build into another directory (--out DIR)")
+                                 hint="use `replace` to replace it, or build into another directory (`out`)")
         if old.name != plan_name:
             raise OccupiedOutput(f"{out} holds build '{old.name}' (plan sha256 {old.plan_sha256[:12]}), not "
                                  f"plan '{plan_name}'",
-                                 hint="pass --replace to replace it (the journaled switch: the old build "
-                                      "stays whole until the new one is), or build into another directory (--out DIR)")
+                                 hint="use `replace` to replace it (the journaled switch: the old build "
+                                      "stays whole until the new one is), or build into another directory (`out`)")
 
 
 def check_export_dir(out: Path, config: bytes, *, replace: bool) -> None:
@@ -122,7 +122,7 @@ def check_export_dir(out: Path, config: bytes, *, replace: bool) -> None:
     if not same:
         raise OccupiedOutput(f"{out} holds an export of another model or dtype (its config.json differs "
                              f"from this export's)",
-                             hint="pass --replace to replace it, or export into another directory (--out DIR)")
+                             hint="use `replace` to replace it, or export into another directory (`out`)")
 
 
 def _exported(path: Path) -> bool:
@@ -154,7 +154,7 @@ def check_record(manifests_dir: str | Path | None, out: Path, plan_name: str, ef
         return
     except OSError as exc:
         raise OccupiedOutput(f"cannot read the record {record}: {exc.strerror}",
-                             hint="fix it, or keep this build's record elsewhere (--manifests-dir DIR)") from None
+                             hint="fix it, or keep this build's record elsewhere (`manifests_dir`)") from None
     try:
         if data == (out / "manifest.json").read_bytes():
             return
@@ -167,11 +167,11 @@ def check_record(manifests_dir: str | Path | None, out: Path, plan_name: str, ef
     except ShardcError:
         raise OccupiedOutput(f"the record {record} is not a manifest shardc can read; refusing to "
                              f"replace it with plan '{plan_name}'",
-                             hint="pass --replace to replace it, or keep this build's record elsewhere "
-                                  "(--manifests-dir DIR)") from None
+                             hint="use `replace` to replace it, or keep this build's record elsewhere "
+                                  "(`manifests_dir`)") from None
     if prev.effective_sha256 == effective_sha256 and prev.source == identity():
         return
     raise OccupiedOutput(f"the record {record} is of another build of plan '{plan_name}' (effective plan "
                          f"sha256 {prev.effective_sha256[:12]}, source {prev.source.uri}), not the one in {out}",
-                         hint="pass --replace to replace the record, or keep this build's record elsewhere "
-                              "(--manifests-dir DIR)")
+                         hint="use `replace` to replace the record, or keep this build's record elsewhere "
+                              "(`manifests_dir`)")

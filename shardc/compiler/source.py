@@ -318,7 +318,7 @@ def open_source(uri: str, *, allow_pickle: bool = False) -> CheckpointSource:
         if not allow_pickle:
             raise SourceError(
                 f"{directory} holds only pickled .bin weights, which can run code when loaded",
-                hint="convert to safetensors, or give `allow_pickle` to load them with weights_only=True",
+                hint="convert to safetensors, or use `allow_pickle` to load them with weights_only=True",
             )
         files, pickled = bins, True
     stamps = {}

@@ -57,7 +57,7 @@ def open_build(manifest: str | Path, directory: str | Path | None = None) -> Bui
         name = m.name
         raise ManifestError(
             f"{len(missing)} shard file(s) of plan {name} are not in {d} (first: {missing[0]})",
-            hint=f"pass the directory holding them (--dir / --baseline-dir / --candidate-dir), "
+            hint=f"give `directory`, the one holding them, "
                  f"e.g. build/{name}, or shardc pull them first",
         )
     return BuildRef(path.resolve(), d.resolve(), m)
@@ -84,7 +84,7 @@ def load_tokenizer(ref: BuildRef, override: str | Path | None = None) -> Any:
     if not p.is_file():
         raise ManifestError(
             f"the build at {ref.directory} has no tokenizer.json",
-            hint="build from a checkpoint with tokenizer files, pass --tokenizer, or give token ids",
+            hint="build from a checkpoint with tokenizer files, give `tokenizer`, or give token ids",
         )
     from ..formats.files import sha256_file
 

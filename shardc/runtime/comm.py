@@ -147,7 +147,7 @@ class Comm:
             who = ", ".join(describe(self.replicas, r) for r in missing) or "a peer"
             raise DistributedError(
                 f"{describe(self.replicas, self.rank)}: {what}: {who} did not get there within "
-                f"{timeout_s:.0f}s", hint="check that rank's log; raise --timeout if it is only slow",
+                f"{timeout_s:.0f}s", hint="check that rank's log; raise `timeout_s` if it is only slow",
             ) from None
 
     def _check(self, key: str) -> bool:
@@ -186,7 +186,7 @@ class Comm:
             blame = "; behind: " + ", ".join(f"{describe(self.replicas, r)} at step {s}" for r, s in lag)
         return DistributedError(
             f"{describe(self.replicas, self.rank)}: {what} {why}{blame}",
-            hint="a peer died or hung; see its log. Raise --timeout only if it is merely slow",
+            hint="a peer died or hung; see its log. Raise `timeout_s` only if it is merely slow",
         )
 
     def _run(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:

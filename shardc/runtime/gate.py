@@ -65,7 +65,7 @@ def golden_text(source: str) -> tuple[str, str]:
         raw = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise GoldenError(f"cannot read golden text {source!r}: {exc}",
-                          hint="use --golden pydoc, a UTF-8 text file or a JSONL file") from None
+                          hint="use `golden` pydoc, a UTF-8 text file or a JSONL file") from None
     if path.suffix != ".jsonl":
         return raw, str(path)
     docs = []
@@ -90,18 +90,17 @@ def make_windows(ids: list[int], window: int, max_tokens: int) -> list[list[int]
     plans see exactly the same contexts.
     """
     if window < 2:
-        raise GoldenError(f"--window must be at least 2, got {window}")
+        raise GoldenError(f"must be at least 2, got {window}", key="window")
     if max_tokens < window:  # the user's limit, not the text, is what is short
         raise GoldenError(
-            f"--max-tokens {max_tokens} is smaller than one --window of {window} tokens "
-            f"(the golden text has {len(ids)})",
-            hint=f"pass --max-tokens {window} or more, or a smaller --window",
+            f"{max_tokens} is smaller than one `window` of {window} tokens (the golden text has {len(ids)})",
+            key="max_tokens", hint=f"give `max_tokens` {window} or more, or a smaller `window`",
         )
     n = min(len(ids), max_tokens) // window
     if n == 0:
         raise GoldenError(
             f"the golden text has {len(ids)} tokens, fewer than one window of {window}",
-            hint="use a longer text or a smaller --window",
+            hint="use a longer text or a smaller `window`",
         )
     return [ids[i * window : (i + 1) * window] for i in range(n)]
 

@@ -70,8 +70,8 @@ def check_devices(job: dict[str, Any], *, torchrun: bool) -> None:
     reps, _ = _replicas(job)
     world = sum(r.size for r in reps)
     if device != "cuda" and world > 1:
-        raise DeviceError(f"--device {device} pins one GPU, but plan {reps[0].name} has {world} ranks",
-                          key="device", hint="use --device cuda: rank r runs on cuda:LOCAL_RANK")
+        raise DeviceError(f"{device} pins one GPU, but plan {reps[0].name} has {world} ranks",
+                          key="device", hint="use `device` cuda: rank r runs on cuda:LOCAL_RANK")
     name = " + ".join(r.name for r in reps)
     check_gpus(name, device, node_ranks(world) if torchrun else world)
 
@@ -195,7 +195,7 @@ def _watch(procs: list[subprocess.Popen], d: Path, store: Any, world: int, job: 
                 names = ", ".join(_who(job, r) for r in stuck) or "every rank"
                 raise DistributedError(
                     f"no progress for {now - last_change:.0f}s: {names} stopped at step {low}",
-                    hint="a rank is hung; see its log, or raise --timeout if it is only slow",
+                    hint="a rank is hung; see its log, or raise `timeout_s` if it is only slow",
                 )
         time.sleep(POLL_S)
 
@@ -241,7 +241,7 @@ def _diagnose(codes: list[int | None], d: Path, job: dict[str, Any], store: Any,
         if isinstance(cls, type) and issubclass(cls, ShardcError):
             err = cls(msg)
             return err
-        return DistributedError(msg, hint="unexpected error in a rank; rerun with --debug for its traceback")
+        return DistributedError(msg, hint="unexpected error in a rank; rerun with `debug` for its traceback")
     hung = [r for r, c in enumerate(codes) if c is None]
     peer = reports[min(reports)] if reports else None
     if hung:
@@ -249,8 +249,8 @@ def _diagnose(codes: list[int | None], d: Path, job: dict[str, Any], store: Any,
         detail = f" (first report: {peer['message']})" if peer else ""
         return DistributedError(
             f"{names} hung: the other ranks timed out waiting for it{detail}",
-            hint="see that rank's log; raise --timeout only if it is merely slow",
+            hint="see that rank's log; raise `timeout_s` only if it is merely slow",
         )
     if peer:
         return DistributedError(peer["message"])
-    return DistributedError("the job failed without a report", hint="rerun with --debug")
+    return DistributedError("the job failed without a report", hint="rerun with `debug`")

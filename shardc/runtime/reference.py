@@ -49,8 +49,8 @@ def check_reference(base: Any, reference: str, *, torchrun: bool = False) -> Non
         raise ReferenceUnfit(f"unknown reference {reference!r}", key="reference",
                              hint=f"use one of {', '.join(REFERENCES)}")
     lay = base.manifest.layout
-    hint_tp1 = (f"reshard the baseline to a tp=1 plan first (shardc reshard --manifest {base.manifest_path} "
-                f"--plan <a plan with tp_degree: 1>) and gate against that build, or use --reference shardc")
+    hint_tp1 = (f"reshard the baseline ({base.manifest_path}) to a plan with tp_degree: 1 first and gate against "
+                "that build, or use `reference` shardc")
     if lay.tp_degree != 1:
         raise ReferenceUnfit(
             f"transformers cannot load the baseline {base.name}: it is split tp={lay.tp_degree}, and "
@@ -64,12 +64,12 @@ def check_reference(base: Any, reference: str, *, torchrun: bool = False) -> Non
     if problem is not None:  # stacked experts over DP ranks: each file holds a block under one name
         raise ReferenceUnfit(
             f"transformers cannot load the baseline {base.name} as a checkpoint: {problem}", key="reference",
-            hint=f"reshard the baseline to a plan with tp_degree: 1 and no dp_degree (shardc reshard --manifest "
-                 f"{base.manifest_path} --plan <that plan>) and gate against that build, or use --reference shardc")
+            hint=f"reshard the baseline ({base.manifest_path}) to a plan with tp_degree: 1 and no dp_degree and "
+                 "gate against that build, or use `reference` shardc")
     if not (base.directory / INDEX).is_file():
         raise ReferenceUnfit(
             f"the baseline {base.name} has no {INDEX} in {base.directory}, so transformers cannot load it",
-            key="reference", hint="rebuild it with this shardc (every tp=1 build writes one), or use --reference shardc")
+            key="reference", hint="rebuild it with this shardc (every tp=1 build writes one), or use `reference` shardc")
     if torchrun:
         raise ReferenceUnfit("transformers scores the baseline in one process; it does not run under torchrun",
                              key="reference", hint="run shardc gate without torchrun (its own launcher starts the ranks)")
@@ -78,7 +78,7 @@ def check_reference(base: Any, reference: str, *, torchrun: bool = False) -> Non
         missing.append("compressed-tensors")
     if missing:
         raise ReferenceUnfit(f"transformers cannot score the baseline: {' and '.join(missing)} not installed",
-                             key="reference", hint=f"pip install {' '.join(missing)}, or use --reference shardc")
+                             key="reference", hint=f"pip install {' '.join(missing)}, or use `reference` shardc")
 
 
 def reference_record(reference: str) -> dict[str, Any] | None:
@@ -169,5 +169,5 @@ def _load(directory: Path, dtype: Any, dev: Any) -> Any:
     bad = {k: sorted(map(str, v))[:3] for k, v in info.items() if v}
     if bad:
         raise ReferenceUnfit(f"transformers does not read the build at {directory} as its model: {bad}",
-                             key="reference", hint="use --reference shardc")
+                             key="reference", hint="use `reference` shardc")
     return model.to(dev).eval()

@@ -171,7 +171,7 @@ def _select(manifest: Manifest, ranks: list[tuple[int, int]] | None,
     world = tp * pp * dp
     if ranks and dp > 1:  # a pair names one shard in each DP group: which one is the caller's
         raise ManifestError(f"tp_rank={ranks[0][0]} pp_stage={ranks[0][1]} names {dp} shards of this build "
-                            f"(dp_degree={dp})", key="rank", hint=f"pass --rank R, one of 0..{world - 1}")
+                            f"(dp_degree={dp})", key="rank", hint=f"give `rank` one of 0..{world - 1}")
     out: list[ShardEntry] = []
     for pair in ranks or []:
         if tuple(pair) not in by_pair:

@@ -117,13 +117,13 @@ def _replaced_objects(where: str, old: bytes | None, new: Manifest, replace: boo
         if not replace:
             raise StoreError(f"{where} is not a manifest shardc can read ({exc.message}); refusing to "
                              f"replace it with plan {new.name}",
-                             hint="pass --replace to overwrite it (no other object is removed)") from None
+                             hint="use `replace` to overwrite it (no other object is removed)") from None
         return set()
     if same_build(prev, new):
         return set()
     if not replace:
         raise StoreError(f"{where} holds {_describe(prev)}, not {_describe(new)}",
-                         hint="pass --replace to replace it (the old build's objects are removed), "
+                         hint="use `replace` to replace it (the old build's objects are removed), "
                               "or push to another prefix")
     return _objects(prev)
 
@@ -168,7 +168,7 @@ def _build_dir(manifest_path: Path, manifest: Manifest, build_dir: Path | None) 
             return c
     missing = next(n for n in names if not (candidates[0] / n).is_file())
     raise StoreError(f"the build's files are not next to {manifest_path} (missing {missing})",
-                     hint="pass the manifest.json inside the build directory, or --build-dir DIR")
+                     hint="give the manifest.json inside the build directory, or `build_dir`")
 
 
 def _destination(manifest: Manifest, dest_uri: str | None) -> tuple[str, str]:
@@ -181,7 +181,7 @@ def _destination(manifest: Manifest, dest_uri: str | None) -> tuple[str, str]:
     uri = ((manifest.plan.get("replica_group") or {}).get("checkpoint") or {}).get("manifest_uri")
     if not uri:
         raise StoreError("no destination: the plan has no replica_group.checkpoint.manifest_uri",
-                         hint="pass --to URI (a local directory, file:// or s3://bucket/prefix)")
+                         hint="give `dest_uri` (a local directory, file:// or s3://bucket/prefix)")
     return split_object_uri(uri)
 
 

@@ -96,7 +96,7 @@ class S3Store(Store):
             self.client = session.client("s3", endpoint_url=endpoint_url, config=config)
         except Exception as exc:  # bad profile, malformed endpoint URL, ...
             raise StoreError(redact(f"cannot set up the S3 client for {self.uri}: {exc}"),
-                             hint="check --endpoint-url, AWS_ENDPOINT_URL and AWS_PROFILE") from None
+                             hint="check `endpoint_url`, AWS_ENDPOINT_URL and AWS_PROFILE") from None
         self.endpoint = redact(self.client.meta.endpoint_url)
         self.client.meta.events.register_first("needs-retry.s3", self._stall_guard,
                                                unique_id="shardc-stall-limit")

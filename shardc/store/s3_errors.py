@@ -81,7 +81,7 @@ def _translate(exc: BaseException, what: str, *, bucket: str, endpoint: str,
 
     if isinstance(exc, (bce.EndpointConnectionError, bce.ConnectTimeoutError)):
         return StoreError(f"{what}: cannot reach {endpoint} after {attempts} attempts ({type(exc).__name__})",
-                          hint="check the endpoint (--endpoint-url / AWS_ENDPOINT_URL) and that the server is up")
+                          hint="check the endpoint (`endpoint_url` / AWS_ENDPOINT_URL) and that the server is up")
     if isinstance(exc, bce.ReadTimeoutError):
         return StoreError(f"{what}: {endpoint} stopped answering (no reply within "
                           f"{settings.read_timeout:g} s per try, {settings.stall_limit:g} s per "

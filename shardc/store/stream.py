@@ -53,7 +53,7 @@ def stream_rank(manifest_uri: str, tp_rank: int, pp_stage: int, *, device: str, 
                          "checked chunk by chunk as they stream", hint=f"{_PULL}, or rebuild and push it")
     if entry.compressed is not None:
         raise StoreError(f"{store.object_uri(rl.file)} is stored zstd-compressed; ranged reads need the "
-                         "object as built", hint=f"push without --compress, or {_PULL}")
+                         "object as built", hint=f"push it uncompressed (`compress` none), or {_PULL}")
     found = store.version(rl.file)
     if found is None:
         raise VerifyMismatch(f"{rl.file}: named by the manifest but missing from {store.uri}",

@@ -31,7 +31,7 @@ def resolve_device(device: str | None, rank: int | None = None) -> str | None:
         return f"cuda:{local_rank() if rank is None else rank}"
     if dev == "cpu" or (dev.startswith("cuda:") and dev[5:].isdigit()):
         return dev
-    raise DeviceError(f"--device {device!r} is not cpu, cuda or cuda:N", key="device")
+    raise DeviceError(f"{device!r} is not cpu, cuda or cuda:N", key="device")
 
 
 def visible_gpus() -> int:
@@ -68,5 +68,5 @@ def check_gpus(plan: str, device: str | None, need: int) -> None:
         raise DeviceError(
             f"plan {plan} needs {need} GPU{'s' if need != 1 else ''} on this node; "
             f"{have} {'is' if have == 1 else 'are'} visible",
-            hint="run on a node with more GPUs, widen CUDA_VISIBLE_DEVICES, or use --device cpu",
+            hint="run on a node with more GPUs, widen CUDA_VISIBLE_DEVICES, or use `device` cpu",
         )

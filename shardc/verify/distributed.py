@@ -31,7 +31,7 @@ def _env_int(name: str) -> int:
     except (KeyError, ValueError):
         raise ManifestError(
             f"distributed verify needs {name} in the environment",
-            hint="launch with torchrun --nproc-per-node=<tp*pp> -m shardc.cli verify --distributed ...",
+            hint="launch every rank with torchrun (--nproc-per-node=<tp*pp>), which sets it",
         ) from None
 
 
@@ -53,7 +53,7 @@ def open_rendezvous(rank: int, world: int, timeout_s: float, *, hosted: bool, pr
         raise DistributedError(
             f"rank {rank}: cannot reach the rendezvous at {addr}:{port} within {timeout_s:.0f}s "
             f"({exc.__class__.__name__})",
-            hint="is the launcher (or rank 0, which hosts it) running? Raise --timeout if it starts slowly",
+            hint="is the launcher (or rank 0, which hosts it) running? Raise `timeout_s` if it starts slowly",
         ) from None
     return dist.PrefixStore(prefix, base)
 
@@ -137,7 +137,7 @@ def distributed_verify(
         where = f"{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}"
         raise DistributedError(
             f"rank {rank}: the rendezvous at {where} takes connections but does not answer",
-            hint=f"is rank 0 (which hosts it) or the launcher stopped? Raise --timeout (now {timeout_s:g}s) "
+            hint=f"is rank 0 (which hosts it) or the launcher stopped? Raise `timeout_s` (now {timeout_s:g}s) "
                  "if it is only slow") from None
     hosts = rank == 0 and not agent_store
     wait = timedelta(seconds=timeout_s)
@@ -151,7 +151,7 @@ def distributed_verify(
         return DistributedError(
             f"rank {rank}: distributed verify failed after up to {timeout_s:g}s: {who} "
             f"({'no answer' if isinstance(exc, _NoAnswer) else exc.__class__.__name__})",
-            hint=f"a peer that is only slow needs a larger --timeout (now {timeout_s:g}s)",
+            hint=f"a peer that is only slow needs a larger `timeout_s` (now {timeout_s:g}s)",
         )
 
     # The verdicts travel through the rendezvous store, each wait bounded by the timeout, so a

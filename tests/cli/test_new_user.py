@@ -179,8 +179,8 @@ def test_gate_max_tokens_below_one_window_names_the_users_number(demo_model_dir,
     r = shardc("gate", "--baseline", tmp_path / "b", "--candidate", tmp_path / "b", "--max-tokens", "64")
     assert r.returncode == 2
     line = one_line(r)
-    assert re.fullmatch(r"error: --max-tokens 64 is smaller than one --window of 512 tokens \(the golden text "
-                        r"has \d+\) \(hint: pass --max-tokens 512 or more, or a smaller --window\)", line), line
+    assert re.fullmatch(r"error: --max-tokens: 64 is smaller than one --window of 512 tokens \(the golden text "
+                        r"has \d+\) \(hint: give --max-tokens 512 or more, or a smaller --window\)", line), line
 
 
 def test_verify_deep_names_the_damaged_tensor(small, tmp_path):

@@ -20,7 +20,7 @@ from plan_helpers import write_plan
 from shardc.formats.manifest import loads
 
 TINY = dict(hidden_size=48, intermediate_size=96, num_layers=2, num_heads=6, num_kv_heads=2, vocab_size=50)
-REPLACE_HINT = "pass --replace to replace it"
+REPLACE_HINT = "use --replace to replace it"
 NOT_A_BUILD = "never deletes files shardc did not write"
 
 
@@ -102,7 +102,7 @@ def test_another_plans_build_is_refused_untouched(world, tmp_path, cmd):
     line = one_line(r, code=2)
     assert line == (f"error: {out} holds build 'beta' (plan sha256 {plan_sha(out)[:12]}), not plan 'alpha' "
                     f"(hint: {REPLACE_HINT} (the journaled switch: the old build stays whole until the new "
-                    f"one is), or build into another directory (--out DIR))")
+                    f"one is), or build into another directory (--out))")
     assert snapshot(out) == before
     assert not (tmp_path / "m").exists()  # no record either
 
@@ -145,7 +145,7 @@ def test_a_directory_of_user_files_is_refused_even_with_replace(world, tmp_path,
     line = one_line(r, code=2)
     assert line == (f"error: {out} holds 4 file(s) that are not {what}: model.safetensors, notes.txt, "
                     f"results.csv, … (1 more) (hint: move them away or write into an empty directory "
-                    f"(--out DIR); --replace {NOT_A_BUILD})")
+                    f"(--out); --replace {NOT_A_BUILD})")
     assert snapshot(out) == before and (out / "zz-data" / "keep").read_text() == "keep\n"
     assert not (tmp_path / "m").exists()
 
@@ -156,7 +156,7 @@ def test_one_user_file_beside_a_build_of_the_same_plan_is_refused(world, tmp_pat
     before = snapshot(out)
     line = one_line(build(world, "alpha", out, "--force"))
     assert line.endswith(f"{out} holds 1 file(s) that are not a build: README.md (hint: move them away or write "
-                         f"into an empty directory (--out DIR); --replace {NOT_A_BUILD})")
+                         f"into an empty directory (--out); --replace {NOT_A_BUILD})")
     assert snapshot(out) == before
 
 
@@ -201,8 +201,8 @@ def test_export_of_another_dtype_is_refused_then_replaced(world, tmp_path):
     before = snapshot(out)
     line = one_line(export(world, gamma, out))
     assert line == (f"error: {out} holds an export of another model or dtype (its config.json differs from "
-                    f"this export's) (hint: pass --replace to replace it, or export into another directory "
-                    f"(--out DIR))")
+                    f"this export's) (hint: use --replace to replace it, or export into another directory "
+                    f"(--out))")
     assert snapshot(out) == before
     r = export(world, gamma, out, "--replace", "--json")
     assert r.returncode == 0, r.stderr
@@ -243,8 +243,8 @@ def test_a_record_of_another_build_of_the_plan_is_not_replaced(world, tmp_path):
     line = one_line(build(world, "alpha-b", second, m=m))
     sha = loads(record).effective_sha256
     assert line == (f"error: the record {m / 'alpha.json'} is of another build of plan 'alpha' (effective plan "
-                    f"sha256 {sha[:12]}, source {world['src-a']}), not the one in {second} (hint: pass "
-                    f"--replace to replace the record, or keep this build's record elsewhere (--manifests-dir DIR))")
+                    f"sha256 {sha[:12]}, source {world['src-a']}), not the one in {second} (hint: use "
+                    f"--replace to replace the record, or keep this build's record elsewhere (--manifests-dir))")
     assert not second.exists() and (m / "alpha.json").read_bytes() == record
     one_line(reshard(world, "alpha-b", second, m=m), f"the record {m / 'alpha.json'} is of another build")
     assert not second.exists()

@@ -80,7 +80,7 @@ def test_quantized_input_to_another_dtype_is_refused_in_one_line(work, tmp_path,
     assert exc.value.one_line() == (
         "replica_group.dtype: the input build holds model.layers.0.mlp.down_proj.weight as int8; a "
         f"{dtype} plan needs it as {want}, which means dequantizing (lossy) (hint: reshard to dtype int8 "
-        "(exact), or give `dequantize` to accept the loss)")
+        "(exact), or use `dequantize` to accept the loss)")
     assert not out.exists()
 
 

@@ -312,7 +312,7 @@ def test_reference_transformers_refuses_a_split_baseline(synth_builds):
     assert p.returncode == 2, p.stdout + p.stderr
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --reference: transformers cannot load the baseline")
-    assert "tp=2" in lines[0] and "shardc reshard --manifest" in lines[0] and "--reference shardc" in lines[0]
+    assert "tp=2" in lines[0] and "reshard the baseline (" in lines[0] and "--reference shardc" in lines[0]
 
 
 def test_cache_key_and_cache_differ_by_reference(synth_builds, tmp_path):

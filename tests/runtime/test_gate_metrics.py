@@ -244,8 +244,8 @@ def test_golden_text_sources_and_labels(tmp_path):
         golden_text(str(f))
     assert err.value.hint
     assert make_windows(list(range(7)), 2, 100) == [[0, 1], [2, 3], [4, 5]]  # 2 is the smallest window
-    with pytest.raises(GoldenError, match="--window must be at least 2, got 1"):
+    with pytest.raises(GoldenError, match="must be at least 2, got 1"):
         make_windows(list(range(7)), 1, 100)
-    with pytest.raises(GoldenError, match="--max-tokens 3 is smaller than one --window of 4") as err:
+    with pytest.raises(GoldenError, match="3 is smaller than one `window` of 4") as err:
         make_windows(list(range(7)), 4, 3)
     assert err.value.hint

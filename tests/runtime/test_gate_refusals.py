@@ -63,6 +63,6 @@ def test_stacked_experts_over_dp_ranks_are_refused_as_the_reference(builds, base
         f"error: --reference: transformers cannot load the baseline src-tp1-dp2-ep-bf16 as a checkpoint: "
         f"{a} and {b} hold different parts of "
         "model.layers.0.mlp.experts.down_proj (dim 0 [0:2] and dim 0 [2:4]) under that one name (hint: reshard "
-        f"the baseline to a plan with tp_degree: 1 and no dp_degree (shardc reshard --manifest {base / 'manifest.json'} "
-        "--plan <that plan>) and gate against that build, or use --reference shardc)")
+        f"the baseline ({base / 'manifest.json'}) to a plan with tp_degree: 1 and no dp_degree and gate against "
+        "that build, or use --reference shardc)")
     assert r.stdout == ""

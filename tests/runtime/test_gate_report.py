@@ -289,19 +289,19 @@ def test_golden_jsonl_errors_name_the_line(tmp_path):
     assert golden_text(str(f)) == ("x\n\ny", str(f))
     with pytest.raises(GoldenError) as e:
         golden_text(str(tmp_path / "nope.txt"))
-    assert e.value.hint == "use --golden pydoc, a UTF-8 text file or a JSONL file"
+    assert e.value.hint == "use `golden` pydoc, a UTF-8 text file or a JSONL file"
     assert e.value.message.startswith(f"cannot read golden text {str(tmp_path / 'nope.txt')!r}: ")
 
 
 def test_make_windows_messages_and_bounds():
     with pytest.raises(GoldenError) as e:  # the limit is the user's number, not the text (#26 item 4)
         make_windows(list(range(10)), 4, 3)
-    assert e.value.message == "--max-tokens 3 is smaller than one --window of 4 tokens (the golden text has 10)"
-    assert e.value.hint == "pass --max-tokens 4 or more, or a smaller --window"
+    assert (e.value.key, e.value.message) == ("max_tokens", "3 is smaller than one `window` of 4 tokens (the golden text has 10)")
+    assert e.value.hint == "give `max_tokens` 4 or more, or a smaller `window`"
     with pytest.raises(GoldenError) as e:
         make_windows(list(range(3)), 4, 100)
     assert e.value.message == "the golden text has 3 tokens, fewer than one window of 4"
-    assert e.value.hint == "use a longer text or a smaller --window"
+    assert e.value.hint == "use a longer text or a smaller `window`"
     assert make_windows(list(range(8)), 4, 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # exactly two windows
     assert make_windows(list(range(8)), 4, 7) == [[0, 1, 2, 3]]
     assert make_windows(list(range(4)), 4, 100) == [[0, 1, 2, 3]]
@@ -317,7 +317,7 @@ def _pydoc_tokens(tokenizer: Path) -> int:
 
 
 def _too_short(n: int) -> str:
-    return f"--max-tokens 1 is smaller than one --window of 2 tokens (the golden text has {n})"
+    return f"1 is smaller than one `window` of 2 tokens (the golden text has {n})"
 
 
 def test_run_gate_defaults_to_pydoc_and_the_build_tokenizer(builds):

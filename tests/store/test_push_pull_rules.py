@@ -369,7 +369,7 @@ def test_push_names_the_first_missing_file(twins, tmp_path):
             push_build(lonely / "manifest.json", str(store), **kw)
         assert exc.value.message == (f"the build's files are not next to {lonely / 'manifest.json'} "
                                      f"(missing {missing})")
-        assert exc.value.hint == "pass the manifest.json inside the build directory, or --build-dir DIR"
+        assert exc.value.hint == "give the manifest.json inside the build directory, or `build_dir`"
     assert not store.exists()
     push_build(lonely / "manifest.json", str(store), build_dir=twins["a"].out_dir)
     assert (store / SHARD0).read_bytes() == (twins["a"].out_dir / SHARD0).read_bytes()
@@ -393,7 +393,7 @@ def test_push_destinations(twins, tmp_path):
     with pytest.raises(StoreError) as exc:
         push_build(a.manifest_path)  # the plan names no checkpoint.manifest_uri
     assert exc.value.message == "no destination: the plan has no replica_group.checkpoint.manifest_uri"
-    assert exc.value.hint == "pass --to URI (a local directory, file:// or s3://bucket/prefix)"
+    assert exc.value.hint == "give `dest_uri` (a local directory, file:// or s3://bucket/prefix)"
 
 
 def test_unknown_compression_is_refused_before_anything_is_written(twins, tmp_path):

@@ -159,13 +159,15 @@ def test_push_of_another_plan_is_refused_locally_then_replaced(builds, tmp_path)
     a, b = (json.loads((builds[k] / "manifest.json").read_text()) for k in "ab")
     want = (f"{store}/manifest.json holds plan h-a (sha256 {a['plan_sha256'][:12]}, source "
             f"{a['source']['uri']}), not plan h-b (sha256 {b['plan_sha256'][:12]}, source "
-            f"{b['source']['uri']}) (hint: pass --replace to replace it (the old build's objects are "
+            f"{b['source']['uri']}) (hint: use --replace to replace it (the old build's objects are "
             "removed), or push to another prefix)")
     assert line == f"error: {want}"
     assert tree(store) == before  # nothing uploaded, nothing deleted, the old manifest in place
     with pytest.raises(StoreError) as exc:
         push_build(builds["b"] / "manifest.json", str(store))
-    assert exc.value.one_line() == want and exc.value.exit_code == 2 and tree(store) == before
+    # the library names its field, `replace`; the CLI line above says the flag
+    assert exc.value.one_line() == want.replace("--replace", "`replace`") and exc.value.exit_code == 2
+    assert tree(store) == before
 
     r = shardc("push", "--manifest", str(builds["b"] / "manifest.json"), "--to", str(store), "--json")
     assert r.returncode == 2 and tree(store) == before
@@ -193,7 +195,7 @@ def test_push_of_the_same_plan_from_another_source_is_refused(builds, tmp_path):
     before = tree(store)
     with pytest.raises(StoreError, match=r"holds plan h-a .* not plan h-a .*ck2") as exc:
         push_build(builds["a_other_source"] / "manifest.json", str(store))
-    assert "--replace" in exc.value.hint and tree(store) == before
+    assert "`replace`" in exc.value.hint and tree(store) == before
     res = push_build(builds["a_other_source"] / "manifest.json", str(store), replace=True)
     assert res.removed == ()  # same file names: every old object was overwritten
     assert tree(store) == tree(builds["a_other_source"])
@@ -207,11 +209,11 @@ def test_push_over_an_unreadable_manifest_needs_replace(builds, tmp_path):
     line = one_line(shardc("push", "--manifest", str(builds["a"] / "manifest.json"), "--to", str(store)))
     where = f"{store}/manifest.json"
     want = (f"{where} is not a manifest shardc can read ({where} is not JSON); refusing to replace it "
-            "with plan h-a (hint: pass --replace to overwrite it (no other object is removed))")
+            "with plan h-a (hint: use --replace to overwrite it (no other object is removed))")
     assert line == f"error: {want}"
     with pytest.raises(StoreError) as exc:
         push_build(builds["a"] / "manifest.json", str(store))
-    assert exc.value.one_line() == want
+    assert exc.value.one_line() == want.replace("--replace", "`replace`")  # the field, not the flag
     assert (store / "manifest.json").read_text() == "{ not json" and (store / A_SHARD).read_bytes() == b"old"
     res = push_build(builds["a"] / "manifest.json", str(store), replace=True)
     assert res.removed == () and tree(store) == tree(builds["a"])

@@ -283,7 +283,7 @@ def test_hostile_arguments_are_one_line_errors(built, tmp_path):
         ((d, 10**30, 0), {}, LayoutError, f"tp_rank: rank tp={10**30} pp=0 is outside tp_degree=2 pp_degree=1" + ranks),
         ((d, 0, 0), {"device": 5}, DeviceError,
          'device: is 5 (int), expected a string (hint: device="cuda", "cuda:N" or "cpu")'),
-        ((d, 0, 0), {"device": "tpu"}, DeviceError, "device: --device 'tpu' is not cpu, cuda or cuda:N"),
+        ((d, 0, 0), {"device": "tpu"}, DeviceError, "device: 'tpu' is not cpu, cuda or cuda:N"),
         ((d, 0, 0), {"directory": 5}, ManifestError, "directory: is 5 (int), expected a path" + where),
         ((d, 0, 0), {"directory": "a\0b"}, ManifestError, "directory: is 'a\\x00b' (str), expected a path" + where),
         ((man, 0, 0), {}, ManifestError, "directory: load_shard of a manifest dict needs directory=" + where),
