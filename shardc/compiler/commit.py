@@ -24,7 +24,7 @@ from ..formats.safetensors import ShardWriter
 from ..layout.plan import canonical_json
 from ..layout.ranks import Layout, RankLayout
 from .outputs import INDEX, done_path, remove_files, stage_side_files, write_side_files
-from .sources import Source
+from .source import Source
 from .switch import apply_switch, write_journal
 
 

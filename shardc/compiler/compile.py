@@ -25,6 +25,7 @@ from ..layout.plan import Plan
 from ..layout.quantization import SCALE_SUFFIX
 from ..layout.ranks import Layout, RankLayout, build_layout
 from ..version import __version__
+from .checkpoint import open_source
 from .commit import Committer, choose_committer, output_error
 from .lock import take_lock
 from .materialize import Materializer
@@ -37,9 +38,8 @@ from .outputs import (
     stage_done,
     up_to_date,
 )
-from .source import open_source
-from .sourcequant import check_kept, with_quantization
-from .sources import Source
+from .quantized import check_kept, with_quantization
+from .source import Source
 from .stages import stage_order, write_stage
 from .switch import finish_switch
 

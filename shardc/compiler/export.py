@@ -41,13 +41,13 @@ from ..layout.model import model_from_config
 from ..layout.plan import plan_from_dict
 from ..layout.ranks import TensorSpec, build_layout
 from ..layout.readfile import read_regular_file
-from .buildsource import BuildSource
-from .inputs import BuildInput
+from .build_files import BuildInput
+from .build_tensors import BuildSource
 from .lock import LOCK, take_lock
 from .materialize import Materializer, stream_region
 from .outdir import HF_FILE, check_export_dir
 from .outputs import INDEX, TOKENIZER_FILES, output_config
-from .sources import Source
+from .source import Source
 
 
 def export_plan(manifest: Manifest):

@@ -16,7 +16,7 @@ from ..layout.ranks import Layout, TensorSpec
 from .arrays import np_dtype
 from .quantize import quantize_array, stored
 from .quantqueue import QuantQueue
-from .sources import Source
+from .source import Source
 from .tiles import Tiles
 
 # Threads quantizing a tensor's row chunks: half the cores, at most 4. One thread of the numba

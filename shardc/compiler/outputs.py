@@ -27,7 +27,7 @@ from ..layout.dtypes import torch_name
 from ..layout.plan import Plan
 from ..layout.ranks import Layout, RankLayout, TensorSpec
 from ..version import __version__
-from .sources import Source
+from .source import Source
 
 
 def output_config(layout: Layout) -> dict[str, Any]:

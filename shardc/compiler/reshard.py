@@ -1,6 +1,6 @@
 """Reshard: an existing build becomes the Source of an ordinary build for another plan.
 
-The input is read through ``BuildSource`` (compiler/buildsource.py), so the compiler, unchanged,
+The input is read through ``BuildSource`` (compiler/build_tensors.py), so the compiler, unchanged,
 cuts the output exactly as ``build`` cuts a checkpoint: whenever the path is lossless
 ``reshard(build(src, A), B)`` is byte-identical to ``build(src, B)`` by construction. Here: the
 checks of the plan against the input's model, the run itself, and what a failed run leaves
@@ -17,8 +17,8 @@ from ..errors import ModelError, OutputError, PlanError, ShardcError, VerifyMism
 from ..formats.files import temp_files
 from ..layout.model import ModelSpec, config_key, model_for_source, model_from_config
 from ..layout.plan import Plan
-from .buildsource import BuildSource
-from .inputs import BuildInput
+from .build_files import BuildInput
+from .build_tensors import BuildSource
 from .outdir import OccupiedOutput
 
 

@@ -282,7 +282,7 @@ def source_quantization_record(config: dict[str, Any], dtype: str) -> dict[str, 
     """What a build did with a quantized source: kept it (``dtype: source``), dequantized it to
     16 bits as the format's reference does, or dequantized then requantized (int8/fp8 per channel,
     the error stats then measured against the dequantized source)."""
-    from ..layout.sourcequant import detect_source
+    from ..layout.quant_formats import detect_source
 
     sq = detect_source(config)
     if sq is None:

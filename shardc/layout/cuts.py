@@ -1,7 +1,7 @@
 """One split rule applied for one TP rank: which part of a source tensor the rank holds (``Cut``).
 Pure. ``slice_for_rank`` is the one interpreter of ``Split`` (docs/architecture.md §4); the Layout
 (ranks.py) records its answers as TensorSpecs, and a quantized source's stored tensors are cut at
-the same place (sourcequant/slicing.py)."""
+the same place (quant_formats/slicing.py)."""
 
 from __future__ import annotations
 

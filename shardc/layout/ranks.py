@@ -18,6 +18,8 @@ from .cuts import Cut, padded_vocab, slice_for_rank
 from .dtypes import DTYPE_BYTES, PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
+from .quant_formats import detect_source
+from .quant_formats.slicing import check_source_cuts, source_specs
 
 # The rules the Layout applies, each in its own module; re-exported here because every reader
 # asks the Layout first.
@@ -31,8 +33,6 @@ from .quantization import (  # noqa: F401
     quantizable,
     quantized_names,
 )
-from .sourcequant import detect_source
-from .sourcequant.slicing import check_source_cuts, source_specs
 from .tensors import (  # noqa: F401
     MAX_TP_HINT,
     Row,

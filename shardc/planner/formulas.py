@@ -41,7 +41,7 @@ def rate_dtype(model: Any, dtype: str) -> str:
         return dtype
     if _SOURCE_RATE[0] is model:  # asked for every step of every sweep: DeepSeek-V3's table is ~50k rows
         return _SOURCE_RATE[1]
-    from ..layout.sourcequant import detect_source
+    from ..layout.quant_formats import detect_source
 
     sq = detect_source(model.config)
     if sq is None:

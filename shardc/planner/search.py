@@ -39,7 +39,7 @@ from .weights import plan_dict
 def default_dtypes(model: Any) -> tuple[str, ...]:
     """--dtype auto: the checkpoint's 16-bit dtype and both 8-bit weight formats, and first, for a
     checkpoint published quantized (a quantization_config shardc reads), its own form (source)."""
-    from ..layout.sourcequant import detect_source
+    from ..layout.quant_formats import detect_source
 
     own = ("source",) if detect_source(model.config) is not None else ()
     return (*own, sixteen_bit(model), "int8", "fp8")

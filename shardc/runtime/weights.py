@@ -67,7 +67,7 @@ def unpack_int8(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
 
 def kept_source_quantized(layout: Layout) -> dict:
     """Weights a ``dtype: source`` build holds in its source's quantized format -> that format."""
-    from ..layout.sourcequant import detect_source
+    from ..layout.quant_formats import detect_source
 
     sq = detect_source(layout.model.config) if layout.plan.dtype == "source" else None
     return dict.fromkeys(sq.quantized(layout.model), sq) if sq is not None else {}

@@ -19,7 +19,7 @@ import hashlib
 import threading
 from pathlib import Path
 
-from ..compiler.inputs import BuildInput, Spool
+from ..compiler.build_files import BuildInput, Spool
 from ..errors import OutputError, ShardcError, StoreError, VerifyMismatch
 from .base import MANIFEST_NAME
 from .pull import fetch_manifest, pull_build
@@ -130,6 +130,6 @@ def open_input(ref: str, *, endpoint_url: str | None = None, spool_parent: str |
     local input copies only its small side files, into the system's temporary directory."""
     if "://" in ref and not ref.startswith("file://"):
         return RemoteBuildInput(ref, endpoint_url=endpoint_url, spool_parent=spool_parent)
-    from ..compiler.inputs import open_local_input
+    from ..compiler.build_files import open_local_input
 
     return open_local_input(ref)

@@ -30,7 +30,7 @@ from .devices import resolve_device
 from .report import PlanCheck, RankVerdict, VerifyReport
 
 if TYPE_CHECKING:
-    from ..compiler.sources import Source
+    from ..compiler.source import Source
 
 
 @dataclass(frozen=True)
@@ -215,7 +215,7 @@ def _oversize(manifest: Manifest, layout: Layout, rl: RankLayout, entry: ShardEn
 
 def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
     """The header checks, shared with every command that reads a build (``shard_problems``)."""
-    from ..compiler.inputs import shard_problems
+    from ..compiler.build_files import shard_problems
 
     for problem in shard_problems(path, layout, rl, res.checks):
         res.fail(problem)
@@ -226,7 +226,7 @@ def check_parsed_header(res: RankResult, header: dict[str, Any], meta: dict[str,
     """The same checks on a header already parsed (``load_shard`` parses it from the bytes it
     hashes): metadata, tensor set, dtypes and shapes against the Layout, the data layout against
     the ``data_length`` bytes after it."""
-    from ..compiler.inputs import header_problems
+    from ..compiler.build_files import header_problems
 
     for problem in header_problems(header, meta, data_length, layout, rl, res.checks):
         res.fail(problem)

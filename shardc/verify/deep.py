@@ -19,20 +19,20 @@ from ..layout.model import ModelSpec, config_key, model_from_config
 from ..layout.ranks import Layout, RankLayout
 
 if TYPE_CHECKING:
-    from ..compiler.sources import Source
+    from ..compiler.source import Source
 
 DEEP_HINT = "pass a source checkpoint directory, or a build (its directory or manifest.json), that exists"
 
 
 def open_deep(ref: str, layout: Layout) -> Source | str:
-    """The reference as a ``Source`` (compiler/sources.py), or the mismatch line (a ``str``) when
+    """The reference as a ``Source`` (compiler/source.py), or the mismatch line (a ``str``) when
     it is another model's. A build is read as reshard reads one, quantized tensors compared
     dequantized unless the verified build holds them in the same scheme; a quantized checkpoint
     through its format, as build reads it."""
-    from ..compiler.buildsource import BuildSource
-    from ..compiler.inputs import open_local_input
-    from ..compiler.source import open_source
-    from ..compiler.sourcequant import with_quantization
+    from ..compiler.build_files import open_local_input
+    from ..compiler.build_tensors import BuildSource
+    from ..compiler.checkpoint import open_source
+    from ..compiler.quantized import with_quantization
 
     local = "://" not in ref or ref.startswith("file://")
     path = Path(ref.removeprefix("file://"))

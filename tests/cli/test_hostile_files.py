@@ -16,7 +16,7 @@ import yaml
 from cli_run import one_line
 from cli_run import shardc as run_shardc
 
-from shardc.compiler.source import open_source
+from shardc.compiler.checkpoint import open_source
 from shardc.errors import ShardcError, SourceError
 
 ROOT = Path(__file__).resolve().parents[2]

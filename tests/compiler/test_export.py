@@ -26,9 +26,9 @@ from cli_run import one_line as shared_one_line
 from cli_run import shardc
 from plan_helpers import plan as make_plan
 
+from shardc.compiler.build_files import open_local_input
 from shardc.compiler.compile import build
 from shardc.compiler.export import export
-from shardc.compiler.inputs import open_local_input
 from shardc.compiler.lock import LOCK
 from shardc.errors import VerifyMismatch
 from shardc.results import to_json

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from manifest_edits import reseal
 from plan_helpers import plan as make_plan
 
+from shardc.compiler.build_files import open_local_input
 from shardc.compiler.compile import build
 from shardc.compiler.export import ExportResult, export
-from shardc.compiler.inputs import open_local_input
 from shardc.compiler.lock import LOCK
 from shardc.errors import ShardcError
 

@@ -103,7 +103,7 @@ def test_hf_revision_from_the_cli_reads_safetensors_config_and_tokenizer_only(ma
 
 
 def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
-    """The compiler's input is declared once (compiler/sources.py ``Source``): a checkpoint, a build
+    """The compiler's input is declared once (compiler/source.py ``Source``): a checkpoint, a build
     (reshard's and export's input) and a quantized checkpoint each have every member of the
     protocol, without inheriting one another; only a quantized config.json gets the wrapper, whose
     quantized weights read dense by their format and whose other tensors are the checkpoint's own."""
@@ -112,11 +112,11 @@ def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
     import numpy as np
     from quant_sources import fp8_block_source, save_tiny
 
-    from shardc.compiler.buildsource import BuildSource
-    from shardc.compiler.inputs import open_local_input
-    from shardc.compiler.source import CheckpointSource, open_source
-    from shardc.compiler.sourcequant import QuantizedSource, with_quantization
-    from shardc.compiler.sources import Source
+    from shardc.compiler.build_files import open_local_input
+    from shardc.compiler.build_tensors import BuildSource
+    from shardc.compiler.checkpoint import CheckpointSource, open_source
+    from shardc.compiler.quantized import QuantizedSource, with_quantization
+    from shardc.compiler.source import Source
     from shardc.layout.model import model_from_config
 
     members = set(Source.__annotations__) | {n for n, v in vars(Source).items()
@@ -157,7 +157,7 @@ def test_a_hub_source_or_temp_name_with_a_trailing_newline_is_not_read_as_a_plai
     named `.x.<16 hex>.tmp\\n` the temp-name one, which a build clears as its own). Whole-string matches."""
     import pytest
 
-    from shardc.compiler.source import _resolve_hf
+    from shardc.compiler.checkpoint import _resolve_hf
     from shardc.errors import ShardcError
     from shardc.formats.files import is_temp
 

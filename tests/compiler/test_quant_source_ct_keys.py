@@ -27,8 +27,8 @@ from quant_sources import ct_model_compressor_source, ct_scheme, save_tiny  # no
 
 from shardc.errors import QuantizationError  # noqa: E402
 from shardc.layout.model import model_from_config  # noqa: E402
-from shardc.layout.sourcequant import ct_keys, detect_source  # noqa: E402
-from shardc.layout.sourcequant.compressed import CompressedTensors  # noqa: E402
+from shardc.layout.quant_formats import ct_keys, detect_source  # noqa: E402
+from shardc.layout.quant_formats.compressed import CompressedTensors  # noqa: E402
 
 G = "config_groups.group_0"
 W = f"{G}.weights"
@@ -59,7 +59,7 @@ def _edit(config: dict, path: str, value) -> dict:
 def _read(config: dict):
     """The format read from config.json, and applied to the model it describes (every refusal
     the build makes before reading a tensor)."""
-    from shardc.compiler.sourcequant import quantization_of
+    from shardc.compiler.quantized import quantization_of
 
     return quantization_of(config, model_from_config(config))
 

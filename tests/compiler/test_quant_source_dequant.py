@@ -28,7 +28,7 @@ from reassemble import load_source, reassemble  # noqa: E402
 
 from shardc.compiler.arrays import from_torch  # noqa: E402
 from shardc.compiler.compile import build  # noqa: E402
-from shardc.layout.sourcequant.compressed import CompressedTensors  # noqa: E402
+from shardc.layout.quant_formats.compressed import CompressedTensors  # noqa: E402
 
 SCALES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 OUT = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -121,7 +121,7 @@ def test_fp8_block_dequantize_is_float32_products():
     """The float32 result itself (before any cast) is transformers' float32 one, with F16 scales."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-    from shardc.layout.sourcequant import detect_source
+    from shardc.layout.quant_formats import detect_source
 
     g = torch.Generator().manual_seed(2)
     w = (torch.randn(64, 96, generator=g) * 40).to(torch.float8_e4m3fn)

@@ -26,7 +26,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import LayoutError, SourceError  # noqa: E402
-from shardc.layout.sourcequant.mxfp4 import E2M1, MXFP4  # noqa: E402
+from shardc.layout.quant_formats.mxfp4 import E2M1, MXFP4  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
 
 CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

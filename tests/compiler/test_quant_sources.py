@@ -420,7 +420,7 @@ def test_fp8_dequantize_partial_blocks_equals_transformers():
     from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
     from shardc.compiler.arrays import from_torch
-    from shardc.layout.sourcequant import detect_source
+    from shardc.layout.quant_formats import detect_source
 
     g = torch.Generator().manual_seed(1)
     w = (torch.randn(72, 100, generator=g) * 50).to(torch.float8_e4m3fn)

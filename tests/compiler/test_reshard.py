@@ -21,8 +21,8 @@ from manifest_edits import reseal
 from plan_helpers import plan, write_plan
 
 from shardc.cli import main
+from shardc.compiler.build_files import open_local_input
 from shardc.compiler.compile import build
-from shardc.compiler.inputs import open_local_input
 from shardc.compiler.reshard import reshard
 from shardc.errors import ManifestError, PlanError, VerifyMismatch
 from shardc.formats.manifest import load, loads

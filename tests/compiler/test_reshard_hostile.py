@@ -27,8 +27,8 @@ import yaml
 from manifest_edits import reseal
 from plan_helpers import plan_data as shared_plan_data
 
+from shardc.compiler.build_files import SPOOL_PREFIX, Spool, open_local_input
 from shardc.compiler.compile import build
-from shardc.compiler.inputs import SPOOL_PREFIX, Spool, open_local_input
 from shardc.compiler.reshard import reshard
 from shardc.compiler.synthetic import llama_config, write_checkpoint
 from shardc.errors import VerifyMismatch
@@ -138,7 +138,7 @@ def take_over(out: Path) -> int:
 def test_a_reshard_that_loses_the_lock_removes_nothing(work, tmp_path):
     """In-process and fast: a real local input whose side files are read (after the reshard found
     no output directory) while another run takes the directory over."""
-    from shardc.compiler.inputs import LocalBuildInput
+    from shardc.compiler.build_files import LocalBuildInput
     from shardc.errors import ShardcError
 
     out = tmp_path / "r"
@@ -380,7 +380,7 @@ def test_an_s3_manifest_replaced_mid_reshard_is_refused(work, tmp_path, s3, aws)
 def test_a_dead_process_s_spool_is_removed_and_a_live_one_kept(tmp_path):
     """Spools held by real processes: one killed with SIGKILL, one alive; a new spool in the same
     parent removes the first only."""
-    code = ("import sys, time\nfrom shardc.compiler.inputs import Spool\ns = Spool(sys.argv[1])\n"
+    code = ("import sys, time\nfrom shardc.compiler.build_files import Spool\ns = Spool(sys.argv[1])\n"
             "(s.path / 'partial').write_bytes(b'x' * 4096)\nprint(s.path, flush=True)\ntime.sleep(120)\n")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(2)]

@@ -14,9 +14,9 @@ import pytest
 from manifest_edits import reseal
 from plan_helpers import plan as make_plan
 
-from shardc.compiler.buildsource import BuildSource, _need_order
+from shardc.compiler.build_files import open_local_input
+from shardc.compiler.build_tensors import BuildSource, _need_order
 from shardc.compiler.compile import build
-from shardc.compiler.inputs import open_local_input
 from shardc.compiler.reshard import reshard
 from shardc.compiler.synthetic import llama_config, write_checkpoint
 from shardc.errors import ManifestError, PlanError, VerifyMismatch

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from shardc.compiler.build_files import open_local_input
 from shardc.compiler.compile import build
 from shardc.compiler.export import export
-from shardc.compiler.inputs import open_local_input
 from shardc.compiler.reshard import reshard
 from shardc.layout.plan import load_plan
 

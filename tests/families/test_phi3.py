@@ -222,7 +222,7 @@ def test_a_quantized_build_verifies_deep(phi3, dtype):
 def test_an_int8_reshard_reassembles_replicated_pieces(phi3, tmp_path):
     """int8 tp4 -> tp2: the packed values and scales come back from pieces (KV pieces held twice,
     checked identical) and re-slice to the direct int8 tp2 build, byte for byte."""
-    from shardc.compiler.inputs import open_local_input
+    from shardc.compiler.build_files import open_local_input
     from shardc.compiler.reshard import reshard
 
     r = reshard(open_local_input(phi3["build"](4, "int8").manifest_path), _plan(phi3["src"], 2, "int8"),

@@ -189,7 +189,7 @@ def test_reshard_checks_a_blake3_input_and_writes_its_own_plans_kind(built, buil
     """A blake3 build resharded to tp=1 (a plan without the key): the input's chunks are checked
     as blake3 and the output has sha256 chunks (its plan's); with a byte of the input flipped, one
     line names the input's chunk by its blake3."""
-    from shardc.compiler.inputs import open_local_input
+    from shardc.compiler.build_files import open_local_input
     from shardc.compiler.reshard import reshard
     from shardc.formats.manifest import load
 

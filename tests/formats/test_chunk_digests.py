@@ -248,7 +248,7 @@ def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
 def test_reshard_input_checks_chunks_and_names_the_damaged_one(built, build_dir, tmp_path):
     """A reshard input with chunk digests is checked chunk by chunk: a flipped byte is the input's
     corruption, named by chunk and tensors, and nothing is written under the output's name."""
-    from shardc.compiler.inputs import open_local_input
+    from shardc.compiler.build_files import open_local_input
     from shardc.compiler.reshard import reshard
     from shardc.layout.plan import plan_from_dict
 
@@ -270,8 +270,8 @@ def test_reshard_input_checks_chunks_and_names_the_damaged_one(built, build_dir,
 def test_export_reports_the_chunk_digests_of_what_it_wrote(built, tmp_path):
     """The export's shard writer cut chunk digests while writing (no extra pass): its report lists
     them per file, and they are the sha256 of every CHUNK_SIZE bytes of the file."""
+    from shardc.compiler.build_files import open_local_input
     from shardc.compiler.export import export
-    from shardc.compiler.inputs import open_local_input
     from shardc.formats import chunks
 
     inp = open_local_input(built)

@@ -324,7 +324,7 @@ def test_tensorspec_record_drops_empty_fields():
     ("x", "quantization_config", "must be a mapping"),
 ])
 def test_source_quantization_config_not_read_is_refused(block, key, message):
-    """A quantized source is read only in a format shardc implements (layout/sourcequant/, #31):
+    """A quantized source is read only in a format shardc implements (layout/quant_formats/, #31):
     any other quantization_config is refused by name, never read as 16-bit weights."""
     with pytest.raises(QuantizationError) as e:
         build_layout(_model(extra={"quantization_config": block}), _plan(1, 1))

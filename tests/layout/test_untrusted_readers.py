@@ -15,7 +15,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardc.compiler.source import open_source
+from shardc.compiler.checkpoint import open_source
 from shardc.errors import ShardcError
 from shardc.formats.safetensors import read_header
 from shardc.layout.families import BY_ARCHITECTURE

@@ -20,7 +20,7 @@ the bias, the top ``num_experts_per_tok`` softmaxed in the model dtype.
 int8 / fp8 plans are refused (layout/quantization.py): the stacked experts have no int8/fp8 form
 that transformers or vLLM loads, and quantizing only the attention is not what such a plan says.
 Sources published with MXFP4 experts (``quantization_config.quant_method: mxfp4``, tensors
-``*_blocks`` / ``*_scales``) are read by layout/sourcequant/mxfp4.py: dequantized as transformers
+``*_blocks`` / ``*_scales``) are read by layout/quant_formats/mxfp4.py: dequantized as transformers
 does, or kept as stored (``dtype: source``, whole experts per rank).
 """
 

@@ -119,7 +119,7 @@ class CompressedTensors(SourceQuantization):
         self.where = where  # the weights' key path, for messages
         self.fmt, self.bits, self.strategy = fmt, int(w.get("num_bits", 8)), w.get("strategy")
         self.group = int(w["group_size"]) if self.strategy == "group" else 0
-        # the config's scale dtype first (what a dtype: source build writes; compiler/sourcequant.py
+        # the config's scale dtype first (what a dtype: source build writes; compiler/quantized.py
         # refuses a source whose scales it could not copy exactly), any float scale read
         others = tuple(d for d in SCALES if d != scale_dtype)
         scale = Stored("_scale", (scale_dtype, *others), (1, self.group), flat=self.strategy == "tensor")

@@ -15,17 +15,17 @@ import numpy as np
 from ..errors import SourceError
 from ..formats.manifest import SourceRecord
 from ..layout.model import ModelSpec
+from ..layout.quant_formats import SourceQuantization, detect_source
 from ..layout.ranks import Layout
-from ..layout.sourcequant import SourceQuantization, detect_source
 from ..layout.tensors import source_tensors
-from .sources import Source, TensorInfo
+from .source import Source, TensorInfo
 from .tiles import Tiles
 
 
 class QuantizedSource:
-    """A source whose config.json declares a quantization (layout/sourcequant/): the inner
+    """A source whose config.json declares a quantization (layout/quant_formats/): the inner
     source's tensors as stored, plus each quantized weight dense (``dense``: dequantized by the
-    format's reference). Everything else is the inner source's; a ``Source`` (compiler/sources.py)."""
+    format's reference). Everything else is the inner source's; a ``Source`` (compiler/source.py)."""
 
     def __init__(self, inner: Source, squant: SourceQuantization, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self.inner, self.squant, self.squant_shapes = inner, squant, shapes
@@ -93,7 +93,7 @@ class QuantizedSource:
 
 
 def quantization_of(config: dict[str, Any], model: ModelSpec) -> tuple[SourceQuantization, dict[str, tuple[int, ...]]] | None:
-    """A config.json's source quantization (layout/sourcequant/) and the [out, in] of each weight
+    """A config.json's source quantization (layout/quant_formats/) and the [out, in] of each weight
     it quantizes; None for a 16-bit source. A config that quantizes none of the family's weights,
     or whose parameters do not fit their shapes (a group longer than a row), is refused here,
     before any tensor is read."""

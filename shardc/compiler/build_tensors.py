@@ -1,4 +1,4 @@
-"""An existing build read as a ``Source`` (compiler/sources.py) of an ordinary build: reshard,
+"""An existing build read as a ``Source`` (compiler/source.py) of an ordinary build: reshard,
 export and ``verify --deep``'s reference.
 
 ``BuildSource`` answers the questions the compiler asks a checkpoint (``view``: the whole tensor;
@@ -39,14 +39,14 @@ from ..formats.manifest import Manifest, ReshardRecord, SourceRecord
 from ..formats.safetensors import read_header
 from ..layout.dtypes import DTYPE_BYTES
 from ..layout.model import ModelSpec
+from ..layout.quant_formats import SourceQuantization
 from ..layout.ranks import Layout, TensorSpec
-from ..layout.sourcequant import SourceQuantization
 from ..layout.tensors import source_tensors
 from .arrays import as_bytes, np_dtype
-from .inputs import BuildInput, shard_problems
+from .build_files import BuildInput, shard_problems
 from .quantize import unpack_int8
-from .sourcequant import QuantizedSource, quantization_of
-from .sources import Source, TensorInfo
+from .quantized import QuantizedSource, quantization_of
+from .source import Source, TensorInfo
 from .stages import stage_order
 from .tiles import Tiles
 
@@ -329,7 +329,7 @@ def _need_order(src: BuildSource, out: Layout) -> list[str]:
 def _kept_source_quantization(src: BuildSource, model: ModelSpec,
                               out: Layout) -> tuple[SourceQuantization, dict[str, tuple[int, ...]]] | None:
     """A ``dtype: source`` input build holds its source's quantized weights as stored: the format
-    (layout/sourcequant/) re-slices them for a ``dtype: source`` output, and dequantizes them as its
+    (layout/quant_formats/) re-slices them for a ``dtype: source`` output, and dequantizes them as its
     reference does for any other (lossy: --dequantize, as for int8/fp8 inputs). Any other input
     no longer holds them, so a ``dtype: source`` output of it is refused."""
     held = src.in_layout.plan.dtype
