@@ -20,7 +20,7 @@ from ..errors import ShardcError
 from ..results import to_json
 
 if TYPE_CHECKING:
-    from ..store.results import PushResult
+    from ..store.transfers import PushResult
 
 # library field -> the flag that sets it (like huggingface_hub's CLI error mapping), for every
 # command: a field is shown as the flag only where the running command has that flag (flag_for).

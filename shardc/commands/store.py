@@ -11,7 +11,7 @@ from ..formats.files import human_size
 from .options import endpoint_option, json_option, quiet_option
 
 if TYPE_CHECKING:
-    from ..store.results import PullResult
+    from ..store.transfers import PullResult
 
 
 @click.command("push", epilog="""\b

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .families.base import Split
+from .families.family import Split
 
 if TYPE_CHECKING:
     from .model import ModelSpec

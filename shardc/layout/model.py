@@ -16,7 +16,7 @@ from typing import Any
 from ..errors import ModelError, ShardcError
 from .dtypes import SOURCE_DTYPES, from_torch_name
 from .families import BY_ARCHITECTURE, BY_NAME, FAMILIES, Family, Forward
-from .families.base import BOUNDS, above, short
+from .families.family import BOUNDS, above, short
 from .readfile import CONFIG_LIMIT, read_regular_file
 
 ARCHITECTURES = BY_ARCHITECTURE  # every architecture a family module declares -> its family
@@ -111,7 +111,7 @@ def config_key(field: str) -> str:
 # The numbers every decoder has, with the upper bounds they are checked against before anything is
 # sized from a config (a manifest's config too: formats/manifest.py reads this table):
 # ``num_hidden_layers: 1000000000`` would otherwise allocate per-layer tables until MemoryError.
-# One table holds these and every count a family reads (families/base.py ``BOUNDS``, each bound
+# One table holds these and every count a family reads (families/family.py ``BOUNDS``, each bound
 # with the published models it is far above).
 LIMITS: dict[str, int] = {key: BOUNDS[key][1] for key in (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

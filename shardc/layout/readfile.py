@@ -16,7 +16,7 @@ from ..errors import ShardcError
 
 PLAN_LIMIT = 1 << 20  # a plan is a few hundred bytes
 CONFIG_LIMIT = 16 << 20  # config.json / safetensors index: a 405B index is ~100 KiB
-MANIFEST_LIMIT = 256 << 20  # a manifest file, local or fetched from a store (store/base.py)
+MANIFEST_LIMIT = 256 << 20  # a manifest file, local or fetched from a store (store/object_store.py)
 
 
 def read_regular_file(

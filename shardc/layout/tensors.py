@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 
 from ..errors import LayoutError
-from .families.base import (
+from .families.family import (
     COLUMN,
     EXPERT,
     FUSED,

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ManifestError
 from ..formats.manifest import TOKENIZER, Manifest
-from .results import CompareResult, GenerateResult, ScoreResult, Wire
+from .api_results import CompareResult, GenerateResult, ScoreResult, Wire
 
 DEFAULT_TIMEOUT_S = 120.0
 

@@ -1,7 +1,7 @@
 """The decoder forward for one rank of a TP x PP replica: pure tensor math plus a ``Comm``.
 
 One block serves every dense family; what differs between them is data, the family module's
-``Forward`` (layout/families/base.py): the norm's form, q/k norms, sandwich norms, embedding,
+``Forward`` (layout/families/family.py): the norm's form, q/k norms, sandwich norms, embedding,
 residual and logit multipliers, soft-capping, sliding windows and local rope bases.
 
 Numerics follow Hugging Face's modeling files (for Llama: RMSNorm in fp32 then weight * x in the
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from ..layout.families.base import Forward
+from ..layout.families.family import Forward
 from .moe import route, stacked_expert
 from .rankweights import Dims, LayerWeights, MoeWeights, StageWeights
 from .rope import rope_tables

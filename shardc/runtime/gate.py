@@ -25,6 +25,7 @@ from typing import Any
 
 from ..errors import ManifestError, ShardcError
 from ..formats.manifest import Manifest
+from .api_results import PositionScores, ReferencePass, ScoreResult
 from .gate_cache import NOTES, cache_key, check_cache, check_cache_location, seal_cache
 from .gate_report import (
     CacheRecord,
@@ -38,7 +39,6 @@ from .gate_report import (
     Metric,
     Thresholds,
 )
-from .results import PositionScores, ReferencePass, ScoreResult
 
 DEFAULT_WINDOW = 512
 DEFAULT_MAX_TOKENS = 8192

@@ -25,7 +25,7 @@ from typing import Any
 import shardc.errors as errors
 
 from ..errors import DistributedError, ShardcError
-from .results import Wire
+from .api_results import Wire
 
 POLL_S = 0.05
 GRACE_S = 3.0  # after one rank fails, how long the others get to report before they are stopped

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..layout.families.base import Moe
+from ..layout.families.family import Moe
 from .rankweights import MoeWeights
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ShardcError, VerifyMismatch
-from .results import ReferencePass
+from .api_results import ReferencePass
 
 REFERENCES = ("shardc", "transformers")
 DEFAULT_REFERENCE = "shardc"

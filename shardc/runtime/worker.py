@@ -3,7 +3,7 @@
 Run by the built-in launcher (``python -m shardc.runtime.worker JOB.json``, torchrun-style env vars)
 or in-process under torchrun. A job is plain JSON: the replicas (manifest + shard directory), the
 kind of work and its inputs. The rank that holds the answer returns it as plain data and tensors
-(``runtime/results.py`` ``Wire``: the launcher has it written to ``result.pt``, read back with
+(``runtime/api_results.py`` ``Wire``: the launcher has it written to ``result.pt``, read back with
 ``weights_only``); every other rank returns None. The API makes the typed result from it.
 
 Kinds:
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import DistributedError, ShardcError
-from .results import Wire
+from .api_results import Wire
 
 if TYPE_CHECKING:  # the types only: the worker imports them when it runs
     from ..formats.manifest import Manifest

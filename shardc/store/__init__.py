@@ -5,7 +5,7 @@
 ``push`` and ``pull`` (the protocol, described in ``transfer``).
 """
 
-from .base import S3Settings, Store
+from .object_store import S3Settings, Store
 from .pull import fetch_manifest, pull_build
 from .push import push_build
 from .uri import open_store, parse_uri, split_object_uri

@@ -14,8 +14,8 @@ from typing import Any, BinaryIO
 
 from ..errors import ShardcError, StoreError, VerifyMismatch
 from ..formats.files import fsync_dir, sha256_file, write_atomic
-from .base import GetItem, ObjectInfo, PutItem, Store
 from .codec import BLOCK, new_partial, remove_stale_partials, zstd_file_digests
+from .object_store import GetItem, ObjectInfo, PutItem, Store
 
 
 class LocalStore(Store):

@@ -16,7 +16,9 @@ from ..formats.chunks import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, loads
 from ..verify.report import VerifyReport
-from .base import (
+from .codec import CODECS, VerifiedSink, remove_stale_partials, zstd_module
+from .local import LocalStore
+from .object_store import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     GetItem,
@@ -24,10 +26,8 @@ from .base import (
     Store,
     env_flag,
 )
-from .codec import CODECS, VerifiedSink, remove_stale_partials, zstd_module
-from .local import LocalStore
-from .results import FileAction, PulledFile, PulledRank, PullResult
 from .transfer import entries, os_errors, progress_bar, strip_compressed
+from .transfers import FileAction, PulledFile, PulledRank, PullResult
 from .uri import open_store, split_object_uri
 
 

@@ -14,10 +14,10 @@ from typing import Any
 from ..errors import ShardcError, StoreError, VerifyMismatch
 from ..formats.files import safe_name, sha256_file
 from ..formats.manifest import Manifest, ShardEntry, load, loads
-from .base import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
 from .codec import CODECS, ZSTD_LEVEL, compress_file, zstd_module
-from .results import ManifestState, ObjectAction, PushedObject, PushResult
+from .object_store import MANIFEST_NAME, MAX_MANIFEST_BYTES, ObjectInfo, PutItem, S3Settings, Store
 from .transfer import entries, os_errors, progress_bar, strip_compressed
+from .transfers import ManifestState, ObjectAction, PushedObject, PushResult
 from .uri import open_store, parse_uri, split_object_uri
 
 

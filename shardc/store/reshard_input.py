@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..compiler.build_files import BuildInput, Spool
 from ..errors import OutputError, ShardcError, StoreError, VerifyMismatch
-from .base import MANIFEST_NAME
+from .object_store import MANIFEST_NAME
 from .pull import fetch_manifest, pull_build
 
 

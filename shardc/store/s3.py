@@ -1,4 +1,4 @@
-"""The S3 backend of :class:`shardc.store.base.Store` (boto3, imported only for ``s3://`` URIs).
+"""The S3 backend of :class:`shardc.store.object_store.Store` (boto3, imported only for ``s3://`` URIs).
 
 Why it looks the way it does:
 
@@ -34,7 +34,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..errors import ShardcError, StoreError, VerifyMismatch
-from .base import GetItem, ObjectInfo, PutItem, S3Settings, Store
+from .object_store import GetItem, ObjectInfo, PutItem, S3Settings, Store
 from .s3_errors import code_of, redact, status_of, translate
 
 

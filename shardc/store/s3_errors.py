@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 
 from ..errors import ShardcError, StoreError
-from .base import S3Settings
+from .object_store import S3Settings
 
 _CRED_HINT = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run where an instance role "

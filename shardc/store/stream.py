@@ -26,7 +26,7 @@ from ..verify.chunked import load_chunks
 from ..verify.loader import header_check, rank_of
 from ..verify.reader import RawShard, nonfinite, tensors_of
 from ..verify.report import VerifyReport
-from .base import S3Settings, Store
+from .object_store import S3Settings, Store
 from .ranged import RangedChunks
 from .s3 import S3Store
 

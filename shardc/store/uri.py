@@ -1,6 +1,6 @@
 """Storage URIs, and the factory that opens the backend a URI names.
 
-Apart from :mod:`shardc.store.base` so that the backends, which import the records there, are
+Apart from :mod:`shardc.store.object_store` so that the backends, which import the records there, are
 never imported back by it (no import cycle, not even a lazy one); boto3 loads only for ``s3://``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import StoreError
-from .base import MANIFEST_NAME, S3Settings, Store
+from .object_store import MANIFEST_NAME, S3Settings, Store
 
 # --- URIs ---------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Hostile configs (#41 items 2 and 5): every count a family reads is bounded before anything is
 sized by it, and a config that names two models at once is refused naming both fields.
 
-The bounds are one table (``families/base.py`` ``BOUNDS``). For every family, each bounded key it
+The bounds are one table (``families/family.py`` ``BOUNDS``). For every family, each bounded key it
 reads (found by recording what the reader looks up, so a family that starts reading another count
 is tested here without a new line) is refused one above its bound with one line naming the key,
 the value and the bound, refused below its lowest, and accepted at its bound (or, where the other
@@ -24,7 +24,7 @@ from cli_run import one_line, shardc
 
 from shardc.errors import ModelError
 from shardc.layout.families import BY_ARCHITECTURE, FAMILIES
-from shardc.layout.families.base import BOUNDS, EXPERT_MLPS
+from shardc.layout.families.family import BOUNDS, EXPERT_MLPS
 from shardc.layout.model import LIMITS, PRESETS, model_from_config
 
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

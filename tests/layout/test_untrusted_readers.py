@@ -19,7 +19,7 @@ from shardc.compiler.checkpoint import open_source
 from shardc.errors import ShardcError
 from shardc.formats.safetensors import read_header
 from shardc.layout.families import BY_ARCHITECTURE
-from shardc.layout.families.base import BOUNDS
+from shardc.layout.families.family import BOUNDS
 from shardc.layout.model import PRESETS, load_model, model_from_config
 from shardc.layout.plan import load_plan, plan_from_dict
 

@@ -15,6 +15,7 @@ from plan_helpers import plan as make_plan
 
 from shardc.errors import ManifestError
 from shardc.results import to_json
+from shardc.runtime.api_results import PositionScores
 from shardc.runtime.gate import (
     GoldenError,
     Thresholds,
@@ -25,7 +26,6 @@ from shardc.runtime.gate import (
     run_gate,
     summarize,
 )
-from shardc.runtime.results import PositionScores
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from plan_helpers import plan as make_plan
 
+from shardc.runtime.api_results import PositionScores
 from shardc.runtime.gate import Thresholds, paired_bootstrap_ci, summarize
-from shardc.runtime.results import PositionScores
 
 ROOT = Path(__file__).resolve().parents[2]
 

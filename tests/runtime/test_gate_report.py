@@ -24,6 +24,7 @@ from plan_helpers import plan as make_plan
 torch = pytest.importorskip("torch")
 
 from shardc.results import to_json  # noqa: E402
+from shardc.runtime.api_results import PositionScores  # noqa: E402
 from shardc.runtime.gate import (  # noqa: E402
     GATE_CPU_THREADS,
     GoldenError,
@@ -48,7 +49,6 @@ from shardc.runtime.gate_report import (  # noqa: E402
     Metric,
     format_report,
 )
-from shardc.runtime.results import PositionScores  # noqa: E402
 
 
 # -- format_report ----------------------------------------------------------------------------------------

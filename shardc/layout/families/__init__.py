@@ -7,7 +7,7 @@ base.py) plus its tests; nothing else names a family (docs/architecture.md §8).
 from __future__ import annotations
 
 from . import deepseek, gemma, gpt_oss, granite, llama, mixtral, phi3, qwen3, qwen_moe
-from .base import Family, Forward, Row
+from .family import Family, Forward, Row
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, granite.FAMILY, phi3.FAMILY,
                                 gemma.GEMMA2_FAMILY, gemma.GEMMA3_FAMILY, mixtral.FAMILY, qwen_moe.QWEN2_MOE,

@@ -32,7 +32,7 @@ import math
 import re
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from .family import (
     COLUMN,
     REPLICATED,
     ROW,
@@ -52,7 +52,7 @@ from .base import (
 from .moe import expert_rows, flag, read_routing
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 ROUTER = "mlp.gate.weight"
 BIAS = "mlp.gate.e_score_correction_bias"

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from .family import (
     Family,
     Forward,
     Preset,
@@ -39,7 +39,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 GEMMA2 = "Gemma2ForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from .family import (
     COLUMN,
     REPLICATED,
     STACKED,
@@ -49,7 +49,7 @@ from .base import (
 from .moe import flag, read_routing
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 ROUTER, ROUTER_BIAS = "mlp.router.weight", "mlp.router.bias"
 STACK = ("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj",

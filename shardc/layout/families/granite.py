@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import Family, Forward, Preset, Row, number
+from .family import Family, Forward, Preset, Row, number
 from .llama import tensors as llama_tensors
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:

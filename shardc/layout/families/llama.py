@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from .family import (
     Family,
     Forward,
     Preset,
@@ -25,7 +25,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 
 def qwen_windows(cfg: dict[str, Any]) -> tuple[int | None, ...]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from .family import (
     Family,
     Forward,
     Moe,
@@ -26,7 +26,7 @@ from .base import (
 from .moe import expert_rows, read_routing, router_row
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 ROUTER = "block_sparse_moe.gate.weight"
 EXPERT = ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",

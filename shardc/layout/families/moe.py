@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ...errors import ModelError
-from .base import COLUMN, EXPERT_MLPS, REPLICATED, ROW, Row, count, refuse
+from .family import COLUMN, EXPERT_MLPS, REPLICATED, ROW, Row, count, refuse
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 
 def expert_rows(m: ModelShape, p: str, templates: tuple[str, str, str], experts: int, inter: int) -> list[Row]:

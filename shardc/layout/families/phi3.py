@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from .family import (
     COLUMN,
     FUSED,
     KV_COLUMN,
@@ -38,7 +38,7 @@ from .base import (
 )
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
     layers = count(cfg, "num_hidden_layers") or 1

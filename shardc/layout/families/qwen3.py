@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import Family, Forward, Preset, Row, attention_rows, mlp_rows, norm_rows, outer_rows
+from .family import Family, Forward, Preset, Row, attention_rows, mlp_rows, norm_rows, outer_rows
 from .llama import qwen_windows
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .base import (
+from .family import (
     COLUMN,
     REPLICATED,
     ROW,
@@ -40,7 +40,7 @@ from .base import (
 from .moe import expert_rows, flag, read_routing, router_row
 
 if TYPE_CHECKING:
-    from .base import ModelShape
+    from .family import ModelShape
 
 ROUTER = "mlp.gate.weight"
 EXPERT = ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight")

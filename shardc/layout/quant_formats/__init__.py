@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import QuantizationError
-from .base import SourceQuantization, Stored
 from .compressed import CompressedTensors
+from .format import SourceQuantization, Stored
 from .fp8_block import BlockFP8
 from .mxfp4 import MXFP4
 

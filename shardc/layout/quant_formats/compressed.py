@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from ...errors import QuantizationError
 from ..dtypes import from_torch_name
 from ..quantization import _ignore_matches, quantizable
-from .base import SourceQuantization, Stored
 from .ct_keys import ARGS, CONFIG, SCHEME, check_keys
+from .format import SourceQuantization, Stored
 
 if TYPE_CHECKING:
     import numpy as np

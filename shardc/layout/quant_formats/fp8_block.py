@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import QuantizationError
 from ..quantization import _ignore_matches, quantizable
-from .base import SourceQuantization, Stored
+from .format import SourceQuantization, Stored
 
 if TYPE_CHECKING:
     import numpy as np

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ...errors import QuantizationError
-from ..families.base import STACKED
-from .base import SourceQuantization, Stored
+from ..families.family import STACKED
+from .format import SourceQuantization, Stored
 
 if TYPE_CHECKING:
     import numpy as np

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 from ...errors import LayoutError
 from ..cuts import Cut, slice_for_rank
 from ..tensors import STACKED, Split, tensor_table, valid_tp_degrees
-from .base import SourceQuantization, Stored
+from .format import SourceQuantization, Stored
 
 
 def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | None:
