@@ -283,7 +283,7 @@ def compare_s3(manifest: Path, rank: int, device: str, repeat: int) -> dict[str,
 
 def hashing_rates(manifest: Path) -> dict[str, float]:
     """verify's hashing of the whole build, GB/s, on 1 core and on every core (page cache warm)."""
-    from shardc.formats.chunks import workers
+    from shardc.formats.chunk_digests import workers
     from shardc.formats.manifest import load
     from shardc.verify.checks import verify_build
 

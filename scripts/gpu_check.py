@@ -288,7 +288,7 @@ def load_bench(manifest: Path) -> None:
 
 
 def chunked_load(manifest: Path) -> None:
-    """load_shard's chunked read (format_version 3, verify/chunked.py; on CUDA through pinned
+    """load_shard's chunked read (format_version 3, verify/chunk_sinks.py; on CUDA through pinned
     staging buffers and per-worker copy streams): the tensors equal safetensors' load_file of the
     file, and a flipped byte is a VerifyMismatch naming its chunk."""
     import torch

@@ -16,7 +16,7 @@ def tiny_build(root: Path, name: str, *, chunk_size: int | None = None, group: d
     ``replica_group`` keys (``{"checkpoint": {"chunk_digest": "blake3"}}``)."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.formats import chunks
+    from shardc.formats import chunk_digests as chunks
 
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))
     plan = make_plan(2, name=name, source=src, group=group)

@@ -7,7 +7,7 @@ sha256 matches the input manifest. A local build is hashed where it lies; a buil
 storage is fetched by the store layer (``shardc.store.reshard_input``), which hashes while it
 downloads, so every input byte is checked exactly once. A shard whose manifest entry has chunk
 digests (format_version 3, docs/architecture.md §3.3) is checked chunk by chunk on every core
-(``formats/chunks.py``), and a damaged chunk is named with the tensors in it; other files by their
+(``formats/chunk_digests.py``), and a damaged chunk is named with the tensors in it; other files by their
 sha256, one core each.
 
 ``ready`` is the speculative form reshard uses for a local input: it blocks only until a file is
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ManifestError, OutputError, ShardFormatError, VerifyMismatch
-from ..formats import chunks
+from ..formats import chunk_digests as chunks
 from ..formats.files import HASH_BLOCK, safe_name, sha256_file, sha256_mapped
 from ..formats.manifest import FileEntry, Manifest, ShardEntry, load
 from ..formats.safetensors import extent_problem, read_header, shard_metadata

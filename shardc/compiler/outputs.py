@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import OutputError, ShardcError
-from ..formats import chunks
+from ..formats import chunk_digests as chunks
 from ..formats.files import (
     copy_atomic,
     create_temp,

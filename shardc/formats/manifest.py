@@ -27,7 +27,7 @@ with ``overrides`` applied, and without them it is ``plan`` itself (so a build w
 and every manifest written before overrides were recorded, has no such keys and the same bytes).
 
 ``manifest["shards"][file]["sha256"]`` is all a loader needs to check a shard; ``chunks`` lets it
-check the file on every core and name a damaged chunk (formats/chunks.py). Version 2 (still read,
+check the file on every core and name a damaged chunk (formats/chunk_digests.py). Version 2 (still read,
 and still written for a manifest whose shards have no chunk digests, so its bytes stay) has no
 chunk digests; version 1 (still read, written as the current version) listed the shards instead,
 each entry naming its ``"file"``.

@@ -12,7 +12,7 @@ from ..digests import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST
 from ..errors import ManifestError
 from ..layout.model import LIMITS
 from ..layout.plan import MAX_TP
-from .chunks import chunk_count, chunk_size_problem
+from .chunk_digests import chunk_count, chunk_size_problem
 from .files import safe_name
 
 REBUILD = "the manifest is damaged; rebuild, or pass the manifest.json that shardc build wrote"

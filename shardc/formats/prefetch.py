@@ -6,7 +6,7 @@ families, the manifest reader, verify) and the manifest's validation take 70 ms,
 whole load of a 1 GB shard on a fast disk, and the disk sits idle through them. So the facade
 (shardc/__init__.py) calls ``start`` first: it picks the rank's entry out of the manifest's JSON
 (no validation: nothing here is trusted), opens the file as the loader would and queues the first
-chunks' reads into the host buffer (formats/chunkread.py ``HostReads``: the same reads, the same
+chunks' reads into the host buffer (formats/chunk_reads.py ``HostReads``: the same reads, the same
 digests), then the heavy modules are imported and the manifest is validated while those run.
 
 Only a window is read before the manifest is checked (``WINDOW``, 256 MiB: 16 of the builds'
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from ..digests import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST
-from .chunkread import FileChunkReads, HostReads
-from .chunks import chunk_count, chunk_size_problem
+from .chunk_digests import chunk_count, chunk_size_problem
+from .chunk_reads import FileChunkReads, HostReads
 
 MAX_MANIFEST = 64 << 20  # a larger manifest is left to the checked reader (and its own bound)
 WINDOW = 256 << 20  # bytes read before the manifest is checked (above; a larger chunk: no early start)

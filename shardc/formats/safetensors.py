@@ -33,8 +33,8 @@ from ..errors import ShardFormatError
 from ..layout.dtypes import DTYPE_BYTES
 from ..layout.ranks import Layout, RankLayout
 from ..version import __version__
-from . import chunks as _chunks
-from .chunkread import disable_direct, enable_direct
+from . import chunk_digests as _chunks
+from .chunk_reads import disable_direct, enable_direct
 from .files import create_temp
 
 ALIGN = 8
@@ -168,7 +168,7 @@ class ShardWriter:
 
     Usage: ``w = ShardWriter(path, [(name, dtype, shape), ...], metadata)``; ``w.write(buf)`` any
     number of times (bytes must arrive in header order); ``size, sha = w.commit()``, and then
-    ``w.chunks`` holds the chunk digests (formats/chunks.py). ``abort()`` removes the temp file.
+    ``w.chunks`` holds the chunk digests (formats/chunk_digests.py). ``abort()`` removes the temp file.
     Until commit, the final name is untouched.
 
     The whole-file sha256 is taken on the filling thread while each piece is in cache; the chunk

@@ -12,7 +12,7 @@ from typing import Any
 
 from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ManifestError, ShardcError, StoreError, VerifyMismatch
-from ..formats.chunks import check_chunks
+from ..formats.chunk_digests import check_chunks
 from ..formats.files import fsync_dir, safe_name, sha256_file, write_atomic
 from ..formats.manifest import Manifest, ShardEntry, interrupted_switch, loads
 from ..verify.report import VerifyReport

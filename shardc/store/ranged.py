@@ -10,8 +10,8 @@ from pathlib import Path
 
 from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ShardcError, VerifyMismatch
-from ..formats.chunkread import ChunkReads
-from ..verify.chunked import to_file
+from ..formats.chunk_reads import ChunkReads
+from ..verify.chunk_sinks import to_file
 from .s3 import S3Store
 
 
@@ -45,7 +45,7 @@ def download_chunked(store: S3Store, final: Path, size: int, chunk_size: int, ch
     the ETag) written at their offsets of an exclusive partial file next to ``final``, each chunk
     checked in memory before it is written (a damaged one fetched once more), renamed into place
     only when every chunk matched: no second read of the file to hash it."""
-    from ..formats.chunks import chunk_problem, tensors_in
+    from ..formats.chunk_digests import chunk_problem, tensors_in
     from ..formats.safetensors import read_header
     from .codec import new_partial
 

@@ -7,7 +7,7 @@ GETs into memory (host or GPU), every chunk checked as it arrives, no local disk
 downloads shards with chunk digests by the same ranged reads, to disk (store/ranged.py).
 
 The checks are the local loader's (verify/loader.py ``rank_of``, ``header_check``) and so is the
-read (verify/chunked.py): the shard's chunks are fetched by several ranged GETs at once, each
+read (verify/chunk_sinks.py): the shard's chunks are fetched by several ranged GETs at once, each
 straight into the buffer the tensors will live in (or a pinned staging buffer on CUDA) and hashed
 there while the others download. A chunk whose sha256 differs is fetched once more (a body garbled
 on the way), then it is a VerifyMismatch naming it and its tensors. Every GET is pinned to the
@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import StoreError, VerifyMismatch
 from ..formats.manifest import Manifest
-from ..verify.chunked import load_chunks
+from ..verify.chunk_sinks import load_chunks
 from ..verify.loader import header_check, rank_of
 from ..verify.reader import RawShard, nonfinite, tensors_of
 from ..verify.report import VerifyReport

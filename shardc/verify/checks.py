@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ShardcError, VerifyMismatch
-from ..formats import chunks
+from ..formats import chunk_digests as chunks
 from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, ShardEntry
 from ..formats.manifest_checks import size_problem
@@ -235,8 +235,8 @@ def check_parsed_header(res: RankResult, header: dict[str, Any], meta: dict[str,
 def _load_on_device(res: RankResult, path: Path, device: str, entry: ShardEntry) -> str | BadChunks:
     """One pass over the file: hash it, land its data on ``device`` and check finiteness (min/max
     per tensor, no fp32 copies). Returns the sha256 of the bytes read, or with chunk digests the
-    damaged chunks (read and hashed in parallel: verify/chunked.py, load_shard's read)."""
-    from .filechunks import load_for_verify
+    damaged chunks (read and hashed in parallel: verify/chunk_sinks.py, load_shard's read)."""
+    from .local_read import load_for_verify
     from .reader import read_shard, tensors_of
 
     if entry.chunk_size is not None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DeviceError, LayoutError, ManifestError, VerifyMismatch
-from ..formats.chunkread import HostReads
+from ..formats.chunk_reads import HostReads
 from ..formats.manifest import Manifest, ShardEntry
 from ..formats.prefetch import EarlyRead
 from ..formats.safetensors import METADATA
@@ -44,7 +44,7 @@ def load_shard(manifest: Manifest | dict[str, Any] | str | Path, tp_rank: int, p
     of this very read (formats/prefetch.py), used only when it matches the validated entry; the
     caller closes it. ``into``: where some tensors are to land, name -> a contiguous CPU tensor of
     the shard's dtype and shape (an engine's parameters; device="cpu"): the bytes are read straight
-    into it (verify/chunked.py ``into_host``) and the returned dict holds that very tensor. Its
+    into it (verify/chunk_sinks.py ``into_host``) and the returned dict holds that very tensor. Its
     contents are unspecified when this raises.
     """
     _check_arguments(tp_rank, pp_stage, device, directory, dp_rank)
@@ -171,7 +171,7 @@ def _read_checked(manifest: Manifest, directory: Path, rl: RankLayout, layout: L
 def _read_into(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layout,
                into: Mapping[str, Any]) -> dict[str, Any]:
     """``load_shard(into=...)``: the shard opened once and checked as ``_read_open`` checks it, its
-    chunks read into ``into``'s tensors (verify/chunked.py ``into_host``); a shard without chunk
+    chunks read into ``into``'s tensors (verify/chunk_sinks.py ``into_host``); a shard without chunk
     digests (a format_version 2 manifest) is read whole and checked, then copied."""
     entry = manifest.shard(rl.file)
     assert entry is not None  # check_manifest_against_layout names a missing entry
@@ -180,7 +180,7 @@ def _read_into(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layo
     with _open(file, rl.file) as f:
         if entry.chunk_size is None:
             tensors = tensors_of(_read_open(f, file, entry, rl, check_header, "cpu", None))
-            from .chunked import check_into
+            from .chunk_sinks import check_into
 
             for name, t in into.items():
                 if name not in tensors:
@@ -190,8 +190,8 @@ def _read_into(manifest: Manifest, directory: Path, rl: RankLayout, layout: Layo
             for name, t in into.items():
                 t.copy_(tensors[name])
             return {**tensors, **into}
-        from ..formats.chunkread import FileChunkReads
-        from .chunked import into_host
+        from ..formats.chunk_reads import FileChunkReads
+        from .chunk_sinks import into_host
 
         _stat_checks(f, file, entry, rl)
         source = FileChunkReads(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks,
@@ -228,7 +228,7 @@ def _read_open(f: Any, file: Path, entry: ShardEntry, rl: RankLayout, check_head
     if started is None:
         _stat_checks(f, file, entry, rl)
     if entry.chunk_size is not None:  # every chunk checked on every core; raises for a bad one
-        from .filechunks import read_chunked
+        from .local_read import read_chunked
 
         return read_chunked(f.fileno(), rl.file, entry.size, entry.chunk_size, entry.chunks, dev,
                             on_header=check_header, where=str(file), digest=entry.chunk_digest, started=started)

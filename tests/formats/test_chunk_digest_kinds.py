@@ -29,7 +29,7 @@ KIND = {"checkpoint": {"chunk_digest": "blake3"}}
 
 def _build(src: Path, out: Path, tp: int = 1, **kw):
     from shardc.compiler.compile import build
-    from shardc.formats import chunks
+    from shardc.formats import chunk_digests as chunks
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(chunks, "CHUNK_SIZE", CHUNK)

@@ -27,7 +27,7 @@ def built(tmp_path_factory) -> Path:
     """A tiny tp=1 build in 4 KiB chunks whose header alone is more than one chunk."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.formats import chunks
+    from shardc.formats import chunk_digests as chunks
 
     root = tmp_path_factory.mktemp("chunks")
     src = write_checkpoint(root / "src", llama_config(num_layers=6, hidden_size=32, intermediate_size=64,
@@ -228,12 +228,12 @@ def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
     read (never the one-core whole-file pass): clean, it passes with its load and sha256 checks;
     one damaged chunk is the line verify without --device gives, naming the chunk and tensors."""
     from shardc.formats.manifest import load
-    from shardc.verify import filechunks, reader
+    from shardc.verify import local_read, reader
     from shardc.verify.checks import verify_build
 
     calls = []
-    real = filechunks.load_chunks
-    monkeypatch.setattr(filechunks, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
+    real = local_read.load_chunks
+    monkeypatch.setattr(local_read, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
     monkeypatch.setattr(reader, "read_shard", lambda *a, **k: pytest.fail("whole-file pass on a chunked shard"))
     (rank,) = verify_build(load(build_dir / "manifest.json"), build_dir, device="cpu").ranks
     assert rank.ok and {"sha256", "load:cpu"} <= set(rank.checks) and calls == [S0]
@@ -272,7 +272,7 @@ def test_export_reports_the_chunk_digests_of_what_it_wrote(built, tmp_path):
     them per file, and they are the sha256 of every CHUNK_SIZE bytes of the file."""
     from shardc.compiler.build_files import open_local_input
     from shardc.compiler.export import export
-    from shardc.formats import chunks
+    from shardc.formats import chunk_digests as chunks
 
     inp = open_local_input(built)
     try:

@@ -151,7 +151,7 @@ def test_version_1_manifests_are_still_read():
 def test_version_3_shards_are_keyed_by_file_with_chunk_digests(built):
     """Keyed by file name (since version 2), the whole file's sha256 as before, and (version 3)
     the sha256 of every CHUNK_SIZE bytes, cut here independently of the writer."""
-    from shardc.formats.chunks import CHUNK_SIZE
+    from shardc.formats.chunk_digests import CHUNK_SIZE
 
     m = json.loads(built.manifest_path.read_text())
     assert m["format_version"] == 3

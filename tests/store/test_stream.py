@@ -33,7 +33,7 @@ def built(tmp_path_factory) -> Path:
     """A tiny tp=2 build in 4 KiB chunks (several per shard)."""
     from shardc.compiler.compile import build
     from shardc.compiler.synthetic import llama_config, write_checkpoint
-    from shardc.formats import chunks
+    from shardc.formats import chunk_digests as chunks
 
     root = tmp_path_factory.mktemp("stream")
     src = write_checkpoint(root / "src", llama_config(num_layers=2, hidden_size=64, intermediate_size=96))

@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 import shardc  # noqa: E402
 from shardc.errors import DeviceError, LayoutError, ManifestError, ShardcError, VerifyMismatch  # noqa: E402
-from shardc.formats import chunkread  # noqa: E402
+from shardc.formats import chunk_reads  # noqa: E402
 from shardc.verify import reader  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +56,7 @@ def build_dir(built, tmp_path) -> Path:
 @pytest.fixture(params=["whole", "chunked"])
 def any_dir(request, built, tmp_path) -> Path:
     """A build read by either pass: ``whole``, its manifest without chunk digests (format_version
-    2: one sha256 over the file, reader.py); ``chunked``, in 4 KiB chunks (chunked.py)."""
+    2: one sha256 over the file, reader.py); ``chunked``, in 4 KiB chunks (chunk_sinks.py)."""
     d = tmp_path / "b"
     if request.param == "chunked":
         shutil.copytree(request.getfixturevalue("built_chunked"), d)
@@ -118,7 +118,7 @@ def _hook(monkeypatch, when, action) -> list:
     monkeypatch.setattr(reader, "_read_full", read_full)
     monkeypatch.setattr(reader, "HOST_CHUNK", 4096)  # several pieces even for a tiny shard
 
-    real_chunk = chunkread.FileChunkReads.fetch  # the chunked pass: before the first data chunk, after the last
+    real_chunk = chunk_reads.FileChunkReads.fetch  # the chunked pass: before the first data chunk, after the last
 
     def fetch_chunk(self, i, mv):
         if when == "start" and not done and i >= 1:
@@ -128,8 +128,8 @@ def _hook(monkeypatch, when, action) -> list:
             done.append(action(self.fd))
         return got
 
-    monkeypatch.setattr(chunkread.FileChunkReads, "fetch", fetch_chunk)
-    monkeypatch.setattr(chunkread.FileChunkReads, "parallel", lambda self: 1)  # chunks in order: the moment is exact
+    monkeypatch.setattr(chunk_reads.FileChunkReads, "fetch", fetch_chunk)
+    monkeypatch.setattr(chunk_reads.FileChunkReads, "parallel", lambda self: 1)  # chunks in order: the moment is exact
     return done
 
 

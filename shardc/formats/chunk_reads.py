@@ -3,7 +3,7 @@ read of one chunk, a local file's positioned ``O_DIRECT`` reads, and a shard's c
 once, or a bounded window first) into the one host buffer its tensors will live in (``HostReads``).
 
 What is done with the chunks (the header check, the failure lines, the GPU and the pull to disk)
-is verify/chunked.py's. The split is by weight: this module imports the standard library, the
+is verify/chunk_sinks.py's. The split is by import cost: this module imports the standard library, the
 digest kinds and (inside a call) torch, nothing of shardc's layout or manifest, so the loader can
 start the disk before those are imported (formats/prefetch.py: they are 70 ms of a cold start).
 
@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..digests import DEFAULT_CHUNK_DIGEST, new_hash
 from ..errors import VerifyMismatch
-from .chunks import CHUNK_ALIGN, chunk_count, workers
+from .chunk_digests import CHUNK_ALIGN, chunk_count, workers
 
 ALIGN = CHUNK_ALIGN  # O_DIRECT: buffer address, file offset and length in whole pages
 PIECE = 1 << 20  # a local file's chunk is read and hashed in pieces of this many bytes (cache-hot)
@@ -180,7 +180,7 @@ class HostReads:
     """The chunks of ``source`` queued in file order (the header's chunks first), each read
     straight into its place in one page-aligned host buffer and checked there (``checked``).
     ``queued[i]`` is chunk ``i``'s future: (the bytes read, whether its digest matched). Nothing
-    waits here; verify/chunked.py's ``to_host`` takes the results (and the header) from them.
+    waits here; verify/chunk_sinks.py's ``to_host`` takes the results (and the header) from them.
 
     ``first``: queue only that many chunks now and the rest on ``more()`` (the loader's early
     start, formats/prefetch.py, reads a bounded window until the manifest is checked). The buffer

@@ -1,6 +1,6 @@
 """The chunked one-pass read for the Checkpoint Loader (docs/architecture.md §2): a shard whose
 manifest entry has chunk digests (format_version 3), read at the device's speed and checked on
-every core. How each chunk is read and hashed is formats/chunkread.py's (a local file, or ranged
+every core. How each chunk is read and hashed is formats/chunk_reads.py's (a local file, or ranged
 GETs: store/ranged.py); what is done with the chunks is here: onto the host, onto a GPU, into a
 file (pull), the header check and the failure lines.
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import LayoutError, ShardFormatError, VerifyMismatch
-from ..formats import chunks as ch
-from ..formats.chunkread import ALIGN, ChunkReads, FileChunkReads, HostReads
+from ..formats import chunk_digests as ch
+from ..formats.chunk_reads import ALIGN, ChunkReads, FileChunkReads, HostReads
 from ..formats.safetensors import MAX_HEADER, METADATA, parse_header
 from ..layout.dtypes import DTYPES
 from .reader import HeaderCheck, RawShard
@@ -97,7 +97,7 @@ def fail(source: ChunkReads, bad: list[int], header: dict[str, Any] | None, star
 
 # -- CPU ------------------------------------------------------------------------------------------
 def to_host(source: ChunkReads, on_header: HeaderCheck | None, started: HostReads | None = None) -> RawShard:
-    """Every chunk read straight into one page-aligned buffer (formats/chunkread.py ``HostReads``,
+    """Every chunk read straight into one page-aligned buffer (formats/chunk_reads.py ``HostReads``,
     or ``started``); the header checked as soon as its chunks are in; the tensors are views of it."""
     reads = started or HostReads(source)
     queued = reads.queued

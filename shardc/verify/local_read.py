@@ -1,7 +1,7 @@
 """The chunked read of a local shard file: the entry points ``read_chunked`` (load_shard) and
 ``load_for_verify`` (verify --device). The reads themselves (positioned, ``O_DIRECT``, in pieces
-each hashed right after its read) are formats/chunkread.py's ``FileChunkReads``; what is done with
-the chunks is verify/chunked.py's."""
+each hashed right after its read) are formats/chunk_reads.py's ``FileChunkReads``; what is done with
+the chunks is verify/chunk_sinks.py's."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import VerifyMismatch
-from ..formats.chunkread import FileChunkReads, HostReads
+from ..formats.chunk_reads import FileChunkReads, HostReads
 from ..formats.manifest import ShardEntry
-from .chunked import load_chunks
+from .chunk_sinks import load_chunks
 from .reader import HeaderCheck, RawShard
 
 
