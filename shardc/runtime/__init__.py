@@ -1,4 +1,4 @@
-"""Sharded Llama runtime: execute a built plan's shard files the way a serving replica would.
+"""Sharded runtime: execute a built plan's shard files the way a serving replica would.
 
 Every rank loads only its own shard file (through verify's checked loader), tensor-parallel blocks
 all-reduce over a real torch.distributed group, and pipeline stages hand activations on with
@@ -9,5 +9,5 @@ import torch.
 from __future__ import annotations
 
 # the modules (not imported here: they import torch); the library entry points are in ``api``
-__all__ = ["api", "comm", "decoder", "engine", "gate", "gate_cache", "gate_report", "launch", "reference", "results",
-           "support", "weights", "worker"]
+__all__ = ["api", "api_results", "comm", "decoder", "engine", "gate", "gate_cache", "gate_report", "launch",
+           "reference", "support", "weights", "worker"]

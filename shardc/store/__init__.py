@@ -1,6 +1,6 @@
 """Object storage: push a build to a store and pull (parts of) it back, verified.
 
-``base`` (the Store interface and its records), ``uri`` (URIs and ``open_store``, the factory),
+``object_store`` (the Store interface and its records), ``uri`` (URIs and ``open_store``, the factory),
 ``local`` and ``s3`` (the backends), ``codec`` (zstd, hashing, verified sinks, partial files),
 ``push`` and ``pull`` (the protocol, described in ``transfer``).
 """

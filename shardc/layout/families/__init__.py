@@ -1,7 +1,7 @@
 """The model families shardc compiles and runs: one module each, listed in ``FAMILIES``.
 
 Adding a family is one new module here (its config reader, tensor table and forward, see
-base.py) plus its tests; nothing else names a family (docs/architecture.md §8).
+family.py) plus its tests; docs/architecture.md §8 lists what else one touches today.
 """
 
 from __future__ import annotations

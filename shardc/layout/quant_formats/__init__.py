@@ -1,7 +1,7 @@
 """Quantized sources: checkpoints published with a ``quantization_config`` (docs/architecture.md
 §8, "A source format").
 
-Each format is one module here defining a ``SourceQuantization`` (base.py): how config.json names
+Each format is one module here defining a ``SourceQuantization`` (format.py): how config.json names
 it (``detect``), which of the family table's weights it stores quantized and as which tensors
 (``stored``: name suffix, dtype, and the grid of source elements each stored element covers, from
 which the Layout slices every stored tensor per rank), and its reference dequantization
