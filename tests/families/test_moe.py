@@ -192,7 +192,7 @@ def test_manifest_inspect_verify_reshard_export(moe, tmp_path):
     # it in one line and ask for the global rank; a global rank beyond tp x pp x dp is refused too
     for cmd in (("verify", "--manifest", str(dp)), ("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"))):
         r = _cli(*cmd, "--tp-rank", "0", "--pp-stage", "1")
-        assert r.returncode == 2 and "names 3 " in r.stderr and "--rank R, one of 0..5" in r.stderr, (cmd, r.stderr)
+        assert r.returncode == 2 and "names 3 " in r.stderr and "give --rank one of 0..5" in r.stderr, (cmd, r.stderr)
     r = _cli("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "6")
     assert r.returncode == 2 and "world size 6" in r.stderr, r.stderr
     r = _cli("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "4", "-q")
