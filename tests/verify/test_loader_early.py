@@ -205,5 +205,5 @@ def test_the_early_start_imports_nothing_heavy():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.replace("'", '"')) == [
-        "shardc.digests", "shardc.errors", "shardc.formats", "shardc.formats.chunk_reads", "shardc.formats.chunk_digests",
+        "shardc.digests", "shardc.errors", "shardc.formats", "shardc.formats.chunk_digests", "shardc.formats.chunk_reads",
         "shardc.formats.prefetch", "shardc.version"]
