@@ -222,7 +222,7 @@ def fit(cells: list[tuple[str, str, str, int, int]], peer: dict[str, dict[str, f
         names = [k for k in names if k not in ("w8_hbm_efficiency", "fp8_compute_efficiency", "fp8_single_token_us")]
     if not any(GPUS[c[1]].nvlink for c in cells):  # PCIe: no custom two-stage all-reduce
         names.remove("two_stage_us")
-    if all(c[3] == 1 or GPUS[c[1]].allreduce_s(c[3], 0) is not None for c in cells):  # the system's all-reduce measured
+    if all(c[3] == 1 or GPUS[c[1]].measures_allreduce(c[3]) for c in cells):  # the system's all-reduce measured
         names = [k for k in names if k not in ("link_efficiency", "allreduce_overhead_us")]
     pinned = {k: v for c in cells for k, v in PINNED.get(GPUS[c[1]].peer or "", {}).items()}
     names = [k for k in names if k not in pinned]

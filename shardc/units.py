@@ -1,8 +1,8 @@
 """Sizes as people type them: the one parser every command's size flag uses.
 
-One unit rule: a size names its unit, decimal (KB, MB, GB, TB: powers of 1,000, as transformers'
-``max_shard_size`` and disk vendors read them) or binary (KiB, MiB, GiB, TiB; Ki, Mi, Gi, Ti:
-powers of 1,024, as CUDA and the planner report memory), or B for bytes. A bare number other than 0
+One unit rule: a size names its unit, decimal (KB, MB, GB, TB, PB: powers of 1,000, as transformers'
+``max_shard_size`` and disk vendors read them) or binary (KiB ... PiB; Ki ... Pi: powers of 1,024, as
+CUDA and the planner report memory), or B for bytes. A bare number other than 0
 is refused: "80" could be bytes (transformers), GiB (a plan's ``kv_cache_cap_gb``) or GB (a data
 sheet), and each reading gives another answer without a word.
 """

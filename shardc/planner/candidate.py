@@ -190,7 +190,7 @@ def _speed(s: Search, c: Candidate) -> None:
             comp = ((d + p) * 2 * rw.linear_params + layers * heads * attn * (d * w.context + p * plen / 2)) / flops
             comm = 2 * layers * allreduce(tp, (d + p) * model.hidden_size * ACT_BYTES,
                                           link.bandwidth * sp.link_efficiency, link.latency)
-            if tp > 1 and gpu.allreduce_s(tp, 0) is None:  # each all-reduce's launch and barrier,
+            if tp > 1 and not gpu.measures_allreduce(tp):  # each all-reduce's launch and barrier,
                 comm += 2 * layers * sp.allreduce_overhead_us * 1e-6  # in a measured one's latency already
             if st < pp - 1:
                 hop = link if cl.node_of(st * tp) == cl.node_of((st + 1) * tp) else cl.inter_node

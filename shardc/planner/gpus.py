@@ -84,6 +84,10 @@ class GPU:
     # (allreduce_tables.MEASURED): GPUs -> ((message bytes, seconds), ...); empty: the formula
     allreduce: tuple[tuple[int, tuple[tuple[int, float], ...]], ...] = ()
 
+    def measures_allreduce(self, n: int) -> bool:
+        """Whether an all-reduce over ``n`` of these GPUs was measured (``allreduce_s`` answers)."""
+        return any(k == n for k, _ in self.allreduce)
+
     def allreduce_s(self, n: int, nbytes: float) -> float | None:
         """Seconds of one measured all-reduce of ``nbytes`` over ``n`` of these GPUs, interpolated linearly
         between the measured sizes (the smallest's time below them, proportional beyond the largest);
@@ -110,10 +114,6 @@ def _gpu(name: str, memory: int, hbm_gbs: float, tflops: float, link: str, desc:
                memory_from=memory_from, allreduce=table)
 
 
-# Measured all-reduce tables (allreduce_tables.py) for the systems the formula cannot follow. L40S servers
-# put the cards in pairs under PCIe switches: a pair reduces peer to peer, a wider group through the
-# host's root complex, whose bandwidth the whole group shares: a 4 MiB message takes 0.23 ms on 2 GPUs
-# and 1.65 ms on 4 (7.2x, where a ring's bandwidth term grows 1.5x).
 SMI = "as nvidia-smi reports it"  # Blackwell cards: aiconfigurator's figure, a little above CUDA's
 
 
@@ -132,6 +132,9 @@ GPUS: dict[str, GPU] = {
         _gpu("a100-80gb-pcie", 84_974_239_744, 1935, 312, "pcie4", "A100 80GB PCIe"),
         _gpu("h100-sxm", 85_028_896_768, 3350, 989, "nvlink4", "H100 80GB HBM3 (SXM5)", peer="h100_sxm"),
         _gpu("h200", round(139.80 * GIB), 4800, 989, "nvlink4", "H200 141GB HBM3e (SXM)", peer="h200_sxm"),
+        # measured all-reduce (allreduce_tables.py): L40S servers pair the cards under PCIe switches; a
+        # wider group reduces through the host's root complex, shared by the whole group: 4 MiB takes
+        # 0.23 ms on 2 GPUs and 1.65 ms on 4 (7.2x, where a ring's bandwidth term grows 1.5x)
         _gpu("l40s", 47_576_711_168, 864, 362, "pcie4", "L40S 48GB GDDR6 (PCIe, no NVLink)", peer="l40s"),
         _gpu("b200", 193_273_528_320, 7700, 2250, "nvlink5", "B200 180GB HBM3e (SXM, HGX 8-GPU)", peer="b200_sxm",
              memory_from="as aiconfigurator sizes it"),

@@ -112,6 +112,7 @@ def test_l40s_all_reduces_as_measured_where_no_ring_does():
     assert g.allreduce_s(4, 8) == g.allreduce_s(4, 256) == pytest.approx(1.329e-5)
     assert g.allreduce_s(2, 2 << 30) == pytest.approx(2 * 0.05595)  # beyond 1 GiB: proportional
     assert g.allreduce_s(3, 4 << 20) is None  # not measured: the link's formula (a ring)
+    assert g.measures_allreduce(4) and not g.measures_allreduce(3)
     assert get_gpu("h200").allreduce_s(2, 4 << 20) is None  # Hopper: vLLM's kernel formula fits
     # another fabric (or bandwidth) is not the system measured: the formula again
     assert override_gpu(g, fabric="nvlink-bridge").allreduce_s(2, 4 << 20) is None
