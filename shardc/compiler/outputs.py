@@ -46,7 +46,8 @@ def output_config(layout: Layout) -> dict[str, Any]:
         quantized = {t.source for t in specs if t.quant}
         linear = {t.source for t in specs} & quantizable(layout.model)
         # compressed-tensors lists modules left in 16 bits: lm_head and any plan-ignored projection
-        ignored = sorted(n.removesuffix(".weight") for n in linear - quantized) + ["lm_head"]
+        head = layout.model.forward.names.lm_head.removesuffix(".weight")
+        ignored = sorted(n.removesuffix(".weight") for n in linear - quantized) + [head]
         cfg["quantization_config"] = quantization_config(layout.plan.dtype, ignored)
     return cfg
 

@@ -40,8 +40,14 @@ def padded_vocab(model: ModelSpec, tp: int) -> int:
 
 
 def slice_for_rank(kind: Split, shape: tuple[int, ...], r: int, model: ModelSpec, tp: int,
-                   parts: tuple[tuple[int, Split], ...] = (), tp_dim: int | None = None) -> Cut:
-    """Interpret one split rule for TP rank r: the slice of the source and the local shape."""
+                   parts: tuple[tuple[int, Split], ...] = (), tp_dim: int | None = None,
+                   experts: tuple[int, ...] = ()) -> Cut:
+    """Interpret one split rule for TP rank r: the slice of the source and the local shape.
+    ``experts``: under expert parallelism, the ids of the experts this rank holds (contiguous,
+    ``Moe.owner``); a STACKED tensor (dim 0: expert id) is cut to their block of dim 0."""
+    if kind == Split.STACKED and experts:
+        a, b = experts[0], experts[-1] + 1
+        return Cut((b - a, *shape[1:]), 0, a, b)
     if kind in (Split.REPLICATED, Split.EXPERT) or tp == 1 and kind != Split.VOCAB:
         return Cut(shape)
     if kind == Split.STACKED:  # without expert parallelism: TP cuts tp_dim, or the tensor is whole

@@ -41,8 +41,9 @@ def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
     table = tensor_table(model)
     _refuse_stacked(model, plan, table)
     names, linear = sorted(table), quantizable(model)
+    head = model.forward.names.lm_head.removesuffix(".weight")  # ignored whether tied or not
     for entry in plan.quant_ignore:
-        if not any(_ignore_matches(entry, n) for n in names) and entry not in ("lm_head",):
+        if not any(_ignore_matches(entry, n) for n in names) and entry != head:
             raise QuantizationError(
                 f"ignore entry {entry!r} matches no tensor of this model",
                 key="quantization.ignore",

@@ -220,8 +220,8 @@ class Layout:
 def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     """Check every precondition, then list every rank's tensors."""
     check_degrees(model, plan)
-    sq = detect_source(model.config)  # a quantization_config no format reads: refused here
-    kept_q = check_source_cuts(model, plan, sq)
+    source_format = detect_source(model.config)  # a quantization_config no format reads: refused here
+    kept_stored = check_source_cuts(model, plan, source_format)
     stages = stage_ranges(model, plan)
     quantized = quantized_names(model, plan)
     check_packing(model, plan, quantized)
@@ -229,51 +229,46 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
     qdtype = PLAN_DTYPE.get(plan.dtype, "")
     last = plan.pp - 1
 
+    names = model.forward.names
+
     def stage_of(name: str) -> list[int]:
         layer = layer_of(name)
         if layer is not None:
             return [next(s for s, (a, b) in enumerate(stages) if a <= layer < b)]
-        if name == "model.embed_tokens.weight":
-            return [0]
-        return [last]  # model.norm.weight, lm_head.weight
+        return [0] if name == names.embed else [last]  # the final norm and lm_head: the last stage
 
     # (shard tensor name, source name, shape, split, its row, owning EP rank or None: all) for
     # every tensor the shards hold. With expert parallelism a routed expert's tensors go whole to
     # the one rank that holds the expert (Moe.owner over the stage's dp x tp ranks, EP rank
     # dp_rank·tp + tp_rank), and nowhere else; stacked experts give each EP rank the block of
-    # dim 0 it holds; every other tensor is cut by TP rank, the same in every DP group.
+    # dim 0 it holds (``slice_for_rank``'s ``experts``); every other tensor is cut by TP rank, the same in every DP group.
     moe = model.forward.moe
-    place = plan.expert_parallel and moe is not None
-    n_ep = plan.tp * plan.dp
-    held = {e: tuple(x for x in range(moe.experts) if moe.owner(x, n_ep) == e) if place and moe else ()
-            for e in range(n_ep)}
+    by_expert = plan.expert_parallel and moe is not None
+    ep_ranks = plan.tp * plan.dp
+    held = {e: tuple(x for x in range(moe.experts) if moe.owner(x, ep_ranks) == e) if by_expert and moe else ()
+            for e in range(ep_ranks)}
     Entry = tuple[str, str, tuple[int, ...], Split, Row | None, int | None]
     entries: list[Entry] = [
-        (r.name, r.name, r.shape, Split.EXPERT if place and r.expert is not None else r.split, r,
-         moe.owner(r.expert, n_ep) if place and moe is not None and r.expert is not None else None)
+        (r.name, r.name, r.shape, Split.EXPERT if by_expert and r.expert is not None else r.split, r,
+         moe.owner(r.expert, ep_ranks) if by_expert and moe is not None and r.expert is not None else None)
         for r in sorted(tensor_table(model).values(), key=lambda r: r.name)]
     if model.tie_word_embeddings and plan.pp > 1:
-        entries.append(("lm_head.weight", "model.embed_tokens.weight",
+        entries.append((names.lm_head, names.embed,
                         (model.vocab_size, model.hidden_size), Split.VOCAB, None, None))
 
     kept = {r.name: r.dtype for r in tensor_table(model).values() if r.dtype}  # Row.dtype: fixed
     per_rank: dict[tuple[int, int], list[TensorSpec]] = {
-        (s, e): [] for s in range(plan.pp) for e in range(n_ep)
+        (s, e): [] for s in range(plan.pp) for e in range(ep_ranks)
     }
     for name, source, shape, kind, row, owner in entries:
         for s in stage_of(name):
-            for e in range(n_ep) if owner is None else (owner,):
-                r = e % plan.tp
-                if kind == Split.STACKED and place:  # the EP rank's experts: a contiguous block of dim 0
-                    a, b = held[e][0], held[e][-1] + 1
-                    cut = Cut((b - a, *shape[1:]), 0, a, b)
-                else:
-                    cut = slice_for_rank(kind, shape, r, model, plan.tp, row.parts if row else (),
-                                         row.tp_dim if row else None)
+            for e in range(ep_ranks) if owner is None else (owner,):
+                cut = slice_for_rank(kind, shape, e % plan.tp, model, plan.tp, row.parts if row else (),
+                                     row.tp_dim if row else None, held[e])
                 local = cut.shape
                 common = dict(name=name, source=source, split=kind, **cut.spec_fields())
-                if source in kept_q and name == source and sq is not None:
-                    per_rank[s, e] += [TensorSpec(**f) for f in source_specs(sq, common, cut, shape)]
+                if source in kept_stored and name == source and source_format is not None:
+                    per_rank[s, e] += [TensorSpec(**f) for f in source_specs(source_format, common, cut, shape)]
                 elif source in quantized and name == source:
                     per_rank[s, e] += _weight_specs(common, qdtype, local, plan.dtype)
                     per_rank[s, e].append(_scale_spec(name, kind, local, shape, cut, plan.dtype))
@@ -281,13 +276,13 @@ def build_layout(model: ModelSpec, plan: Plan) -> Layout:
                     per_rank[s, e].append(TensorSpec(dtype=kept.get(name, base), shape=local, **common))
     ranks = []
     for s in range(plan.pp):
-        for e in range(n_ep):
+        for e in range(ep_ranks):
             d, r = divmod(e, plan.tp)
             ranks.append(
                 RankLayout(
                     tp_rank=r,
                     pp_stage=s,
-                    rank=s * n_ep + e,
+                    rank=s * ep_ranks + e,
                     layers=stages[s],
                     file=plan.shard_name(r, s, d),
                     tensors=tuple(sorted(per_rank[s, e], key=lambda t: t.name)),

@@ -109,7 +109,7 @@ def ep_weights(model: ModelSpec, dtype: str) -> EpWeights:
         if layer is not None and layer != first[sparse[layer]]:
             continue
         mult = 1 if layer is None else sparse.count(sparse[layer])
-        streamed = t.name != "model.embed_tokens.weight" or model.tie_word_embeddings
+        streamed = t.name != model.forward.names.embed or model.tie_word_embeddings
         matrix = len(t.shape) == 2 or t.split == STACKED and len(t.shape) == 3
         mm = math.prod(t.shape) * (t.pack or 1) if streamed and matrix and t.scale_of is None else 0
         row = table.get(t.source)

@@ -82,6 +82,8 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
     layout = build_layout(probe, dataclasses.replace(plan, pp_layers=tuple(per_stage)))
     routed = ({n for n, r in tensor_table(probe).items() if r.expert is not None or r.split == STACKED}
               if model.forward.moe else set())
+    names = model.forward.names
+    k_weight = "." + names.projection("k") + ".weight"  # its rows: this rank's KV heads
     out = []
     for rl in layout.ranks:
         totals = {"nbytes": 0, "read": 0, "linear": 0, "expert": 0}
@@ -89,7 +91,7 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
         for t in rl.tensors:
             layer = layer_of(t.name)
             n = mult[layer] if layer is not None else 1
-            embed = t.name == "model.embed_tokens.weight"
+            embed = t.name == names.embed
             streamed = not embed or (model.tie_word_embeddings and plan.pp == 1)  # tied: also lm_head
             totals["nbytes"] += n * t.nbytes
             totals["read"] += n * t.nbytes if streamed else 0
@@ -97,7 +99,7 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
             # matrices (stacked experts: E of them); packed: values, not words
             if streamed and (len(t.shape) == 2 or t.split == STACKED and len(t.shape) == 3) and t.scale_of is None:
                 totals["linear"] += n * math.prod(t.shape) * (t.pack or 1)
-            if t.name.endswith("self_attn.k_proj.weight"):
+            if t.name.endswith(k_weight):
                 kv_heads = t.shape[0] // model.head_dim
         kv_heads = kv_heads or max(1, model.num_kv_heads // plan.tp)  # k stored fused (Phi-3), or MLA
         out.append(

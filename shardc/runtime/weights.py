@@ -25,25 +25,6 @@ from ..layout.ranks import Layout, RankLayout
 from ..layout.tensors import tensor_table
 from .rankweights import Dims, ExpertWeights, LayerWeights, MoeWeights, StageWeights
 
-_PROJ = {
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}
-
-# Norms some families add to the Llama block, by the decoder's role name (runtime/decoder.py).
-_NORMS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight",
-          "post_ffw": "post_feedforward_layernorm.weight"}
-_SANDWICH = "pre_feedforward_layernorm.weight"
-# MLA's latent projections and norms (Forward.mla), by the decoder's role name
-_MLA = {"q_a": "self_attn.q_a_proj.weight", "q_a_norm": "self_attn.q_a_layernorm.weight",
-        "kv_a": "self_attn.kv_a_proj_with_mqa.weight", "kv_a_norm": "self_attn.kv_a_layernorm.weight",
-        "kv_b": "self_attn.kv_b_proj.weight"}
-
 
 def _held(specs: dict, name: str) -> bool:
     """Whether this rank holds a tensor (as itself or int8's packed form)."""
@@ -69,18 +50,18 @@ def kept_source_quantized(layout: Layout) -> dict:
     """Weights a ``dtype: source`` build holds in its source's quantized format -> that format."""
     from ..layout.quant_formats import detect_source
 
-    sq = detect_source(layout.model.config) if layout.plan.dtype == "source" else None
-    return dict.fromkeys(sq.quantized(layout.model), sq) if sq is not None else {}
+    source_format = detect_source(layout.model.config) if layout.plan.dtype == "source" else None
+    return dict.fromkeys(source_format.quantized(layout.model), source_format) if source_format is not None else {}
 
 
-def source_dequantize(sq, name: str, shape: tuple[int, ...], raw: dict[str, torch.Tensor],
+def source_dequantize(source_format, name: str, shape: tuple[int, ...], raw: dict[str, torch.Tensor],
                       dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The rank's slice of a source-quantized weight in the compute dtype: the format's reference
     dequantization (float32, on the host) then one cast, as transformers loads the source, so a
     ``dtype: source`` build runs the weights a 16-bit build of the same source holds."""
     from ..compiler.arrays import from_torch
 
-    w = sq.dequantize(name, tuple(shape), lambda n: from_torch(raw[n].cpu()))
+    w = source_format.dequantize(name, tuple(shape), lambda n: from_torch(raw[n].cpu()))
     return torch.from_numpy(w).to(device=device, dtype=dtype)
 
 
@@ -178,9 +159,10 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         sizes = [b - a for a, b in spec.pieces] if spec.pieces else [n for n, _ in table[name].parts]
         return torch.split(get(name), sizes, dim=0)
 
+    names = layout.model.forward.names
     layers = []
     for i in range(*rl.layers):
-        p = f"model.layers.{i}."
+        p = names.layer(i)
         # the projections by role (None: not on this layer), as LayerWeights' fields
         w: dict[str, torch.Tensor | None] = {}
         bias: dict[str, torch.Tensor] = {}
@@ -193,23 +175,23 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
             w |= {"gate": None, "up": None, "down": None}
         latent = {}
         if mla is not None:  # q_b_proj (or q_proj) is q; the latent projections replace k and v
-            latent = {role: get(p + name) for role, name in _MLA.items() if _held(specs, p + name)}
+            latent = {role: get(p + name) for role, name in names.latent if _held(specs, p + name)}
             w |= {"k": None, "v": None}
             if mla.q_lora_rank is not None:
-                w["q"] = get(p + "self_attn.q_b_proj.weight")
-        w |= {key: get(p + proj + ".weight") for key, proj in _PROJ.items() if key not in w}
-        bias |= {key: get(p + proj + ".bias") for key, proj in _PROJ.items()
+                w["q"] = get(p + names.q_b)
+        w |= {key: get(p + proj + ".weight") for key, proj in names.projections if key not in w}
+        bias |= {key: get(p + proj + ".bias") for key, proj in names.projections
                  if key not in bias and p + proj + ".bias" in specs}
-        norms = {role: get(p + name) for role, name in _NORMS.items() if p + name in specs}
-        if p + _SANDWICH in specs:  # Gemma: post_attention_layernorm follows attention instead
-            norms["post_attn"] = get(p + "post_attention_layernorm.weight")
-            ln2 = get(p + _SANDWICH)
+        norms = {role: get(p + name) for role, name in names.norms if p + name in specs}
+        if p + names.pre_mlp_norm in specs:  # Gemma: ln2 follows attention, this precedes the MLP
+            norms["post_attn"] = get(p + names.ln2)
+            ln2 = get(p + names.pre_mlp_norm)
         else:
-            ln2 = get(p + "post_attention_layernorm.weight")
-        sinks = get(p + "self_attn.sinks") if p + "self_attn.sinks" in specs else None
+            ln2 = get(p + names.ln2)
+        sinks = get(p + names.sinks) if p + names.sinks in specs else None
         # ``w`` holds q, k, v, o, gate, up, down by now, keys built from the family's tables: mypy
         # cannot match a dict's keys to the fields they fill
-        layers.append(LayerWeights(index=i, ln1=get(p + "input_layernorm.weight"), ln2=ln2,
+        layers.append(LayerWeights(index=i, ln1=get(p + names.ln1), ln2=ln2,
                                    bias=bias, norms=norms, mla=latent, sinks=sinks, **w))  # type: ignore[arg-type]
         if sparse:
             assert moe is not None
@@ -227,19 +209,19 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
                 shared_gate=get(p + moe.shared_gate) if moe.shared_gate else None,
                 score_bias=get(p + moe.score_bias) if moe.score_bias else None,
                 router_bias=get(p + moe.router_bias) if moe.router_bias else None)
-    embed = get("model.embed_tokens.weight") if "model.embed_tokens.weight" in specs else None
+    embed = get(names.embed) if names.embed in specs else None
     last = rl.pp_stage == layout.plan.pp - 1
     lm_head = None
     if last:
         # Tied embeddings with pp = 1: the Layout stores the embedding once and no lm_head tensor.
-        lm_head = get("lm_head.weight") if "lm_head.weight" in specs else embed
+        lm_head = get(names.lm_head) if names.lm_head in specs else embed
     # The first vocabulary row of this rank's slice, as the Layout cut it (rows after it are padding).
-    vocab_spec = specs.get("model.embed_tokens.weight") or specs.get("lm_head.weight")
+    vocab_spec = specs.get(names.embed) or specs.get(names.lm_head)
     vocab_start = (vocab_spec.start or 0) if vocab_spec is not None else 0
     return StageWeights(
         layers=layers,
         embed=embed,
         vocab_start=vocab_start,
-        norm=get("model.norm.weight") if last else None,
+        norm=get(names.final_norm) if last else None,
         lm_head=lm_head,
     )

@@ -18,6 +18,7 @@ from enum import Enum
 from typing import Any, Protocol, overload
 
 from ...errors import ModelError
+from .names import LLAMA, Names
 
 
 class ModelShape(Protocol):
@@ -190,6 +191,7 @@ class Forward:
     yarn: bool = False  # the family's rope may be YaRN (transformers' _compute_yarn_parameters)
     sinks: bool = False  # per-head attention sinks (self_attn.sinks, gpt-oss): a logit per head
     #                      that joins every query's softmax and is then dropped (eager attention)
+    names: Names = LLAMA  # the tensor names the runtime's block reads, by role (names.py)
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -359,29 +361,28 @@ def attention_rows(m: ModelShape, p: str, *, qkv_bias: bool, o_bias: bool) -> li
     """q/k/v (column, KV heads kv_column) and o (row) of one layer, prefix ``p``."""
     h, hd = m.hidden_size, m.head_dim
     q, kv = m.num_heads * hd, m.num_kv_heads * hd
-    a = p + "self_attn."
-    rows = [Row(a + "q_proj.weight", (q, h), COLUMN, True),
-            Row(a + "k_proj.weight", (kv, h), KV_COLUMN, True),
-            Row(a + "v_proj.weight", (kv, h), KV_COLUMN, True),
-            Row(a + "o_proj.weight", (h, q), ROW, True)]
+    name = {role: p + LLAMA.projection(role) for role in "qkvo"}
+    rows = [Row(name["q"] + ".weight", (q, h), COLUMN, True),
+            Row(name["k"] + ".weight", (kv, h), KV_COLUMN, True),
+            Row(name["v"] + ".weight", (kv, h), KV_COLUMN, True),
+            Row(name["o"] + ".weight", (h, q), ROW, True)]
     if qkv_bias:
-        rows += [Row(a + "q_proj.bias", (q,), COLUMN), Row(a + "k_proj.bias", (kv,), KV_COLUMN),
-                 Row(a + "v_proj.bias", (kv,), KV_COLUMN)]
+        rows += [Row(name["q"] + ".bias", (q,), COLUMN), Row(name["k"] + ".bias", (kv,), KV_COLUMN),
+                 Row(name["v"] + ".bias", (kv,), KV_COLUMN)]
     if o_bias:
-        rows.append(Row(a + "o_proj.bias", (h,), REPLICATED))
+        rows.append(Row(name["o"] + ".bias", (h,), REPLICATED))
     return rows
 
 
 def mlp_rows(m: ModelShape, p: str, *, bias: bool) -> list[Row]:
     """The gated MLP of one layer: gate/up column, down row."""
     h, inter = m.hidden_size, m.intermediate_size
-    rows = [Row(p + "mlp.gate_proj.weight", (inter, h), COLUMN, True),
-            Row(p + "mlp.up_proj.weight", (inter, h), COLUMN, True),
-            Row(p + "mlp.down_proj.weight", (h, inter), ROW, True)]
+    gate, up, down = (p + LLAMA.projection(role) for role in ("gate", "up", "down"))
+    rows = [Row(gate + ".weight", (inter, h), COLUMN, True), Row(up + ".weight", (inter, h), COLUMN, True),
+            Row(down + ".weight", (h, inter), ROW, True)]
     if bias:
-        rows += [Row(p + "mlp.gate_proj.bias", (inter,), COLUMN),
-                 Row(p + "mlp.up_proj.bias", (inter,), COLUMN),
-                 Row(p + "mlp.down_proj.bias", (h,), REPLICATED)]
+        rows += [Row(gate + ".bias", (inter,), COLUMN), Row(up + ".bias", (inter,), COLUMN),
+                 Row(down + ".bias", (h,), REPLICATED)]
     return rows
 
 
@@ -392,7 +393,7 @@ def norm_rows(m: ModelShape, p: str, names: tuple[str, ...], size: int | None = 
 def outer_rows(m: ModelShape) -> list[Row]:
     """Embedding, final norm and (untied) lm_head."""
     v, h = m.vocab_size, m.hidden_size
-    rows = [Row("model.embed_tokens.weight", (v, h), VOCAB), Row("model.norm.weight", (h,), REPLICATED)]
+    rows = [Row(LLAMA.embed, (v, h), VOCAB), Row(LLAMA.final_norm, (h,), REPLICATED)]
     if not m.tie_word_embeddings:
-        rows.append(Row("lm_head.weight", (v, h), VOCAB))
+        rows.append(Row(LLAMA.lm_head, (v, h), VOCAB))
     return rows
