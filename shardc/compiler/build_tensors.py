@@ -79,8 +79,8 @@ class BuildSource:
     A ``Source``; a ``dtype: source`` input's quantized weights are read through ``as_source``."""
 
     # its stored quantization, if any, is QuantizedSource's to interpret (``as_source``)
-    squant: ClassVar[None] = None
-    squant_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = MappingProxyType({})
+    source_format: ClassVar[None] = None
+    quantized_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = MappingProxyType({})
 
     def __init__(self, inp: BuildInput, out_layout: Layout, *, dequantize: bool = False,
                  speculative: bool = False) -> None:
@@ -116,9 +116,9 @@ class BuildSource:
             dtype = self.pieces[(name, "weight")][0].spec.dtype
             self.tensors[name] = TensorInfo("", "F32" if name in self.in_quant else dtype, shape)
         if self.kept_quantization is not None:  # a dtype: source input: its stored tensors are tensors too
-            squant, shapes = self.kept_quantization
+            source_format, shapes = self.kept_quantization
             for name in kept:
-                for st in squant.stored(name):
+                for st in source_format.stored(name):
                     if st.suffix and not st.value:
                         self.tensors[name + st.suffix] = TensorInfo("", st.dtypes[0], st.shape(shapes[name]))
         self._offsets: dict[str, dict[str, tuple[int, str, list[int], int]]] = {}

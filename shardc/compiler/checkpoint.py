@@ -62,8 +62,8 @@ class CheckpointSource:
     stamps: dict[str, tuple[int, int]] = field(default_factory=dict, repr=False)
     _leases: Leases | None = field(default=None, repr=False)
     # nothing stored quantized as such: QuantizedSource (compiler/quantized.py) says otherwise
-    squant: ClassVar[None] = None
-    squant_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = MappingProxyType({})
+    source_format: ClassVar[None] = None
+    quantized_shapes: ClassVar[Mapping[str, tuple[int, ...]]] = MappingProxyType({})
 
     # -- validation ---------------------------------------------------------------------------
     def check(self, model: ModelSpec, quantized: Source | None = None) -> None:
@@ -71,7 +71,7 @@ class CheckpointSource:
         checkpoint's stored tensors are checked against its format (``quantized``, the wrapper)."""
         expected = {t.name: t.shape for t in source_tensors(model)}
         known = check_stored(quantized, model, expected) if quantized is not None else expected
-        skip = quantized.squant_shapes if quantized is not None else {}
+        skip = quantized.quantized_shapes if quantized is not None else {}
         for name, shape in expected.items():
             if name in skip:
                 continue

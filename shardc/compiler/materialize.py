@@ -135,7 +135,7 @@ class Materializer:
             return
         infos = self.source.tensors
         largest = max(math.prod(t.shape) * DTYPE_BYTES[t.dtype] for t in infos.values())
-        shapes = {n: infos[n].shape if n in infos else self.source.squant_shapes[n] for n, _ in keys}
+        shapes = {n: infos[n].shape if n in infos else self.source.quantized_shapes[n] for n, _ in keys}
         budget = max(largest // 2, max(math.prod(s) for s in shapes.values()))
         self.queue = QuantQueue(keys, self.whole, self.stats, budget, QUANT_WORKERS)
 
@@ -155,7 +155,7 @@ class Materializer:
             self._value = None  # release the previous tensor before reading the next
             if spec.quant:
                 self._value = self.quantize(spec.source, spec.quant)
-            elif spec.source in self.source.squant_shapes and (
+            elif spec.source in self.source.quantized_shapes and (
                     spec.source not in self.source.tensors or spec.dtype != self.source.tensors[spec.source].dtype):
                 self._value = self.source.dense(spec.source)  # a quantized source to 16 bits
             else:

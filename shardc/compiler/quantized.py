@@ -27,8 +27,8 @@ class QuantizedSource:
     source's tensors as stored, plus each quantized weight dense (``dense``: dequantized by the
     format's reference). Everything else is the inner source's; a ``Source`` (compiler/source.py)."""
 
-    def __init__(self, inner: Source, squant: SourceQuantization, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        self.inner, self.squant, self.squant_shapes = inner, squant, shapes
+    def __init__(self, inner: Source, source_format: SourceQuantization, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        self.inner, self.source_format, self.quantized_shapes = inner, source_format, shapes
 
     @property
     def uri(self) -> str:
@@ -68,10 +68,10 @@ class QuantizedSource:
 
     def dense(self, name: str) -> np.ndarray | Tiles:
         """``view``, or a quantized weight's float32 dequantization by its format's reference."""
-        if name not in self.squant_shapes:
+        if name not in self.quantized_shapes:
             return self.inner.dense(name)
         # the format's reference reads arrays (np.asarray: the same object for one; Tiles put together)
-        return self.squant.dequantize(name, self.squant_shapes[name], lambda n: np.asarray(self.inner.view(n)))
+        return self.source_format.dequantize(name, self.quantized_shapes[name], lambda n: np.asarray(self.inner.view(n)))
 
     def holds_quantized(self, name: str, scheme: str) -> bool:
         return self.inner.holds_quantized(name, scheme)
@@ -97,13 +97,13 @@ def quantization_of(config: dict[str, Any], model: ModelSpec) -> tuple[SourceQua
     it quantizes; None for a 16-bit source. A config that quantizes none of the family's weights,
     or whose parameters do not fit their shapes (a group longer than a row), is refused here,
     before any tensor is read."""
-    squant = detect_source(config)
-    if squant is None:
+    source_format = detect_source(config)
+    if source_format is None:
         return None
-    names = squant.applied(model)
+    names = source_format.applied(model)
     shapes = {t.name: t.shape for t in source_tensors(model) if t.name in names}
-    squant.check_shapes(shapes)
-    return squant, shapes
+    source_format.check_shapes(shapes)
+    return source_format, shapes
 
 
 def with_quantization(src: Source, model: ModelSpec) -> Source:
@@ -115,44 +115,44 @@ def with_quantization(src: Source, model: ModelSpec) -> Source:
 def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """Check a quantized source's (a QuantizedSource's) weights; return ``expected`` with their
     stored tensors added (so the caller's unknown-tensor check accepts them)."""
-    sq = src.squant
-    if sq is None:
+    source_format = src.source_format
+    if source_format is None:
         return expected
     out = dict(expected)
-    for name in sorted(src.squant_shapes):
+    for name in sorted(src.quantized_shapes):
         full = expected[name]
-        for st in sq.stored(name):
+        for st in source_format.stored(name):
             tname = name + st.suffix
             info = src.tensors.get(tname)
             want = st.shape(full)
             if info is None:
                 kept = src.tensors.get(name)
-                hint = (f"the {sq.label} config says it is quantized; list it in the config's "
+                hint = (f"the {source_format.label} config says it is quantized; list it in the config's "
                         "modules_to_not_convert / ignore if the checkpoint keeps it in 16 bits"
                         if kept is not None and kept.dtype in ("F16", "BF16", "F32")
                         else "download the complete checkpoint")
                 raise SourceError(f"tensor {tname!r} is missing from the checkpoint at {src.uri} "
-                                  f"({sq.label})", hint=hint)
+                                  f"({source_format.label})", hint=hint)
             if info.dtype not in st.dtypes:
-                raise SourceError(f"tensor {tname!r} has dtype {info.dtype}; {sq.label} stores it as "
+                raise SourceError(f"tensor {tname!r} has dtype {info.dtype}; {source_format.label} stores it as "
                                   f"{' or '.join(st.dtypes)}", hint="the checkpoint does not match its quantization_config")
             if info.shape != want:
                 raise SourceError(f"tensor {tname!r} has shape {list(info.shape)}, but weight {name} "
-                                  f"{list(full)} with {sq.label} implies {list(want)}",
+                                  f"{list(full)} with {source_format.label} implies {list(want)}",
                                   hint="the checkpoint does not match its quantization_config (weight_block_size?)")
             if st.value and np.asarray(src.view(tname)).tolist() != list(full):  # X.weight_shape: what unpacking reads
                 raise SourceError(f"tensor {tname!r} holds {np.asarray(src.view(tname)).tolist()}, but weight {name} is "
                                   f"{list(full)}", hint="the checkpoint does not match its config.json")
             out[tname] = want
     for name in expected:  # a weight the table keeps 16-bit, stored quantized (a quantized lm_head)
-        stored = [name + st.suffix for st in sq.stored(name) if st.suffix and name + st.suffix in src.tensors]
-        if name not in src.squant_shapes and stored:
-            raise SourceError(f"tensor {name!r} is stored quantized ({stored[0]}), but shardc reads {sq.label} "
+        stored = [name + st.suffix for st in source_format.stored(name) if st.suffix and name + st.suffix in src.tensors]
+        if name not in src.quantized_shapes and stored:
+            raise SourceError(f"tensor {name!r} is stored quantized ({stored[0]}), but shardc reads {source_format.label} "
                               "quantization only for the decoder's linear projections",
                               hint="use a checkpoint that keeps it in 16 bits (list it in the config's ignore)")
     for name, info in src.tensors.items():  # a 16-bit weight the config says nothing about
-        if name in expected and name not in src.squant_shapes and info.dtype not in ("F16", "BF16", "F32"):
-            raise SourceError(f"tensor {name!r} is stored as {info.dtype}, but shardc reads {sq.label} "
+        if name in expected and name not in src.quantized_shapes and info.dtype not in ("F16", "BF16", "F32"):
+            raise SourceError(f"tensor {name!r} is stored as {info.dtype}, but shardc reads {source_format.label} "
                               "quantization only for the decoder's linear projections",
                               hint="start from the unquantized checkpoint")
     return out
@@ -165,13 +165,13 @@ _EXACT = {("BF16", "F32"), ("F16", "F32")}
 def check_kept(src: Source, layout: Layout) -> None:
     """A ``dtype: source`` build copies the stored tensors in the dtypes the Layout derives from
     config.json; a source holding one in a dtype that would not convert exactly is refused."""
-    if layout.plan.dtype != "source" or src.squant is None:
+    if layout.plan.dtype != "source" or src.source_format is None:
         return
     for rl in layout.ranks:
         for t in rl.tensors:
             info = src.tensors.get(t.source)
             if t.value is None and info is not None and info.dtype != t.dtype and (info.dtype, t.dtype) not in _EXACT:
-                raise SourceError(f"tensor {t.source!r} is {info.dtype}, but {src.squant.label} per its "
+                raise SourceError(f"tensor {t.source!r} is {info.dtype}, but {src.source_format.label} per its "
                                   f"config.json stores it as {t.dtype}; dtype: source would not copy it exactly",
                                   key="replica_group.dtype",
                                   hint="declare the scale dtype in config.json (weights.scale_dtype), or "

@@ -58,12 +58,12 @@ class Source(Protocol):
         ...
 
     @property
-    def squant(self) -> SourceQuantization | None:
+    def source_format(self) -> SourceQuantization | None:
         """A quantized source's format (None otherwise)."""
         ...
 
     @property
-    def squant_shapes(self) -> Mapping[str, tuple[int, ...]]:
+    def quantized_shapes(self) -> Mapping[str, tuple[int, ...]]:
         """The [out, in] of each weight a quantized source stores quantized (empty otherwise)."""
         ...
 

@@ -43,12 +43,12 @@ def rate_dtype(model: Any, dtype: str) -> str:
         return _SOURCE_RATE[1]
     from ..layout.quant_formats import detect_source
 
-    sq = detect_source(model.config)
-    if sq is None:
+    source_format = detect_source(model.config)
+    if source_format is None:
         rate = "bf16"
     else:
-        names = sorted(sq.quantized(model))
-        rate = "fp8" if names and sq.stored(names[0])[0].dtypes[0] == "F8_E4M3" else "int8"
+        names = sorted(source_format.quantized(model))
+        rate = "fp8" if names and source_format.stored(names[0])[0].dtypes[0] == "F8_E4M3" else "int8"
     _SOURCE_RATE[:] = [model, rate]
     return rate
 

@@ -121,7 +121,7 @@ def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
 
     members = set(Source.__annotations__) | {n for n, v in vars(Source).items()
                                              if (callable(v) or isinstance(v, property)) and not n.startswith("_")}
-    assert {"tensors", "squant_shapes", "check", "view", "dense", "confirm", "identity"} <= members
+    assert {"tensors", "quantized_shapes", "check", "view", "dense", "confirm", "identity"} <= members
     assert not ({CheckpointSource, QuantizedSource} & set(BuildSource.__mro__))
     assert CheckpointSource not in QuantizedSource.__mro__
     ckpt = make_ckpt(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -134,7 +134,7 @@ def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
     inp = open_local_input(res.out_dir)
     try:
         built = BuildSource(inp, res.manifest.to_layout())
-        assert built.as_source() is built and built.squant is None and not built.squant_shapes
+        assert built.as_source() is built and built.source_format is None and not built.quantized_shapes
         name = "model.layers.0.self_attn.q_proj.weight"
         assert np.array_equal(np.asarray(built.dense(name)), checkpoint.view(name))  # reassembled from tp 2
         fp8 = fp8_block_source(save_tiny(tmp_path / "bf16"), tmp_path / "fp8")
@@ -143,11 +143,11 @@ def test_every_kind_of_input_is_a_source(make_ckpt, tmp_path):
         for src in (checkpoint, built, quant):
             missing = sorted(m for m in members if not hasattr(src, m))
             assert not missing, (type(src).__name__, missing)
-        assert name in quant.squant_shapes and quant.view(name).dtype != np.float32
+        assert name in quant.quantized_shapes and quant.view(name).dtype != np.float32
         dense = quant.dense(name)
-        assert dense.dtype == np.float32 and dense.shape == quant.squant_shapes[name]
+        assert dense.dtype == np.float32 and dense.shape == quant.quantized_shapes[name]
         norm = "model.norm.weight"
-        assert norm not in quant.squant_shapes and np.array_equal(quant.dense(norm), quant.inner.view(norm))
+        assert norm not in quant.quantized_shapes and np.array_equal(quant.dense(norm), quant.inner.view(norm))
     finally:
         inp.close()
 

@@ -47,14 +47,14 @@ def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | 
     return {"shape": shape, "dim": dim, "start": ab[0], "stop": ab[1], "kv_head": cut.kv_head}
 
 
-def cut_problem(sq: SourceQuantization, rows: list[tuple[str, tuple[int, ...], Cut]]) -> str | None:
+def cut_problem(source_format: SourceQuantization, rows: list[tuple[str, tuple[int, ...], Cut]]) -> str | None:
     """The first (weight, rank cut) whose stored tensors cannot be cut there, as a message."""
     for name, full, cut in rows:
-        for st in sq.stored(name):
+        for st in source_format.stored(name):
             if stored_cut(st, cut, full) is None:
                 where = cut.pieces or (cut.start, cut.stop)
                 return (f"tensor {name} {list(full)} would be cut at {where} along dim {cut.dim}, "
-                        f"inside a {sq.label} cell of {name}{st.suffix} ({list(st.grid)} elements)")
+                        f"inside a {source_format.label} cell of {name}{st.suffix} ({list(st.grid)} elements)")
     return None
 
 
@@ -63,7 +63,7 @@ def cut_problem(sq: SourceQuantization, rows: list[tuple[str, tuple[int, ...], C
 QuantizedRow = tuple[str, tuple[int, ...], Split, tuple[tuple[int, Split], ...], int | None]
 
 
-def tp_problem(sq: SourceQuantization, model: ModelSpec, quantized: list[QuantizedRow], tp: int) -> str | None:
+def tp_problem(source_format: SourceQuantization, model: ModelSpec, quantized: list[QuantizedRow], tp: int) -> str | None:
     """Whether every rank's cut (the Layout's rule, ``slice_for_rank``) of every source-quantized
     weight falls on its grid at ``tp``. Weights alike in shape and split kind are checked once
     (an MoE model's experts)."""
@@ -74,39 +74,39 @@ def tp_problem(sq: SourceQuantization, model: ModelSpec, quantized: list[Quantiz
             continue
         seen.add((shape, kind, parts, tp_dim))
         rows += [(name, shape, slice_for_rank(kind, shape, r, model, tp, parts, tp_dim)) for r in range(tp)]
-    return cut_problem(sq, rows)
+    return cut_problem(source_format, rows)
 
 
-def check_source_cuts(model: ModelSpec, plan: Plan, sq: SourceQuantization | None) -> set[str]:
+def check_source_cuts(model: ModelSpec, plan: Plan, source_format: SourceQuantization | None) -> set[str]:
     """The source-quantized weights a ``dtype: source`` plan keeps as they are stored, once every
     rank's cut of them (``slice_for_rank``: the Layout's rule) is known to fall on their grids
     (else LayoutError naming the tensor and the tp degrees that work)."""
-    if sq is None or plan.dtype != "source":
+    if source_format is None or plan.dtype != "source":
         return set()
-    kept = sq.applied(model)
+    kept = source_format.applied(model)
     table = tensor_table(model)
     # expert parallelism keeps routed experts whole (a stacked tensor: whole experts of dim 0),
     # which every format's grid allows; TP cuts the rest, each by its own row
     rows: list[QuantizedRow] = [
         (n, table[n].shape, table[n].split, table[n].parts, table[n].tp_dim) for n in sorted(kept)
         if not (plan.expert_parallel and (table[n].expert is not None or table[n].split == STACKED))]
-    problem = tp_problem(sq, model, rows, plan.tp)
+    problem = tp_problem(source_format, model, rows, plan.tp)
     if problem:
         good = [t for t in valid_tp_degrees(model, expert_parallel=plan.expert_parallel)
-                if not tp_problem(sq, model, rows, t)]
+                if not tp_problem(source_format, model, rows, t)]
         raise LayoutError(f"{problem} at tp={plan.tp}", key="replica_group.tp_degree",
-                          hint=f"tp_degree values that keep every {sq.label} cell whole: "
+                          hint=f"tp_degree values that keep every {source_format.label} cell whole: "
                                f"{', '.join(map(str, good)) or 'none'} (or dtype: bf16, which dequantizes)")
     return kept
 
 
-def source_specs(sq: SourceQuantization, common: dict[str, Any], cut: Cut,
+def source_specs(source_format: SourceQuantization, common: dict[str, Any], cut: Cut,
                  full: tuple[int, ...]) -> list[dict[str, Any]]:
     """TensorSpec fields of a source-quantized weight kept as stored: each stored tensor cut at the
     weight's cut over its grid, a plain slice of a source tensor of its own (X.weight_shape: its
     contents, from the weight's name)."""
     out = []
-    for st in sq.stored(common["name"]):
+    for st in source_format.stored(common["name"]):
         fields = stored_cut(st, cut, full)
         assert fields is not None  # check_source_cuts refused such a tp
         name = common["name"] + st.suffix
