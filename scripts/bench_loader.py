@@ -176,7 +176,7 @@ def indexed(device: str) -> str:
     0 outside torchrun; ``cuda:N`` and ``cpu`` unchanged). fastsafetensors 0.5.0 passes the device
     to ``torch.cuda.set_device``, which refuses a bare ``cuda`` (the failed run of issue #41), and
     InstantTensor takes the device's index; one indexed GPU for all keeps the comparison fair."""
-    from shardc.verify.devices import resolve_device
+    from shardc.loader.devices import resolve_device
 
     out = resolve_device(device)
     assert out is not None

@@ -164,7 +164,7 @@ def flipped_byte(manifest: Path) -> None:
 
 def gpu_count_lines(big: Path, small: Path) -> None:
     """Plans larger than the node: one line, exit 2, before anything loads."""
-    from shardc.verify.devices import visible_gpus
+    from shardc.loader.devices import visible_gpus
 
     have = visible_gpus()
     figure("visible_gpus", have, f"visible GPUs: {have}")
@@ -288,7 +288,7 @@ def load_bench(manifest: Path) -> None:
 
 
 def chunked_load(manifest: Path) -> None:
-    """load_shard's chunked read (format_version 3, verify/chunk_sinks.py; on CUDA through pinned
+    """load_shard's chunked read (format_version 3, loader/sinks.py; on CUDA through pinned
     staging buffers and per-worker copy streams): the tensors equal safetensors' load_file of the
     file, and a flipped byte is a VerifyMismatch naming its chunk."""
     import torch

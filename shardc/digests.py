@@ -2,7 +2,7 @@
 
 A leaf module, like errors.py: the plan schema (layout/plan.py) names the kinds a build may ask
 for, the chunk readers and writers (formats/) hash with them, and the loader's early start
-(formats/prefetch.py) imports them before anything heavy is: importing this costs hashlib only.
+(loader/early_start.py) imports them before anything heavy is: importing this costs hashlib only.
 formats/chunk_digests.py says why there are two kinds.
 """
 

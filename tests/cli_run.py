@@ -12,23 +12,26 @@ import subprocess
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def shardc(*args: object, env: dict[str, str] | None = None, fault: str | None = None,
-           timeout: float = 120, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+           timeout: float = 120, cwd: Path = ROOT,
+           preexec_fn: Callable[[], None] | None = None) -> subprocess.CompletedProcess:
     """``python -m shardc.cli ARGS`` with this checkout's package first on PYTHONPATH, run from
     the repository root. ``fault`` sets ``SHARDC_FAULT`` (the kill hooks of switch and export);
-    an inherited one is dropped, so that no test is killed by another's hook."""
+    an inherited one is dropped, so that no test is killed by another's hook. ``preexec_fn`` runs
+    in the child before the CLI starts (a resource limit: a file-size cap)."""
     full = {**os.environ, "PYTHONPATH": str(ROOT)}
     full.pop("SHARDC_FAULT", None)
     if fault:
         full["SHARDC_FAULT"] = fault
     full.update(env or {})
     return subprocess.run([sys.executable, "-m", "shardc.cli", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env=full, cwd=cwd)
+                          text=True, timeout=timeout, env=full, cwd=cwd, preexec_fn=preexec_fn)
 
 
 def shardc_in(*args: object, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:

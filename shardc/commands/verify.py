@@ -78,7 +78,7 @@ def verify_cmd(ctx, manifest_path, directory, plan_file, source, rank, tp_rank, 
     else:
         ranks = manifest.to_layout().select(*chosen_ranks(rank, tp_rank, pp_stage, all_ranks, required=False))
         if device:  # one process checks its ranks one after another, on one GPU
-            from ..verify.devices import check_gpus
+            from ..loader.devices import check_gpus
 
             check_gpus(manifest.name, device, 1)
         if stream:  # straight from object storage: ranged GETs into memory, every chunk checked

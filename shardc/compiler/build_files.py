@@ -56,8 +56,8 @@ _METADATA_KEYS = ("shardc.plan_sha256", "shardc.tp_degree", "shardc.pp_degree", 
 _OPTIONAL_KEYS = ("shardc.experts", "shardc.dp_degree", "shardc.dp_rank")
 
 
-def shard_problems(path: Path, layout: Layout, rl: RankLayout, checks: list[str] | None = None) -> list[str]:
-    """What is wrong with a shard file's header for rank ``rl`` of ``layout`` (empty: nothing): it
+def shard_problems(path: Path, layout: Layout, rank_layout: RankLayout, checks: list[str] | None = None) -> list[str]:
+    """What is wrong with a shard file's header for rank ``rank_layout`` of ``layout`` (empty: nothing): it
     parses, its metadata names this plan and rank, it holds exactly the Layout's tensors with their
     dtypes and shapes, and its data layout is the one the safetensors library accepts
     (``extent_problem``). ``verify`` reports these; reshard and export refuse a file that has any,
@@ -70,23 +70,23 @@ def shard_problems(path: Path, layout: Layout, rl: RankLayout, checks: list[str]
         return [f"safetensors header does not parse ({exc.strerror})"]
     except ShardFormatError as exc:
         return [f"safetensors header does not parse ({exc.message})"]
-    return header_problems(header, meta, size - start, layout, rl, checks)
+    return header_problems(header, meta, size - start, layout, rank_layout, checks)
 
 
 def header_problems(header: dict[str, Any], meta: dict[str, str], data_length: int, layout: Layout,
-                    rl: RankLayout, checks: list[str] | None = None) -> list[str]:
+                    rank_layout: RankLayout, checks: list[str] | None = None) -> list[str]:
     """``shard_problems`` of a header already parsed (``load_shard`` parses it from the bytes it
     hashes), whose data section is ``data_length`` bytes."""
     checks = [] if checks is None else checks
     checks.append("header")
     problems = []
-    want_meta = shard_metadata(layout, rl)
+    want_meta = shard_metadata(layout, rank_layout)
     for key in _METADATA_KEYS + _OPTIONAL_KEYS:
         if meta.get(key) != want_meta.get(key):
             problems.append(f"metadata {key} is {meta.get(key)!r}, expected {want_meta.get(key)!r} "
                             f"(a shard of another plan or rank?)")
     checks.append("metadata")
-    want = {t.name: t for t in rl.tensors}
+    want = {t.name: t for t in rank_layout.tensors}
     problems += [f"missing tensor {name}" for name in sorted(set(want) - set(header))]
     problems += [f"unexpected tensor {name}" for name in sorted(set(header) - set(want))]
     checks.append("tensor-set")

@@ -96,11 +96,11 @@ class BuildSource:
         self.uri, self.directory, self.config = inp.uri, inp.directory, model.config
         self.tensors: dict[str, TensorInfo] = {}
         self.pieces: dict[tuple[str, str], list[Piece]] = {}
-        for rl in self.in_layout.ranks:
-            for t in rl.tensors:
+        for rank_layout in self.in_layout.ranks:
+            for t in rank_layout.tensors:
                 row0 = 0
                 for sub in t.split_pieces():  # a fused tensor: each source-row range on its own
-                    self.pieces.setdefault((t.source, _role(t)), []).append(Piece(rl.file, sub, row0))
+                    self.pieces.setdefault((t.source, _role(t)), []).append(Piece(rank_layout.file, sub, row0))
                     row0 += sub.shape[0]
         self.in_quant = {src: p[0].spec.quant for (src, role), p in self.pieces.items()
                          if role == "weight" and p[0].spec.quant}
@@ -122,7 +122,7 @@ class BuildSource:
                     if st.suffix and not st.value:
                         self.tensors[name + st.suffix] = TensorInfo("", st.dtypes[0], st.shape(shapes[name]))
         self._offsets: dict[str, dict[str, tuple[int, str, list[int], int]]] = {}
-        self._rank_of = {rl.file: rl for rl in self.in_layout.ranks}
+        self._rank_of = {rank_layout.file: rank_layout for rank_layout in self.in_layout.ranks}
         self._lock = threading.Lock()
 
     def as_source(self) -> Source:
@@ -303,12 +303,13 @@ def _covers(parts: list[tuple[int, int, np.ndarray]], n: int) -> bool:
 def _check_records(manifest: Manifest, layout: Layout) -> None:
     """The input manifest's tensor records must be what its own plan's Layout says (the pieces
     are read by the Layout; an edited manifest would point them at the wrong bytes)."""
-    for rl in layout.ranks:
-        entry = manifest.shard(rl.file)
+    for rank_layout in layout.ranks:
+        entry = manifest.shard(rank_layout.file)
         have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
                 for n, r in (entry.tensors if entry else {}).items()}
-        if entry is None or have != {t.name: t.record() for t in rl.tensors} or entry.experts != rl.experts:
-            raise ManifestError(f"the input manifest's record of {rl.file} does not match its own plan",
+        if (entry is None or have != {t.name: t.record() for t in rank_layout.tensors}
+                or entry.experts != rank_layout.experts):
+            raise ManifestError(f"the input manifest's record of {rank_layout.file} does not match its own plan",
                                 hint="the manifest was edited or is damaged; run shardc verify on the input")
     if len(manifest.shards) != len(layout.ranks):
         raise ManifestError("the input manifest lists shards its plan does not have",
@@ -349,8 +350,8 @@ def check_dtypes(in_quant: dict[str, str], out: Layout, dequantize: bool) -> set
     unless ``dequantize`` (q * scale in fp32, then cast or quantized: lossy). Returns the source
     tensors that get dequantized, which the manifest records."""
     lossy = set()
-    for rl in out.ranks:
-        for t in rl.tensors:
+    for rank_layout in out.ranks:
+        for t in rank_layout.tensors:
             held = in_quant.get(t.source)
             if held is None or t.scale_of or (t.quant == held) or (held == "source" == out.plan.dtype):
                 continue

@@ -38,7 +38,7 @@ class Committer(Protocol):
         """Old files to delete (on the commit thread) before a stage's shards are committed."""
         ...
 
-    def shard(self, rl: RankLayout, writer: ShardWriter) -> tuple[int, str]:
+    def shard(self, rank_layout: RankLayout, writer: ShardWriter) -> tuple[int, str]:
         """Make one written shard durable; its (size, sha256)."""
         ...
 
@@ -83,11 +83,11 @@ class FreshCommit:
 
     def in_the_way(self, todo: list[RankLayout]) -> list[Path]:
         # slow on a filesystem mounted with discard: deleted while the stage is written
-        return [self.out / rl.file for rl in todo if (self.out / rl.file).exists()]
+        return [self.out / rank_layout.file for rank_layout in todo if (self.out / rank_layout.file).exists()]
 
-    def shard(self, rl: RankLayout, writer: ShardWriter) -> tuple[int, str]:
+    def shard(self, rank_layout: RankLayout, writer: ShardWriter) -> tuple[int, str]:
         size, sha = writer.commit(rename=True)
-        write_atomic(done_path(self.out, rl.file), canonical_json({"key": self.key, "size": size, "sha256": sha}))
+        write_atomic(done_path(self.out, rank_layout.file), canonical_json({"key": self.key, "size": size, "sha256": sha}))
         return size, sha
 
     def discard(self, files: list[str]) -> None:
@@ -106,8 +106,8 @@ class FreshCommit:
             manifest.save(self.out / "manifest.json")  # the commit point
         except OSError as exc:
             raise output_error(self.out, exc, "manifest.json") from None
-        for rl in layout.ranks:
-            done_path(self.out, rl.file).unlink(missing_ok=True)
+        for rank_layout in layout.ranks:
+            done_path(self.out, rank_layout.file).unlink(missing_ok=True)
 
 
 @dataclass
@@ -122,9 +122,9 @@ class SwitchCommit:
     def in_the_way(self, todo: list[RankLayout]) -> list[Path]:
         return []  # the old build stays whole until the switch
 
-    def shard(self, rl: RankLayout, writer: ShardWriter) -> tuple[int, str]:
+    def shard(self, rank_layout: RankLayout, writer: ShardWriter) -> tuple[int, str]:
         size, sha = writer.commit(rename=False)  # durable at its temp name
-        self.staged[self.out / rl.file] = writer.tmp
+        self.staged[self.out / rank_layout.file] = writer.tmp
         return size, sha
 
     def discard(self, files: list[str]) -> None:

@@ -129,7 +129,7 @@ def build(
     check_kept(source, layout)  # a quantized source kept as stored: every tensor copied exactly
 
     out = Path(out_dir) if out_dir else Path("build") / plan.name
-    files = {rl.file for rl in layout.ranks}
+    files = {rank_layout.file for rank_layout in layout.ranks}
     check_build_dir(out, plan.name, files, replace=replace)  # before the lock file is made
     check_record(manifests_dir, out, plan.name, plan.effective_sha256, source.identity, replace=replace)
     try:
@@ -194,7 +194,7 @@ def _prepare_output(run: BuildRun) -> None:
     if run.progress:
         from ..progress import bar
 
-        run.bar = bar(sum(rl.nbytes for rl in run.layout.ranks), f"build {run.plan.name}", leave=True)
+        run.bar = bar(sum(rank_layout.nbytes for rank_layout in run.layout.ranks), f"build {run.plan.name}", leave=True)
 
 
 def _remove_leftovers(out: Path) -> None:
@@ -211,15 +211,15 @@ def _stages_to_write(run: BuildRun) -> list[list[RankLayout]]:
     plan, stages = run.plan, []
     for stage in range(plan.pp):
         todo = []
-        for rl in run.layout.stage(stage):
-            done = None if run.force else stage_done(run.out, run.layout, rl, run.key)
+        for rank_layout in run.layout.stage(stage):
+            done = None if run.force else stage_done(run.out, run.layout, rank_layout, run.key)
             if done:
-                run.hashes[rl.file] = done
-                run.result.skipped.append(rl.file)
+                run.hashes[rank_layout.file] = done
+                run.result.skipped.append(rank_layout.file)
                 if run.bar is not None:
-                    run.bar.update(rl.nbytes)
+                    run.bar.update(rank_layout.nbytes)
             else:
-                todo.append(rl)
+                todo.append(rank_layout)
         if todo:
             stages.append(todo)
     return stages
@@ -233,10 +233,10 @@ def _commit(run: BuildRun, todo: list[RankLayout],
     assert run.commit is not None
     try:
         run.source.confirm()  # nothing derived from an unchecked input byte is committed
-        for rl in todo:
-            w = writers[rl.file]
-            size, sha = run.commit.shard(rl, w)
-            done[rl.file] = (size, sha, w.chunk_size, tuple(w.chunks))
+        for rank_layout in todo:
+            w = writers[rank_layout.file]
+            size, sha = run.commit.shard(rank_layout, w)
+            done[rank_layout.file] = (size, sha, w.chunk_size, tuple(w.chunks))
     except BaseException:
         for w in writers.values():
             w.abort()  # the ones not committed yet: no temp file stays behind
@@ -264,13 +264,13 @@ def _write_stages(run: BuildRun, stages: list[list[RankLayout]], mat: Materializ
             commits.append((todo, committer.submit(_commit, run, todo, writers)))
         for todo, fut in commits:
             written = fut.result()
-            for rl in todo:
-                run.hashes[rl.file] = written[rl.file]
-                run.result.built.append(rl.file)
+            for rank_layout in todo:
+                run.hashes[rank_layout.file] = written[rank_layout.file]
+                run.result.built.append(rank_layout.file)
     except ShardcError:
         # Bad input found mid-build (NaN in a late layer): leave nothing of this run behind.
         committer.shutdown(wait=True)
-        commit.discard([rl.file for todo, _ in commits for rl in todo])
+        commit.discard([rank_layout.file for todo, _ in commits for rank_layout in todo])
         raise
     except OSError as exc:
         # The disk, not the input: keep the committed stages, a rerun resumes from them; when
@@ -291,7 +291,7 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
     # A resumed build skipped some tensors; recompute their error stats so the manifest is
     # identical to an uninterrupted build's.
     if run.plan.quantized:
-        for name in sorted({t.source for rl in layout.ranks for t in rl.tensors if t.quant}):
+        for name in sorted({t.source for rank_layout in layout.ranks for t in rank_layout.tensors if t.quant}):
             if name not in mat.stats:
                 mat.quantize(name, run.plan.dtype)
     run.source.confirm()  # every input byte behind the manifest (committed stages were confirmed)
@@ -300,17 +300,19 @@ def _write_manifest(run: BuildRun, mat: Materializer) -> Manifest:
     except OSError as exc:
         raise output_error(run.out, exc, "config.json and the tokenizer files") from None
     shards = []
-    for rl in layout.ranks:
-        size, sha, chunk_size, chunks = run.hashes[rl.file]
+    for rank_layout in layout.ranks:
+        size, sha, chunk_size, chunks = run.hashes[rank_layout.file]
         tensors = {}
-        for t in rl.tensors:
+        for t in rank_layout.tensors:
             rec = t.record()
             if t.quant and not t.scale_of and t.value is None:  # the values, not their companions
                 rec["stats"] = mat.stats[t.source]
                 rec["scale"] = t.source + SCALE_SUFFIX
             tensors[t.name] = rec
-        shards.append(ShardEntry(rl.file, rl.tp_rank, rl.pp_stage, rl.rank, rl.layers, size, sha, tensors,
-                                 experts=rl.experts, dp_rank=rl.dp_rank if layout.plan.dp > 1 else None,
+        shards.append(ShardEntry(rank_layout.file, rank_layout.tp_rank, rank_layout.pp_stage,
+                                 rank_layout.rank, rank_layout.layers, size, sha, tensors,
+                                 experts=rank_layout.experts,
+                                 dp_rank=rank_layout.dp_rank if layout.plan.dp > 1 else None,
                                  chunk_size=chunk_size, chunks=chunks, chunk_digest=layout.plan.chunk_digest))
     manifest = new_manifest(layout, run.source.identity(), shards, side)
     commit.manifest(manifest, layout)

@@ -240,8 +240,8 @@ def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,
            staged: list[tuple[Path, str]]) -> list[dict[str, Any]]:
     """Every file of the export, durably at its temp name (appended to ``staged`` as it is
     made, so the caller can remove them on failure): shards, config.json, tokenizer, index."""
-    rl = layout.ranks[0]
-    groups = _groups(rl.tensors, limit)
+    rank_layout = layout.ranks[0]
+    groups = _groups(rank_layout.tensors, limit)
     n = len(groups)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     meta = {"format": "pt", "shardc.export_of": inp.manifest_sha256}
@@ -268,7 +268,7 @@ def _stage(inp: BuildInput, source: Source, layout, out: Path, limit: int,
     _stage_bytes(out, "config.json", _config_bytes(layout), staged)
     for name in sorted(set(TOKENIZER_FILES) & set(inp.side_files())):
         _stage_bytes(out, name, _side_file(inp, name), staged)
-    index = {"metadata": {"total_size": sum(t.nbytes for t in rl.tensors)},
+    index = {"metadata": {"total_size": sum(t.nbytes for t in rank_layout.tensors)},
              "weight_map": dict(sorted(weight_map.items()))}
     _stage_bytes(out, INDEX, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), staged)
     return files

@@ -42,7 +42,7 @@ def output_config(layout: Layout) -> dict[str, Any]:
         from ..layout.quantization import quantizable
         from .quantize import quantization_config
 
-        specs = [t for rl in layout.ranks for t in rl.tensors]
+        specs = [t for rank_layout in layout.ranks for t in rank_layout.tensors]
         quantized = {t.source for t in specs if t.quant}
         linear = {t.source for t in specs} & quantizable(layout.model)
         # compressed-tensors lists modules left in 16 bits: lm_head and any plan-ignored projection
@@ -70,11 +70,11 @@ def hf_checkpoint_problem(layout: Layout) -> str | None:
     if layout.plan.tp != 1:
         return f"it is split tp={layout.plan.tp}: each rank holds a slice of the same tensor names"
     seen: dict[str, tuple[str, TensorSpec]] = {}
-    for rl in layout.ranks:
-        for t in rl.tensors:
-            file, first = seen.setdefault(t.name, (rl.file, t))
+    for rank_layout in layout.ranks:
+        for t in rank_layout.tensors:
+            file, first = seen.setdefault(t.name, (rank_layout.file, t))
             if first != t:
-                return (f"{file} and {rl.file} hold different parts of {t.name} ({_part(first)} and "
+                return (f"{file} and {rank_layout.file} hold different parts of {t.name} ({_part(first)} and "
                         f"{_part(t)}) under that one name")
     return None
 
@@ -93,8 +93,8 @@ def index_json(layout: Layout) -> dict[str, Any]:
     problem = hf_checkpoint_problem(layout)
     if problem is not None:
         raise ValueError(f"no HF index for this build: {problem}")
-    weight_map = {t.name: rl.file for rl in layout.ranks for t in rl.tensors}
-    return {"metadata": {"total_size": sum(rl.nbytes for rl in layout.ranks)},
+    weight_map = {t.name: rank_layout.file for rank_layout in layout.ranks for t in rank_layout.tensors}
+    return {"metadata": {"total_size": sum(rank_layout.nbytes for rank_layout in layout.ranks)},
             "weight_map": dict(sorted(weight_map.items()))}
 
 
@@ -110,14 +110,14 @@ def done_path(out_dir: Path, file: str) -> Path:
     return out_dir / f".{file}.done.json"
 
 
-def stage_done(out_dir: Path, layout: Layout, rl: RankLayout,
+def stage_done(out_dir: Path, layout: Layout, rank_layout: RankLayout,
                key: dict) -> tuple[int, str, int, tuple[str, ...]] | None:
     """A shard finished by an earlier run of the same build: kept only if its record matches this
     build (plan, source fingerprint, versions), its bytes still hash to the record, and its header
     is this rank's (metadata, tensor names, dtypes, shapes), so a foreign shard next to a forged
     record is rebuilt, not blessed. Returns (size, sha256, chunk size, chunk digests): the one
     read that checks the sha256 also cuts the chunk digests for the manifest."""
-    done, path = done_path(out_dir, rl.file), out_dir / rl.file
+    done, path = done_path(out_dir, rank_layout.file), out_dir / rank_layout.file
     try:
         rec = json.loads(done.read_text())
     except (OSError, ValueError):
@@ -129,8 +129,8 @@ def stage_done(out_dir: Path, layout: Layout, rl: RankLayout,
         tensors, meta, _ = read_header(path)
     except ShardcError:
         return None
-    want = {t.name: (t.dtype, list(t.shape)) for t in rl.tensors}
-    if meta != shard_metadata(layout, rl) or {n: (e["dtype"], e["shape"]) for n, e in tensors.items()} != want:
+    want = {t.name: (t.dtype, list(t.shape)) for t in rank_layout.tensors}
+    if meta != shard_metadata(layout, rank_layout) or {n: (e["dtype"], e["shape"]) for n, e in tensors.items()} != want:
         return None
     try:
         with open(path, "rb", buffering=0) as f:
@@ -168,9 +168,9 @@ def check_space(out: Path, layout: Layout, replacing: bool = False) -> None:
     so do files it overwrites unless ``replacing``: a complete build that must stay until the new
     one is written)."""
     need = 0
-    for rl in layout.ranks:
-        p = out / rl.file
-        need += rl.nbytes - (p.stat().st_size if p.is_file() and not replacing else 0)
+    for rank_layout in layout.ranks:
+        p = out / rank_layout.file
+        need += rank_layout.nbytes - (p.stat().st_size if p.is_file() and not replacing else 0)
     free = shutil.disk_usage(out).free + sum(p.lstat().st_size for p in temp_files(out) if not p.is_dir())
     if need > free:
         kept = "; the build already there stays until the new one is complete" if replacing else ""

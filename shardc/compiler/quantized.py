@@ -167,8 +167,8 @@ def check_kept(src: Source, layout: Layout) -> None:
     config.json; a source holding one in a dtype that would not convert exactly is refused."""
     if layout.plan.dtype != "source" or src.source_format is None:
         return
-    for rl in layout.ranks:
-        for t in rl.tensors:
+    for rank_layout in layout.ranks:
+        for t in rank_layout.tensors:
             info = src.tensors.get(t.source)
             if t.value is None and info is not None and info.dtype != t.dtype and (info.dtype, t.dtype) not in _EXACT:
                 raise SourceError(f"tensor {t.source!r} is {info.dtype}, but {src.source_format.label} per its "

@@ -20,18 +20,20 @@ def write_stage(
     """Write the listed TP ranks of one stage together: each source tensor is read once and every
     rank's slice goes to that rank's writer thread. Returns the filled, uncommitted writers."""
     writers = {
-        rl.file: ShardWriter(
-            out_dir / rl.file, [(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl),
+        rank_layout.file: ShardWriter(
+            out_dir / rank_layout.file, [(t.name, t.dtype, t.shape) for t in rank_layout.tensors],
+            shard_metadata(layout, rank_layout),
             chunk_digest=layout.plan.chunk_digest,
         )
-        for rl in ranks
+        for rank_layout in ranks
     }
-    pools = {rl.file: ThreadPoolExecutor(1, thread_name_prefix=f"shardc-w{rl.rank}") for rl in ranks}
+    pools = {rank_layout.file: ThreadPoolExecutor(1, thread_name_prefix=f"shardc-w{rank_layout.rank}")
+             for rank_layout in ranks}
     pending: list[tuple[int, list[Future]]] = []  # (bytes, the ranks' writes) per tensor in flight
     try:
         # every name any rank of the stage holds, in name order (each rank's file is in name order
         # too); a routed expert placed by expert parallelism is held by one rank only
-        held = [{t.name: t for t in rl.tensors} for rl in ranks]
+        held = [{t.name: t for t in rank_layout.tensors} for rank_layout in ranks]
         order = stage_order(ranks)
         # in flight: at most two of the stage's largest tensors' worth of bytes (and always the
         # next one), so memory stays bounded while runs of small tensors (a routed expert's, held
@@ -43,13 +45,14 @@ def write_stage(
         for i, first in enumerate(order):
             name = first.name
             futures = []
-            for rl, h in zip(ranks, held, strict=True):
+            for rank_layout, h in zip(ranks, held, strict=True):
                 spec = h.get(name)
                 if spec is None:
                     continue
                 # slicing + cast run on the writer threads too: the main thread only hands out
                 # source views and quantized tensors, so the per-rank work spreads over the cores
-                futures.append(pools[rl.file].submit(_write_piece, writers[rl.file], mat.full(spec), spec, bar))
+                futures.append(pools[rank_layout.file].submit(_write_piece, writers[rank_layout.file],
+                                                              mat.full(spec), spec, bar))
             if first.quant and last[(first.source, first.quant)] == i:
                 _when_all(futures, functools.partial(mat.release, first))
             pending.append((first.nbytes, futures))
@@ -75,8 +78,8 @@ def stage_order(ranks: list[RankLayout]) -> list[TensorSpec]:
     """Every tensor the ranks of a stage hold, once each, in name order (each rank's file is in
     name order too): a routed expert placed by expert parallelism is held by one rank only."""
     first: dict[str, TensorSpec] = {}
-    for rl in ranks:
-        for t in rl.tensors:
+    for rank_layout in ranks:
+        for t in rank_layout.tensors:
             first.setdefault(t.name, t)
     return [first[n] for n in sorted(first)]
 

@@ -49,7 +49,6 @@ pulled manifest.json is byte-identical to the build's.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +73,7 @@ from .manifest_checks import (
     read_overrides,
     read_source_quantization,
 )
+from .manifest_raw import decode
 from .manifest_records import (
     FieldReader,
     FileEntry,
@@ -284,20 +284,18 @@ def source_quantization_record(config: dict[str, Any], dtype: str) -> dict[str, 
     the error stats then measured against the dequantized source)."""
     from ..layout.quant_formats import detect_source
 
-    sq = detect_source(config)
-    if sq is None:
+    source_format = detect_source(config)
+    if source_format is None:
         return None
     applied = {"source": "kept as stored", "fp16": "dequantized", "bf16": "dequantized"}.get(
         dtype, f"dequantized, then quantized to {dtype} per channel")
-    return {**sq.record(), "applied": applied}
+    return {**source_format.record(), "applied": applied}
 
 
 def loads(data: bytes | str, origin: str = "manifest") -> Manifest:
     """The one reader: JSON bytes -> validated Manifest (ManifestError names what is wrong)."""
     try:
-        m = json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ManifestError(f"{origin} is not JSON", hint="pass the manifest.json that shardc build wrote") from None
+        m = decode(data, origin)
     except RecursionError:  # the decoder's own limit (about 1000 levels): deeper than MAX_NESTING
         raise plain_error(origin, "", f"is nested deeper than {MAX_NESTING} levels") from None
     return Manifest._from_json(m, origin)

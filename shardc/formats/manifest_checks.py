@@ -22,11 +22,11 @@ MAX_NESTING = 64
 
 
 def read_source_quantization(r: FieldReader) -> dict[str, str] | None:
-    sq = r.optional_sub("source_quantization")
-    if sq is None:
+    source_quantization = r.optional_sub("source_quantization")
+    if source_quantization is None:
         return None
-    sq.only("format", "quant_method", "applied")
-    return {k: sq.get(k, str) for k in ("format", "quant_method", "applied")}
+    source_quantization.only("format", "quant_method", "applied")
+    return {k: source_quantization.get(k, str) for k in ("format", "quant_method", "applied")}
 
 
 def check_depth(m: dict[str, Any], origin: str) -> None:
@@ -126,7 +126,7 @@ def read_overrides(r: FieldReader) -> tuple[dict[str, str], str | None]:
 
 
 
-def shard_size(layout: Layout, rl: RankLayout, shardc_version: str) -> tuple[int, int]:
+def shard_size(layout: Layout, rank_layout: RankLayout, shardc_version: str) -> tuple[int, int]:
     """A rank's shard file as its build wrote it: (header bytes with their length prefix, tensor
     bytes). Both follow from the Layout alone: the header is deterministic (formats/safetensors.py
     ``header_bytes`` of the rank's tensors and ``shard_metadata``, whose one free value, the
@@ -134,14 +134,14 @@ def shard_size(layout: Layout, rl: RankLayout, shardc_version: str) -> tuple[int
     ``__version__``, and a kept shard of another version is rebuilt)."""
     from .safetensors import header_bytes, shard_metadata
 
-    meta = shard_metadata(layout, rl) | {"shardc.version": shardc_version}
-    return len(header_bytes([(t.name, t.dtype, t.shape) for t in rl.tensors], meta)), rl.nbytes
+    meta = shard_metadata(layout, rank_layout) | {"shardc.version": shardc_version}
+    return len(header_bytes([(t.name, t.dtype, t.shape) for t in rank_layout.tensors], meta)), rank_layout.nbytes
 
 
 SIZE_HINT = "the manifest does not describe what its plan builds (edited or damaged); rebuild, or pull the build again"
 
 
-def size_problem(entry: ShardEntry, layout: Layout, rl: RankLayout, shardc_version: str,
+def size_problem(entry: ShardEntry, layout: Layout, rank_layout: RankLayout, shardc_version: str,
                  larger_only: bool = False) -> str | None:
     """What is wrong with the entry's ``size`` against the exact size the Layout gives the rank's
     shard (None: nothing; with ``larger_only``, only a size above it is a problem). The chunk count
@@ -152,7 +152,7 @@ def size_problem(entry: ShardEntry, layout: Layout, rl: RankLayout, shardc_versi
     file, every chunk digest forged) was read and held until the first chunk's digest failed. The
     Layout is the plan's truth; ``size`` is only a claim. The line gives the figure, for the key
     ``shards.<file>.size``: ``is N bytes; the plan's Layout gives this rank's shard M bytes (...)``."""
-    head, data = shard_size(layout, rl, shardc_version)
+    head, data = shard_size(layout, rank_layout, shardc_version)
     if entry.size == head + data or (larger_only and entry.size < head + data):
         return None
     return (f"is {entry.size} bytes; the plan's Layout gives this rank's shard "

@@ -34,7 +34,7 @@ from ..layout.dtypes import DTYPE_BYTES
 from ..layout.ranks import Layout, RankLayout
 from ..version import __version__
 from . import chunk_digests as _chunks
-from .chunk_reads import disable_direct, enable_direct
+from .direct_io import disable_direct, enable_direct
 from .files import create_temp
 
 ALIGN = 8
@@ -44,7 +44,7 @@ MAX_HEADER = 100 << 20  # the safetensors library's own limit
 METADATA = "__metadata__"
 
 
-def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
+def shard_metadata(layout: Layout, rank_layout: RankLayout) -> dict[str, str]:
     """A shard's ``__metadata__``: catches a file that strays into the wrong directory."""
     p = layout.plan
     return {
@@ -54,12 +54,12 @@ def shard_metadata(layout: Layout, rl: RankLayout) -> dict[str, str]:
         "shardc.plan_sha256": p.sha256,
         "shardc.tp_degree": str(p.tp),
         "shardc.pp_degree": str(p.pp),
-        "shardc.tp_rank": str(rl.tp_rank),
-        "shardc.pp_stage": str(rl.pp_stage),
-        "shardc.rank": str(rl.rank),
-        "shardc.layers": f"{rl.layers[0]}:{rl.layers[1]}",
-    } | ({"shardc.experts": ",".join(map(str, rl.experts))} if rl.experts else {}) | (
-        {"shardc.dp_degree": str(p.dp), "shardc.dp_rank": str(rl.dp_rank)} if p.dp > 1 else {})
+        "shardc.tp_rank": str(rank_layout.tp_rank),
+        "shardc.pp_stage": str(rank_layout.pp_stage),
+        "shardc.rank": str(rank_layout.rank),
+        "shardc.layers": f"{rank_layout.layers[0]}:{rank_layout.layers[1]}",
+    } | ({"shardc.experts": ",".join(map(str, rank_layout.experts))} if rank_layout.experts else {}) | (
+        {"shardc.dp_degree": str(p.dp), "shardc.dp_rank": str(rank_layout.dp_rank)} if p.dp > 1 else {})
 
 
 def read_header(path: str | Path) -> tuple[dict[str, Any], dict[str, str], int]:
@@ -139,11 +139,11 @@ def extent_problem(tensors: dict[str, Any], data_len: int) -> str | None:
     return None
 
 
-def shard_file_size(layout: Layout, rl: RankLayout) -> int:
+def shard_file_size(layout: Layout, rank_layout: RankLayout) -> int:
     """The exact size of a rank's shard file as build writes it: header and tensor bytes (what
     ``build --dry-run`` reports, so it matches ``ls -l`` afterwards)."""
-    head = header_bytes([(t.name, t.dtype, t.shape) for t in rl.tensors], shard_metadata(layout, rl))
-    return len(head) + rl.nbytes
+    head = header_bytes([(t.name, t.dtype, t.shape) for t in rank_layout.tensors], shard_metadata(layout, rank_layout))
+    return len(head) + rank_layout.nbytes
 
 
 def header_bytes(

@@ -212,8 +212,8 @@ class Layout:
                                   hint=f"this plan has {world} ranks")
             chosen[r] = self.ranks[r]
         for t, p in pairs:
-            rl = self.rank(t, p)
-            chosen[rl.rank] = rl
+            rank_layout = self.rank(t, p)
+            chosen[rank_layout.rank] = rank_layout
         return [chosen[r] for r in sorted(chosen)]
 
 

@@ -85,10 +85,10 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
     names = model.forward.names
     k_weight = "." + names.projection("k") + ".weight"  # its rows: this rank's KV heads
     out = []
-    for rl in layout.ranks:
+    for rank_layout in layout.ranks:
         totals = {"nbytes": 0, "read": 0, "linear": 0, "expert": 0}
         kv_heads = 0
-        for t in rl.tensors:
+        for t in rank_layout.tensors:
             layer = layer_of(t.name)
             n = mult[layer] if layer is not None else 1
             embed = t.name == names.embed
@@ -103,8 +103,8 @@ def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
                 kv_heads = t.shape[0] // model.head_dim
         kv_heads = kv_heads or max(1, model.num_kv_heads // plan.tp)  # k stored fused (Phi-3), or MLA
         out.append(
-            RankWeights(rl.tp_rank, rl.pp_stage, real[rl.pp_stage], totals["nbytes"], totals["read"],
-                        totals["linear"], kv_heads, totals["expert"])
+            RankWeights(rank_layout.tp_rank, rank_layout.pp_stage, real[rank_layout.pp_stage],
+                        totals["nbytes"], totals["read"], totals["linear"], kv_heads, totals["expert"])
         )
     return out
 

@@ -61,7 +61,7 @@ def check_devices(job: dict[str, Any], *, torchrun: bool) -> None:
     """Before anything loads: a CUDA job needs one visible GPU per rank on this node (DeviceError,
     exit 2, otherwise), and ``cuda:N`` pins a single rank, not several."""
     from ..errors import DeviceError
-    from ..verify.devices import check_gpus, node_ranks
+    from ..loader.devices import check_gpus, node_ranks
     from .worker import _replicas
 
     device = str(job.get("device", "cpu"))

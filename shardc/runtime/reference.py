@@ -102,8 +102,8 @@ def save_baseline_transformers(base: Any, windows: list[list[int]], path: str | 
 
     from ..formats.safetensors import ShardWriter
     from ..layout.dtypes import from_torch_name
+    from ..loader.devices import resolve_device
     from ..verify.checks import verify_build
-    from ..verify.devices import resolve_device
     from .weights import compute_dtype
 
     t_load = time.perf_counter()

@@ -1,6 +1,6 @@
 """Turn one rank's shard tensors into the runtime's weights.
 
-The tensors come from ``shardc.verify.loader.load_shard`` (sha256 + header checked against the
+The tensors come from ``shardc.loader.local.load_shard`` (sha256 + header checked against the
 Layout before a byte is used), already on the rank's device: on CUDA they were copied from pinned
 host buffers while the file was read and hashed. What each tensor is, and which vocabulary rows a
 rank holds, is read from the Layout's TensorSpecs, never re-derived. int8 / fp8 weights are dequantized here with their
@@ -80,14 +80,14 @@ def local_dims(layout: Layout) -> Dims:
 
 
 def _stacked_experts(get: Callable[[str], torch.Tensor], split: bool, p: str,
-                     names: tuple[str, str, str, str], rl: RankLayout,
+                     names: tuple[str, str, str, str], rank_layout: RankLayout,
                      experts: int) -> dict[int, ExpertWeights]:
     """Stacked experts (gpt-oss) as per-expert views: this rank's block of dim 0 (expert
-    parallelism: ``rl.experts``; otherwise every expert, its TP slice). ``split`` over TP, an
+    parallelism: ``rank_layout.experts``; otherwise every expert, its TP slice). ``split`` over TP, an
     expert's down bias is added by TP rank 0 only, so the all-reduced sum holds it once."""
     gate_up, gate_up_bias, down, down_bias = (get(p + n) for n in names)
-    ids = rl.experts or tuple(range(experts))
-    return {e: (gate_up[j], gate_up_bias[j], down[j], None if split and rl.tp_rank else down_bias[j])
+    ids = rank_layout.experts or tuple(range(experts))
+    return {e: (gate_up[j], gate_up_bias[j], down[j], None if split and rank_layout.tp_rank else down_bias[j])
             for j, e in enumerate(ids)}
 
 
@@ -96,20 +96,20 @@ def load_stage(
     device: torch.device, dp_rank: int = 0,
 ) -> StageWeights:
     """Load, check and arrange one rank's tensors (dequantizing int8/fp8)."""
-    from ..verify.loader import load_shard
+    from ..loader.local import load_shard
 
-    rl = layout.rank(tp_rank, pp_stage, dp_rank)
+    rank_layout = layout.rank(tp_rank, pp_stage, dp_rank)
     raw = load_shard(manifest, tp_rank, pp_stage, device=str(device), directory=directory, dp_rank=dp_rank)
-    return arrange(raw, rl, layout, compute_dtype(manifest), device)
+    return arrange(raw, rank_layout, layout, compute_dtype(manifest), device)
 
 
-def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype: torch.dtype,
+def arrange(raw: dict[str, torch.Tensor], rank_layout: RankLayout, layout: Layout, dtype: torch.dtype,
             device: torch.device) -> StageWeights:
     """Rank tensors (as written by build) -> StageWeights in ``dtype`` on ``device``."""
-    specs = {t.name: t for t in rl.tensors}
+    specs = {t.name: t for t in rank_layout.tensors}
     missing = sorted(set(specs) - set(raw))
     if missing:
-        raise ManifestError(f"{rl.file} lacks tensor {missing[0]}", hint="rebuild the shards")
+        raise ManifestError(f"{rank_layout.file} lacks tensor {missing[0]}", hint="rebuild the shards")
 
     # The raw tensors are views of one buffer holding the whole file. When int8/fp8 weights are
     # dequantized into new tensors, the 16-bit ones are copied out so that buffer can be freed.
@@ -126,7 +126,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
         value = next(specs[name + st.suffix].value for st in kept[name].stored(name) if st.value)
         assert value is not None  # the Layout fixes the contents of a stored X.weight_shape
         return value
-    copy_out = any(t.quant for t in rl.tensors) or bool(kept)
+    copy_out = any(t.quant for t in rank_layout.tensors) or bool(kept)
 
     # w = q * scale per output channel, the scale rounded to the compute dtype first as the serving
     # clients hold it (compiler/quantize.py dequantize), so the gate scores what a server computes.
@@ -161,7 +161,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
 
     names = layout.model.forward.names
     layers = []
-    for i in range(*rl.layers):
+    for i in range(*rank_layout.layers):
         p = names.layer(i)
         # the projections by role (None: not on this layer), as LayerWeights' fields
         w: dict[str, torch.Tensor | None] = {}
@@ -198,7 +198,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
             if moe.stacked:
                 # not ``split``: that is the fused-tensor cutter above, which the next layer still calls
                 tp_split = layout.plan.tp > 1 and not layout.plan.expert_parallel
-                experts = _stacked_experts(get, tp_split, p, moe.stacked, rl, moe.experts)
+                experts = _stacked_experts(get, tp_split, p, moe.stacked, rank_layout, moe.experts)
             else:
                 experts = {e: tuple(get(p + t.format(e=e)) for t in moe.expert)
                            for e in range(moe.experts) if _held(specs, p + moe.expert[0].format(e=e))}
@@ -210,7 +210,7 @@ def arrange(raw: dict[str, torch.Tensor], rl: RankLayout, layout: Layout, dtype:
                 score_bias=get(p + moe.score_bias) if moe.score_bias else None,
                 router_bias=get(p + moe.router_bias) if moe.router_bias else None)
     embed = get(names.embed) if names.embed in specs else None
-    last = rl.pp_stage == layout.plan.pp - 1
+    last = rank_layout.pp_stage == layout.plan.pp - 1
     lm_head = None
     if last:
         # Tied embeddings with pp = 1: the Layout stores the embedding once and no lm_head tensor.

@@ -59,7 +59,7 @@ def execute(job: dict[str, Any], rank: int, world: int, *, hosted_store: bool) -
     """Run this rank's part of ``job``. Returns the result on the rank that holds it, else None."""
     import torch
 
-    from ..verify.devices import resolve_device
+    from ..loader.devices import resolve_device
     from .comm import Comm, open_store
     from .decoder import StageModel
     from .engine import StageRunner, Timer

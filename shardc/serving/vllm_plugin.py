@@ -118,19 +118,19 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
                          hint=f"start vLLM with --dtype {base}")
     tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
     dp_rank = int(par.data_parallel_rank) if ep and plan.dp > 1 else 0
-    rl = layout.rank(tp_rank, pp_rank, dp_rank)
+    rank_layout = layout.rank(tp_rank, pp_rank, dp_rank)
     kept = frozenset(r.name for r in spec.spec.tensors(spec) if r.dtype == "F32")
     facts = dataclasses.replace(_facts(model, spec), fp32_kept=kept)
     if ep:
         placed = facts.local_experts.keys() if facts.local_experts is not None else ()
-        check_experts(plan.name, rl.experts, placed)
+        check_experts(plan.name, rank_layout.experts, placed)
     params = dict(model.named_parameters())
     described = [_param(name, p, model) for name, p in params.items()]
     must = _must_fill(model, model_config, load_config)
     device = str(next(iter(params.values())).device) if params else "cpu"
     # the mapping is decided from the Layout's record of the shard, before a byte of it is read;
     # load_shard then checks the file's header and bytes against that same record
-    shard = [Tensor(s.name, s.shape, torch_name(s.dtype), _vocab_rows(s)) for s in rl.tensors]
+    shard = [Tensor(s.name, s.shape, torch_name(s.dtype), _vocab_rows(s)) for s in rank_layout.tensors]
     fills = fill_plan(shard, described, must, facts)
     into = _destinations(fills, params, shard) if device == "cpu" else {}
     t_read = time.perf_counter()
@@ -156,11 +156,11 @@ def load_into(model: Any, model_config: Any, load_config: Any) -> dict[str, Any]
                 dst.narrow(0, pc.offset, pc.rows).copy_(src[:pc.rows] if src.dim() else src)
             if pname in vocab:  # the engine's own padding rows stay zero, as its loader leaves them
                 data[pieces[0].rows:].zero_()
-    summary = {"tp_rank": tp_rank, "pp_stage": pp_rank, "dp_rank": dp_rank, "file": rl.file,
+    summary = {"tp_rank": tp_rank, "pp_stage": pp_rank, "dp_rank": dp_rank, "file": rank_layout.file,
                "tensors": len(tensors), "parameters": len(fills), "bytes": nbytes, "read_into": len(into),
                "seconds": time.perf_counter() - t0, "read_seconds": t_fill - t_read,
                "fill_seconds": time.perf_counter() - t_fill}
-    _log(f"shardc: rank tp={tp_rank} pp={pp_rank} loaded {rl.file} ({len(tensors)} tensors into "
+    _log(f"shardc: rank tp={tp_rank} pp={pp_rank} loaded {rank_layout.file} ({len(tensors)} tensors into "
          f"{len(fills)} parameters, {len(into)} read straight into them, {nbytes / 2**20:.1f} MiB, every byte "
          f"checked) in {summary['seconds']:.2f}s "
          f"(checks {t_read - t0:.2f}s, read {t_fill - t_read:.2f}s, fill {summary['fill_seconds']:.2f}s)")

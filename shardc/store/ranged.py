@@ -1,17 +1,19 @@
 """Ranged reads of an S3 object checked chunk by chunk (issue #30 item 3): the chunk source the
-streaming loader (store/stream.py) reads into memory, and ``download_chunked``, the same reads to
-disk for ``shardc pull``. Every GET is pinned to the object's ETag at the start (``IfMatch``)."""
+loader's streaming read (loader/remote.py, through store/stream.py) reads into memory, and
+``download_chunked``, the same reads to disk for ``shardc pull``. Every GET is pinned to the
+object's ETag at the start (``IfMatch``): an object pushed again while it is read is one StoreError
+line, never a mix of two objects."""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..digests import DEFAULT_CHUNK_DIGEST
 from ..errors import ShardcError, VerifyMismatch
-from ..formats.chunk_reads import ChunkReads
-from ..verify.chunk_sinks import to_file
+from ..loader.sinks import to_file
+from ..loader.sources import ChunkReads
 from .s3 import S3Store
 
 
@@ -21,7 +23,7 @@ class RangedChunks(ChunkReads):
     refetch = True  # a garbled body is fetched once more before it is a mismatch
 
     def __init__(self, store: S3Store, name: str, size: int, etag: str, chunk_size: int,
-                 digests: tuple[str, ...], digest: str = DEFAULT_CHUNK_DIGEST) -> None:
+                 digests: Sequence[str], digest: str = DEFAULT_CHUNK_DIGEST) -> None:
         super().__init__(name, size, chunk_size, digests, digest)
         self.store, self.etag = store, etag
         self.where = store.object_uri(name)
@@ -36,6 +38,7 @@ class RangedChunks(ChunkReads):
         if got < hi - lo:
             self.short = True
         return mv[:got]
+
 
 
 def download_chunked(store: S3Store, final: Path, size: int, chunk_size: int, chunks: tuple[str, ...],

@@ -1,69 +1,51 @@
-"""Straight from object storage (issue #30 item 3): one rank's shard streamed with parallel ranged
-GETs into memory (host or GPU), every chunk checked as it arrives, no local disk.
-
-``shardc.load_shard("s3://bucket/prefix/manifest.json", tp, pp, device=...)`` lands here
-(``stream_rank``; the facade hands any other manifest to verify/loader.py's ``load_shard``), ``shardc verify --manifest s3://...
---device D`` without ``--dir`` checks ranks this way (``verify_streamed``); ``shardc pull``
-downloads shards with chunk digests by the same ranged reads, to disk (store/ranged.py).
-
-The checks are the local loader's (verify/loader.py ``rank_of``, ``header_check``) and so is the
-read (verify/chunk_sinks.py): the shard's chunks are fetched by several ranged GETs at once, each
-straight into the buffer the tensors will live in (or a pinned staging buffer on CUDA) and hashed
-there while the others download. A chunk whose sha256 differs is fetched once more (a body garbled
-on the way), then it is a VerifyMismatch naming it and its tensors. Every GET is pinned to the
-object's ETag at the start (``IfMatch``): an object pushed again while it is read is one StoreError
-line, never a mix of two objects. Only manifests with chunk digests (format_version 3) and objects
-pushed uncompressed can be streamed: a ranged GET of a zstd stream has nothing to check per chunk.
-"""
+"""The store's side of a rank streamed out of S3 (issue #30 item 3; the read itself is the loader's,
+loader/remote.py): ``open_ranged`` opens an ``s3://`` manifest and hands the loader the store as
+its ``RangedObjects`` (``S3Objects``: ranged GETs pinned to the ETag, store/ranged.py), and
+``verify_streamed`` is ``shardc verify --manifest s3://... --device D`` without ``--dir``: each rank
+streamed and checked, nothing written."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import StoreError, VerifyMismatch
 from ..formats.manifest import Manifest
-from ..verify.chunk_sinks import load_chunks
-from ..verify.loader import header_check, rank_of
-from ..verify.reader import RawShard, nonfinite, tensors_of
+from ..loader.sources import ChunkReads
 from ..verify.report import VerifyReport
-from .object_store import S3Settings, Store
+from .object_store import S3Settings
 from .ranged import RangedChunks
 from .s3 import S3Store
 
-_PULL = "shardc pull it to a local disk, then load_shard the directory"
+
+class S3Objects:
+    """An S3 store as the loader's ``RangedObjects`` (loader/remote.py): versions are ETags."""
+
+    def __init__(self, store: S3Store) -> None:
+        self.store, self.uri = store, store.uri
+
+    def object_uri(self, name: str) -> str:
+        return self.store.object_uri(name)
+
+    def version(self, name: str) -> tuple[int, str] | None:
+        return self.store.version(name)
+
+    def chunk_reads(self, name: str, size: int, version: str, chunk_size: int, digests: Sequence[str],
+                    digest: str) -> ChunkReads:
+        return RangedChunks(self.store, name, size, version, chunk_size, digests, digest)
 
 
-def stream_rank(manifest_uri: str, tp_rank: int, pp_stage: int, *, device: str, dp_rank: int = 0,
-                endpoint_url: str | None = None, settings: S3Settings | None = None,
-                opened: tuple[Store, Manifest] | None = None) -> RawShard:
-    """One rank's shard from the store onto ``device``, every chunk and the header checked."""
-    from ..verify.loader import _check_arguments
+def open_ranged(manifest_uri: str, *, endpoint_url: str | None = None,
+                settings: S3Settings | None = None) -> tuple[S3Objects, Manifest]:
+    """The S3 store an ``s3://`` manifest URI names and the manifest as stored, its file names
+    checked (``pull``'s ``check_names``), for the loader's streaming read."""
     from .pull import check_names, open_manifest
 
-    _check_arguments(tp_rank, pp_stage, device, None, dp_rank)
-    store, remote = opened or open_manifest(manifest_uri, endpoint_url=endpoint_url, settings=settings)
+    store, remote = open_manifest(manifest_uri, endpoint_url=endpoint_url, settings=settings)
     if not isinstance(store, S3Store):
         raise StoreError(f"{manifest_uri} is not in object storage", hint="load_shard a local path directly")
     check_names(remote, manifest_uri)
-    remote, layout, rl, dev = rank_of(remote, tp_rank, pp_stage, device, dp_rank)
-    entry = remote.shard(rl.file)
-    assert entry is not None  # rank_of names a missing entry
-    if entry.chunk_size is None:
-        raise StoreError(f"{manifest_uri} has no chunk digests (format_version 2): its shards cannot be "
-                         "checked chunk by chunk as they stream", hint=f"{_PULL}, or rebuild and push it")
-    if entry.compressed is not None:
-        raise StoreError(f"{store.object_uri(rl.file)} is stored zstd-compressed; ranged reads need the "
-                         "object as built", hint=f"push it uncompressed (`compress` none), or {_PULL}")
-    found = store.version(rl.file)
-    if found is None:
-        raise VerifyMismatch(f"{rl.file}: named by the manifest but missing from {store.uri}",
-                             hint="the store was changed after the push; push the build again")
-    size, etag = found
-    if size != entry.size:
-        raise VerifyMismatch(f"{rl.file}: size {size} bytes in {store.uri}, expected {entry.size}",
-                             hint="push the build again")
-    source = RangedChunks(store, rl.file, size, etag, entry.chunk_size, entry.chunks, entry.chunk_digest)
-    return load_chunks(source, dev, on_header=header_check(rl, layout))
+    return S3Objects(store), remote
 
 
 def verify_streamed(manifest_uri: str, manifest: Manifest, ranks: list[Any], device: str,
@@ -72,18 +54,20 @@ def verify_streamed(manifest_uri: str, manifest: Manifest, ranks: list[Any], dev
     ``device`` (one after another, nothing written), checked, finite-checked; the report has
     ``verify_build``'s form. A mismatch is a failed rank; a store error (an object replaced while
     read, the store unreachable) raises."""
-    from ..verify.checks import RankResult, check_manifest_against_layout
-    from .pull import open_manifest
+    from ..loader.rank_checks import check_manifest_against_layout
+    from ..loader.remote import load_remote
+    from ..loader.tensors import nonfinite, tensors_of
+    from ..verify.checks import RankResult
 
-    opened = open_manifest(manifest_uri, endpoint_url=endpoint_url)
+    opened = open_ranged(manifest_uri, endpoint_url=endpoint_url)
     layout = manifest.to_layout()
     problems = check_manifest_against_layout(manifest, layout)
     results = []
-    for rl in ranks:
-        res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
+    for rank_layout in ranks:
+        res = RankResult(rank_layout.file, rank_layout.tp_rank, rank_layout.pp_stage, rank_layout.rank)
         try:
-            raw = stream_rank(manifest_uri, rl.tp_rank, rl.pp_stage, device=device, dp_rank=rl.dp_rank,
-                              opened=opened)
+            raw = load_remote(manifest_uri, rank_layout.tp_rank, rank_layout.pp_stage, device=device,
+                              dp_rank=rank_layout.dp_rank, open_objects=lambda: opened)
             tensors = tensors_of(raw)
             res.checks += ["present", "size", "sha256", "header", f"load:{device}"]
             dtypes = {k: v.get("dtype") for k, v in (raw.header or {}).items() if isinstance(v, dict)}
@@ -92,7 +76,8 @@ def verify_streamed(manifest_uri: str, manifest: Manifest, ranks: list[Any], dev
             del tensors, raw
         except VerifyMismatch as exc:
             res.ok = False
-            res.problems.append(exc.message if exc.message.startswith(rl.file) else f"{rl.file}: {exc.message}")
+            file = rank_layout.file
+            res.problems.append(exc.message if exc.message.startswith(file) else f"{file}: {exc.message}")
         results.append(res)
     return VerifyReport.of(layout.plan.name, layout.plan.sha256, problems, [r.verdict() for r in results],
                            streamed_from=manifest_uri)

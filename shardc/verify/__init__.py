@@ -6,7 +6,6 @@ Plain imports (go-to-definition works); torch is imported inside the functions t
 from .checks import check_manifest_against_layout, verify_build, verify_rank
 from .distributed import distributed_verify, open_rendezvous
 from .inspect import describe
-from .loader import load_shard
 
-__all__ = ["check_manifest_against_layout", "describe", "distributed_verify", "load_shard", "open_rendezvous",
+__all__ = ["check_manifest_against_layout", "describe", "distributed_verify", "open_rendezvous",
            "verify_build", "verify_rank"]

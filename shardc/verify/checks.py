@@ -16,17 +16,18 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import ShardcError, VerifyMismatch
 from ..formats import chunk_digests as chunks
 from ..formats.files import human_size, sha256_file
 from ..formats.manifest import Manifest, ShardEntry
 from ..formats.manifest_checks import size_problem
-from ..layout.plan import Plan, data_sha256
+from ..layout.plan import Plan
 from ..layout.ranks import Layout, RankLayout
+from ..loader.devices import resolve_device
+from ..loader.rank_checks import check_manifest_against_layout
 from .deep import deep_check, open_deep
-from .devices import resolve_device
 from .report import PlanCheck, RankVerdict, VerifyReport
 
 if TYPE_CHECKING:
@@ -123,47 +124,6 @@ def _plan_problem(manifest: Manifest, plan: Plan, plan_file: str) -> str:
             f"with --source {built} ({plan.effective_sha256[:12]}); the manifest was edited")
 
 
-def check_manifest_against_layout(manifest: Manifest, layout: Layout) -> list[str]:
-    """The manifest's own tensor records must be exactly what the Layout says (another plan's
-    manifest, or an edited one, disagrees)."""
-    problems = []
-    if manifest.plan_sha256 != layout.plan.sha256:
-        problems.append("manifest plan_sha256 does not match the hash of its own plan")
-    if manifest.overrides:
-        if manifest.effective_sha256 != data_sha256(manifest.effective_plan):
-            problems.append("manifest effective_plan_sha256 does not match the hash of its plan with its overrides")
-        src = manifest.overrides.get("model.source")
-        if src is not None and manifest.source.reshard_of is None and src != manifest.source.uri:
-            problems.append(f"manifest overrides model.source with {src!r} but its source record read "
-                            f"{manifest.source.uri!r}")
-    by_file = {s.file: s for s in manifest.shards}
-    for rl in layout.ranks:
-        entry = by_file.get(rl.file)
-        if entry is None:
-            problems.append(f"manifest lacks shard {rl.file} that the plan requires")
-            continue
-        if (entry.tp_rank, entry.pp_stage, entry.rank) != (rl.tp_rank, rl.pp_stage, rl.rank):
-            problems.append(f"manifest entry {rl.file} has the wrong ranks")
-        if entry.dp_rank != (rl.dp_rank if layout.plan.dp > 1 else None):
-            problems.append(f"manifest entry {rl.file} has the wrong dp_rank")
-        if entry.experts != rl.experts:
-            problems.append(f"manifest entry {rl.file} holds experts {list(entry.experts)}, the plan places "
-                            f"{list(rl.experts)} there")
-        want = {t.name: t.record() for t in rl.tensors}
-        have = {n: {k: v for k, v in r.items() if k not in ("stats", "scale")}
-                for n, r in entry.tensors.items()}
-        for name in sorted(set(want) | set(have)):
-            if name not in have:
-                problems.append(f"manifest entry {rl.file} lacks tensor {name}")
-            elif name not in want:
-                problems.append(f"manifest entry {rl.file} lists unexpected tensor {name}")
-            elif want[name] != have[name]:
-                problems.append(f"manifest entry {rl.file} tensor {name}: expected {want[name]}, found {have[name]}")
-    extra = set(by_file) - {rl.file for rl in layout.ranks}
-    problems += [f"manifest lists shard {f} that the plan does not have" for f in sorted(extra)]
-    return problems
-
-
 def check_side_files(manifest: Manifest, layout: Layout, directory: Path) -> list[str]:
     """config.json and (where transformers loads the build: ``hf_checkpoint_problem``)
     model.safetensors.index.json are derived from the Layout: the manifest must list exactly
@@ -206,47 +166,32 @@ def _digest(path: Path, entry: ShardEntry, pool: ThreadPoolExecutor | None = Non
     return check_chunked(path, entry, pool) if entry.chunk_size is not None else sha256_file(path)
 
 
-def _oversize(manifest: Manifest, layout: Layout, rl: RankLayout, entry: ShardEntry) -> str | None:
+def _oversize(manifest: Manifest, layout: Layout, rank_layout: RankLayout, entry: ShardEntry) -> str | None:
     """A recorded size above the one the Layout gives the shard (a smaller one is a file the
     header and extent checks name: a tensor missing, a file cut short)."""
-    problem = size_problem(entry, layout, rl, manifest.shardc_version, larger_only=True)
-    return None if problem is None else f"shards.{rl.file}.size {problem}"
+    problem = size_problem(entry, layout, rank_layout, manifest.shardc_version, larger_only=True)
+    return None if problem is None else f"shards.{rank_layout.file}.size {problem}"
 
 
-def _check_header(res: RankResult, path: Path, rl: RankLayout, layout: Layout) -> None:
+def _check_header(res: RankResult, path: Path, rank_layout: RankLayout, layout: Layout) -> None:
     """The header checks, shared with every command that reads a build (``shard_problems``)."""
     from ..compiler.build_files import shard_problems
 
-    for problem in shard_problems(path, layout, rl, res.checks):
-        res.fail(problem)
-
-
-def check_parsed_header(res: RankResult, header: dict[str, Any], meta: dict[str, str], data_length: int,
-                        rl: RankLayout, layout: Layout) -> None:
-    """The same checks on a header already parsed (``load_shard`` parses it from the bytes it
-    hashes): metadata, tensor set, dtypes and shapes against the Layout, the data layout against
-    the ``data_length`` bytes after it."""
-    from ..compiler.build_files import header_problems
-
-    for problem in header_problems(header, meta, data_length, layout, rl, res.checks):
+    for problem in shard_problems(path, layout, rank_layout, res.checks):
         res.fail(problem)
 
 
 def _load_on_device(res: RankResult, path: Path, device: str, entry: ShardEntry) -> str | BadChunks:
-    """One pass over the file: hash it, land its data on ``device`` and check finiteness (min/max
-    per tensor, no fp32 copies). Returns the sha256 of the bytes read, or with chunk digests the
-    damaged chunks (read and hashed in parallel: verify/chunk_sinks.py, load_shard's read)."""
-    from .local_read import load_for_verify
-    from .reader import read_shard, tensors_of
+    """One read of the file: hash it, land its data on ``device`` and check finiteness (min/max
+    per tensor, no fp32 copies): load_shard's read (loader/local.py ``load_for_verify``). Returns
+    the damaged chunks, or for a shard without chunk digests (upgraded on read) its sha256."""
+    from ..loader.local import load_for_verify
+    from ..loader.tensors import tensors_of
 
-    if entry.chunk_size is not None:
-        raw = load_for_verify(path, entry, device)
-        if isinstance(raw, tuple):
-            return BadChunks(raw)
-        digest: str | BadChunks = BadChunks(())
-    else:
-        raw = read_shard(path, device, finite=True, keep=False)  # checked, not returned: nothing kept on CPU
-        digest = raw.sha256
+    raw = load_for_verify(path, entry, device)
+    if isinstance(raw, tuple):
+        return BadChunks(raw)
+    digest: str | BadChunks = BadChunks(()) if entry.chunk_size is not None else raw.sha256
     if raw.header is None:
         return digest
     try:
@@ -260,9 +205,9 @@ def _load_on_device(res: RankResult, path: Path, device: str, entry: ShardEntry)
     return digest
 
 
-def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -> None:
+def _device_room(res: RankResult, rank_layout: RankLayout, layout: Layout, device: str) -> None:
     kv = (layout.plan.kv_cache_cap_gb or 0) * 2**30
-    need = rl.nbytes + kv
+    need = rank_layout.nbytes + kv
     if device.startswith("cuda"):
         import torch
 
@@ -276,24 +221,24 @@ def _device_room(res: RankResult, rl: RankLayout, layout: Layout, device: str) -
         res.warnings.append(
             # kv is a float (a cap in GB can be fractional): human_size formats any number of bytes,
             # its ``int`` annotation (formats/files.py) is narrower than that
-            f"weights {human_size(rl.nbytes)} + KV cap {human_size(kv)} exceed {where}"  # type: ignore[arg-type]
+            f"weights {human_size(rank_layout.nbytes)} + KV cap {human_size(kv)} exceed {where}"  # type: ignore[arg-type]
         )
 
 
 def verify_rank(
-    manifest: Manifest, directory: Path, layout: Layout, rl: RankLayout, *,
+    manifest: Manifest, directory: Path, layout: Layout, rank_layout: RankLayout, *,
     device: str | None = None, deep: str | Source | None = None, hashed: str | BadChunks | None = None,
 ) -> RankResult:
     """All checks for one rank, in order; stops at the first failing stage that makes later ones moot.
     ``deep``: the reference's URI, or the Source ``verify/deep.py`` ``open_deep`` opened from it."""
-    res = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
+    res = RankResult(rank_layout.file, rank_layout.tp_rank, rank_layout.pp_stage, rank_layout.rank)
     if isinstance(deep, str):
         deep = open_deep(deep, layout)
         if isinstance(deep, str):  # another model's reference: the one line, no tensor compared
             res.fail(deep)
             deep = None
-    entry = manifest.shard(rl.file)
-    path = Path(directory) / rl.file
+    entry = manifest.shard(rank_layout.file)
+    path = Path(directory) / rank_layout.file
     if entry is None:
         res.fail("not in the manifest")
         return res
@@ -306,13 +251,13 @@ def verify_rank(
         res.fail(f"size {size} bytes, expected {entry.size} (truncated or replaced?)")
         return res
     res.checks.append("size")
-    if (over := _oversize(manifest, layout, rl, entry)) is not None:
+    if (over := _oversize(manifest, layout, rank_layout, entry)) is not None:
         res.fail(over)  # not hashed by a claim beyond the plan's shard; the header says what the file holds
-        _check_header(res, path, rl, layout)
+        _check_header(res, path, rank_layout, layout)
         return res
     loaded = None
     if device:  # hash while loading: each byte is read once (chunks on every core when recorded)
-        loaded = RankResult(rl.file, rl.tp_rank, rl.pp_stage, rl.rank)
+        loaded = RankResult(rank_layout.file, rank_layout.tp_rank, rank_layout.pp_stage, rank_layout.rank)
         digest = _load_on_device(loaded, path, device, entry)
     else:
         digest = hashed if hashed is not None else _digest(path, entry)
@@ -326,20 +271,20 @@ def verify_rank(
     else:
         res.checks.append("sha256")
     before = len(res.problems)
-    _check_header(res, path, rl, layout)
+    _check_header(res, path, rank_layout, layout)
     if not res.ok:
         # corrupted bytes under a sound header: --deep still says which tensors they are in
         if deep is not None and len(res.problems) == before:
-            deep_check(res, path, rl, layout, deep)
+            deep_check(res, path, rank_layout, layout, deep)
         return res
     if loaded is not None:
         res.problems += loaded.problems
         res.ok = res.ok and loaded.ok
         res.checks += loaded.checks
         assert device is not None
-        _device_room(res, rl, layout, device)
+        _device_room(res, rank_layout, layout, device)
     if deep is not None:
-        deep_check(res, path, rl, layout, deep)
+        deep_check(res, path, rank_layout, layout, deep)
     return res
 
 
@@ -366,14 +311,14 @@ def verify_build(
     if device:  # verify_rank hashes while it loads each rank onto the device
         device = resolve_device(device)
 
-    def digest(rl: RankLayout) -> str | BadChunks | None:
+    def digest(rank_layout: RankLayout) -> str | BadChunks | None:
         if device:
             return None
-        if hashed is not None and rl.file in hashed:
-            return hashed[rl.file]
-        p = directory / rl.file
-        e = manifest.shard(rl.file)
-        if e is None or not p.is_file() or p.stat().st_size != e.size or _oversize(manifest, layout, rl, e):
+        if hashed is not None and rank_layout.file in hashed:
+            return hashed[rank_layout.file]
+        p = directory / rank_layout.file
+        e = manifest.shard(rank_layout.file)
+        if e is None or not p.is_file() or p.stat().st_size != e.size or _oversize(manifest, layout, rank_layout, e):
             return None
         return _digest(p, e, chunk_pool)
 
@@ -383,7 +328,7 @@ def verify_build(
             ThreadPoolExecutor(jobs or chunks.workers(), thread_name_prefix="shardc-chunk") as chunk_pool:
         digests = list(pool.map(digest, ranks))
     results = [
-        verify_rank(manifest, directory, layout, rl, device=device, deep=reference, hashed=d)
-        for rl, d in zip(ranks, digests, strict=True)
+        verify_rank(manifest, directory, layout, rank_layout, device=device, deep=reference, hashed=d)
+        for rank_layout, d in zip(ranks, digests, strict=True)
     ]
     return VerifyReport.of(layout.plan.name, layout.plan.sha256, problems, [r.verdict() for r in results])

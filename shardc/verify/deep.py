@@ -83,7 +83,7 @@ def other_model(ref: str, config: dict[str, Any], model: ModelSpec) -> str | Non
     return None
 
 
-def deep_check(res: Any, path: Path, rl: RankLayout, layout: Layout, source: Source) -> None:
+def deep_check(res: Any, path: Path, rank_layout: RankLayout, layout: Layout, source: Source) -> None:
     """Reassemble against the reference (``open_deep``'s Source) and fail ``res`` (a RankResult)
     per tensor that differs: byte-exact for 16-bit, re-quantized for int8/fp8 (re-sliced when the
     reference build holds them quantized)."""
@@ -95,7 +95,7 @@ def deep_check(res: Any, path: Path, rl: RankLayout, layout: Layout, source: Sou
 
     mat = Materializer(source, layout)
     with safe_open(path, framework="pt") as f:
-        for spec in rl.tensors:
+        for spec in rank_layout.tensors:
             want = cut(mat.full(spec), spec)
             got = from_torch(f.get_tensor(spec.name))
             if spec.pad_rows:

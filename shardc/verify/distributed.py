@@ -19,9 +19,9 @@ from typing import Any
 
 from ..errors import DistributedError, ManifestError
 from ..formats.manifest import Manifest
+from ..loader.devices import check_gpus, node_ranks, resolve_device
 from ..results import to_json
 from .checks import verify_build
-from .devices import check_gpus, node_ranks, resolve_device
 from .report import RankVerdict, VerifyReport
 
 

@@ -228,13 +228,13 @@ def test_verify_device_reads_chunks_once_on_every_core(build_dir, monkeypatch):
     read (never the one-core whole-file pass): clean, it passes with its load and sha256 checks;
     one damaged chunk is the line verify without --device gives, naming the chunk and tensors."""
     from shardc.formats.manifest import load
-    from shardc.verify import local_read, reader
+    from shardc.loader import local
     from shardc.verify.checks import verify_build
 
     calls = []
-    real = local_read.load_chunks
-    monkeypatch.setattr(local_read, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
-    monkeypatch.setattr(reader, "read_shard", lambda *a, **k: pytest.fail("whole-file pass on a chunked shard"))
+    real = local.load_chunks
+    monkeypatch.setattr(local, "load_chunks", lambda source, *a: calls.append(source.name) or real(source, *a))
+    monkeypatch.setattr(local, "digest_pass", lambda *a, **k: pytest.fail("whole-file pass on a chunked shard"))
     (rank,) = verify_build(load(build_dir / "manifest.json"), build_dir, device="cpu").ranks
     assert rank.ok and {"sha256", "load:cpu"} <= set(rank.checks) and calls == [S0]
     f = build_dir / S0

@@ -1,4 +1,4 @@
-"""``load_shard(..., into={name: tensor})`` (verify/chunk_sinks.py ``into_host``): the named tensors are
+"""``load_shard(..., into={name: tensor})`` (loader/sinks.py ``into_host``): the named tensors are
 read straight into the caller's memory (an engine's parameters, vLLM's load format), every chunk
 hashed as it arrives, and nothing is returned unless every digest matched. A caller's mistake in
 ``into`` is one LayoutError before any data byte lands."""
@@ -56,8 +56,8 @@ def test_a_header_over_several_chunks(built, chunk_size):
     the header's chunks are read and checked first, their tensor bytes copied from that buffer,
     the rest read into place."""
     from shardc.digests import new_hash
-    from shardc.formats.chunk_reads import FileChunkReads
-    from shardc.verify.chunk_sinks import into_host
+    from shardc.loader.sinks import into_host
+    from shardc.loader.sources import FileChunkReads
 
     data = (built / S1).read_bytes()
     assert 8 + struct.unpack("<Q", data[:8])[0] > chunk_size  # the header spans chunks

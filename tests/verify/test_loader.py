@@ -12,6 +12,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from manifest_edits import reseal
@@ -20,8 +21,8 @@ from plan_helpers import plan as make_plan
 torch = pytest.importorskip("torch")
 
 from shardc.errors import DeviceError, ManifestError, VerifyMismatch  # noqa: E402
-from shardc.verify.devices import check_gpus, resolve_device, visible_gpus  # noqa: E402
-from shardc.verify.reader import nonfinite  # noqa: E402
+from shardc.loader.devices import check_gpus, resolve_device, visible_gpus  # noqa: E402
+from shardc.loader.tensors import nonfinite  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -232,14 +233,15 @@ def test_verify_device_cpu_finds_nan_with_matching_sha(builds, tmp_path):
 
 
 def test_read_shard_checks_pieces_while_hashing(tmp_path):
-    """The CPU path checks finiteness piece by piece as it hashes: a bad value in any dtype, in any
-    1 MiB piece (the first, a middle one, the last), after odd-sized int8 tensors, is found; the
-    sha256 is the file's."""
+    """verify --device's read of a shard without chunk digests (upgraded on read): a bad value in
+    any dtype, at the start, middle or end of a tensor of several MiB, after odd-sized int8
+    tensors, is found; the sha256 is the file's."""
     import hashlib
 
     from safetensors.torch import save_file
 
-    from shardc.verify.reader import read_shard, tensors_of
+    from shardc.loader.local import load_for_verify
+    from shardc.loader.tensors import tensors_of
 
     base = torch.randn(3 * (1 << 19) + 7)  # several 1 MiB pieces in every dtype
     t = {"a_i8": torch.full((13,), -1, dtype=torch.int8)}  # 0xFF bytes that are integers
@@ -254,36 +256,39 @@ def test_read_shard_checks_pieces_while_hashing(tmp_path):
     t["f8-bad"], t["f8-ok"] = f8, base.to(torch.float8_e4m3fn)
     path = tmp_path / "x.safetensors"
     save_file(t, path)
-    raw = read_shard(path, "cpu", finite=True)
-    assert raw.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    raw = load_for_verify(path, SimpleNamespace(chunk_size=None, size=path.stat().st_size, sha256=sha), "cpu")
+    assert raw.sha256 == sha
     assert sorted(raw.nonfinite) == sorted(k for k in t if not k.endswith("ok") and k != "a_i8")
     got = tensors_of(raw)
     assert all(torch.equal(got[k].view(torch.uint8), v.view(torch.uint8)) for k, v in t.items())
 
 
-@pytest.mark.parametrize("keep", [True, False])
-def test_read_shard_many_pieces_hash_and_keep(tmp_path, monkeypatch, keep):
-    """Pieces of 4 KiB over a 200 KiB file of random bytes: the sha256 is hashlib's whatever the
-    pieces' order through the ring of buffers (keep=False reuses them) and the NaN planted in the
-    last piece is found; with keep the data is the file's data section byte for byte, without it
-    a meta tensor of that length whose tensors still have their shapes."""
+@pytest.mark.parametrize("chunk", [4096, 12288])
+def test_read_shard_many_pieces_hash_and_keep(tmp_path, monkeypatch, chunk):
+    """A shard without chunk digests upgraded on read in pieces of 4 KiB and chunks of ``chunk``
+    bytes over a 200 KiB file of random bytes: the sha256 is hashlib's whatever the chunks' order
+    through the engine's workers, the NaN planted in the last chunk is found and the data is the
+    file's data section byte for byte."""
     import hashlib
 
     from safetensors.torch import save_file
 
-    from shardc.verify import reader
+    from shardc.loader import local, tensors, upgrade
 
-    monkeypatch.setattr(reader, "HOST_CHUNK", 4096)
+    monkeypatch.setattr(upgrade, "PIECE", 4096)
+    monkeypatch.setattr(upgrade, "CHUNK_SIZE", chunk)
+    monkeypatch.setattr(local, "CHUNK_SIZE", chunk)
     g = torch.Generator().manual_seed(7)
     x = torch.randn(50_000, generator=g)
     x[-1] = float("nan")
     path = tmp_path / "x.safetensors"
     save_file({"w": x, "b": torch.randint(-128, 127, (999,), dtype=torch.int8, generator=g)}, path)
     blob = path.read_bytes()
-    raw = reader.read_shard(path, "cpu", finite=True, keep=keep)
-    assert raw.sha256 == hashlib.sha256(blob).hexdigest() and raw.nonfinite == ["w"]
+    sha = hashlib.sha256(blob).hexdigest()
+    raw = local.load_for_verify(path, SimpleNamespace(chunk_size=None, size=len(blob), sha256=sha), "cpu")
+    assert raw.sha256 == sha and raw.nonfinite == ["w"]
     start = 8 + int.from_bytes(blob[:8], "little")
-    assert raw.data.numel() == len(blob) - start and raw.data.device.type == ("cpu" if keep else "meta")
-    if keep:
-        assert bytes(raw.data.numpy()) == blob[start:]
-    assert reader.tensors_of(raw)["w"].shape == (50_000,)
+    assert raw.data.numel() == len(blob) - start and raw.data.device.type == "cpu"
+    assert bytes(raw.data.numpy()) == blob[start:]
+    assert tensors.tensors_of(raw)["w"].shape == (50_000,)

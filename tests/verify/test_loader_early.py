@@ -1,4 +1,4 @@
-"""load_shard's early start (shardc/formats/prefetch.py): a local CPU load starts the shard's chunk
+"""load_shard's early start (shardc/loader/early_start.py): a local CPU load starts the shard's chunk
 reads before the checking modules are imported, and uses them only when they are exactly what the
 validated manifest asks for. Every other case reads as before, and nothing is left running or open
 when a load fails."""
@@ -22,8 +22,8 @@ from tiny_builds import tiny_build
 
 import shardc
 from shardc.errors import LayoutError, VerifyMismatch
-from shardc.formats import prefetch
-from shardc.verify import loader
+from shardc.loader import early_start
+from shardc.loader import local as loader
 
 ROOT = Path(__file__).resolve().parents[2]
 S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
@@ -47,7 +47,7 @@ def copy(built, tmp_path) -> Path:
 def spy(monkeypatch) -> list:
     """What each early start was, and whether the loader used it: [(EarlyRead or None, used)]."""
     seen: list = []
-    real_start, real_matches = prefetch.start, prefetch.EarlyRead.matches
+    real_start, real_matches = early_start.start, early_start.EarlyRead.matches
 
     def start(*a):
         early = real_start(*a)
@@ -59,8 +59,8 @@ def spy(monkeypatch) -> list:
         seen[-1][1] = ok
         return ok
 
-    monkeypatch.setattr(prefetch, "start", start)
-    monkeypatch.setattr(prefetch.EarlyRead, "matches", matches)
+    monkeypatch.setattr(early_start, "start", start)
+    monkeypatch.setattr(early_start.EarlyRead, "matches", matches)
     return seen
 
 
@@ -93,7 +93,7 @@ def test_a_damaged_chunk_is_named_through_the_early_reads(copy, spy):
 def test_reads_of_another_file_are_not_used(built):
     """Early reads that do not match the validated entry (here: rank 1's file, while rank 0 is
     loaded) are stopped and closed; the rank's own file is read and returned."""
-    early = prefetch.start(built / "manifest.json", None, 1, 0, 0, "cpu")
+    early = early_start.start(built / "manifest.json", None, 1, 0, 0, "cpu")
     assert early is not None and early.path.name == S1
     buffer = weakref.ref(early.reads.raw.untyped_storage())
     got = loader.load_shard(built, 0, 0, device="cpu", early=early)
@@ -107,7 +107,7 @@ def test_reads_of_another_file_are_not_used(built):
 def test_every_field_must_match(built, field):
     """``matches`` compares the file path and every recorded fact of the reads with the entry."""
     entry = json.loads((built / "manifest.json").read_text())["shards"][S0]
-    early = prefetch.start(built, None, 0, 0, 0, "cpu")
+    early = early_start.start(built, None, 0, 0, 0, "cpu")
     try:
         args = {"path": built / S0, "size": entry["size"], "chunk_size": entry["chunk_size"],
                 "chunks": tuple(entry["chunks"]), "digest": entry["chunk_digest"]}
@@ -192,18 +192,19 @@ def test_hostile_input_starts_nothing_and_is_still_refused(copy, spy, how):
 
 
 def test_gpu_and_object_storage_loads_start_nothing_early(built):
-    assert prefetch.start(built, None, 0, 0, 0, "cuda:0") is None
-    assert prefetch.start("s3://bucket/b/manifest.json", None, 0, 0, 0, "cpu") is None
-    assert prefetch.start(built, None, True, 0, 0, "cpu") is None  # a bool is not a rank
+    assert early_start.start(built, None, 0, 0, 0, "cuda:0") is None
+    assert early_start.start("s3://bucket/b/manifest.json", None, 0, 0, 0, "cpu") is None
+    assert early_start.start(built, None, True, 0, 0, "cpu") is None  # a bool is not a rank
 
 
 def test_the_early_start_imports_nothing_heavy():
-    """What makes it early: formats/prefetch.py and what it imports load none of layout, the
+    """What makes it early: formats/early_start.py and what it imports load none of layout, the
     manifest reader or verify (those are what it overlaps)."""
-    code = ("import sys, shardc.formats.prefetch\n"
+    code = ("import sys, shardc.loader.early_start\n"
             "print(sorted(m for m in sys.modules if m.startswith('shardc.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout.replace("'", '"')) == [
-        "shardc.digests", "shardc.errors", "shardc.formats", "shardc.formats.chunk_digests", "shardc.formats.chunk_reads",
-        "shardc.formats.prefetch", "shardc.version"]
+        "shardc.digests", "shardc.errors", "shardc.formats", "shardc.formats.chunk_digests", "shardc.formats.direct_io",
+        "shardc.formats.manifest_raw", "shardc.loader", "shardc.loader.early_start", "shardc.loader.sources",
+        "shardc.version"]

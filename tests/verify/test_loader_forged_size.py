@@ -28,8 +28,8 @@ from tiny_builds import tiny_build
 
 import shardc as shardc_lib
 from shardc.errors import ManifestError, VerifyMismatch
-from shardc.formats import prefetch
-from shardc.verify import loader
+from shardc.loader import early_start
+from shardc.loader import local as loader
 from shardc.verify.checks import verify_build
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,8 +116,8 @@ def test_the_early_start_reads_a_window_not_the_claim(built, real_size, tmp_path
         shardc_lib.load_shard(d, 0, 0, device="cpu")
     read = _rchar() - before
     assert e.value.key == f"shards.{S0}.size" and str(real_size) in e.value.message
-    assert prefetch.WINDOW == 256 * MiB
-    assert read <= prefetch.WINDOW + 2 * MiB, read
+    assert early_start.WINDOW == 256 * MiB
+    assert read <= early_start.WINDOW + 2 * MiB, read
     assert not _loaders() and len(os.listdir("/proc/self/fd")) == fds
 
 
@@ -126,10 +126,10 @@ def test_the_window_is_all_that_is_queued_before_the_check(built, tmp_path):
     chunks of the 256 claimed were queued, and the rest never are once the check refuses."""
     d, man = _copy(built, tmp_path)
     _forge(d, man)
-    early = prefetch.start(d, None, 0, 0, 0, "cpu")
+    early = early_start.start(d, None, 0, 0, 0, "cpu")
     assert early is not None
     try:
-        assert len(early.reads.queued) == prefetch.WINDOW // CHUNK == 16
+        assert len(early.reads.queued) == early_start.WINDOW // CHUNK == 16
         for f in early.reads.queued:
             assert f.result()[1] is False  # read, and its forged digest does not match
         with pytest.raises(VerifyMismatch, match=f"is {CLAIM} bytes") as e:
@@ -147,7 +147,7 @@ from pathlib import Path
 import torch  # the process's own baseline: the loader's imports are not the data it holds
 import shardc
 from shardc.errors import VerifyMismatch
-from shardc.formats import prefetch
+from shardc.loader import early_start
 
 def hwm():
     return next(int(l.split()[1]) * 1024 for l in Path("/proc/self/status").read_text().splitlines()
@@ -155,13 +155,13 @@ def hwm():
 
 d, mode = Path(sys.argv[1]), sys.argv[2]
 if mode == "warm":  # every module imported first: the window is read in full before the check
-    import shardc.verify.loader, shardc.verify.checks, shardc.formats.manifest
+    import shardc.loader.local, shardc.verify.checks, shardc.formats.manifest
 base = hwm()
 if mode == "warm":
-    early = prefetch.start(d, None, 0, 0, 0, "cpu")
+    early = early_start.start(d, None, 0, 0, 0, "cpu")
     [f.result() for f in early.reads.queued]
     try:
-        shardc.verify.loader.load_shard(d, 0, 0, device="cpu", early=early)
+        shardc.loader.local.load_shard(d, 0, 0, device="cpu", early=early)
     except VerifyMismatch as exc:
         print(json.dumps({"grew": hwm() - base, "key": exc.key}))
     finally:
@@ -195,7 +195,7 @@ def test_a_size_that_agrees_with_a_chunk_count_that_does_not(built, real_size, t
     d, man = _copy(built, tmp_path)
     man["shards"][S0]["chunks"].append("0" * 64)
     (d / "manifest.json").write_text(json.dumps(man))
-    assert prefetch.start(d, None, 0, 0, 0, "cpu") is None
+    assert early_start.start(d, None, 0, 0, 0, "cpu") is None
     before = _rchar()
     with pytest.raises(ManifestError, match=r"has \d+ entries|expected|chunks") as e:
         shardc_lib.load_shard(d, 0, 0, device="cpu")
@@ -266,11 +266,11 @@ def test_no_early_start_beyond_a_window_or_the_host(built, tmp_path):
     early (the checked path refuses the size); nothing is allocated at such a claim."""
     d, man = _copy(built, tmp_path)
     _forge(d, man, chunk_size=512 * MiB)
-    assert prefetch.start(d, None, 0, 0, 0, "cpu") is None
+    assert early_start.start(d, None, 0, 0, 0, "cpu") is None
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     big = -(-(ram + 1) // (1 << 30)) << 30  # whole GiB, more than the host has
     _forge(d, json.loads((d / "manifest.json").read_text()), size=big, chunk_size=1 << 30)
-    assert prefetch.start(d, None, 0, 0, 0, "cpu") is None
+    assert early_start.start(d, None, 0, 0, 0, "cpu") is None
     with pytest.raises(VerifyMismatch, match=f"is {big} bytes"):
         shardc_lib.load_shard(d, 0, 0, device="cpu")
 
@@ -281,8 +281,8 @@ def test_a_shard_larger_than_the_window_loads_through_it(tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
     d = tiny_build(tmp_path, "window", chunk_size=4096)
-    monkeypatch.setattr(prefetch, "WINDOW", 8192)
-    early = prefetch.start(d, None, 0, 0, 0, "cpu")
+    monkeypatch.setattr(early_start, "WINDOW", 8192)
+    early = early_start.start(d, None, 0, 0, 0, "cpu")
     assert early is not None and early.source.count > 2 and len(early.reads.queued) == 2
     try:
         got = loader.load_shard(d, 0, 0, device="cpu", early=early)

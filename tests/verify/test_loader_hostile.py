@@ -2,7 +2,7 @@
 
 What was hashed is what is returned: the shard is opened once and read into memory of the
 loader's own. The races are made deterministic by running a real file operation (os.replace of
-another real shard, an in-place write, a truncation, an append) from inside the reader's own read
+another real shard, an in-place write, a truncation, an append) from inside the loader's own read
 call at a chosen moment; the oracles are the bytes the test kept (safetensors ``load`` of them,
 hashlib of the file), never the loader's own output.
 """
@@ -25,8 +25,7 @@ torch = pytest.importorskip("torch")
 
 import shardc  # noqa: E402
 from shardc.errors import DeviceError, LayoutError, ManifestError, ShardcError, VerifyMismatch  # noqa: E402
-from shardc.formats import chunk_reads  # noqa: E402
-from shardc.verify import reader  # noqa: E402
+from shardc.loader import sources, upgrade  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 S0, S1 = "model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"
@@ -55,8 +54,9 @@ def build_dir(built, tmp_path) -> Path:
 
 @pytest.fixture(params=["whole", "chunked"])
 def any_dir(request, built, tmp_path) -> Path:
-    """A build read by either pass: ``whole``, its manifest without chunk digests (format_version
-    2: one sha256 over the file, reader.py); ``chunked``, in 4 KiB chunks (chunk_sinks.py)."""
+    """A build of either kind: ``whole``, its manifest without chunk digests (format_version 2:
+    upgraded on read, one pass for the sha256 and the chunk digests, loader/upgrade.py, then the
+    chunk engine); ``chunked``, in 4 KiB chunks (loader/sinks.py)."""
     d = tmp_path / "b"
     if request.param == "chunked":
         shutil.copytree(request.getfixturevalue("built_chunked"), d)
@@ -103,22 +103,22 @@ def _same(got: dict, want: dict) -> bool:
 
 
 def _hook(monkeypatch, when, action) -> list:
-    """Run ``action(f)`` once, inside the reader's read of the data section: after the read that
-    reaches the end of the file (``when="end"``) or right before the first read (``"start"``)."""
-    real, done = reader._read_full, []
+    """Run ``action(fd)`` once, inside the loader's reads: before the first read of the data
+    (``when="start"``: a version 2 shard's upgrade pass, loader/upgrade.py, or a chunked shard's
+    second chunk) or after the read of the last chunk (``"end"``: the chunk engine's, which both
+    kinds end with)."""
+    done: list = []
+    real_piece = upgrade.read_piece
 
-    def read_full(f, mv):
+    def read_piece(fd, mv, offset):
         if when == "start" and not done:
-            done.append(action(f))
-        k = real(f, mv)
-        if when == "end" and not done and f.tell() == os.fstat(f.fileno()).st_size:
-            done.append(action(f))
-        return k
+            done.append(action(fd))
+        return real_piece(fd, mv, offset)
 
-    monkeypatch.setattr(reader, "_read_full", read_full)
-    monkeypatch.setattr(reader, "HOST_CHUNK", 4096)  # several pieces even for a tiny shard
+    monkeypatch.setattr(upgrade, "read_piece", read_piece)
+    monkeypatch.setattr(upgrade, "PIECE", 4096)  # several pieces even for a tiny shard
 
-    real_chunk = chunk_reads.FileChunkReads.fetch  # the chunked pass: before the first data chunk, after the last
+    real_chunk = sources.FileChunkReads.fetch  # the chunked pass: before the first data chunk, after the last
 
     def fetch_chunk(self, i, mv):
         if when == "start" and not done and i >= 1:
@@ -128,8 +128,8 @@ def _hook(monkeypatch, when, action) -> list:
             done.append(action(self.fd))
         return got
 
-    monkeypatch.setattr(chunk_reads.FileChunkReads, "fetch", fetch_chunk)
-    monkeypatch.setattr(chunk_reads.FileChunkReads, "parallel", lambda self: 1)  # chunks in order: the moment is exact
+    monkeypatch.setattr(sources.FileChunkReads, "fetch", fetch_chunk)
+    monkeypatch.setattr(sources.FileChunkReads, "parallel", lambda self: 1)  # chunks in order: the moment is exact
     return done
 
 

@@ -1,5 +1,7 @@
-"""verify/reader.py behaviours that mutation testing found unchecked: the one-pass shard reader behind
-``load_shard`` and ``verify --device``.
+"""Behaviours that mutation testing found unchecked in the one-pass shard reader that used to serve
+shards without chunk digests, now held against the loader's read of such a shard (format_version
+2: upgraded on read, loader/upgrade.py, then the one chunk engine, loader/sinks.py), as ``load_shard``
+and ``verify --device`` read it (loader/local.py ``load_for_verify``).
 
 Every file here is written byte by byte by the test (an 8-byte length, a JSON header, data), so the
 oracles are hashlib over those bytes, the header text the test chose and the values it planted; none
@@ -18,6 +20,7 @@ import re
 import struct
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -27,7 +30,8 @@ from plan_helpers import plan as make_plan
 torch = pytest.importorskip("torch")
 
 from shardc.errors import VerifyMismatch  # noqa: E402
-from shardc.verify.reader import nonfinite, read_shard, tensors_of  # noqa: E402
+from shardc.loader.local import load_for_verify  # noqa: E402
+from shardc.loader.tensors import RawShard, nonfinite, tensors_of  # noqa: E402
 
 BF16_NAN, BF16_ONE = b"\xc0\x7f", b"\x80\x3f"  # little-endian 0x7FC0 / 0x3F80
 
@@ -47,6 +51,16 @@ def _entry(dtype: str, shape: list[int], start: int, end: int) -> dict:
 
 def _sha(blob: bytes) -> str:
     return hashlib.sha256(blob).hexdigest()
+
+
+def read_shard(path: Path, device: str, *, finite: bool = False) -> RawShard:
+    """The loader's read of ``path`` as a format_version 2 entry recording its size and sha256 (no
+    chunk digests): ``load_for_verify``; with ``finite`` the NaN / Inf tensors it found."""
+    entry = SimpleNamespace(chunk_size=None, size=path.stat().st_size, sha256=_sha(path.read_bytes()))
+    raw = load_for_verify(path, entry, device)  # type: ignore[arg-type]
+    if not finite:
+        raw.nonfinite = []
+    return raw
 
 
 # -- the length prefix ---------------------------------------------------------------------------------------
@@ -138,8 +152,9 @@ def test_gaps_between_tensors_are_hashed_and_skipped(tmp_path):
 
 @pytest.mark.parametrize("case", ["overlap", "past the end"])
 def test_inconsistent_spans_are_hashed_only(tmp_path, case):
-    """Spans that overlap, or that reach past the data section, are not value-checked (the header
-    check fails the file): nothing is named, the sha256 is the file's, tensors_of refuses it."""
+    """Spans that overlap, or that reach past the data section (the header check fails the file in
+    every caller): the sha256 is the file's; past the end, nothing is value-checked and tensors_of
+    refuses it; overlapping, each tensor is read as its header says (b's NaN is b's)."""
     path = tmp_path / "x.safetensors"
     if case == "overlap":  # b starts inside a; its second element (bytes 4..6) is NaN
         header = {"a": _entry("BF16", [2], 0, 4), "b": _entry("BF16", [2], 2, 6)}
@@ -149,7 +164,7 @@ def test_inconsistent_spans_are_hashed_only(tmp_path, case):
         data = BF16_ONE + BF16_NAN
     blob = _file(path, header, data)
     raw = read_shard(path, "cpu", finite=True)
-    assert raw.sha256 == _sha(blob) and raw.nonfinite == []
+    assert raw.sha256 == _sha(blob) and raw.nonfinite == ([] if case == "past the end" else ["b"])
     if case == "past the end":
         with pytest.raises(VerifyMismatch, match=r"tensor b: data_offsets \[2, 8\] do not fit"):
             tensors_of(raw)

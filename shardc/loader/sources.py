@@ -3,9 +3,9 @@ read of one chunk, a local file's positioned ``O_DIRECT`` reads, and a shard's c
 once, or a bounded window first) into the one host buffer its tensors will live in (``HostReads``).
 
 What is done with the chunks (the header check, the failure lines, the GPU and the pull to disk)
-is verify/chunk_sinks.py's. The split is by import cost: this module imports the standard library, the
-digest kinds and (inside a call) torch, nothing of shardc's layout or manifest, so the loader can
-start the disk before those are imported (formats/prefetch.py: they are 70 ms of a cold start).
+is loader/sinks.py's. The split is by import cost: this module imports the standard library, the
+digest kinds, formats' chunk geometry and O_DIRECT switch (formats/direct_io.py) and (inside a call) torch, nothing of shardc's layout or manifest, so the loader can
+start the disk before those are imported (loader/early_start.py: they are 70 ms of a cold start).
 
 Why chunks and not one pass: one whole-file sha256 is a chain, one core's worth, and 1 MiB reads on
 one thread leave a fast disk idle. With chunk digests every chunk is independent: sixteen reads in
@@ -17,7 +17,6 @@ read while it is in the CPU's cache, every core hashing.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import threading
 from collections.abc import Sequence
@@ -25,7 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..digests import DEFAULT_CHUNK_DIGEST, new_hash
 from ..errors import VerifyMismatch
-from .chunk_digests import CHUNK_ALIGN, chunk_count, workers
+from ..formats.chunk_digests import CHUNK_ALIGN, chunk_count, workers
+from ..formats.direct_io import disable_direct, enable_direct, page_cached
 
 ALIGN = CHUNK_ALIGN  # O_DIRECT: buffer address, file offset and length in whole pages
 PIECE = 1 << 20  # a local file's chunk is read and hashed in pieces of this many bytes (cache-hot)
@@ -50,6 +50,7 @@ class ChunkReads:
         self.lock = threading.Lock()  # for what the reading threads share (a descriptor's O_DIRECT flag)
         self.short = False  # a read ended before the recorded size: the object shrank meanwhile
         self.report_bad = False  # verify's read: damaged chunks are kept in ``bad``, not raised
+        self.derived = False  # ``digests`` are the upgrade's first pass's (loader/upgrade.py), not recorded ones
         self.bad: tuple[int, ...] = ()
 
     def read(self, i: int, mv: memoryview) -> memoryview:
@@ -180,10 +181,10 @@ class HostReads:
     """The chunks of ``source`` queued in file order (the header's chunks first), each read
     straight into its place in one page-aligned host buffer and checked there (``checked``).
     ``queued[i]`` is chunk ``i``'s future: (the bytes read, whether its digest matched). Nothing
-    waits here; verify/chunk_sinks.py's ``to_host`` takes the results (and the header) from them.
+    waits here; loader/sinks.py's ``to_host`` takes the results (and the header) from them.
 
     ``first``: queue only that many chunks now and the rest on ``more()`` (the loader's early
-    start, formats/prefetch.py, reads a bounded window until the manifest is checked). The buffer
+    start, loader/early_start.py, reads a bounded window until the manifest is checked). The buffer
     is allocated at the whole size at once (the tensors are views of one buffer; filling a smaller
     one first would cost a copy of the window later): an allocation is address space, and only
     the pages read into are memory, so until ``more()`` the reads hold at most the window."""
@@ -224,40 +225,3 @@ class HostReads:
             self.queued = []  # their results are views of the buffer
             self.mv = memoryview(b"")
             self.whole = self.raw = self.raw.new_empty(0)  # not a slice: that would keep the storage
-
-
-def enable_direct(fd: int) -> bool:
-    """Turn O_DIRECT on for ``fd`` where the filesystem takes it (False: it stays cached I/O);
-    ``SHARDC_DIRECT_IO=0`` keeps it off. The writer (formats/safetensors.py) and the chunk
-    reads share it."""
-    if os.environ.get("SHARDC_DIRECT_IO", "1") == "0" or not hasattr(os, "O_DIRECT"):
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_DIRECT)
-    except OSError:
-        return False
-    return True
-
-
-def disable_direct(fd: int) -> bool:
-    """Back to cached I/O (a filesystem that took O_DIRECT at open and refuses it at a read or write)."""
-    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
-    return False
-
-
-def page_cached(fd: int, size: int, probes: int = 16) -> bool:
-    """Whether the file looks resident in the page cache: one page at each of ``probes`` spread
-    offsets read with ``RWF_NOWAIT`` (which fails rather than wait for the disk). False where the
-    flag is missing."""
-    flag = getattr(os, "RWF_NOWAIT", None)
-    if flag is None or size <= 0:
-        return False
-    page = bytearray(ALIGN)
-    for k in range(probes):
-        offset = (size - 1) * k // max(1, probes - 1) // ALIGN * ALIGN
-        try:
-            if os.preadv(fd, [page], offset, flag) <= 0:
-                return False
-        except OSError:  # EAGAIN: not cached; EOPNOTSUPP: the filesystem cannot say
-            return False
-    return True

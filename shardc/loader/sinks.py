@@ -1,8 +1,9 @@
-"""The chunked one-pass read for the Checkpoint Loader (docs/architecture.md §2): a shard whose
-manifest entry has chunk digests (format_version 3), read at the device's speed and checked on
-every core. How each chunk is read and hashed is formats/chunk_reads.py's (a local file, or ranged
-GETs: store/ranged.py); what is done with the chunks is here: onto the host, onto a GPU, into a
-file (pull), the header check and the failure lines.
+"""The loader's one chunk engine (docs/architecture.md §1.3): a shard's chunks read at the device's
+speed and checked on every core against its chunk digests (the manifest's, or for a format_version 2
+shard those of loader/upgrade.py's pass). How each chunk is read and hashed is loader/sources.py's
+(a local file, or ranged GETs: store/ranged.py); what is done with the chunks is here: onto the
+host, onto a GPU, into the caller's tensors (``into=``), into a file (pull), the header check and
+the failure lines.
 
 Order: every chunk is queued in file order, the ones holding the header first; the header is
 parsed from those very bytes (which are hashed with the rest: what is checked is what is
@@ -10,7 +11,7 @@ interpreted) and checked by the caller's ``on_header`` as soon as they are in, w
 read on; a wrong file cancels what is still queued (it costs what was in flight). Then the file's
 size is checked again. Nothing is returned until every chunk's digest matched; a mismatch names the chunks,
 their byte ranges and the tensors in them. The reads may have been started before this module was
-imported (``to_host``'s ``started``: the loader's early start, formats/prefetch.py).
+imported (``to_host``'s ``started``: the loader's early start, loader/early_start.py).
 
 CUDA: each worker reads its chunk into a pinned staging buffer of a small pool, hashes it and
 copies it to the GPU buffer asynchronously on its own stream; a staging buffer is reused only once
@@ -30,17 +31,17 @@ from typing import Any
 
 from ..errors import LayoutError, ShardFormatError, VerifyMismatch
 from ..formats import chunk_digests as ch
-from ..formats.chunk_reads import ALIGN, ChunkReads, FileChunkReads, HostReads
 from ..formats.safetensors import MAX_HEADER, METADATA, parse_header
 from ..layout.dtypes import DTYPES
-from .reader import HeaderCheck, RawShard
+from .sources import ALIGN, ChunkReads, FileChunkReads, HostReads
+from .tensors import HeaderCheck, RawShard
 
 HINT = "re-pull the shard, or rebuild it; shardc verify gives the full report"
 
 
 def load_chunks(source: ChunkReads, device: str, on_header: HeaderCheck | None = None,
                 started: HostReads | None = None) -> RawShard:
-    """Every chunk of ``source`` onto ``device``, checked (a file, or ranged GETs: store/stream.py);
+    """Every chunk of ``source`` onto ``device``, checked (a file, or ranged GETs: loader/remote.py);
     ``started``: the host reads of ``source`` already under way."""
     import torch
 
@@ -87,6 +88,8 @@ def fail(source: ChunkReads, bad: list[int], header: dict[str, Any] | None, star
     ``source.bad`` instead when ``source.report_bad``: verify reports them with the rest)."""
     if source.short or source.changed():
         raise VerifyMismatch(f"{source.where}: file changed size while it was read", hint="is something rewriting it?")
+    if bad and source.derived:  # the digests of this very file's first pass: it changed since
+        raise VerifyMismatch(f"{source.where}: file changed while it was read", hint="is something rewriting it?")
     if bad and source.report_bad:
         source.bad = tuple(bad)
     elif bad:
@@ -97,11 +100,11 @@ def fail(source: ChunkReads, bad: list[int], header: dict[str, Any] | None, star
 
 # -- CPU ------------------------------------------------------------------------------------------
 def to_host(source: ChunkReads, on_header: HeaderCheck | None, started: HostReads | None = None) -> RawShard:
-    """Every chunk read straight into one page-aligned buffer (formats/chunk_reads.py ``HostReads``,
+    """Every chunk read straight into one page-aligned buffer (loader/sources.py ``HostReads``,
     or ``started``); the header checked as soon as its chunks are in; the tensors are views of it."""
     reads = started or HostReads(source)
     queued = reads.queued
-    assert len(queued) == source.count  # an early start's window is followed by the rest (prefetch ``take``)
+    assert len(queued) == source.count  # an early start's window is followed by the rest (early_start ``take``)
     try:
         heads = [queued[0].result()] if source.count else []
         nhead = head_chunks(source, heads[0][0]) if heads else 0
@@ -146,7 +149,7 @@ def into_host(source: FileChunkReads, on_header: HeaderCheck, into: Mapping[str,
     assert header is not None  # on_header raised otherwise
     places = _places(header, into, start)
     rest = torch.empty(max(1, sum(p.hi - p.lo for p in places if p.staged is not None)), dtype=torch.uint8)
-    views = _views(places, into, rest.numpy().data.cast("B"), start, source.size)  # .data: as reader.py
+    views = _views(places, into, rest.numpy().data.cast("B"), start, source.size)  # .data: the array's memoryview
     done = len(head)  # the header's chunks: their tensor bytes are copied from the checked buffer
     for lo, hi, mv in views:
         if lo < done:

@@ -5,8 +5,8 @@ Why: on a cold start the imports behind ``load_shard``'s checks (the plan schema
 families, the manifest reader, verify) and the manifest's validation take 70 ms, a seventh of the
 whole load of a 1 GB shard on a fast disk, and the disk sits idle through them. So the facade
 (shardc/__init__.py) calls ``start`` first: it picks the rank's entry out of the manifest's JSON
-(no validation: nothing here is trusted), opens the file as the loader would and queues the first
-chunks' reads into the host buffer (formats/chunk_reads.py ``HostReads``: the same reads, the same
+(formats/manifest_raw.py: decoded as the checked reader decodes it, no validation: nothing here is
+trusted), opens the file as the loader would and queues the first chunks' reads into the host buffer (loader/sources.py ``HostReads``: the same reads, the same
 digests), then the heavy modules are imported and the manifest is validated while those run.
 
 Only a window is read before the manifest is checked (``WINDOW``, 256 MiB: 16 of the builds'
@@ -19,7 +19,7 @@ reads (``take``), after the entry matched. The buffer is
 allocated at the claimed size (untouched address space, not memory: see ``HostReads``), and only
 when the host could hold it at all.
 
-Nothing is taken on trust: verify/loader.py uses the reads only when the validated entry and the
+Nothing is taken on trust: loader/local.py uses the reads only when the validated entry and the
 rank's file name agree with what was started, field by field (file path, size, chunk size,
 digest kind, every chunk digest); otherwise they are stopped and the file is read as usual. The
 digests are compared, the header checked and the rest of the checks done exactly as without an
@@ -30,17 +30,15 @@ the checked path then says what is wrong. CPU only (a GPU load goes through pinn
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
 from typing import Any
 
-from ..digests import CHUNK_DIGESTS, DEFAULT_CHUNK_DIGEST
-from .chunk_digests import chunk_count, chunk_size_problem
-from .chunk_reads import FileChunkReads, HostReads
+from ..errors import ShardcError
+from ..formats.manifest_raw import rank_entry, read_unchecked
+from .sources import FileChunkReads, HostReads
 
-MAX_MANIFEST = 64 << 20  # a larger manifest is left to the checked reader (and its own bound)
 WINDOW = 256 << 20  # bytes read before the manifest is checked (above; a larger chunk: no early start)
 
 
@@ -79,7 +77,7 @@ def start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: A
     manifest path, not the CPU, no chunk digests, anything unexpected)."""
     try:
         return _start(manifest, directory, tp_rank, pp_stage, dp_rank, device)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, MemoryError,
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, MemoryError, ShardcError,
             RuntimeError):  # RecursionError; torch's failed allocation
         return None
 
@@ -94,13 +92,13 @@ def _start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: 
         return None
     path = Path(text.removeprefix("file://"))
     path = path / "manifest.json" if path.is_dir() else path
-    found = _entry(_json(path), tp_rank, pp_stage, dp_rank)
+    found = rank_entry(read_unchecked(path), tp_rank, pp_stage, dp_rank)
     if found is None:
         return None
     name, size, chunk_size, chunks, digest = found
     if chunk_size > WINDOW or size > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"):
         return None  # no window to read; a size no host holds (the checked path refuses it)
-    file = (path.parent if directory is None else Path(directory)) / name  # as verify/loader.py names it
+    file = (path.parent if directory is None else Path(directory)) / name  # as loader/local.py names it
     fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -111,37 +109,3 @@ def _start(manifest: Any, directory: Any, tp_rank: Any, pp_stage: Any, dp_rank: 
         os.close(fd)
         raise
     return EarlyRead(file, fd, reads)
-
-
-def _json(path: Path) -> Any:
-    """The manifest's JSON, read from a regular file of a sane size (else ValueError)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST:
-            raise ValueError("not a plain manifest file")
-        return json.loads(f.read(MAX_MANIFEST + 1))
-
-
-def _entry(data: Any, tp_rank: int, pp_stage: int, dp_rank: int) -> tuple[str, int, int, tuple[str, ...], str] | None:
-    """The one shard entry of (tp_rank, pp_stage, dp_rank) with chunk digests of a sane shape:
-    (file name, size, chunk size, digests, digest kind), or None."""
-    shards = data.get("shards") if isinstance(data, dict) else None
-    if not isinstance(shards, dict):
-        return None
-    hits = [(name, e) for name, e in shards.items() if isinstance(e, dict) and e.get("tp_rank") == tp_rank
-            and e.get("pp_stage") == pp_stage and (e.get("dp_rank") or 0) == dp_rank]
-    if len(hits) != 1:
-        return None
-    name, e = hits[0]
-    size, chunk_size, chunks = e.get("size"), e.get("chunk_size"), e.get("chunks")
-    digest = e.get("chunk_digest", DEFAULT_CHUNK_DIGEST)
-    if chunk_size_problem(chunk_size) is not None or type(size) is not int or size < 0:
-        return None
-    assert isinstance(chunk_size, int)
-    if (not isinstance(name, str) or os.path.basename(name) != name or name.startswith(".")
-            or not isinstance(chunks, list) or len(chunks) != chunk_count(size, chunk_size)
-            or not all(isinstance(c, str) for c in chunks) or not isinstance(digest, str)
-            or digest not in CHUNK_DIGESTS):
-        return None
-    return name, size, chunk_size, tuple(chunks), digest
