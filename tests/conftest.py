@@ -167,3 +167,12 @@ def _isolated_module_records(tmp_path_factory):
 def _isolated_records(_isolated_module_records, tmp_path_factory, monkeypatch):
     """Each test's own records directory (see above)."""
     monkeypatch.setenv("SHARDC_MANIFESTS_DIR", str(tmp_path_factory.mktemp("manifests")))
+
+
+@pytest.fixture(scope="session")
+def tiny_families(tmp_path_factory):
+    """The families' tiny models and their builds, each made once per session (tests/family_models.py
+    ``TinyFamilies``: ``source(case)``, ``build(plan)``, ``built(case, tp, ep, dtype, dp, pp)``)."""
+    from family_models import TinyFamilies
+
+    return TinyFamilies(tmp_path_factory.mktemp("families"))

@@ -367,11 +367,9 @@ def test_rebuild_failing_mid_write_keeps_the_old_build(tmp_path):
     r, out = build(tmp_path, plan_file(tmp_path, a))
     assert r.returncode == 0, r.stderr
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     biggest = max(len(v) for k, v in before.items() if k.endswith(".safetensors"))
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file(tmp_path, b)), "--out", str(out),
-                        "--manifests-dir", str(tmp_path / "m"), "-q"], capture_output=True, text=True,
-                       env=env, cwd=ROOT, timeout=120, preexec_fn=_fsize_limit(biggest // 2))
+    r = run_shardc("build", plan_file(tmp_path, b), "--out", out, "--manifests-dir", tmp_path / "m", "-q",
+                   timeout=120, preexec_fn=_fsize_limit(biggest // 2))
     one_line(r, "the build already there is untouched", code=1)
     after = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     assert after == before  # every file of the old build, byte for byte; no temp file left
@@ -489,11 +487,9 @@ def test_manifest_that_cannot_be_written_is_one_line_and_leaves_no_temp_file(tmp
     shard = max(p.stat().st_size for p in out.glob("model-*.safetensors"))
     manifest = (out / "manifest.json").stat().st_size
     assert shard < manifest
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan), "--out", str(out),
-                        "--manifests-dir", str(tmp_path / "m2"), "-q"], capture_output=True, text=True, env=env,
-                       cwd=ROOT, timeout=120, preexec_fn=_fsize_limit((shard + manifest) // 2))
+    r = run_shardc("build", plan, "--out", out, "--manifests-dir", tmp_path / "m2", "-q",
+                   timeout=120, preexec_fn=_fsize_limit((shard + manifest) // 2))
     one_line(r, "cannot write manifest.json", code=1)
     from shardc.formats.files import temp_files
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from cli_run import shardc
 from click.testing import CliRunner
 
 from shardc.cli import main
@@ -197,9 +196,7 @@ def test_no_traceback_without_debug_but_with_debug(tmp_path):
     """A real subprocess: the user sees one line; --debug shows the traceback."""
     plan_file = tmp_path / "p.yaml"
     plan_file.write_text(yaml.safe_dump(_with("replica_group.dtype", "fp4")))
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file)],
-                       capture_output=True, text=True)
+    r = shardc("build", plan_file)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "--debug", "build", str(plan_file)],
-                       capture_output=True, text=True)
+    r = shardc("--debug", "build", plan_file)
     assert r.returncode != 0 and "Traceback" in r.stderr

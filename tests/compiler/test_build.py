@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_run import shardc, shardc_in
 from click.testing import CliRunner
 from plan_helpers import plan_data
 from reassemble import load_source, reassemble
@@ -228,9 +229,9 @@ def test_kill_and_resume_is_byte_identical(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    cmd = [sys.executable, "-m", "shardc.cli", *args]
     assert not (tmp_path / "killed" / "manifest.json").exists()  # no manifest before the end
-    r = subprocess.run(cmd[:-1] + ["--json"], capture_output=True, text=True, check=True)
+    r = shardc_in(*args[:-1], "--json")
+    assert r.returncode == 0, r.stderr
     resumed = json.loads(r.stdout)
     assert resumed["skipped"], "the rerun should keep the shards finished before the kill"
     clean = build(plan_from_dict(plan_data(2, 4, name="resume")).with_source(str(ckpt)), tmp_path / "clean")
@@ -240,7 +241,7 @@ def test_kill_and_resume_is_byte_identical(tmp_path):
 def test_cli_has_no_torch_import():
     code = "import sys; from shardc.cli import main; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "--help"], capture_output=True, text=True)
+    r = shardc("--help")
     assert r.returncode == 0 and "build" in r.stdout and "Examples" in r.stdout
 
 

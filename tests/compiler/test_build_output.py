@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_run import shardc_in
 from plan_helpers import plan_data
 from reassemble import reassemble
 from safetensors.torch import load_file, save_file
@@ -89,9 +90,7 @@ def small_fs(tmpfs):
 
 
 def _cli_build(plan_file: Path, ckpt: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file), "--source",
-                           str(ckpt), "--out", str(out), "--manifests-dir", str(out.parent / "m"),
-                           "--quiet"], capture_output=True, text=True)
+    return shardc_in("build", plan_file, "--source", ckpt, "--out", out, "--manifests-dir", out.parent / "m", "--quiet")
 
 
 def test_too_little_disk_is_refused_before_writing(make_ckpt, tmp_path, small_fs):
@@ -129,9 +128,9 @@ def test_failed_write_keeps_finished_stages_and_a_rerun_resumes(make_ckpt, tmp_p
     assert (out / "model-tp00-pp00.safetensors").is_file() and (out / ".model-tp00-pp00.safetensors.done.json").is_file()
     assert not list(out.glob(".*.tmp"))
     (out / "model-tp01-pp01.safetensors").rmdir()
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan_file), "--source", str(ckpt),
-                        "--out", str(out), "--manifests-dir", str(tmp_path / "m"), "--quiet", "--json"],
-                       capture_output=True, text=True, check=True)
+    r = shardc_in("build", plan_file, "--source", ckpt, "--out", out, "--manifests-dir", tmp_path / "m", "--quiet",
+                  "--json")
+    assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout)
     assert {"model-tp00-pp00.safetensors", "model-tp01-pp00.safetensors"} <= set(summary["skipped"])
     assert "model-tp01-pp01.safetensors" in summary["built"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from cli_run import shardc
 from plan_helpers import plan as make_plan
 from reassemble import load_source, reassemble
 
@@ -53,8 +54,6 @@ def test_hf_revision_from_the_cli_reads_safetensors_config_and_tokenizer_only(ma
     """
     import json
     import os
-    import subprocess
-    import sys
 
     old_rev, new_rev = "a" * 40, "b" * 40
     cfg = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2, vocab_size=40)
@@ -69,7 +68,7 @@ def test_hf_revision_from_the_cli_reads_safetensors_config_and_tokenizer_only(ma
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(new_rev)
     (repo / "refs" / "v1").write_text(old_rev)
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
 
     def cli_build(source: str, name: str):
         plan = tmp_path / f"{name}.yaml"
@@ -78,9 +77,7 @@ def test_hf_revision_from_the_cli_reads_safetensors_config_and_tokenizer_only(ma
                               "gpus_per_replica": 2},
             "model": {"source": source}}))
         out = tmp_path / "out" / name
-        r = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan), "--out", str(out),
-                            "--manifests-dir", str(tmp_path / "manifests"), "--quiet"],
-                           env=env, capture_output=True, text=True, timeout=120)
+        r = shardc("build", plan, "--out", out, "--manifests-dir", tmp_path / "manifests", "--quiet", env=env)
         assert r.returncode == 0, r.stderr[-2000:]
         return out, json.loads((out / "manifest.json").read_text())
 

@@ -11,12 +11,11 @@ build's runtime must equal bit for bit.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import shardc_in
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -130,13 +129,11 @@ def test_keep_source_whole_experts_and_refusals(mxfp4, tmp_path):
     assert torch.equal(score(open_build(ep), x, return_logits=True, timeout_s=120).logits, want)
     plan = tmp_path / "tp1.yaml"
     plan.write_text(json.dumps(_plan(mxfp4, 1, dtype="source").data))
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "reshard", "--manifest", str(ep), "--plan", str(plan),
-                        "--out", str(tmp_path / "back"), "-q"], capture_output=True, text=True, timeout=300)
+    r = shardc_in("reshard", "--manifest", ep, "--plan", plan, "--out", tmp_path / "back", "-q")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "back" / "model-tp00-pp00.safetensors").read_bytes() == \
         (one.parent / "model-tp00-pp00.safetensors").read_bytes()
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "export", "--manifest", str(ep), "--out",
-                        str(tmp_path / "export"), "-q"], capture_output=True, text=True, timeout=300)
+    r = shardc_in("export", "--manifest", ep, "--out", tmp_path / "export", "-q")
     assert r.returncode == 0, r.stderr
     out = _tensors(tmp_path / "export" / "model-00001-of-00001.safetensors")
     assert sorted(out) == sorted(a) and all(torch.equal(out[k], a[k]) for k in a)  # the source's format back

@@ -19,11 +19,10 @@ giving the gate both cores.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc
 
 # The first test scores the baseline too (one single-threaded pass over 8,192 tokens, then its
 # candidate's), and under `make test` this file starts first (tests/conftest.py LONG_FILES), beside
@@ -73,10 +72,9 @@ def test_readme_gate_figure(demo_builds, plan, tmp_path):
     builds, cache = demo_builds
     want, tol, verdict = figures()[plan]
     report = tmp_path / "gate.json"
-    p = subprocess.run([sys.executable, "-m", "shardc.cli", "gate", "--baseline", str(builds["demo-tp1pp1-bf16"]),
-                        "--candidate", str(builds[plan]), "--report", str(report), "--timeout", "600",
-                        "--baseline-cache", str(cache)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    # a real process, as the README's user runs it (minutes of scoring: nothing to save in-process)
+    p = shardc("gate", "--baseline", builds["demo-tp1pp1-bf16"], "--candidate", builds[plan], "--report", report,
+               "--timeout", "600", "--baseline-cache", cache, timeout=1800)
     assert p.returncode == (0 if verdict else 1), p.stdout + p.stderr
     r = json.loads(report.read_text())
     assert r["golden"]["source"] == "pydoc" and r["golden"]["tokens"] == 8192 and r["golden"]["window"] == 512

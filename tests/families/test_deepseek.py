@@ -17,13 +17,13 @@ position then differs by up to 1.4.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
+from family_models import DEEPSEEK_SHAPE as SHAPE
+from family_models import MODELS, hf, ids
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -39,63 +39,21 @@ from shardc.runtime.api import generate, open_build, score  # noqa: E402
 T = 24
 ATOL = {1: 0.0, 2: 0.25}
 TOP1 = {1: 1.0, 2: 0.9}
-SHAPE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=4, vocab_size=96, max_position_embeddings=256,
-             initializer_range=0.2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-             first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
-CASES = {
-    "lora": dict(q_lora_rank=24, n_group=2, topk_group=1, rope_interleave=True,
-                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
-                                  "mscale_all_dim": 1.0, "original_max_position_embeddings": 64,
-                                  "beta_fast": 32, "beta_slow": 1}),
-    "direct": dict(q_lora_rank=None, n_group=4, topk_group=2, rope_interleave=False, routed_scaling_factor=1.5,
-                   rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 1.0,
-                                    "mscale_all_dim": 0.8, "original_max_position_embeddings": 32}),
-}
-
-
-def _save(root: Path, name: str) -> Path:
-    torch.manual_seed(7)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**SHAPE, **CASES[name]))
-    model.to(torch.bfloat16)
-    with torch.no_grad():  # transformers initializes the bias to zero: make it choose
-        for layer in model.model.layers[SHAPE["first_k_dense_replace"]:]:
-            # the router and its bias in fp32, as transformers holds them (and saves a loaded model),
-            # with values bf16 cannot hold
-            layer.mlp.gate.float()
-            layer.mlp.gate.weight.normal_(0, SHAPE["initializer_range"])
-            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(SHAPE["n_routed_experts"]) * 0.5)
-    model.save_pretrained(root / name)
-    return root / name
-
-
-def _hf(src: Path, **kw):
-    return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, **kw).eval()
+CASES = MODELS["deepseek_v3"]  # tests/family_models.py: "lora" and "direct"
 
 
 def _eager(src: Path):
-    return _hf(src, experts_implementation="eager", attn_implementation="eager")
-
+    return hf(src, experts_implementation="eager", attn_implementation="eager")
 
 
 @pytest.fixture(scope="module")
-def ds(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deepseek")
-    srcs = {name: _save(root, name) for name in CASES}
-    made: dict = {}
-
-    def get(name: str, tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1) -> Path:
-        key = (name, tp, ep, dtype, dp)
-        if key not in made:
-            plan = _plan(srcs[name], tp, ep, dtype, dp=dp)
-            made[key] = build(plan, root / "builds" / plan.name).manifest_path
-        return made[key]
-
-    return root, srcs, get
+def ds(tiny_families):
+    srcs = {name: tiny_families.source(name) for name in CASES}
+    return tiny_families.root, srcs, tiny_families.built
 
 
 def _ids(seed: int) -> torch.Tensor:
-    return torch.randint(0, SHAPE["vocab_size"], (2, T), generator=torch.Generator().manual_seed(seed))
+    return ids(seed, T, SHAPE["vocab_size"])
 
 
 def _model(src: Path):
@@ -138,10 +96,10 @@ def test_layout_splits_heads_and_replicates_latents(ds):
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight_packed" in names
 
 
-@pytest.mark.parametrize("tp, ep, dp", [(1, False, 1)] + [pytest.param(*c, marks=pytest.mark.heavy) for c in
-                                                          ((2, False, 1), (2, True, 1), (1, True, 2))])
+# tp 1, tp 2 and tp 2 with expert parallelism: test_conformance.py, for both cases
+@pytest.mark.parametrize("tp, ep, dp", [pytest.param(1, True, 2, marks=pytest.mark.heavy)])
 def test_runtime_matches_transformers(ds, tp, ep, dp):
-    """tp = 1, also with the experts over 2 data-parallel ranks: bit for bit (each rank's whole
+    """With the experts over 2 data-parallel ranks at tp = 1: bit for bit (each rank's whole
     experts summed across ranks in fp32 and rounded once is, for a token's two experts, the
     correctly rounded bf16 sum transformers' loop makes; the shared experts are added after it)."""
     _, srcs, get = ds
@@ -180,35 +138,6 @@ def test_greedy_generation_equals_transformers_generate(ds):
             logits = m(torch.tensor([prompt[0].tolist() + ep])).logits[0, 7:-1].float()
         picked = logits.gather(-1, torch.tensor(ep)[:, None])[:, 0]
         assert bool((logits.max(-1).values - picked <= 2 * ATOL[2]).all()), (name, ep, ref)
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True, timeout=300)
-
-
-def _digests(d: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.safetensors"))}
-
-
-@pytest.mark.heavy
-def test_verify_reshard_export(ds, tmp_path):
-    """An int8 tp2 build verifies --deep; reshard tp2 EP -> tp1 gives a direct tp1 build's bytes;
-    export of a tp2 build gives transformers logits bit-identical to the source's."""
-    _, srcs, get = ds
-    r = _cli("verify", "--manifest", str(get("lora", 2, False, "int8")), "--deep", str(srcs["lora"]))
-    assert r.returncode == 0, r.stdout + r.stderr
-    for name in CASES:
-        plan = tmp_path / f"{name}.yaml"
-        plan.write_text(json.dumps(_plan(srcs[name], 1).data))
-        out = tmp_path / f"{name}-resharded"
-        r = _cli("reshard", "--manifest", str(get(name, 2, True)), "--plan", str(plan), "--out", str(out), "-q")
-        assert r.returncode == 0, r.stderr
-        assert _digests(out) == _digests(get(name, 1).parent), name
-        exported = tmp_path / f"{name}-export"
-        r = _cli("export", "--manifest", str(get(name, 2)), "--out", str(exported), "-q")
-        assert r.returncode == 0, r.stderr
-        x = _ids(3)
-        assert torch.equal(_hf(exported)(x).logits, _hf(srcs[name])(x).logits), name
 
 
 def _refused(cfg: dict, **change) -> ModelError:
@@ -308,5 +237,5 @@ def test_real_size_preset_counts_671b_and_plans_ep(tmp_path):
     plan.write_text(json.dumps({"replica_group": {"name": "dsv3", "tp_degree": 8, "pp_degree": 1, "dtype": "bf16",
                                                   "gpus_per_replica": 8, "expert_parallel": True},
                                 "model": {"source": "/nonexistent"}}))
-    r = _cli("build", str(plan), "--dry-run", "--model", "deepseek-v3", "--json")
+    r = shardc_in("build", plan, "--dry-run", "--model", "deepseek-v3", "--json")
     assert r.returncode == 0, r.stderr

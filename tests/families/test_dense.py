@@ -16,6 +16,9 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
+from family_models import DENSE_SHAPE as SHAPE
+from family_models import MODELS, hf_logits, ids
 from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
@@ -28,32 +31,9 @@ from shardc.runtime.api import open_build, score  # noqa: E402
 T = 40  # tokens per sequence: past the sliding windows below
 ATOL = {1: 0.0, 2: 0.2}
 TOP1 = {1: 1.0, 2: 0.95}
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, initializer_range=0.2)
-# name -> (config class, model class, extra config)
-CASES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16)),
-    "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM",
-                     dict(head_dim=16, use_sliding_window=True, sliding_window=12, max_window_layers=1)),
-    "granite": ("GraniteConfig", "GraniteForCausalLM",
-                dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
-                     logits_scaling=16.0, tie_word_embeddings=True)),
-    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=12, head_dim=16)),
-    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM",
-                     dict(use_sliding_window=True, sliding_window=12, max_window_layers=1)),
-}
-
-
-def _save(root: Path, name: str) -> Path:
-    config_cls, model_cls, extra = CASES[name]
-    torch.manual_seed(11)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SHAPE, **extra))
-    with torch.no_grad():
-        for key, p in model.named_parameters():
-            if "norm" in key:
-                p.add_(torch.randn_like(p) * 0.3)
-    model.to(torch.bfloat16).save_pretrained(root / name)
-    return root / name
+# the dense cases of tests/family_models.py: Qwen3, Granite, and the sliding windows of Llama's block
+CASES = {**MODELS["qwen3"], **MODELS["granite"],
+         **{k: MODELS["llama"][k] for k in ("mistral-window", "qwen2-window")}}
 
 
 def _hf_logits(src: Path, x: torch.Tensor, as_llama: bool = False) -> torch.Tensor:
@@ -63,10 +43,9 @@ def _hf_logits(src: Path, x: torch.Tensor, as_llama: bool = False) -> torch.Tens
         m = transformers.LlamaForCausalLM(transformers.LlamaConfig(**keep, tie_word_embeddings=cfg.get(
             "tie_word_embeddings", False))).to(torch.bfloat16)
         m.load_state_dict(transformers.AutoModelForCausalLM.from_pretrained(src).state_dict(), strict=False)
-    else:
-        m = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
-    with torch.no_grad():
-        return m.eval()(x).logits.float()
+        with torch.no_grad():
+            return m.eval()(x).logits.float()
+    return hf_logits(src, x)
 
 
 def _build(src: Path, out: Path, tp: int) -> Path:
@@ -76,13 +55,12 @@ def _build(src: Path, out: Path, tp: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dense")
-    return root, {name: _save(root, name) for name in CASES}
+def saved(tiny_families):
+    return tiny_families.root, {name: tiny_families.source(name) for name in CASES}
 
 
 def _ids(seed: int) -> torch.Tensor:
-    return torch.randint(0, SHAPE["vocab_size"], (2, T), generator=torch.Generator().manual_seed(seed))
+    return ids(seed, T, SHAPE["vocab_size"])
 
 
 def test_configs_read_as_their_families(saved):
@@ -101,50 +79,39 @@ def test_configs_read_as_their_families(saved):
     assert (f.embed_scale, f.residual_scale, f.attn_scale, f.logits_divisor) == (12.0, 0.22, 0.0078125, 16.0)
 
 
+# the family's math matters: the same weights run as a Llama (no q/k norms, no multipliers, no
+# window) give logits beyond the tolerance, on the inputs of each run (tests/families/test_conformance.py
+# runs qwen3, granite and mistral-window at tp 1 and 2 against transformers)
 @pytest.mark.heavy
-@pytest.mark.parametrize("case, tp", [("qwen3", 1), ("qwen3", 2), ("qwen3-window", 1), ("granite", 1),
-                                      ("granite", 2), ("mistral-window", 2), ("qwen2-window", 1)])
-def test_runtime_matches_transformers(saved, case, tp):
-    root, models = saved
+@pytest.mark.parametrize("case, tp", [("qwen3", 1), ("qwen3", 2), ("granite", 1), ("granite", 2),
+                                      ("mistral-window", 2)])
+def test_the_familys_math_matters(saved, case, tp):
+    _, models = saved
+    x = _ids(seed=tp)
+    assert (_hf_logits(models[case], x) - _hf_logits(models[case], x, as_llama=True)).abs().max() > 0.5
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("case, tp", [("qwen3-window", 1), ("qwen2-window", 1)])
+def test_runtime_matches_transformers(saved, tiny_families, case, tp):
+    """The windowed cases beyond the conformance suite's (max_window_layers=1: layer 0 full)."""
+    _, models = saved
     x = _ids(seed=tp)
     want = _hf_logits(models[case], x)
     assert (want - _hf_logits(models[case], x, as_llama=True)).abs().max() > 0.5  # the family's math matters
-    got = score(open_build(_build(models[case], root / "builds", tp)), x, return_logits=True,
-                timeout_s=60).logits
+    got = score(open_build(tiny_families.build(make_plan(tp, name=f"{case}-tp{tp}", source=models[case]))), x,
+                return_logits=True, timeout_s=60).logits
     torch.testing.assert_close(got, want, rtol=0.01 if tp > 1 else 0, atol=ATOL[tp])
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= TOP1[tp]
 
 
-def _cli(*args: str):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          timeout=300)
-
-
 @pytest.mark.heavy
 @pytest.mark.parametrize("case", ["qwen3", "granite"])
-def test_tp1_build_loads_in_transformers_and_quantized_builds_verify_deep(saved, case):
-    """The interop promise (a tp=1 build is a checkpoint transformers loads, same logits), and fp8
-    and int8 tp=2 builds of the family pass verify --deep against the source."""
-    root, models = saved
-    x = _ids(seed=5)
-    manifest = _build(models[case], root / "builds", 1)
-    torch.testing.assert_close(_hf_logits(manifest.parent, x), _hf_logits(models[case], x), rtol=0, atol=0)
-    for dtype in ("fp8", "int8"):
-        plan = root / f"{case}-{dtype}.yaml"
-        plan.write_text(json.dumps({
-            "replica_group": {"name": f"{case}-{dtype}", "tp_degree": 2, "pp_degree": 1, "dtype": dtype,
-                              "gpus_per_replica": 2}, "model": {"source": str(models[case])}}))
-        out = root / "builds" / f"{case}-{dtype}"
-        r = _cli("build", str(plan), "--out", str(out), "-q")
-        assert r.returncode == 0, r.stderr
-        r = _cli("verify", "--manifest", str(out / "manifest.json"), "--deep", str(models[case]))
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert r.stdout.count("ok   ") == 2 and "all good" in r.stdout
-    # q_norm / k_norm stay 16-bit and whole on every rank; the projections are quantized
-    m = json.loads((out / "manifest.json").read_text())
+def test_an_int8_build_quantizes_projections_and_keeps_norms_whole(tiny_families, case):
+    """In an int8 tp=2 build (verified --deep with fp8 in test_conformance.py) q_norm / k_norm stay
+    16-bit and whole on every rank; the projections are quantized."""
+    manifest = tiny_families.built(case, 2, dtype="int8")
+    m = json.loads(manifest.read_text())
     recs = {n: rec for s in m["shards"] for n, rec in s["tensors"].items()} if isinstance(
         m["shards"], list) else {n: rec for s in m["shards"].values() for n, rec in s["tensors"].items()}
     if case == "qwen3":
@@ -165,27 +132,13 @@ def test_real_size_presets_dry_run_and_plan(tmp_path, preset, tp, params, pick):
     plan.write_text(json.dumps({
         "replica_group": {"name": preset, "tp_degree": tp, "pp_degree": 1, "dtype": "bf16",
                           "gpus_per_replica": tp}, "model": {"source": "/nonexistent"}}))
-    r = _cli("build", str(plan), "--dry-run", "--model", preset, "--json")
+    r = shardc_in("build", plan, "--dry-run", "--model", preset, "--json")
     assert r.returncode == 0, r.stderr
-    r = _cli("plan", "--model", preset, "--gpu", "h100-sxm", "--json")
+    r = shardc_in("plan", "--model", preset, "--gpu", "h100-sxm", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert abs(out["model"]["params"] / params - 1) < 0.005
     assert out["recommended"]["tp"] == pick
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("case", ["qwen3", "granite"])
-def test_export_of_a_tp2_build_gives_the_sources_logits(saved, case):
-    """Export reassembles a tp=2 build (replicated q/k norms taken once, tied embeddings kept tied)
-    into a checkpoint whose transformers logits are bit-identical to the source's."""
-    root, models = saved
-    manifest = _build(models[case], root / "builds", 2)
-    out = root / "exports" / case
-    r = _cli("export", "--manifest", str(manifest), "--out", str(out), "-q")
-    assert r.returncode == 0, r.stderr
-    x = _ids(seed=9)
-    torch.testing.assert_close(_hf_logits(out, x), _hf_logits(models[case], x), rtol=0, atol=0)
 
 
 @pytest.mark.heavy
@@ -211,7 +164,7 @@ def test_qwen3_reshard_and_gate_against_transformers(tmp_path, demo_model_dir):
         "replica_group": {"name": "qwen3-tok-tp2", "tp_degree": 2, "pp_degree": 1, "dtype": "bf16",
                           "gpus_per_replica": 2}, "model": {"source": str(src)}}))
     resharded = tmp_path / "resharded"
-    r = _cli("reshard", "--manifest", str(base), "--plan", str(plan), "--out", str(resharded), "-q")
+    r = shardc_in("reshard", "--manifest", base, "--plan", plan, "--out", resharded, "-q")
     assert r.returncode == 0, r.stderr
 
     def digests(d: Path) -> dict[str, str]:

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
+from family_models import CASES as ALL_CASES
+from family_models import MODELS, hf, ids
+from family_models import MOE_SHAPE as SHAPE
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from moe_plans import moe_plan as _plan  # noqa: E402
 
-from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import LayoutError, PlanError  # noqa: E402
 from shardc.layout.model import load_model, model_from_config  # noqa: E402
 from shardc.layout.plan import plan_from_dict  # noqa: E402
@@ -37,53 +38,19 @@ ATOL = {1: 0.0, 2: 0.2, 4: 0.2}
 # tp > 1: besides the dense near-ties, a last-bit change in a router logit can pick another expert
 # for a token (routing is discontinuous): 0.9375-1.0 seen over these 48 positions
 TOP1 = {1: 1.0, 2: 0.9, 4: 0.9}
-SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             vocab_size=96, max_position_embeddings=256, initializer_range=0.2)
-# 6 experts: over 4 EP ranks, vLLM's linear placement gives 2, 2, 1, 1
-CASES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(intermediate_size=64, num_local_experts=6, num_experts_per_tok=2)),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(intermediate_size=96, moe_intermediate_size=32, num_experts=6, num_experts_per_tok=2,
-                       norm_topk_prob=True, head_dim=16)),
-    # layer 1 dense (mlp_only_layers), layer 0 sparse with a shared expert
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                       num_experts=6, num_experts_per_tok=2, mlp_only_layers=[1])),
-}
-
-
-def _save(root: Path, name: str) -> Path:
-    config_cls, model_cls, extra = CASES[name]
-    torch.manual_seed(5)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SHAPE, **extra))
-    model.to(torch.bfloat16).save_pretrained(root / name)
-    return root / name
-
-
-def _hf(src: Path, **kw):
-    return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16, **kw).eval()
-
+# tests/family_models.py; 6 experts: over 4 EP ranks, vLLM's linear placement gives 2, 2, 1, 1
+CASES = {name: ALL_CASES[name] for name in ("mixtral", "qwen3_moe", "qwen2_moe")}
+assert all(name in MODELS[name] for name in CASES)
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    root = tmp_path_factory.mktemp("moe")
-    srcs = {name: _save(root, name) for name in CASES}
-    made: dict = {}
-
-    def get(name: str, tp: int, ep: bool = False, dtype: str = "bf16", dp: int = 1, pp: int = 1) -> Path:
-        key = (name, tp, ep, dtype, dp, pp)
-        if key not in made:
-            plan = _plan(srcs[name], tp, ep, dtype, dp=dp, pp=pp)
-            made[key] = build(plan, root / "builds" / plan.name).manifest_path
-        return made[key]
-
-    return root, srcs, get
+def moe(tiny_families):
+    srcs = {name: tiny_families.source(name) for name in CASES}
+    return tiny_families.root, srcs, tiny_families.built
 
 
 def _ids(seed: int) -> torch.Tensor:
-    return torch.randint(0, SHAPE["vocab_size"], (2, T), generator=torch.Generator().manual_seed(seed))
+    return ids(seed, T, SHAPE["vocab_size"])
 
 
 def test_expert_placement_is_vllms_linear_rule(moe):
@@ -106,16 +73,13 @@ def test_expert_placement_is_vllms_linear_rule(moe):
     assert (w2.split, w2.dim, w2.start, w2.stop, w2.shape) == ("row", 1, 32, 64, (64, 32))
 
 
-# (family, tp, expert_parallel, dp, pp): every layout once, spread over the families
-LAYOUTS = [("mixtral", 1, False, 1, 1), ("mixtral", 2, False, 1, 1), ("mixtral", 4, True, 1, 1),
-           ("mixtral", 1, True, 2, 1), ("qwen3_moe", 1, False, 1, 1), ("qwen3_moe", 2, True, 1, 1),
-           ("qwen3_moe", 1, True, 3, 2), ("qwen2_moe", 1, False, 1, 1), ("qwen2_moe", 2, False, 1, 1),
+# (family, tp, expert_parallel, dp, pp): the layouts beyond tp 1, tp 2 and tp 2 with expert
+# parallelism, which tests/families/test_conformance.py runs for every family
+LAYOUTS = [("mixtral", 4, True, 1, 1), ("mixtral", 1, True, 2, 1), ("qwen3_moe", 1, True, 3, 2),
            ("qwen2_moe", 2, True, 2, 1)]
 
 
-# the first layout stays in the fast loop (make test-fast); the rest run with the heavy tests
-@pytest.mark.parametrize("name, tp, ep, dp, pp", [LAYOUTS[0]] + [pytest.param(*c, marks=pytest.mark.heavy)
-                                                                   for c in LAYOUTS[1:]])
+@pytest.mark.parametrize("name, tp, ep, dp, pp", [pytest.param(*c, marks=pytest.mark.heavy) for c in LAYOUTS])
 def test_runtime_matches_transformers(moe, name, tp, ep, dp, pp):
     """tp = 1, with or without data parallelism: bit for bit. Whole experts on separate ranks are
     summed across ranks in fp32 and rounded once, which for a token's two experts is the correctly
@@ -123,7 +87,7 @@ def test_runtime_matches_transformers(moe, name, tp, ep, dp, pp):
     transformers adds it. With tp > 1 the attention and dense partial sums differ in the last bits."""
     _, srcs, get = moe
     x = _ids(seed=tp + dp)
-    want = _hf(srcs[name], experts_implementation="eager")(x).logits.float()
+    want = hf(srcs[name], experts_implementation="eager")(x).logits.float()
     got = score(open_build(get(name, tp, ep, dp=dp, pp=pp)), x, return_logits=True, timeout_s=120).logits
     if tp == 1:
         assert torch.equal(got, want)
@@ -142,7 +106,7 @@ def test_greedy_generation_against_transformers(moe):
     _, srcs, get = moe
     prompt = _ids(7)[:1, :8]
     for name in CASES:
-        m = _hf(srcs[name], experts_implementation="eager")
+        m = hf(srcs[name], experts_implementation="eager")
         with torch.no_grad():
             ref = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
                              eos_token_id=None, pad_token_id=0)[0, 8:].tolist()
@@ -159,10 +123,6 @@ def test_greedy_generation_against_transformers(moe):
         assert bool((logits.max(-1).values - picked <= 2 * ATOL[4]).all()), (name, got, ref)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True, timeout=300)
-
-
 def _digests(d: Path) -> dict[str, str]:
     return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.glob("*.safetensors"))}
 
@@ -177,25 +137,25 @@ def test_manifest_inspect_verify_reshard_export(moe, tmp_path):
     ep = get("qwen2_moe", 4, True)
     shards = json.loads(ep.read_text())["shards"]
     assert [shards[f"model-tp0{r}-pp00.safetensors"].get("experts") for r in range(4)] == [[0, 1], [2, 3], [4], [5]]
-    r = _cli("inspect", str(ep))
+    r = shardc_in("inspect", str(ep))
     assert r.returncode == 0 and "experts 0-1" in r.stdout and "experts 5" in r.stdout, r.stdout
     for name, dtype in (("mixtral", "int8"), ("qwen3_moe", "fp8")):
-        r = _cli("verify", "--manifest", str(get(name, 4, True, dtype)), "--deep", str(srcs[name]))
+        r = shardc_in("verify", "--manifest", str(get(name, 4, True, dtype)), "--deep", str(srcs[name]))
         assert r.returncode == 0, r.stdout + r.stderr
     dp = get("qwen3_moe", 1, True, dp=3, pp=2)
     shards = json.loads(dp.read_text())["shards"]
     assert {f: (e["dp_rank"], e.get("experts")) for f, e in shards.items()} == {
         f"model-dp0{d}-tp00-pp0{p}.safetensors": (d, [[0, 1], [2, 3], [4, 5]][d]) for d in range(3) for p in range(2)}
-    r = _cli("verify", "--manifest", str(dp), "--deep", str(srcs["qwen3_moe"]))
+    r = shardc_in("verify", "--manifest", str(dp), "--deep", str(srcs["qwen3_moe"]))
     assert r.returncode == 0, r.stdout + r.stderr
     # with dp > 1 a (tp_rank, pp_stage) pair names one shard per DP group: verify and pull refuse
     # it in one line and ask for the global rank; a global rank beyond tp x pp x dp is refused too
     for cmd in (("verify", "--manifest", str(dp)), ("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"))):
-        r = _cli(*cmd, "--tp-rank", "0", "--pp-stage", "1")
+        r = shardc_in(*cmd, "--tp-rank", "0", "--pp-stage", "1")
         assert r.returncode == 2 and "names 3 " in r.stderr and "give --rank one of 0..5" in r.stderr, (cmd, r.stderr)
-    r = _cli("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "6")
+    r = shardc_in("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "6")
     assert r.returncode == 2 and "world size 6" in r.stderr, r.stderr
-    r = _cli("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "4", "-q")
+    r = shardc_in("pull", "--manifest", str(dp), "--dest", str(tmp_path / "p"), "--rank", "4", "-q")
     assert r.returncode == 0 and sorted(f.name for f in (tmp_path / "p").glob("*.safetensors")) == [
         "model-dp01-tp00-pp01.safetensors"], r.stderr
     for name, inp in (("mixtral", get("mixtral", 4, True)), ("qwen3_moe", dp),
@@ -204,14 +164,14 @@ def test_manifest_inspect_verify_reshard_export(moe, tmp_path):
         plan = tmp_path / f"{name}.yaml"
         plan.write_text(json.dumps(_plan(srcs[name], 2).data))
         out = tmp_path / f"{name}-resharded"
-        r = _cli("reshard", "--manifest", str(inp), "--plan", str(plan), "--out", str(out), "-q")
+        r = shardc_in("reshard", "--manifest", str(inp), "--plan", str(plan), "--out", str(out), "-q")
         assert r.returncode == 0, r.stderr
         assert _digests(out) == _digests(direct.parent)
         exported = tmp_path / f"{name}-export"
-        r = _cli("export", "--manifest", str(inp), "--out", str(exported), "-q")
+        r = shardc_in("export", "--manifest", str(inp), "--out", str(exported), "-q")
         assert r.returncode == 0, r.stderr
         x = _ids(3)
-        assert torch.equal(_hf(exported)(x).logits, _hf(srcs[name])(x).logits), name
+        assert torch.equal(hf(exported)(x).logits, hf(srcs[name])(x).logits), name
 
 
 def test_plans_that_cannot_work_are_refused(moe):
@@ -248,5 +208,5 @@ def test_real_size_presets_count_their_published_parameters(preset, params, tmp_
     plan.write_text(json.dumps({"replica_group": {"name": preset, "tp_degree": 8, "pp_degree": 1,
                                                   "dtype": "bf16", "gpus_per_replica": 8, "expert_parallel": True},
                                 "model": {"source": "/nonexistent"}}))
-    r = _cli("build", str(plan), "--dry-run", "--model", preset, "--json")
+    r = shardc_in("build", str(plan), "--dry-run", "--model", preset, "--json")
     assert r.returncode == 0, r.stderr

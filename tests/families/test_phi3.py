@@ -19,26 +19,24 @@ import json
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
+from family_models import MODELS, PHI3_SHAPE, hf_logits, ids
 from plan_helpers import plan
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from click.testing import CliRunner  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from shardc.cli import main  # noqa: E402
-from shardc.compiler.compile import build  # noqa: E402
 from shardc.errors import ModelError  # noqa: E402
 from shardc.layout.model import load_model, model_from_config  # noqa: E402
 from shardc.layout.ranks import build_layout  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
 from shardc.runtime.support import check_supported  # noqa: E402
 
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, initializer_range=0.2,
-             bos_token_id=1, eos_token_id=2, pad_token_id=0)
-WINDOW = 16
+SHAPE = PHI3_SHAPE
+PHI3 = MODELS["phi3"]["phi3"]  # tests/family_models.py: SHAPE with a window of 16
+WINDOW = PHI3.keys["sliding_window"]
 T = 40  # tokens per sequence: longer than the sliding window
 ATOL = {1: 0.0, 2: 0.2, 4: 0.2}
 TOP1 = {1: 1.0, 2: 0.95, 4: 0.95}
@@ -58,43 +56,35 @@ PIECES = {
 }
 
 
-def _save(path: Path, **extra) -> Path:
-    torch.manual_seed(7)
-    cfg = transformers.Phi3Config(**SHAPE, **extra)
-    transformers.Phi3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    return path
-
-
 def _hf_logits(path: Path, x: torch.Tensor) -> torch.Tensor:
-    m = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        return m(x).logits.float()
+    return hf_logits(path, x)
 
 
 def _plan(src: Path, tp: int, dtype: str = "bf16"):
     return plan(tp, 1, dtype, name=f"phi3-tp{tp}-{dtype}", source=src)
 
 
+class _Built:
+    """A build's directory and manifest (as ``build`` returns them), from the session's cache."""
+
+    def __init__(self, manifest_path: Path) -> None:
+        self.manifest_path, self.out_dir = manifest_path, manifest_path.parent
+
+
 @pytest.fixture(scope="module")
-def phi3(tmp_path_factory):
+def phi3(tiny_families, tmp_path_factory):
     """The source, its transformers logits, and one build per plan (made when first asked)."""
-    root = tmp_path_factory.mktemp("phi3")
-    src = _save(root / "src", sliding_window=WINDOW)
-    x = torch.randint(0, SHAPE["vocab_size"], (2, T), generator=torch.Generator().manual_seed(3))
-    builds: dict = {}
+    src = tiny_families.source("phi3")
+    x = ids(3, T, SHAPE["vocab_size"])
 
-    def built(tp: int, dtype: str = "bf16"):
-        if (tp, dtype) not in builds:
-            builds[tp, dtype] = build(_plan(src, tp, dtype), root / f"tp{tp}-{dtype}")
-        return builds[tp, dtype]
+    def built(tp: int, dtype: str = "bf16") -> _Built:
+        return _Built(tiny_families.build(_plan(src, tp, dtype)))
 
-    return {"root": root, "src": src, "x": x, "want": _hf_logits(src, x), "build": built}
+    return {"root": tmp_path_factory.mktemp("phi3"), "src": src, "x": x, "want": _hf_logits(src, x), "build": built}
 
 
 def _cfg(**extra) -> dict:
-    cfg = transformers.Phi3Config(**SHAPE).to_dict()
-    cfg.update(architectures=["Phi3ForCausalLM"], **extra)
-    return cfg
+    return dataclasses.replace(PHI3, keys=SHAPE).config_dict(**extra)
 
 
 def _sha(path: Path) -> str:
@@ -143,24 +133,22 @@ def test_a_plan_for_the_hub_repo_dry_runs_offline(tmp_path):
     plan.write_text(yaml.safe_dump({"replica_group": {"name": "phi3m", "tp_degree": 2, "pp_degree": 1,
                                                       "dtype": "int8", "gpus_per_replica": 2},
                                     "model": {"source": "hf://microsoft/Phi-3-medium-4k-instruct"}}))
-    res = CliRunner().invoke(main, ["build", str(plan), "--dry-run"])
-    assert res.exit_code == 0, res.output
-    assert "Phi3ForCausalLM 40 layers" in res.output and "model-tp01-pp00.safetensors" in res.output
+    res = shardc_in("build", plan, "--dry-run")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "Phi3ForCausalLM 40 layers" in res.stdout and "model-tp01-pp00.safetensors" in res.stdout
 
 
 # --- the runtime against transformers -----------------------------------------------------------
 
-def test_tp1_logits_equal_transformers_past_the_sliding_window(phi3):
-    # the window matters: the same weights without it give other logits at these positions
-    plain = _save(phi3["root"] / "no-window")
+def test_the_sliding_window_matters(phi3):
+    """The same weights without the window give other logits at these positions (the runtime's
+    logits equal transformers' past the window at tp 1 and 2: test_conformance.py)."""
+    plain = dataclasses.replace(PHI3, keys=SHAPE).save(phi3["root"] / "no-window")
     assert not torch.equal(_hf_logits(plain, phi3["x"]), phi3["want"])
-    got = score(open_build(phi3["build"](1).manifest_path), phi3["x"], return_logits=True,
-                timeout_s=60).logits
-    assert torch.equal(got, phi3["want"])
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [4])
 def test_tp_logits_agree_with_transformers(phi3, tp):
     got = score(open_build(phi3["build"](tp).manifest_path), phi3["x"], return_logits=True,
                 timeout_s=60).logits
@@ -171,11 +159,6 @@ def test_tp_logits_agree_with_transformers(phi3, tp):
 
 # --- interop: transformers loads a tp=1 build and an export; reshard ---------------------------
 
-def test_a_tp1_build_loads_in_transformers(phi3):
-    out = phi3["build"](1).out_dir
-    assert torch.equal(_hf_logits(out, phi3["x"]), phi3["want"])
-
-
 def test_reshard_tp2_to_tp1_is_the_direct_tp1_build(phi3, tmp_path):
     import yaml
 
@@ -184,10 +167,9 @@ def test_reshard_tp2_to_tp1_is_the_direct_tp1_build(phi3, tmp_path):
                                                       "dtype": "bf16", "gpus_per_replica": 1},
                                     "model": {"source": str(phi3["src"])}}))
     out = tmp_path / "r"
-    res = CliRunner().invoke(main, ["reshard", "--manifest", str(phi3["build"](2).manifest_path),
-                                    "--plan", str(plan), "--out", str(out),
-                                    "--manifests-dir", str(tmp_path / "m")])
-    assert res.exit_code == 0, res.output
+    res = shardc_in("reshard", "--manifest", phi3["build"](2).manifest_path, "--plan", plan, "--out", out,
+                    "--manifests-dir", tmp_path / "m")
+    assert res.returncode == 0, res.stdout + res.stderr
     direct = phi3["build"](1).out_dir
     for f in ("model-tp00-pp00.safetensors", "config.json"):
         assert _sha(out / f) == _sha(direct / f), f
@@ -195,9 +177,8 @@ def test_reshard_tp2_to_tp1_is_the_direct_tp1_build(phi3, tmp_path):
 
 def test_export_of_a_tp2_build_is_the_fused_checkpoint(phi3, tmp_path):
     out = tmp_path / "hf"
-    res = CliRunner().invoke(main, ["export", "--manifest", str(phi3["build"](2).manifest_path),
-                                    "--out", str(out)])
-    assert res.exit_code == 0, res.output
+    res = shardc_in("export", "--manifest", phi3["build"](2).manifest_path, "--out", out)
+    assert res.returncode == 0, res.stdout + res.stderr
     src = load_file(phi3["src"] / "model.safetensors")
     got = {}
     for f in out.glob("model*.safetensors"):
@@ -209,9 +190,8 @@ def test_export_of_a_tp2_build_is_the_fused_checkpoint(phi3, tmp_path):
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_a_quantized_build_verifies_deep(phi3, dtype):
     built = phi3["build"](4, dtype)  # tp 4 > 2 KV heads: replicated KV pieces and their scales
-    res = CliRunner().invoke(main, ["verify", "--manifest", str(built.manifest_path), "--deep",
-                                    str(phi3["src"]), "--json"])
-    assert res.exit_code == 0, res.output
+    res = shardc_in("verify", "--manifest", built.manifest_path, "--deep", phi3["src"], "--json")
+    assert res.returncode == 0, res.stdout + res.stderr
     assert all("deep" in r["checks"] for r in json.loads(res.stdout)["ranks"])
     rec = json.loads(built.manifest_path.read_text())["shards"]["model-tp02-pp00.safetensors"]["tensors"]
     weight = QKV + ("_packed" if dtype == "int8" else "")

@@ -13,12 +13,12 @@ refused by ``shardc run`` with one line naming the key and value, exit 2.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
+from family_models import DENSE_SHAPE as SHAPE
+from family_models import MODELS, hf_logits, ids
 from plan_helpers import plan as make_plan
 
 torch = pytest.importorskip("torch")
@@ -29,37 +29,18 @@ from shardc.errors import ModelError  # noqa: E402
 from shardc.layout.model import model_from_config  # noqa: E402
 from shardc.runtime.api import open_build, score  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 T = 48  # tokens per window: beyond the small original context of the llama3 case below
 # tp1: transformers' own kernels (measured: bit-equal); tp2: the row-parallel o/down sums are
 # rounded to bf16 in another order, a few ulps (0.03 at |logit| 4-8) per layer: up to 0.125 seen.
 ATOL = {1: 3e-3, 2: 0.2}
 TOP1 = {1: 1.0, 2: 0.95}  # tp2: near-ties flip with those ulps (0.979 and 0.990 seen)
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=96, max_position_embeddings=256, initializer_range=0.2)
-CASES = {
-    "theta-500k": dict(rope_theta=500000.0),
-    "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
-    "linear": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
-    "gelu": dict(hidden_act="gelu"),
-    "gelu-tanh": dict(hidden_act="gelu_pytorch_tanh"),
-}
-
-
-def _save(root: Path, name: str, **cfg) -> Path:
-    """A tiny Llama made and saved by transformers 5, bf16, seeded."""
-    torch.manual_seed(7)
-    config = transformers.LlamaConfig(**SHAPE, **cfg)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(root / name)
-    return root / name
+# tiny Llamas made and saved by transformers 5, bf16, seeded (tests/family_models.py)
+CASES = ("theta-500k", "llama3", "linear", "gelu", "gelu-tanh")
+assert set(CASES) < set(MODELS["llama"])
 
 
 def _hf_logits(src: Path, x: torch.Tensor) -> torch.Tensor:
-    m = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
-    with torch.no_grad():
-        return m(x).logits.float()
+    return hf_logits(src, x)
 
 
 def _build(src: Path, out: Path, tp: int):
@@ -69,15 +50,13 @@ def _build(src: Path, out: Path, tp: int):
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tf5")
-    models = {name: _save(root, name, **cfg) for name, cfg in CASES.items()}
-    models["default"] = _save(root, "default")  # what shardc read before: default rope, SiLU
-    return root, models
+def saved(tiny_families, tmp_path_factory):
+    models = {name: tiny_families.source(name) for name in (*CASES, "default")}  # default: what shardc read before
+    return tmp_path_factory.mktemp("tf5"), models
 
 
 def _ids(seed: int) -> torch.Tensor:
-    return torch.randint(0, SHAPE["vocab_size"], (2, T), generator=torch.Generator().manual_seed(seed))
+    return ids(seed, T, SHAPE["vocab_size"])
 
 
 def test_transformers5_writes_rope_parameters_and_shardc_reads_them(saved):
@@ -164,10 +143,7 @@ def test_run_refuses_what_the_runtime_does_not_compute(demo_build, change, line)
     out, base = demo_build
     name = next(iter(change))
     manifest = _edited_manifest(base, out, name, **change)
-    r = subprocess.run([sys.executable, "-m", "shardc.cli", "run", "--manifest", str(manifest), "--dir",
-                        str(base.parent), "--prompt", "hi", "--max-new-tokens", "1"],
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    r = shardc_in("run", "--manifest", manifest, "--dir", base.parent, "--prompt", "hi", "--max-new-tokens", "1")
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(line), r.stderr

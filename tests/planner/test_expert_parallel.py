@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
 from click.testing import CliRunner
 
 from shardc.cli import main
@@ -239,8 +238,7 @@ def test_out_ep_plan_passes_build_dry_run(tmp_path):
     out = tmp_path / "mixtral.yaml"
     r = _run("--model", "mixtral-8x7b", "--gpu", "a100-40gb", "--dtype", "bf16", "--out", str(out))
     assert r.exit_code == 0, r.output
-    p = subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(out), "--dry-run", "--model",
-                        "mixtral-8x7b", "--json"], capture_output=True, text=True, cwd=ROOT)
+    p = shardc_in("build", out, "--dry-run", "--model", "mixtral-8x7b", "--json")
     assert p.returncode == 0, p.stderr
     ranks = json.loads(p.stdout)["ranks"]
     assert len(ranks) == 4

@@ -10,12 +10,11 @@ vLLM's budget, the CUDA context and graphs 512 MiB each in the headroom beyond i
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
 
 from shardc.planner.formulas import speed_for
 from shardc.planner.gpus import get_gpu
@@ -40,8 +39,7 @@ SMOLLM = {
 
 
 def plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", "plan", *args], capture_output=True, text=True,
-                          timeout=120, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return shardc_in("plan", *args, cwd=cwd)
 
 
 def error_line(r: subprocess.CompletedProcess) -> str:

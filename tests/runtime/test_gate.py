@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_run import shardc_in
 from manifest_edits import reseal
 from plan_helpers import plan as make_plan
 
@@ -109,8 +109,7 @@ def test_different_models_are_refused():
 
 # -- end to end on synthetic models (tiny word-level tokenizer shipped with the checkpoint) --------------
 def _gate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", "gate", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600)
+    return shardc_in("gate", *args)
 
 
 def _build(src: Path, out: Path, tp: int, pp: int, dtype: str = "bf16") -> Path:

@@ -18,10 +18,10 @@ import os
 import re
 import struct
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc_in
 
 torch = pytest.importorskip("torch")
 
@@ -307,10 +307,7 @@ GATE = ["--max-tokens", "128", "--window", "64", "--timeout", "60", "--min-top1"
 
 
 def _gate(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop(SECRET_ENV, None)
-    return subprocess.run([sys.executable, "-m", "shardc.cli", "gate", *args], capture_output=True,
-                          text=True, cwd=ROOT, timeout=600, env=env)
+    return shardc_in("gate", *args, env={SECRET_ENV: None})  # the key unset, as a user without one
 
 
 @pytest.mark.heavy

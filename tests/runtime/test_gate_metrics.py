@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from cli_run import shardc_in
 from plan_helpers import plan as make_plan
 
 from shardc.runtime.api_results import PositionScores
@@ -162,11 +161,11 @@ def test_cli_report_matches_transformers(peaked, tmp_path):
     want = _oracle(peaked)
     assert want["kl_mean"] > 0.5 and abs(want["kl_mean"] - want["kl_reverse"]) > 0.2 * want["kl_mean"]
     report = tmp_path / "r.json"
-    args = [sys.executable, "-m", "shardc.cli", "gate", "--baseline", str(peaked["manifest"]["base"]),
+    args = ["gate", "--baseline", str(peaked["manifest"]["base"]),
             "--candidate", str(peaked["manifest"]["cand"]), "--golden", str(peaked["golden"]),
             "--tokenizer", str(peaked["tokenizer"]), "--window", str(WINDOW), "--max-tokens", str(MAX_TOKENS),
             "--max-ppl-delta-pct", "1000", "--timeout", "60", "--report", str(report)]
-    p = subprocess.run([*args, "--max-kl", str(want["kl_mean"] * 1.1)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = shardc_in(*args, "--max-kl", str(want["kl_mean"] * 1.1))
     assert p.returncode == 0, p.stdout + p.stderr
     r = json.loads(report.read_text())
     assert r["golden"]["source"] == str(peaked["golden"]) and r["golden"]["windows"] == MAX_TOKENS // WINDOW
@@ -178,7 +177,7 @@ def test_cli_report_matches_transformers(peaked, tmp_path):
     assert r["top1_agreement"] == pytest.approx(want["top1_agreement"], abs=3 / r["positions"])
     assert [c["name"] for c in r["checks"]] == ["ppl_delta_pct", "kl_mean"]
     # --max-kl below the measured mean KL fails the gate with exit 1
-    p = subprocess.run([*args, "--max-kl", str(want["kl_mean"] * 0.9)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = shardc_in(*args, "--max-kl", str(want["kl_mean"] * 0.9))
     assert p.returncode == 1, p.stdout + p.stderr
     r = json.loads(report.read_text())
     assert not r["pass"] and [c["ok"] for c in r["checks"]] == [True, False]

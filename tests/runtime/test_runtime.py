@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_run import shardc, shardc_in
 from golden_windows import golden_windows
 from plan_helpers import plan as make_plan
 
@@ -302,22 +303,17 @@ def test_tampered_shard_is_refused(synth, tmp_path):
 
 
 # -- command line ----------------------------------------------------------------------------------------
-def _shardc(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, **kw)
-
-
 def test_help_does_not_import_torch():
     code = "import sys, shardc.cli; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-    assert "--max-new-tokens" in _shardc("run", "--help").stdout
+    assert "--max-new-tokens" in shardc("run", "--help").stdout
 
 
 @pytest.mark.heavy
 def test_cli_run_demo(demo):
     t0 = time.perf_counter()
-    p = _shardc("run", "--manifest", str(demo["tp3pp2"].manifest_path), "--prompt",
-                "The capital of France is", "--max-new-tokens", "6", "--json")
+    p = shardc("run", "--manifest", str(demo["tp3pp2"].manifest_path), "--prompt",
+               "The capital of France is", "--max-new-tokens", "6", "--json", timeout=300)
     took = time.perf_counter() - t0
     assert p.returncode == 0, p.stderr
     data = json.loads(p.stdout)
@@ -326,7 +322,7 @@ def test_cli_run_demo(demo):
     # the wall time a user waits, not only the generation: rank start-up and loads inside it
     assert data["seconds"] + data["load_seconds"] <= data["wall_seconds"] <= took
     assert 0 <= data["first_token_seconds"] <= data["seconds"]
-    p = _shardc("run", "--manifest", str(demo["tp1pp1"].manifest_path), "--prompt-ids", "1,x")
+    p = shardc_in("run", "--manifest", str(demo["tp1pp1"].manifest_path), "--prompt-ids", "1,x")
     assert p.returncode == 2 and "comma-separated" in p.stderr
 
 
