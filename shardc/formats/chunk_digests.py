@@ -120,7 +120,7 @@ def check_chunks(fd: int, size: int, chunk_size: int, expected: Sequence[str], *
         n = min(chunk_size, size - start)
         if not hasattr(local, "buf"):
             local.buf = memoryview(bytearray(chunk_size))
-        got = _pread_full(fd, local.buf[:n], start)
+        got = pread_full(fd, local.buf[:n], start)
         if got != n:
             return True
         h = new_hash(digest)
@@ -136,7 +136,8 @@ def check_chunks(fd: int, size: int, chunk_size: int, expected: Sequence[str], *
             pool.shutdown()
 
 
-def _pread_full(fd: int, mv: memoryview, offset: int) -> int:
+def pread_full(fd: int, mv: memoryview, offset: int) -> int:
+    """Bytes read into ``mv`` at ``offset`` (fewer only at the end of the file)."""
     got = 0
     while got < len(mv):
         k = os.preadv(fd, [mv[got:]], offset + got)
