@@ -14,21 +14,15 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc
 from plan_helpers import plan as make_plan
 
 from shardc.errors import ManifestError
 
-ROOT = Path(__file__).resolve().parents[2]
 HINT = "(hint: the manifest is damaged; rebuild, or pass the manifest.json that shardc build wrote)"
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def _one_line(p: subprocess.CompletedProcess, line: str) -> None:
@@ -103,17 +97,17 @@ def test_deep_manifest_is_one_line_for_every_reader(built, tmp_path, depth):
     m = _planted(built, tmp_path, _deep(built, depth))
     key = "manifest" if depth == 5000 else "model.config.deep" + "[0]" * 14 + "[..."  # 60 characters, then ...
     line = f"error: {key}: {m}: is nested deeper than 64 levels {HINT}"
-    _one_line(_cli("verify", "--manifest", str(m)), line)
-    _one_line(_cli("inspect", str(m)), line)
-    _one_line(_cli("inspect", str(m.parent)), line)
+    _one_line(shardc("verify", "--manifest", str(m)), line)
+    _one_line(shardc("inspect", str(m)), line)
+    _one_line(shardc("inspect", str(m.parent)), line)
     dest = tmp_path / "dest"
-    _one_line(_cli("pull", "--manifest", str(m), "--all", "--dest", str(dest), "-q"), line)
+    _one_line(shardc("pull", "--manifest", str(m), "--all", "--dest", str(dest), "-q"), line)
     assert not dest.exists() or not any(dest.iterdir())  # refused before anything was written
     plan = tmp_path / "to.yaml"
     plan.write_text(f"replica_group: {{name: to, tp_degree: 1, pp_degree: 1, dtype: bf16, gpus_per_replica: 1}}\n"
                     f"model: {{source: {built.parent}}}\n")
     out = tmp_path / "out"
-    _one_line(_cli("reshard", "--manifest", str(m), "--plan", str(plan), "--out", str(out), "-q",
+    _one_line(shardc("reshard", "--manifest", str(m), "--plan", str(plan), "--out", str(out), "-q",
                    "--manifests-dir", str(tmp_path / "mf")), line)
     assert not out.exists()
 
@@ -213,7 +207,7 @@ def test_hostile_degrees_cli_verify_and_pull(built, tmp_path):
         m = d / "manifest.json"
         m.write_text(json.dumps(_hostile(built, shards=shards)))
         line = f"error: shards: {m}: {tail} {HINT}"
-        _one_line(_cli("verify", "--manifest", str(m)), line)
+        _one_line(shardc("verify", "--manifest", str(m)), line)
         dest = tmp_path / f"dest{shards}"
-        _one_line(_cli("pull", "--manifest", str(m), "--all", "--dest", str(dest), "-q"), line)
+        _one_line(shardc("pull", "--manifest", str(m), "--all", "--dest", str(dest), "-q"), line)
         assert not dest.exists() or not any(dest.iterdir())

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from cli_run import shardc
 from manifest_edits import reseal
 from plan_helpers import plan as make_plan
 
@@ -25,13 +26,6 @@ from shardc.loader.devices import check_gpus, resolve_device, visible_gpus  # no
 from shardc.loader.tensors import nonfinite  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    return subprocess.run([sys.executable, "-m", "shardc.cli", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -93,17 +87,17 @@ def test_gpu_count_check_is_one_line(monkeypatch):
 def test_cli_refuses_cuda_without_gpus_before_loading(builds):
     m = str(builds["bf16"])
     name = builds["bf16"].parent.name
-    p = _cli("verify", "--manifest", m, "--device", "cuda")
+    p = shardc("verify", "--manifest", m, "--device", "cuda")
     assert p.returncode == 2 and p.stderr.startswith(f"error: plan {name} needs 1 GPU on this node; 0 are visible")
-    p = _cli("run", "--manifest", m, "--prompt-ids", "1,2", "--device", "cuda")
+    p = shardc("run", "--manifest", m, "--prompt-ids", "1,2", "--device", "cuda")
     assert p.returncode == 2 and f"plan {name} needs 2 GPUs on this node; 0 are visible" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
-    p = _cli("run", "--manifest", m, "--prompt-ids", "1,2", "--device", "cuda:0")
+    p = shardc("run", "--manifest", m, "--prompt-ids", "1,2", "--device", "cuda:0")
     assert p.returncode == 2 and "pins one GPU" in p.stderr
     # torchrun's env: one process of a 2-rank distributed verify sees LOCAL_WORLD_SIZE=2 GPUs needed
     env = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
-    p = _cli("verify", "--manifest", m, "--distributed", "--device", "cuda", env=env)
+    p = shardc("verify", "--manifest", m, "--distributed", "--device", "cuda", env=env)
     assert p.returncode == 2 and f"plan {name} needs 2 GPUs on this node; 0 are visible" in p.stderr
 
 
@@ -223,9 +217,9 @@ def test_verify_device_cpu_finds_nan_with_matching_sha(builds, tmp_path):
     f.write_bytes(bytes(data))
     reseal(_entry(man, 0)[1], bytes(data))
     (d / "manifest.json").write_text(json.dumps(man))
-    p = _cli("verify", "--manifest", str(d / "manifest.json"), "--rank", "0")
+    p = shardc("verify", "--manifest", str(d / "manifest.json"), "--rank", "0")
     assert p.returncode == 0, p.stdout + p.stderr
-    p = _cli("verify", "--manifest", str(d / "manifest.json"), "--device", "cpu", "--json")
+    p = shardc("verify", "--manifest", str(d / "manifest.json"), "--device", "cpu", "--json")
     assert p.returncode == 1
     r = json.loads(p.stdout)
     assert r["problems"] == [f"{f.name}: tensor {name} holds NaN or Inf on cpu"]

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_run import shardc as shardc_cli
 from manifest_edits import reseal
 from tiny_builds import tiny_build
 
@@ -322,9 +323,7 @@ def test_run_cli_says_one_line_for_a_shard_rewritten_in_place(build_dir):
     the exact one line, exit 1, naming the file, the chunk (a tiny shard is one) and its tensors."""
     f0 = build_dir / S0
     _poke(f0, f0.stat().st_size - 3)
-    p = subprocess.run([sys.executable, "-m", "shardc.cli", "run", "--manifest", str(build_dir / "manifest.json"),
-                        "--prompt-ids", "1,2", "--device", "cpu"], capture_output=True, text=True, cwd=ROOT,
-                       timeout=300)
+    p = shardc_cli("run", "--manifest", build_dir / "manifest.json", "--prompt-ids", "1,2", "--device", "cpu")
     line = (f"error: rank 0 (tp 0, pp 0): {_chunk_line(f0, 0, 16 << 20)} "
             "(hint: re-pull the shard, or rebuild it; shardc verify gives the full report)")
     assert (p.returncode, p.stderr.strip().splitlines()[-1:]) == (1, [line]), p.stdout + p.stderr
