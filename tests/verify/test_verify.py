@@ -276,13 +276,21 @@ def _one_error_line(err: str) -> str:
     return lines[0]
 
 
-def _watch(port: int):
-    """A client of the rendezvous store rank 0 hosts: the test waits on the ranks' own keys."""
+def _watch(port: int, procs: dict[int, subprocess.Popen] | None = None):
+    """A client of the rendezvous store rank 0 hosts: the test waits on the ranks' own keys. Rank 0
+    starts its store after its imports, which a loaded 2-core CI machine (a vLLM engine on the other
+    worker) has stretched past 90 s: it gets 240. Should it never listen, the failure says what the
+    ranks that ended printed."""
     from datetime import timedelta
 
     import torch.distributed as dist
 
-    client = dist.TCPStore("127.0.0.1", port, 4, is_master=False, timeout=timedelta(seconds=90))
+    try:
+        client = dist.TCPStore("127.0.0.1", port, 4, is_master=False, timeout=timedelta(seconds=240))
+    except dist.DistNetworkError:
+        ended = {r: (p.returncode, p.stderr.read()[-800:] if p.stderr else "")
+                 for r, p in (procs or {}).items() if p.poll() is not None}
+        raise AssertionError(f"rank 0's store never listened on {port}; ranks that ended: {ended}") from None
     return dist.PrefixStore("shardc-verify", client)
 
 
@@ -372,7 +380,7 @@ def test_distributed_rank0_dies_after_joining(builds):
         port = held.getsockname()[1]
         with _opens_wait(manifest.parent / "model-tp01-pp00.safetensors"):  # global rank 1
             procs.update({r: _start_rank(manifest, r, 4, port, 30) for r in (0, 1, 2)})
-            _watch(port).wait(["joined/0", "joined/1", "joined/2"])
+            _watch(port, procs).wait(["joined/0", "joined/1", "joined/2"])
             procs[0].kill()
             procs[0].wait()
         t0 = time.monotonic()
@@ -398,7 +406,7 @@ def test_distributed_peer_hangs_while_verifying(builds):
         port = held.getsockname()[1]
         with _opens_wait(manifest.parent / "model-tp00-pp01.safetensors"):  # global rank 2
             procs.update({r: _start_rank(manifest, r, 4, port, 5) for r in range(4)})
-            _watch(port).wait(["joined/2", "report/0", "report/1", "report/3"])
+            _watch(port, procs).wait(["joined/2", "report/0", "report/1", "report/3"])
             t0 = time.monotonic()
             results = _results(procs, skip=2)
             elapsed = time.monotonic() - t0
@@ -426,7 +434,7 @@ def test_distributed_peer_joins_then_hangs(builds, hung):
         port = held.getsockname()[1]
         with _running() as procs:
             procs.update({r: _start_rank(manifest, r, 4, port, timeout) for r in (0, 1, 2)})
-            _watch(port).wait(["report/0", "report/1", "report/2"])  # all three in the store's hands
+            _watch(port, procs).wait(["report/0", "report/1", "report/2"])  # all three in the store's hands
             os.kill(procs[hung].pid, signal.SIGSTOP)
             t0 = time.monotonic()
             procs[3] = _start_rank(manifest, 3, 4, port, timeout)
