@@ -176,8 +176,10 @@ def main() -> None:
                       f"{ver_one / ossl_one:5.2f}x openssl")
                 shutil.rmtree(out)  # disk: the 2x-layer output and source are the biggest of all
             out2 = tmp / f"out-{dtype}-2x"
+            # its own record directory: the same plan name from another source is another build,
+            # whose record the build refuses to replace without --replace (#41)
             _, rss2 = run(shardc + ["build", str(pf), "--out", str(out2), "--manifests-dir",
-                                    str(tmp / "m"), "--quiet", "--source", str(srcs[2 * a.layers])])
+                                    str(tmp / "m-2x"), "--quiet", "--source", str(srcs[2 * a.layers])])
             results[f"rss_{dtype}_gib"] = rss / 2**20
             results[f"rss_{dtype}_2x_layers_ratio"] = rss2 / rss
             print(f"[{dtype}] peak RSS {2 * a.layers} vs {a.layers} layers: {rss2 / 2**20:.2f} / "
