@@ -96,6 +96,8 @@ def main() -> None:
                     help="source in the page cache, or not (cold needs root) [default: both]")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.layers < 2:  # before minutes of writing sources: the plan is tp4pp2, a stage per layer at least
+        ap.error(f"--layers {a.layers}: the tp4pp2 plan needs at least 2 layers (use --layers 2)")
     shardc = [sys.executable, "-m", "shardc.cli"]
     work = Path(a.workdir or ROOT / "build" / "bench")
     work.mkdir(parents=True, exist_ok=True)
