@@ -56,3 +56,15 @@ def test_cited_doc_sections_exist(doc: str) -> None:
     assert cited, f"nothing cites docs/{doc}: the pattern is stale"
     unknown = sorted((f, s) for f, s in cited if s not in sections)
     assert not unknown, f"citations of sections docs/{doc} does not have: {unknown}"
+
+
+def test_mutmut_paths_exist():
+    """`make mutants` mutates the modules `[tool.mutmut]` names: a module renamed or moved (as #44
+    moved the loader) must be renamed there too, or mutmut silently tests less."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["mutmut"]
+    missing = [p for p in cfg["only_mutate"] + cfg["pytest_add_cli_args_test_selection"]
+               if not p.startswith("-") and not (root / p.split("::")[0]).exists()]
+    assert not missing, missing
