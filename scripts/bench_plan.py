@@ -188,7 +188,7 @@ def worst(r: dict[str, tuple[float, float, float]]) -> float:
 
 FITTED = ("hbm_efficiency", "w8_hbm_efficiency", "kv_hbm_efficiency", "compute_efficiency",
           "fp8_compute_efficiency", "link_efficiency", "layer_overhead_us", "step_overhead_ms",
-          "allreduce_overhead_us", "two_stage_us", "fp8_single_token_us")
+          "allreduce_overhead_us", "two_stage_us", "fp8_single_token_us", "fp8_layer_us")
 
 
 # Knobs held at a measured value where the grid does not pin them, per aiconfigurator system. L40S's
@@ -219,7 +219,8 @@ def fit(cells: list[tuple[str, str, str, int, int]], peer: dict[str, dict[str, f
 
     names = list(FITTED)  # less what no cell of the group can see, which stays at ``start``'s value
     if not any(c[2] == "fp8" for c in cells):
-        names = [k for k in names if k not in ("w8_hbm_efficiency", "fp8_compute_efficiency", "fp8_single_token_us")]
+        names = [k for k in names if k not in ("w8_hbm_efficiency", "fp8_compute_efficiency", "fp8_single_token_us",
+                                           "fp8_layer_us")]
     if not any(GPUS[c[1]].nvlink for c in cells):  # PCIe: no custom two-stage all-reduce
         names.remove("two_stage_us")
     if all(c[3] == 1 or GPUS[c[1]].measures_allreduce(c[3]) for c in cells):  # the system's all-reduce measured

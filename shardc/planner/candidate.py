@@ -36,7 +36,7 @@ from .formulas import (
     sequences_at,
     vllm_allreduce_s,
 )
-from .gpus import GIB, rates, single_token_us
+from .gpus import GIB, fp8_fixed_us, rates
 from .records import Candidate, Cost, GpuMemory, KvFigures, Search, Speed
 from .serving import Step, choose, serving_at, sweep
 from .weights import plan_dict, plan_name, rank_weights
@@ -165,8 +165,8 @@ def _speed(s: Search, c: Candidate) -> None:
     model, gpu, sp, w, cl = s.model, s.cluster.gpu, s.speed, s.workload, s.cluster
     tp, pp = c.tp, c.pp or 1
     link = gpu.link
-    hbm_w, hbm_kv, flops = rates(gpu, rate_dtype(model, c.dtype or ""), sp)
-    one_token_us = single_token_us(gpu, rate_dtype(model, c.dtype or ""), sp)
+    rate = rate_dtype(model, c.dtype or "")
+    hbm_w, hbm_kv, flops = rates(gpu, rate, sp)
     heads, attn = model.num_heads // tp, attn_flops(model)
     stages = [max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.read_bytes) for st in range(pp)]
     def allreduce(n: int, nbytes: float, bandwidth: float, latency: float) -> float:
@@ -195,7 +195,7 @@ def _speed(s: Search, c: Candidate) -> None:
             if st < pp - 1:
                 hop = link if cl.node_of(st * tp) == cl.node_of((st + 1) * tp) else cl.inter_node
                 comm += (d + p) * model.hidden_size * ACT_BYTES / (hop.bandwidth * sp.link_efficiency) + hop.latency
-            fixed = layers * (sp.layer_overhead_us + (one_token_us if d + p <= 1 else 0.0)) * 1e-6
+            fixed = layers * (sp.layer_overhead_us + fp8_fixed_us(gpu, rate, sp, d + p)) * 1e-6
             one = Step(max(mem, comp) + comm + fixed, mem, comp, comm, fixed)
             if one.total > worst.total:
                 worst, where = one, st

@@ -52,7 +52,7 @@ from .formulas import (
     round_to_blocks,
     sequences_at,
 )
-from .gpus import GIB, rates, single_token_us
+from .gpus import GIB, fp8_fixed_us, rates
 from .records import GpuMemory, KvFigures, Search, Speed
 from .serving import Step, choose, serving_at, sweep
 from .weights import RankWeights, plan_dict, plan_name
@@ -246,7 +246,7 @@ def ep_slot(s: Search, c: Candidate, d: float, p: float = 0.0, plen: int = 0) ->
     link = gpu.link
     a2a = 2 * ew.moe_layers * all_to_all_s(n, (local + local_p) * ew.top_k * model.hidden_size * ACT_BYTES,
                                            link.bandwidth * sp.link_efficiency, link.latency)
-    one_token = single_token_us(gpu, rate_dtype(s.model, c.dtype or ""), sp) if local + local_p <= 1 else 0.0
+    one_token = fp8_fixed_us(gpu, rate_dtype(s.model, c.dtype or ""), sp, local + local_p)
     fixed = model.num_layers * (sp.layer_overhead_us + one_token) * 1e-6
     return Step(max(mem, comp) + a2a + fixed + sp.step_overhead_ms * 1e-3, mem, comp, a2a, fixed)
 

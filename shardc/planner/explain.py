@@ -11,7 +11,7 @@ from typing import Any
 from .candidate import attn_flops, kv_bpt, routing
 from .ep import ep_demand_words, linear_block
 from .formulas import SpeedParams, demand_words, experts_touched, rate_dtype, vllm_allreduce_stages
-from .gpus import GB, GIB, GPU, gemm_flops, single_token_us
+from .gpus import GB, GIB, GPU, fp8_fixed_us, gemm_flops
 from .policy import OBJECTIVE_WORDS
 from .records import Candidate, Search
 from .report import gib
@@ -229,8 +229,8 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
          + (" + the hand-off to the next stage" if pp > 1 and v.stage < pp - 1 else "")
          + f" = {v.allreduce_s * 1e3:.2f} ms ({link.name if cl.nodes == 1 else link.name + '/' + cl.inter_node.name})",
          f"  fixed: {layers} layers x {sp.layer_overhead_us:g} us"
-         + (f" + {layers} x {one:g} us (fp8 GEMMs of one row)"
-            if (one := single_token_us(g, rate_dtype(s.model, c.dtype or ""), sp)) and b <= 1 else "")
+         + (f" + {layers} x {one:g} us (fp8: activations quantized" + (", GEMMs of one row)" if b <= 1 else ")")
+            if (one := fp8_fixed_us(g, rate_dtype(s.model, c.dtype or ""), sp, b)) else "")
          + f" = {v.fixed_s * 1e3:.2f} ms",
          f"  slot = max({v.memory_s * 1e3:.2f}, {v.compute_s * 1e3:.2f}) + {v.allreduce_s * 1e3:.2f} + "
          f"{v.fixed_s * 1e3:.2f} = {v.slot_s * 1e3:.2f} ms"]
@@ -344,7 +344,7 @@ def _explain_choice(s: Search, c: Candidate) -> list[str]:
           f"link_efficiency {sp.link_efficiency:g}, layer_overhead_us {sp.layer_overhead_us:g}, "
           f"step_overhead_ms {sp.step_overhead_ms:g}, allreduce_overhead_us {sp.allreduce_overhead_us:g}, "
           f"two_stage_us {sp.two_stage_us:g}, "
-          f"fp8_single_token_us {sp.fp8_single_token_us:g} (fitted to aiconfigurator 0.12's vLLM tables: "
+          f"fp8_single_token_us {sp.fp8_single_token_us:g}, fp8_layer_us {sp.fp8_layer_us:g} (fitted to aiconfigurator 0.12's vLLM tables: "
           "docs/performance.md), "
           f"max_num_batched_tokens {sp.max_num_batched_tokens}, microbatches {sp.microbatches or 'one per stage'}, "
           f"max_num_seqs {sp.max_num_seqs}, max memory per GPU {sp.max_memory_fraction:.0%} (with `kv_memory`)"]

@@ -129,6 +129,10 @@ class SpeedParams:
     # than of two (fixed, whatever the weights' size: 44-65 us on Blackwell in aiconfigurator 0.12's
     # tables; Hopper's 1.5 is next to nothing)
     fp8_single_token_us: float = 1.5
+    # per layer and step with fp8 weights, however many tokens: vLLM's W8A8 quantizes each GEMM's
+    # activations (a per-token fp8 quant kernel before each of the layer's linears), a cost that neither
+    # the weights' size nor the batch sets (fitted 0 where the grid does not ask for it: Hopper)
+    fp8_layer_us: float = 0.0
     max_num_batched_tokens: int = 8192  # vLLM's token budget per step (chunked prefill)
     microbatches: int | None = None  # GPipe micro-batches in flight; None: one per stage
     max_num_seqs: int = 256  # scheduler cap on the decode batch (vLLM's default)

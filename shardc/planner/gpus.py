@@ -169,9 +169,9 @@ CALIBRATED: dict[str, dict[str, float]] = {
     "b300_sxm": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.67, "kv_hbm_efficiency": 0.65, "compute_efficiency": 0.73,
                  "fp8_compute_efficiency": 0.47, "link_efficiency": 0.41, "layer_overhead_us": 35.4,
                  "step_overhead_ms": 0, "allreduce_overhead_us": 6.0, "two_stage_us": 11.4, "fp8_single_token_us": 56.9},
-    "gb300": {"hbm_efficiency": 0.95, "w8_hbm_efficiency": 0.61, "kv_hbm_efficiency": 0.73, "compute_efficiency": 0.85,
-              "fp8_compute_efficiency": 0.38, "link_efficiency": 0.25, "layer_overhead_us": 35.2, "step_overhead_ms": 0,
-              "allreduce_overhead_us": 5.6, "two_stage_us": 1.5, "fp8_single_token_us": 60.4},
+    "gb300": {"hbm_efficiency": 0.94, "w8_hbm_efficiency": 0.79, "kv_hbm_efficiency": 0.72, "compute_efficiency": 0.77,
+              "fp8_compute_efficiency": 0.52, "link_efficiency": 0.26, "layer_overhead_us": 40.4, "step_overhead_ms": 0,
+              "allreduce_overhead_us": 1.6, "two_stage_us": 1.4, "fp8_single_token_us": 74.1, "fp8_layer_us": 12.7},
     # PCIe cards: no custom two-stage all-reduce, so two_stage_us is 0
     "rtx_pro_6000_server": {"hbm_efficiency": 0.83, "w8_hbm_efficiency": 0.75, "kv_hbm_efficiency": 0.74,
                             "compute_efficiency": 0.78, "fp8_compute_efficiency": 0.95, "link_efficiency": 0.35,
@@ -188,7 +188,7 @@ CALIBRATED: dict[str, dict[str, float]] = {
 # The worst cell after that fit: max |shardc / aiconfigurator - 1| over the card's grid, TPOT and tokens/s per
 # GPU. Within CALIBRATION_TOLERANCE the card is calibrated; beyond it its figures are labelled approximate.
 WORST_CELL: dict[str, float] = {"a100_sxm": 0.07, "h100_sxm": 0.10, "h200_sxm": 0.10, "rtx_pro_6000_server": 0.12,
-                                "l40s": 0.06, "b200_sxm": 0.22, "b300_sxm": 0.12, "gb200": 0.14, "gb300": 0.17}
+                                "l40s": 0.06, "b200_sxm": 0.22, "b300_sxm": 0.12, "gb200": 0.14, "gb300": 0.14}
 CALIBRATION_TOLERANCE = 0.15
 
 
@@ -210,12 +210,15 @@ def rates(gpu: GPU, dtype: str, sp: Any) -> tuple[float, float, float]:
     return weights, gpu.hbm_bandwidth * sp.kv_hbm_efficiency, flops
 
 
-def single_token_us(gpu: GPU, dtype: str, sp: Any) -> float:
-    """Microseconds per layer a step of one token costs beyond the roofline where its fp8 GEMMs of one
-    row take a slower kernel (sp.fp8_single_token_us: aiconfigurator 0.12 measures vLLM 0.24's on
-    Blackwell at ~65 us per layer whatever the model's size and tp, B200 8B fp8 tp1: TPOT 4.87 ms at
-    concurrency 1, 3.18 ms at 2); 0 for 16-bit weights and cards without fp8 tensor cores."""
-    return sp.fp8_single_token_us if dtype == "fp8" and gpu.name in FP8_TFLOPS else 0.0
+def fp8_fixed_us(gpu: GPU, dtype: str, sp: Any, tokens: float) -> float:
+    """Microseconds per layer a step with fp8 weights costs beyond the roofline: the activations'
+    quantization before its GEMMs (sp.fp8_layer_us, every step), and where the step has one token, the
+    slower kernel fp8 GEMMs of one row take (sp.fp8_single_token_us: aiconfigurator 0.12 measures vLLM
+    0.24's on Blackwell at ~65 us per layer whatever the model's size and tp, B200 8B fp8 tp1: TPOT
+    4.87 ms at concurrency 1, 3.18 ms at 2); 0 for 16-bit weights and cards without fp8 tensor cores."""
+    if dtype != "fp8" or gpu.name not in FP8_TFLOPS:
+        return 0.0
+    return sp.fp8_layer_us + (sp.fp8_single_token_us if tokens <= 1 else 0.0)
 
 
 GPU_ALIASES = {

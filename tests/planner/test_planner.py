@@ -228,6 +228,35 @@ def test_one_token_fp8_steps_pay_their_kernels_fixed_cost():
     assert speed("fp8", 1, h200).fixed_s == pytest.approx(80 * (hop.layer_overhead_us + hop.fp8_single_token_us) * 1e-6)
 
 
+def test_fp8_steps_pay_the_activation_quantization_per_layer_where_fitted():
+    """vLLM's fp8 W8A8 GEMMs quantize their activations first (a per-token kernel before each of a
+    layer's linears), a fixed cost per layer that neither the weights' size nor the batch sets. On
+    GB300, aiconfigurator 0.12's tables ask for it: without it the fit left Llama-3.1-70B fp8 tp1 at
+    1.15x its TPOT and 8B fp8 tp8 at 0.87x (worst cell 17 %); with it, 14 %. Every fp8 step pays it
+    (one token: the single-row kernel on top); 16-bit and int8 (weight-only: 16-bit activations)
+    steps pay nothing; where the grid does not ask for it (Hopper, B200) it is 0."""
+    gb300 = Cluster(get_gpu("gb300"), gpus_per_node=8)
+    sp = speed_for(gb300.gpu)
+    assert sp.fp8_layer_us > 0
+
+    def fixed(dtype: str, conc: int, cluster: Cluster = gb300) -> float:
+        return _only(L70, 8, 1, dtype, Workload(concurrency=conc, target_tpot_ms=1e6), cluster).speed.fixed_s
+
+    assert fixed("fp8", 2) == pytest.approx(80 * (sp.layer_overhead_us + sp.fp8_layer_us) * 1e-6)
+    assert fixed("fp8", 16) == pytest.approx(80 * (sp.layer_overhead_us + sp.fp8_layer_us) * 1e-6)
+    assert fixed("fp8", 1) == pytest.approx(
+        80 * (sp.layer_overhead_us + sp.fp8_layer_us + sp.fp8_single_token_us) * 1e-6)
+    assert fixed("bf16", 2) == pytest.approx(80 * sp.layer_overhead_us * 1e-6)
+    assert fixed("int8", 2) == pytest.approx(80 * sp.layer_overhead_us * 1e-6)
+    for other in ("h200", "b200"):
+        assert speed_for(get_gpu(other)).fp8_layer_us == 0, other
+    explain = CliRunner().invoke(main, ["plan", "--model", "llama-3.1-70b", "--gpu", "gb300", "--gpus", "8",
+                                        "--dtype", "fp8", "--explain"])
+    assert explain.exit_code == 0, explain.output
+    assert f"fp8_layer_us {sp.fp8_layer_us:g}" in explain.output
+    assert "(fp8: activations quantized" in explain.output
+
+
 def test_pipeline_step_includes_the_gpipe_bubble():
     c = _only(L70, 4, 2, "bf16", Workload(target_tpot_ms=1000))
     v, sp = c.speed, SpeedParams()
