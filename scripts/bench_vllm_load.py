@@ -152,6 +152,9 @@ def _rank(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> No
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     load_general_plugins()  # the entry point registers "shardc", as in every vLLM process
+    # vLLM's CPU worker sets this before it joins the group (cpu_worker.py init_device); its shared-memory
+    # all-reduce (AVX-512 builds) names its segment by it
+    os.environ["VLLM_DIST_IDENT"] = str(port)
     loaders = ["default", *job["builds"]]
     cfgs = {"default": _config(job["source"], job, "auto"),
             **{name: _config(path, job, "shardc") for name, path in job["builds"].items()}}

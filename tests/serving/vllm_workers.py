@@ -78,6 +78,10 @@ def _same(a, b) -> bool:
 
 def _rank(rank: int, world: int, port: int, job: dict, out: str) -> None:
     os.environ.update(job.get("env", {}))
+    # what vLLM's CPU worker sets before it joins the group (vllm/v1/worker/cpu_worker.py init_device):
+    # the shared-memory all-reduce names its segment by it, and on a CPU whose vLLM kernels have that
+    # all-reduce (AVX-512 builds: torch.ops._C.init_shm_manager) a rank without it stops with a KeyError
+    os.environ["VLLM_DIST_IDENT"] = str(port)
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.plugins import load_general_plugins
