@@ -8,12 +8,13 @@ pack-quantized, four values to an int32 along the input dimension, which constra
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from ..errors import LayoutError, QuantizationError
 from .dtypes import PLAN_DTYPE
 from .model import ModelSpec
 from .plan import Plan
-from .tensors import ROW, STACKED, Row, tensor_table, valid_tp_degrees
+from .tensors import ROW, STACKED, Row, table_rows, tensor_table, valid_tp_degrees
 
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 # int8 is stored as compressed-tensors "pack-quantized": X.weight_packed holds the int8 values
@@ -31,7 +32,7 @@ def _ignore_matches(entry: str, name: str) -> bool:
 
 def quantizable(model: ModelSpec) -> set[str]:
     """The decoder's linear projections: the rows its family table marks quantizable."""
-    return {r.name for r in model.spec.tensors(model) if r.quantizable}
+    return {r.name for r in table_rows(model) if r.quantizable}
 
 
 def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
@@ -40,23 +41,35 @@ def quantized_names(model: ModelSpec, plan: Plan) -> set[str]:
         return set()
     table = tensor_table(model)
     _refuse_stacked(model, plan, table)
-    names, linear = sorted(table), quantizable(model)
+    return set(_kept_quantizable(model, plan.quant_ignore))
+
+
+# by model object and ignore list: a search asks the same question for every candidate of a dtype
+_QUANTIZED: dict[tuple[int, tuple[str, ...]], tuple[ModelSpec, frozenset[str]]] = {}
+
+
+def _kept_quantizable(model: ModelSpec, ignore: tuple[str, ...]) -> frozenset[str]:
+    """The quantizable rows no ``ignore`` entry matches; an entry that matches nothing is an error."""
+    hit = _QUANTIZED.get((id(model), ignore))
+    if hit is not None and hit[0] is model:
+        return hit[1]
+    names, linear = sorted(tensor_table(model)), quantizable(model)
     head = model.forward.names.lm_head.removesuffix(".weight")  # ignored whether tied or not
-    for entry in plan.quant_ignore:
+    for entry in ignore:
         if not any(_ignore_matches(entry, n) for n in names) and entry != head:
             raise QuantizationError(
                 f"ignore entry {entry!r} matches no tensor of this model",
                 key="quantization.ignore",
                 hint="use name parts such as lm_head, embed_tokens, layers.0, layers.79.mlp, q_proj",
             )
-    return {
-        n
-        for n in names
-        if n in linear and not any(_ignore_matches(e, n) for e in plan.quant_ignore)
-    }
+    kept = frozenset(n for n in names if n in linear and not any(_ignore_matches(e, n) for e in ignore))
+    if len(_QUANTIZED) >= 16:
+        _QUANTIZED.pop(next(iter(_QUANTIZED)))
+    _QUANTIZED[(id(model), ignore)] = (model, kept)
+    return kept
 
 
-def _refuse_stacked(model: ModelSpec, plan: Plan, table: dict[str, Row]) -> None:
+def _refuse_stacked(model: ModelSpec, plan: Plan, table: Mapping[str, Row]) -> None:
     """Experts stacked in one tensor per layer (gpt-oss: [E, in, out]) have no int8/fp8 form the
     clients load (compressed-tensors quantizes Linear modules; transformers and vLLM read such
     experts as bf16 or MXFP4), so an int8/fp8 plan would quantize only the attention and leave

@@ -50,12 +50,27 @@ def layer_kinds(model: ModelSpec) -> tuple[Any, ...]:
     return tuple(sparse) if sparse is not None else (None,) * model.num_layers
 
 
+# The probes of the last few models a search asked about: the candidates of one pipeline depth share
+# their probe, so its tensor table (layout/tensors.py caches it per model object) is built once, not
+# once per candidate (Kimi-K2's 384 experts: a few thousand rows, 60 candidates)
+_PROBES: dict[tuple[int, tuple[Any, ...]], tuple[ModelSpec, ModelSpec]] = {}
+
+
 def probe_model(model: ModelSpec, kinds: list[Any]) -> ModelSpec:
-    """``model`` with one layer per entry of ``kinds``, each of that kind."""
+    """``model`` with one layer per entry of ``kinds``, each of that kind (the same object for the same
+    model and kinds while cached)."""
+    key = (id(model), tuple(kinds))
+    hit = _PROBES.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1]
     options = dict(model.options)
     if "sparse" in options:
         options["sparse"] = tuple(kinds)
-    return dataclasses.replace(model, num_layers=len(kinds), options=options)
+    probe = dataclasses.replace(model, num_layers=len(kinds), options=options)
+    if len(_PROBES) >= 16:
+        _PROBES.pop(next(iter(_PROBES)))
+    _PROBES[key] = (model, probe)
+    return probe
 
 
 def rank_weights(model: ModelSpec, plan: Plan) -> list[RankWeights]:
