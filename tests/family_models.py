@@ -34,6 +34,10 @@ DEEPSEEK_SHAPE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_siz
                       initializer_range=0.2, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                       first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=12)
+# MiniMax-M2: 4 heads over 2 KV heads (tp = 2 splits both), a partial rope (8 of 16 dimensions; the
+# saved config.json spells it twice, rotary_dim and rope_parameters.partial_rotary_factor)
+MINIMAX_SHAPE = dict(MOE_SHAPE, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2, head_dim=16,
+                     rotary_dim=8)
 GPT_OSS_CONFIG = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       vocab_size=96, max_position_embeddings=256, initializer_range=0.2, intermediate_size=32,
                       num_local_experts=6, num_experts_per_tok=2, sliding_window=8)
@@ -82,6 +86,19 @@ def _router_biased(model: Any) -> Any:
             layer.mlp.gate.float()
             layer.mlp.gate.weight.normal_(0, DEEPSEEK_SHAPE["initializer_range"])
             layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(DEEPSEEK_SHAPE["n_routed_experts"]) * 0.5)
+    return model
+
+
+def _minimax_made(model: Any) -> Any:
+    """MiniMax-M2: norms perturbed from 1 (the whole-width q/k norms too: a slice on the wrong rank
+    shows) and a nonzero correction bias that changes choices (transformers starts it at zero); all
+    bf16, as transformers holds a bf16 model's router and bias."""
+    import torch
+
+    model = _norms_added(model)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.e_score_correction_bias.copy_(torch.randn(MINIMAX_SHAPE["num_local_experts"]) * 0.5)
     return model
 
 
@@ -265,6 +282,11 @@ MODELS: dict[str, dict[str, Tiny]] = {
         "gpt_oss": Tiny("GptOssConfig", "GptOssForCausalLM", dict(GPT_OSS_CONFIG), 5, T=24,
                         ref={"experts_implementation": "eager"}, agree=routed_agree,
                         seed_of=lambda tp, ep, dp: tp + dp, dirname="src", moe=True, gate_ppl=ROUTED_GATE_PPL),
+    },
+    "minimax_m2": {
+        "minimax_m2": Tiny("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(MINIMAX_SHAPE), 5, _minimax_made, T=24,
+                           ref={"experts_implementation": "eager"}, agree=routed_agree,
+                           seed_of=lambda tp, ep, dp: tp + dp, moe=True, gate_ppl=ROUTED_GATE_PPL),
     },
 }
 CASES: dict[str, Tiny] = {case: m for cases in MODELS.values() for case, m in cases.items()}

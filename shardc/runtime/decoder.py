@@ -23,6 +23,8 @@ import torch.nn.functional as F
 
 from ..layout.families.family import Forward
 from .moe import route, stacked_expert
+from .qk import apply_rope, whole_qk_norm
+from .qk import rotate_half as _rotate_half
 from .rankweights import Dims, LayerWeights, MoeWeights, StageWeights
 from .rope import rope_tables
 from .support import activation_fn
@@ -32,6 +34,7 @@ class TPComm(Protocol):
     """What the forward needs from the tensor-parallel group (see comm.py)."""
 
     tp: int
+    tp_rank: int
     dp_rank: int
 
     def all_reduce_sum(self, x: torch.Tensor, what: str) -> torch.Tensor: ...
@@ -67,11 +70,6 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return torch.tanh(x / cap) * cap
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x, w, b)
 
@@ -100,8 +98,9 @@ class StageModel:
                  dtype: torch.dtype, device: torch.device, fwd: Forward) -> None:
         self.w, self.d, self.model, self.comm, self.f = weights, dims, model, comm, fwd
         self.dtype, self.device = dtype, device
-        # the rotary tables' width: MLA rotates qk_rope_head_dim dimensions per head
-        self._rope_model = model if fwd.mla is None else {**model, "head_dim": fwd.mla.rope}
+        # the rotary tables' width: MLA rotates qk_rope_head_dim dimensions per head, a partial rope rotary_dim
+        rotary = fwd.mla.rope if fwd.mla is not None else fwd.rotary_dim
+        self._rope_model = model if rotary is None else {**model, "head_dim": rotary}
         if device.type == "cuda":
             # Attention backend, chosen deliberately: PyTorch would pick cuDNN's SDPA for a GQA
             # decode, which plans anew for every KV length (14 ms of host time per call, measured on
@@ -190,14 +189,15 @@ class StageModel:
         d, b, f, norm = self.d, lw.bias, self.f, self._norm
         bsz, t, _ = h.shape
         assert lw.k is not None and lw.v is not None
-        q = _linear(h, lw.q, b.get("q")).view(bsz, t, d.heads, d.head_dim)
-        k = _linear(h, lw.k, b.get("k")).view(bsz, t, d.kv_heads, d.head_dim)
+        q, k = _linear(h, lw.q, b.get("q")), _linear(h, lw.k, b.get("k"))
         v = _linear(h, lw.v, b.get("v")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
+        if f.qk_norm_whole:  # over every head's width, before rope (MiniMax-M2; runtime/qk.py)
+            q, k = whole_qk_norm(q, k, lw.norms["q_norm"], lw.norms["k_norm"], d.eps, self.model["num_heads"],
+                                 self.model["num_kv_heads"], d.head_dim, self.comm, f"layer {lw.index}")
+        q, k = q.view(bsz, t, d.heads, d.head_dim), k.view(bsz, t, d.kv_heads, d.head_dim)
         if f.qk_norm:  # per head, before rope (Qwen3, Gemma 3)
             q, k = norm(q, lw.norms["q_norm"], d.eps), norm(k, lw.norms["k_norm"], d.eps)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = apply_rope(q.transpose(1, 2), cos, sin), apply_rope(k.transpose(1, 2), cos, sin)
         if cache is not None:
             cache.k[lw.index][:, :, start : start + t] = k
             cache.v[lw.index][:, :, start : start + t] = v

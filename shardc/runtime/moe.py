@@ -14,10 +14,13 @@ from .rankweights import MoeWeights
 
 def route(moe: Moe, mw: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(routing weights, chosen expert ids) per token [tokens, top_k], by the family's scoring:
-    DeepSeek-V3's grouped sigmoid, gpt-oss's softmax over the top k logits (model dtype), or
+    DeepSeek-V3's grouped sigmoid, MiniMax-M2's sigmoid with a correction bias, gpt-oss's softmax
+    over the top k logits (model dtype), or
     softmax then top k (renormalized when ``norm_topk``); in the logits' dtype unless ``weights_fp32``."""
     if moe.scoring == "sigmoid":
         logits, weights, chosen = grouped_route(moe, mw, x)
+    elif moe.scoring == "sigmoid_bias":
+        logits, weights, chosen = biased_route(moe, mw, x)
     elif moe.scoring == "topk_softmax":  # gpt-oss: softmax over the top k logits, model dtype
         logits = F.linear(x, mw.router, mw.router_bias)
         top, chosen = torch.topk(logits, moe.top_k, dim=-1)
@@ -67,3 +70,16 @@ def grouped_route(moe: Moe, mw: MoeWeights, x: torch.Tensor) -> tuple[torch.Tens
     if moe.norm_topk:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return logits, weights * moe.scaling, chosen
+
+
+def biased_route(moe: Moe, mw: MoeWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MiniMax-M2's router (transformers' MiniMaxM2TopKRouter, step for step): logits in the
+    router's dtype (the model's: transformers keeps no fp32 copy), sigmoid scores in fp32, the
+    correction bias (model dtype, promoted) added for the choice only, top-k, the chosen unbiased
+    scores renormalized (always; no epsilon). Returns (logits, weights, chosen expert ids)."""
+    assert mw.score_bias is not None
+    logits = F.linear(x.to(mw.router.dtype), mw.router)
+    scores = torch.sigmoid(logits.float())
+    chosen = torch.topk(scores + mw.score_bias, moe.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, chosen)
+    return logits, weights / weights.sum(dim=-1, keepdim=True), chosen

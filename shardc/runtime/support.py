@@ -79,9 +79,14 @@ def check_supported(model: ModelSpec) -> None:
     if kind == "llama3" and scaling["low_freq_factor"] >= scaling["high_freq_factor"]:
         raise ModelError(f"config.json {key}: low_freq_factor must be below high_freq_factor, found "
                          f"{scaling['low_freq_factor']} and {scaling['high_freq_factor']}", key=key, hint=_HINT)
-    # transformers 4 writes it at the top level, transformers 5 (Phi-3) inside rope_parameters
+    # transformers 4 writes it at the top level, transformers 5 (Phi-3) inside rope_parameters; a family
+    # whose forward turns part of each head (Forward.rotary_dim: MiniMax-M2) takes the factor giving that
+    # part, as transformers truncates it (its reader checked each spelling), and no other
     for where, block in (("", model.config), (key + ".", scaling)):
         partial = block.get("partial_rotary_factor", 1.0)
+        if fwd.rotary_dim is not None and isinstance(partial, (int, float)) and not isinstance(partial, bool) \
+                and int(model.head_dim * partial) == fwd.rotary_dim:
+            continue
         if partial not in (None, 1, 1.0):
             raise ModelError(f"config.json {where}partial_rotary_factor={partial!r} is not implemented by "
                              "the shardc runtime (it rotates every dimension)",

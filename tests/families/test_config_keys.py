@@ -57,6 +57,9 @@ FAMILIES = {
         "qk_rope_head_dim": 8, "v_head_dim": 8, "moe_intermediate_size": 16}),
     "GptOssConfig": ("GptOssForCausalLM", {"sliding_window": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
                                            "head_dim": 16}),
+    # a partial rope (transformers writes rope_parameters.partial_rotary_factor from rotary_dim)
+    "MiniMaxM2Config": ("MiniMaxM2ForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                                                 "rotary_dim": 8}),
 }
 
 

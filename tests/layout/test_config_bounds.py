@@ -59,6 +59,8 @@ BASES: dict[str, dict[str, Any]] = {
                         num_mtp_layers=1),
     "gpt_oss": dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", sliding_window=8,
                     num_local_experts=4, num_experts_per_tok=2),
+    "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=4,
+                       num_experts_per_tok=2, rotary_dim=8, num_mtp_modules=1),
 }
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 

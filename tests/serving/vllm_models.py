@@ -42,6 +42,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                          v_head_dim=32, rope_parameters=ROPE_YARN, topk_method="noaux_tc")),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
                 dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+    # vLLM reads rotary_dim and scoring_func (and use_routing_bias) from the config, transformers none of them
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+                   dict(head_dim=32, rotary_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                        scoring_func="sigmoid", use_routing_bias=True)),
 }
 
 

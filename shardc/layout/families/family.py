@@ -86,8 +86,7 @@ REPLICATED, FUSED, EXPERT, STACKED = Split.REPLICATED, Split.FUSED, Split.EXPERT
 
 @dataclass(frozen=True)
 class Row:
-    """One tensor of a checkpoint: its name, the shape the config implies, how TP splits it,
-    whether int8/fp8 plans quantize it, and for a fused tensor its parts along dim 0."""
+    """One tensor: name, the shape the config implies, TP split, quantizable, a fused tensor's parts."""
 
     name: str
     shape: tuple[int, ...]
@@ -136,6 +135,8 @@ class Moe:
     # [E, inter, hidden], its bias [E, hidden]; x @ W + b) with the clamped SwiGLU ``swiglu``
     # (alpha, limit): gate ≤ limit, |up| ≤ limit, (up + 1) · gate · sigmoid(alpha · gate)
     router_bias: str | None = None
+    # MiniMax-M2 (transformers' MiniMaxM2TopKRouter), scoring "sigmoid_bias": logits in the router's dtype, then
+    # sigmoid in fp32, ``score_bias`` added for the choice only, top-k, the unbiased scores renormalized
     stacked: tuple[str, str, str, str] | None = None
     swiglu: tuple[float, float] | None = None
 
@@ -171,6 +172,8 @@ class Forward:
     norm: str = "rms"  # rms: w * norm(x).to(dtype) (Llama); gemma: (norm(x.float()) * (1 + w)).to(dtype);
     #                    rms_upcast: (w * norm(x.float())).to(dtype), the product in fp32 (gpt-oss)
     qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # q's, k's RMSNorm over all heads (MiniMax-M2): TP all-reduces the sum of squares
+    rotary_dim: int | None = None  # rope turns the first rotary_dim dims of a head, the rest pass (MiniMax-M2)
     sandwich: bool = False  # norms after attention and around the MLP (Gemma 2 and 3)
     embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden); Granite)
     embed_scale_in_dtype: bool = False  # the factor rounded to the compute dtype first (Gemma)
@@ -244,8 +247,7 @@ HINT = "pass the config.json of a supported Hugging Face checkpoint"
 
 def number(cfg: dict[str, Any], key: str, default: float | None, *, positive: bool = True,
            below: float | None = None) -> float | None:
-    """A finite number (positive unless told; below ``below`` when given); None when the key is
-    absent or null and the default is None."""
+    """A finite number (positive unless told; below ``below`` when given), or None when absent and no default."""
     value = cfg.get(key, default)
     if value is None:
         value = default
@@ -284,7 +286,7 @@ BOUNDS: dict[str, tuple[int, int]] = {
     # Qwen2 max_window_layers 28 to 80; Gemma 3 pattern 6)
     "first_k_dense_replace": (0, LAYERS), "decoder_sparse_step": (1, LAYERS),
     "max_window_layers": (0, LAYERS), "sliding_window_pattern": (1, LAYERS),
-    "num_nextn_predict_layers": (0, LAYERS), "num_mtp_layers": (0, LAYERS),
+    "num_nextn_predict_layers": (0, LAYERS), "num_mtp_layers": (0, LAYERS), "num_mtp_modules": (0, LAYERS),
     # MLA: ranks under hidden_size's bound (1536, 512), head dims under head_dim's (128, 64, 128)
     "q_lora_rank": (1, HIDDEN), "kv_lora_rank": (1, HIDDEN), "qk_nope_head_dim": (1, HEAD),
     "qk_rope_head_dim": (1, HEAD), "v_head_dim": (1, HEAD),
@@ -327,8 +329,8 @@ def refuse(key: str, value: Any, why: str, hint: str = "") -> ModelError:
 
 
 def short(value: Any) -> str:
-    """At most 80 characters of a value's repr, a long list or object cut first (a 16 MiB list in
-    a config costs a second to repr whole); its first 32 entries already pass 80 characters."""
+    """At most 80 characters of a value's repr, a long list or object cut to 32 entries first (a
+    16 MiB list in a config costs a second to repr whole)."""
     if isinstance(value, (list, dict)) and len(value) > 32:
         value = value[:32] if isinstance(value, list) else dict(list(value.items())[:32])
     text = repr(value)
@@ -336,8 +338,7 @@ def short(value: Any) -> str:
 
 
 def layer_types(cfg: dict[str, Any], layers: int, default: Callable[[int], str]) -> tuple[str, ...]:
-    """config.json ``layer_types`` (transformers 5: "full_attention" / "sliding_attention" per
-    layer), or the family's default pattern; anything else is refused."""
+    """config.json ``layer_types`` (transformers 5: full_attention / sliding_attention per layer), or the default."""
     given = cfg.get("layer_types")
     if given is None:
         return tuple(default(i) for i in range(layers))
