@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Build speed per model family, against Llama's, measured in the same run (#28).
 
-For every registered dense family (MoE ones: scripts/bench_moe_build.py), its first real-size
-preset (e.g. llama-3.1-8b, qwen3-8b, granite-3.1-8b) cut to the layers that make --gib GiB (the
-same fixed costs against the same bytes) is written as a seeded synthetic checkpoint, then built
+For every registered family (--dense: the dense ones; MoE memory and expert-count scaling:
+scripts/bench_moe_build.py), its first real-size preset (e.g. llama-3.1-8b, qwen3-8b,
+minimax-m2.5) cut to the layers that make --gib GiB (the same fixed costs against the same bytes;
+a MoE preset with its experts halved until two layers fit) is written as a seeded synthetic checkpoint, then built
 with the same tp=2 bf16 plan (an fp16 source cast to bf16: every byte read, converted, written)
 --repeat times, the families interleaved so the VM's drift hits them alike. Printed per family:
 the median build seconds, source GB/s, and that rate as a ratio of the Llama family's rate
@@ -32,22 +33,43 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from shardc.compiler.synthetic import write_checkpoint  # noqa: E402
+from shardc.errors import ShardcError  # noqa: E402
 from shardc.layout.families import FAMILIES  # noqa: E402
 from shardc.layout.model import model_from_config  # noqa: E402
 from shardc.layout.tensors import valid_tp_degrees  # noqa: E402
 
 
 def _bytes(cfg: dict) -> int:
+    if isinstance(cfg.get("layer_types"), list):  # per-layer lists follow the layer count
+        cfg = {**cfg, "layer_types": cfg["layer_types"][: cfg["num_hidden_layers"]]}
     m = model_from_config(cfg)
     return sum(2 * math.prod(r.shape) for r in m.spec.tensors(m))
+
+
+EXPERT_KEYS = ("num_local_experts", "n_routed_experts", "num_experts")
+
+
+def _fewer_experts(cfg: dict, gib: float) -> dict:
+    """A mixture-of-experts preset with its routed experts halved until two layers fit in ``gib``
+    (MiniMax-M2: 256 experts are 7 GiB a layer), as long as the family still reads the config (top-k,
+    groups): the same tensor shapes, so the same bytes/s, at a size the disk and the run can take."""
+    key = next((k for k in EXPERT_KEYS if isinstance(cfg.get(k), int)), None)
+    while key is not None and _bytes({**cfg, "num_hidden_layers": 2}) > gib * 2**30:
+        fewer = {**cfg, **{k: cfg[k] // 2 for k in EXPERT_KEYS if isinstance(cfg.get(k), int)}}
+        try:
+            model_from_config(fewer)
+        except ShardcError:
+            break
+        cfg = fewer
+    return cfg
 
 
 def config_for(family, gib: float) -> tuple[str, dict]:
     """The family's first preset cut to the number of layers that makes about ``gib`` GiB (at
     least one): every family's build then pays the same fixed costs (start-up, imports, side
-    files) against the same bytes."""
+    files) against the same bytes. A mixture-of-experts preset keeps fewer experts (``_fewer_experts``)."""
     name, preset = next(iter(family.presets.items()))
-    cfg = copy.deepcopy(preset.config)
+    cfg = _fewer_experts(copy.deepcopy(preset.config), gib)
     one, two = _bytes({**cfg, "num_hidden_layers": 1}), _bytes({**cfg, "num_hidden_layers": 2})
     layers = max(1, round((gib * 2**30 - one) / (two - one)) + 1)
     cfg["num_hidden_layers"] = layers
@@ -62,6 +84,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=3.0, help="checkpoint size per family [default: 3]")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="[default: build/bench-families]")
+    ap.add_argument("--dense", action="store_true", help="the dense families only")
     a = ap.parse_args()
     work = Path(a.workdir or ROOT / "build" / "bench-families")
     work.mkdir(parents=True, exist_ok=True)
@@ -70,8 +93,8 @@ def main() -> None:
     runs: dict[str, dict] = {}
     try:
         for fam in FAMILIES:
-            if not fam.presets or fam.forward(model_from_config(next(iter(fam.presets.values())).config)).moe:
-                continue  # mixture-of-experts builds: scripts/bench_moe_build.py
+            if not fam.presets or (a.dense and fam.forward(model_from_config(next(iter(fam.presets.values())).config)).moe):
+                continue  # --dense: mixture-of-experts builds are scripts/bench_moe_build.py's
             preset, cfg = config_for(fam, a.gib)
             src = write_checkpoint(tmp / f"src-{fam.name}", cfg)
             tp = next(t for t in valid_tp_degrees(model_from_config(cfg)) if t >= 2)
