@@ -61,7 +61,10 @@ def main() -> int:
                 verdict = "equal" if got[0] == ref else "DIFFERENT"
                 print(f"{name}: vLLM CPU {got[0]}, transformers {ref}: {verdict}", flush=True)
             else:
-                lines = [ln for ln in (run.stdout + run.stderr).splitlines() if "Error" in ln and "File " not in ln]
+                text = (run.stdout + run.stderr).splitlines()
+                # a failed assertion in a worker is the root cause the engine's last error line hides
+                lines = ([ln for ln in text if ln.split("]")[-1].strip().startswith("assert ")]
+                         or [ln for ln in text if "Error" in ln and "File " not in ln])
                 print(f"{name}: vLLM CPU does not run it: {(lines or ['(no error line)'])[-1][-240:]}", flush=True)
     return 0
 
