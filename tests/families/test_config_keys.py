@@ -117,3 +117,11 @@ def test_every_config_key_is_read_or_declared_irrelevant(cls_name):
         if _seen(cfg) == _seen(ref):
             ignored.append(key)
     assert ignored == [], f"{cls_name}: changing {ignored} changes nothing shardc builds or runs"
+
+
+def test_every_architecture_has_a_config_here():
+    """A family registered without a config here would have none of its keys classified
+    (docs/architecture.md §8): every architecture of ``FAMILIES`` is listed."""
+    from shardc.layout.families import BY_ARCHITECTURE
+
+    assert {arch for arch, _ in FAMILIES.values()} == set(BY_ARCHITECTURE)

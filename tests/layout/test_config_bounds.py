@@ -294,3 +294,9 @@ def test_a_manifest_whose_config_has_too_many_experts_is_one_line_before_its_lay
     r, cpu = _cli_cpu("verify", "--manifest", built / "manifest.json")
     one_line(r, "error: num_local_experts: config.json num_local_experts is 100000000, above the limit of 4096")
     assert cpu < 5, cpu
+
+
+def test_every_architecture_has_a_base_config_here():
+    """A family registered without a base config here would have none of its counts bounded by
+    these tests (docs/architecture.md §8): every architecture is listed."""
+    assert {cfg["architectures"][0] for cfg in BASES.values()} == set(BY_ARCHITECTURE)

@@ -191,3 +191,13 @@ def test_int8_companions_follow_their_weight_into_the_packed_parameter():
     with pytest.raises(ServeError) as err:
         _fill(shard, [packed, scale, shape])
     assert err.value.one_line().startswith(shape.name + ": the shard fills 6 of its 2 rows")
+
+
+def test_every_architecture_has_a_tiny_model_for_vllm():
+    """tests/serving/vllm_models.py sizes one model per family for vLLM's CPU kernels; a family
+    registered without one would never be loaded by vLLM in the serving tests (docs/architecture.md §8)."""
+    from vllm_models import FAMILIES as VLLM_FAMILIES
+
+    from shardc.layout.families import BY_ARCHITECTURE
+
+    assert {arch for _, arch, _ in VLLM_FAMILIES.values()} == set(BY_ARCHITECTURE)
