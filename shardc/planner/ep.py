@@ -246,8 +246,8 @@ def ep_slot(s: Search, c: Candidate, d: float, p: float = 0.0, plen: int = 0) ->
     link = gpu.link
     a2a = 2 * ew.moe_layers * all_to_all_s(n, (local + local_p) * ew.top_k * model.hidden_size * ACT_BYTES,
                                            link.bandwidth * sp.link_efficiency, link.latency)
-    one_token = fp8_fixed_us(gpu, rate_dtype(s.model, c.dtype or ""), sp, local + local_p)
-    fixed = model.num_layers * (sp.layer_overhead_us + one_token) * 1e-6
+    fp8_us = fp8_fixed_us(gpu, rate_dtype(s.model, c.dtype or ""), sp, local + local_p)
+    fixed = model.num_layers * (sp.layer_overhead_us + fp8_us) * 1e-6
     return Step(max(mem, comp) + a2a + fixed + sp.step_overhead_ms * 1e-3, mem, comp, a2a, fixed)
 
 
