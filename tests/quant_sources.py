@@ -32,8 +32,12 @@ def save_tiny(root: Path, config_cls: str = "LlamaConfig", model_cls: str = "Lla
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**(LLAMA | cfg)))
     model.to(torch.bfloat16)
-    for module in model.modules():  # DeepSeek's router and bias stay fp32, as transformers keeps them
-        if hasattr(module, "e_score_correction_bias"):
+    # DeepSeek's router and bias stay fp32, as transformers keeps them (_keep_in_fp32_modules_strict);
+    # MiniMax-M2's bias sits on its MoE block (experts too), and transformers keeps it and its router
+    # in the model dtype
+    fp32 = getattr(model, "_keep_in_fp32_modules_strict", None)
+    for module in model.modules():
+        if fp32 and hasattr(module, "e_score_correction_bias"):
             module.float()
     model.save_pretrained(root)
     return root
@@ -41,16 +45,26 @@ def save_tiny(root: Path, config_cls: str = "LlamaConfig", model_cls: str = "Lla
 
 def fp8_block_source(bf16: Path, out: Path, block: tuple[int, int] = (32, 32), *,
                      block_config: dict | None = None) -> Path:
-    """``bf16`` re-published as block-scaled FP8 in ``out``."""
+    """``bf16`` re-published as block-scaled FP8 in ``out``; the modules a ``block_config``'s
+    ``modules_to_not_convert`` names (as MiniMax-M2 publishes one) stay as saved, matched by
+    transformers' own rule (``should_convert_module``, what its FP8 quantizer skips by).
+
+    ``scale_fmt: ue8m0`` (DeepSeek-V3.2's config): the quantizer runs with that scale_fmt, so
+    transformers' own ``Fp8Quantize`` rounds each block's scale up to the next power of two and
+    quantizes the block by exactly that scale; it returns the scales as E8M0 bytes, which the
+    published checkpoint stores as F32 (powers of two): saved here as F32 too (exact)."""
     from transformers.integrations.finegrained_fp8 import Fp8Quantize
+    from transformers.quantizers.quantizers_utils import should_convert_module
 
     cfg = json.loads((bf16 / "config.json").read_text())
     qcfg = block_config or {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
                             "weight_block_size": list(block)}
-    targets = quantizable(model_from_config(cfg))
+    skip = qcfg.get("modules_to_not_convert") or None
+    targets = {k for k in quantizable(model_from_config(cfg)) if should_convert_module(k.removesuffix(".weight"), skip)}
     from transformers import FineGrainedFP8Config
 
-    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(weight_block_size=list(block))))
+    op = Fp8Quantize(SimpleNamespace(quantization_config=FineGrainedFP8Config(
+        weight_block_size=list(block), scale_fmt=qcfg.get("scale_fmt", "float"))))
     tensors: dict[str, torch.Tensor] = {}
     from safetensors import safe_open
 

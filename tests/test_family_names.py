@@ -40,9 +40,14 @@ def _normal(name: str) -> tuple[str, ...]:
 def family_names() -> set[tuple[str, ...]]:
     """Every family's tensor names (layer and expert numbers as N), from every preset's table and
     the names each family's forward reads."""
+    from family_models import MODELS, first_case
+
     names: set[tuple[str, ...]] = set()
     seen = set()
-    for cfg in PRESETS.values():
+    # every preset, and the tiny model of a family with none (GLM-4.5: no published config.json here)
+    tiny = [MODELS[f.name][first_case(f.name)].config_dict() for f in FAMILIES
+            if f.name in MODELS and not f.presets]
+    for cfg in [*PRESETS.values(), *tiny]:
         model = model_from_config(cfg)
         seen.add(model.family)
         names |= {_normal(n) for n in tensor_table(model)}
@@ -55,7 +60,7 @@ def family_names() -> set[tuple[str, ...]]:
             layer += [f.moe.router, *f.moe.expert, *(f.moe.shared or ()), *(f.moe.stacked or ())]
         names |= {_normal(n) for n in outer} | {_normal(f.names.layer(0) + n) for n in layer if n}
     missing = {f.name for f in FAMILIES} - seen
-    assert not missing, f"families with no preset to read names from: {sorted(missing)}"
+    assert not missing, f"families with no preset or tiny model to read names from: {sorted(missing)}"
     return names
 
 

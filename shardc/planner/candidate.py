@@ -26,6 +26,7 @@ from .formulas import (
     dollars_per_mtok,
     experts_touched,
     gpipe_bubble,
+    indexer_key_bytes,
     kv_blocks,
     kv_bytes_per_token,
     lora_bytes_per_layer,
@@ -52,12 +53,16 @@ def lora_bytes(model: Any, w: Workload, layers: int) -> int:
     return layers * per
 
 
-def kv_bpt(model: ModelSpec, layers: int, tp: int, kv_bytes: int) -> int:
-    """KV bytes per token on one GPU holding ``layers`` layers: K and V of its KV heads, or an MLA
-    latent (kv_lora_rank + qk_rope_head_dim per layer), whole on every GPU whatever the TP."""
+def kv_bpt(model: ModelSpec, layers: int, tp: int, kv_bytes: int, first: int = 0) -> int:
+    """KV bytes per token on one GPU holding ``layers`` layers from ``first``: K and V of its KV heads,
+    or an MLA latent (kv_lora_rank + qk_rope_head_dim per layer), whole on every GPU whatever the TP,
+    plus DSA's indexer key on each of those layers that runs its own indexer."""
     mla = model.forward.mla
     if mla is not None:
-        return mla_kv_bytes_per_token(layers, mla.kv_lora_rank, mla.rope, kv_bytes)
+        bpt = mla_kv_bytes_per_token(layers, mla.kv_lora_rank, mla.rope, kv_bytes)
+        if mla.indexer is not None:
+            bpt += sum(mla.indexer.own[first:first + layers]) * indexer_key_bytes(mla.indexer.head_dim)
+        return bpt
     return kv_bytes_per_token(layers, model.num_kv_heads, tp, model.head_dim, kv_bytes)
 
 
@@ -105,7 +110,7 @@ def _memory(s: Search, c: Candidate) -> None:
     for st in range(c.pp):
         rw = max((r for r in c.weights if r.pp_stage == st), key=lambda r: r.nbytes)
         layers = rw.layers[1] - rw.layers[0]
-        bpt = kv_bpt(model, layers, c.tp, w.kv_bytes)
+        bpt = kv_bpt(model, layers, c.tp, w.kv_bytes, rw.layers[0])
         extra = -(-lora_bytes(model, w, layers) // c.tp) + draft
         avail = gpu.memory * w.gpu_memory_utilization - rw.nbytes - extra - inside
         budget = w.kv_memory if w.kv_memory is not None else min(w.cap, avail)
@@ -182,7 +187,7 @@ def _speed(s: Search, c: Candidate) -> None:
         worst, where = Step(0.0, 0.0, 0.0, 0.0, 0.0), 0
         for st, rw in enumerate(stages):
             layers = rw.layers[1] - rw.layers[0]
-            bpt = kv_bpt(model, layers, tp, w.kv_bytes)
+            bpt = kv_bpt(model, layers, tp, w.kv_bytes, rw.layers[0])
             read: float = rw.read_bytes
             if rw.expert_bytes:  # MoE: a step reads the routed experts its tokens picked
                 read -= rw.expert_bytes * (1 - experts_touched(d + p, *routing(model)))

@@ -55,7 +55,7 @@ from .formulas import (
 from .gpus import GIB, fp8_fixed_us, rates
 from .records import GpuMemory, KvFigures, Search, Speed
 from .serving import Step, choose, serving_at, sweep
-from .weights import RankWeights, plan_dict, plan_name
+from .weights import RankWeights, layer_kinds, plan_dict, plan_name
 
 
 def linear_block(experts: int, ranks: int, r: int) -> range:
@@ -95,8 +95,8 @@ def ep_weights(model: ModelSpec, dtype: str) -> EpWeights:
     k, experts = routing(model)
     moe = model.forward.moe
     assert moe is not None  # asked for MoE models only (search.py: when routing() finds experts)
-    sparse = moe.sparse
-    first = {kind: sparse.index(kind) for kind in set(sparse)}  # one probe layer of each kind
+    kinds = layer_kinds(model)
+    first = {kind: kinds.index(kind) for kind in set(kinds)}  # one probe layer of each kind
     probe = dataclasses.replace(model, num_layers=max(first.values()) + 1)
     plan = plan_from_dict(plan_dict("probe", "src", 1, 1, dtype))
     check_degrees(model, plan)
@@ -106,9 +106,9 @@ def ep_weights(model: ModelSpec, dtype: str) -> EpWeights:
     elems = [0] * experts
     for t in build_layout(probe, plan).ranks[0].tensors:
         layer = layer_of(t.name)
-        if layer is not None and layer != first[sparse[layer]]:
+        if layer is not None and layer != first[kinds[layer]]:
             continue
-        mult = 1 if layer is None else sparse.count(sparse[layer])
+        mult = 1 if layer is None else kinds.count(kinds[layer])
         streamed = t.name != model.forward.names.embed or model.tie_word_embeddings
         matrix = len(t.shape) == 2 or t.split == STACKED and len(t.shape) == 3
         mm = math.prod(t.shape) * (t.pack or 1) if streamed and matrix and t.scale_of is None else 0
@@ -125,7 +125,7 @@ def ep_weights(model: ModelSpec, dtype: str) -> EpWeights:
         base += mult * t.nbytes
         read += mult * t.nbytes if streamed else 0
         linear += mult * mm
-    return EpWeights(dtype, experts, k, sum(sparse), model.num_layers, base, read, linear, tuple(per), max(elems))
+    return EpWeights(dtype, experts, k, sum(moe.sparse), model.num_layers, base, read, linear, tuple(per), max(elems))
 
 
 def ep_degrees(s: Search) -> list[int]:

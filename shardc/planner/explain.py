@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .candidate import attn_flops, kv_bpt, routing
+from .candidate import attn_flops, indexer_key_bytes, kv_bpt, routing
 from .ep import ep_demand_words, linear_block
 from .formulas import SpeedParams, demand_words, experts_touched, rate_dtype, vllm_allreduce_stages
 from .gpus import GB, GIB, GPU, fp8_fixed_us, gemm_flops
@@ -46,6 +46,8 @@ def _explain_mla(s: Search, c: Candidate, layers: int) -> list[str]:
     assert a is not None and mem is not None and kv is not None
     q = f"q_a {a.q_lora_rank:,} + q_b" if a.q_lora_rank else "q"
     stage_w = [r for r in c.weights if r.pp_stage == mem.stage][0]
+    dsa = "" if (ix := a.indexer) is None else (f" + {sum(ix.own[slice(*stage_w.layers)])} indexer layers x {indexer_key_bytes(ix.head_dim)} B"
+                                                f" (DSA's key: {ix.head_dim} fp8 bytes and an fp32 scale per 128, as vLLM caches it)")
     return ["", f"Parameters (the family's tensor table, {m.architecture}): per layer MLA {q}, kv_a "
             f"{a.kv_lora_rank + a.rope:,}x{m.hidden_size:,}, kv_b, o; dense MLP {m.intermediate_size:,}"
             + (f"; {experts} routed experts (top {k})" if experts else "") + f" = {s.params:,} parameters",
@@ -55,7 +57,7 @@ def _explain_mla(s: Search, c: Candidate, layers: int) -> list[str]:
             f"  = {mem.weights:,} B = {gib(mem.weights)}",
             "", "KV cache per token per GPU (MLA latent, whole on every TP rank: not divided by tp):",
             f"  {layers} layers x ({a.kv_lora_rank} kv_lora_rank + {a.rope} qk_rope_head_dim) x "
-            f"{w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
+            f"{w.kv_bytes} B{dsa} = {mem.kv_bytes_per_token:,} B",
             f"  one {kv.request_len:,}-token request: {kv.bytes_per_token:,} B x ceil({kv.request_len:,} / "
             f"{w.block_size}) x {w.block_size} = {kv.request_bytes:,} B = {gib(kv.request_bytes)}"]
 
@@ -207,7 +209,7 @@ def _explain_speed(s: Search, c: Candidate) -> list[str]:
     rw = max((r for r in c.weights if r.pp_stage == v.stage), key=lambda r: r.read_bytes)
     layers = rw.layers[1] - rw.layers[0]
     b = v.batch / v.microbatches
-    bpt = kv_bpt(m, layers, tp, w.kv_bytes)
+    bpt = kv_bpt(m, layers, tp, w.kv_bytes, rw.layers[0])
     read: float = rw.read_bytes  # less the routed experts a step leaves unread
     routed = ""
     if rw.expert_bytes:

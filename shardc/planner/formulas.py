@@ -254,6 +254,12 @@ def mla_kv_bytes_per_token(layers: int, kv_lora_rank: int, rope_dim: int, kv_byt
     return layers * (kv_lora_rank + rope_dim) * kv_bytes
 
 
+def indexer_key_bytes(head_dim: int) -> int:
+    """DSA's indexer key per token and layer as vLLM caches it (DeepseekV32IndexerCache, uint8):
+    head_dim FP8 values plus one fp32 scale per 128 of them, whatever the KV dtype: 132 B at 128."""
+    return head_dim + head_dim // 128 * 4
+
+
 def lora_bytes_per_layer(hidden: int, q_dim: int, kv_dim: int, inter: int, adapters: int, rank: int) -> int:
     """LoRA A (rank x in) and B (out x rank) for q, k, v, o, gate, up, down of one layer, all adapters:
     adapters x rank x (in + out summed over the seven) x 2 B = adapters x rank x (7h + 2q + 2kv + 3i) x 2."""

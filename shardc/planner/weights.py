@@ -42,12 +42,19 @@ class RankWeights:
     expert_bytes: int = 0  # routed MoE experts among nbytes: a decode step reads only those routed to
 
 
+# The family options that list, per layer, something that decides the layer's tensors: routed
+# experts or a dense MLP (DeepSeek-V3's first_k_dense_replace, Qwen2-MoE's decoder_sparse_step), and
+# whether the layer runs its own DSA indexer (GLM-5.x's indexer_types)
+PER_LAYER = ("sparse", "indexed")
+
+
 def layer_kinds(model: ModelSpec) -> tuple[Any, ...]:
-    """Per layer, what decides its tensors: sparse (routed experts) or dense for a MoE family whose
-    layers differ (DeepSeek-V3's first_k_dense_replace, Qwen2-MoE's decoder_sparse_step); one kind
-    otherwise. Only families that read a ``sparse`` option mix layer kinds."""
-    sparse = model.options.get("sparse") if model.options else None
-    return tuple(sparse) if sparse is not None else (None,) * model.num_layers
+    """Per layer, what decides its tensors: the values of the family's ``PER_LAYER`` options for that
+    layer (one kind for every layer of a family without any)."""
+    keys = [k for k in PER_LAYER if model.options and model.options.get(k) is not None]
+    if not keys:
+        return (None,) * model.num_layers
+    return tuple(zip(*(model.options[k] for k in keys), strict=True))
 
 
 # The probes of the last few models a search asked about: the candidates of one pipeline depth share
@@ -64,8 +71,9 @@ def probe_model(model: ModelSpec, kinds: list[Any]) -> ModelSpec:
     if hit is not None and hit[0] is model:
         return hit[1]
     options = dict(model.options)
-    if "sparse" in options:
-        options["sparse"] = tuple(kinds)
+    keys = [k for k in PER_LAYER if options.get(k) is not None]
+    for j, k in enumerate(keys):
+        options[k] = tuple(kind[j] for kind in kinds)
     probe = dataclasses.replace(model, num_layers=len(kinds), options=options)
     if len(_PROBES) >= 16:
         _PROBES.pop(next(iter(_PROBES)))

@@ -48,9 +48,11 @@ def open_build(manifest: str | Path, directory: str | Path | None = None) -> Bui
         path = path / "manifest.json"
     m = load(path)
     from ..layout.model import model_from_config
-    from .support import check_supported
+    from .support import check_stages, check_supported
 
-    check_supported(model_from_config(m.config))  # before any rank starts: never another model
+    model = model_from_config(m.config)
+    check_supported(model)  # before any rank starts: never another model
+    check_stages(model, {s.layers[0] for s in m.shards})
     d = Path(directory) if directory is not None else path.parent
     missing = [s.file for s in m.shards if not (d / s.file).is_file()]
     if missing:

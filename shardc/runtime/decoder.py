@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout.families.family import Forward
+from .indexer import keep, select
 from .moe import route, stacked_expert
 from .qk import apply_rope, whole_qk_norm
 from .qk import rotate_half as _rotate_half
@@ -79,7 +80,9 @@ class KVCache:
 
     With MLA (``dims.latent``) it holds what transformers' cache holds: ``k`` the normed latent
     [batch, 1, max_len, kv_lora_rank] and ``v`` the rotated shared key [batch, 1, max_len,
-    qk_rope_head_dim], whole on every TP rank; each step expands them to this rank's heads."""
+    qk_rope_head_dim], whole on every TP rank; each step expands them to this rank's heads. With DSA
+    (``dims.index_dim``) ``index`` holds the indexer's keys [batch, max_len, index_head_dim] of the
+    layers that run their own indexer."""
 
     def __init__(self, layers: list[int], batch: int, dims: Dims, max_len: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -88,6 +91,9 @@ class KVCache:
             if dims.latent else (shape, shape)
         self.k = {i: torch.empty(kshape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.empty(vshape, dtype=dtype, device=device) for i in layers}
+        index = dims.index_dim
+        self.index = {} if index is None else {
+            i: torch.empty((batch, max_len, index), dtype=dtype, device=device) for i in layers}
         self.length = 0
 
 
@@ -109,6 +115,7 @@ class StageModel:
             # fallback for what flash cannot take (fp32, head_dim > 256). CPU keeps PyTorch's choice.
             torch.backends.cuda.enable_cudnn_sdp(False)
         self._tables: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._chosen: torch.Tensor | None = None  # DSA: the top-k a "shared" indexer layer reuses
         fn, kwargs = activation_fn(fwd.activation)
         self._act = functools.partial(getattr(F, fn), **kwargs)
         self._norm = {"gemma": gemma_norm, "rms_upcast": rms_norm_upcast}.get(fwd.norm, rms_norm)
@@ -148,6 +155,7 @@ class StageModel:
         """Every local layer. With a cache, h holds positions cache.length.. and the cache is extended."""
         start = cache.length if cache is not None else 0
         t = h.shape[1]
+        self._chosen = None
         for lw in self.w.layers:
             local = self.f.window(lw.index) is not None and self.f.rope_theta_local is not None
             cos, sin = self._rope(start, t, local)
@@ -224,7 +232,8 @@ class StageModel:
         if a.q_lora_rank is None:
             q = F.linear(h, lw.q)
         else:
-            q = F.linear(rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], a.latent_eps), lw.q)
+            q_latent = rms_norm(F.linear(h, w["q_a"]), w["q_a_norm"], a.latent_eps)
+            q = F.linear(q_latent, lw.q)
         q = q.view(bsz, t, -1, a.nope + a.rope).transpose(1, 2)
         q_pass, q_rot = torch.split(q, [a.nope, a.rope], dim=-1)
         kv_nope, k_rot = torch.split(F.linear(h, w["kv_a"]), [a.kv_lora_rank, a.rope], dim=-1)
@@ -250,8 +259,14 @@ class StageModel:
         scale = self.f.attn_scale
         assert scale is not None  # an MLA family gives its softmax scale (families/deepseek.py)
         scores = torch.matmul(query, key.transpose(2, 3)) * scale
-        if t > 1:
-            mask = torch.ones(t, n, dtype=torch.bool, device=h.device).tril(n - t)
+        mask = torch.ones(t, n, dtype=torch.bool, device=h.device).tril(n - t) if t > 1 else None
+        if a.indexer is not None:  # DSA: only the indexer's top-k tokens (runtime/indexer.py)
+            if a.indexer.own[lw.index]:
+                keys = cache.index[lw.index] if cache is not None else None
+                self._chosen = select(a.indexer, w, h, q_latent, cos, sin, keys, start)
+            assert self._chosen is not None  # a stage never starts on a shared layer (support.py)
+            mask = keep(self._chosen, n) if mask is None else keep(self._chosen, n) & mask
+        if mask is not None:
             scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         out = torch.matmul(probs, value)

@@ -76,3 +76,4 @@ class Dims:
     vocab: int  # true vocabulary (logits beyond it are padding and dropped)
     eps: float
     latent: tuple[int, int] | None = None  # MLA: the cache holds (kv_lora_rank, qk_rope_head_dim) per token
+    index_dim: int | None = None  # DSA: the cache holds the indexer's key of index_head_dim per token

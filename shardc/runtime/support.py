@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from ..errors import ModelError
+from ..layout.families.family import short
 from ..layout.model import ModelSpec
 
 # config.json hidden_act -> (torch.nn.functional function, keyword arguments): transformers'
@@ -91,3 +92,18 @@ def check_supported(model: ModelSpec) -> None:
             raise ModelError(f"config.json {where}partial_rotary_factor={partial!r} is not implemented by "
                              "the shardc runtime (it rotates every dimension)",
                              key=f"{where}partial_rotary_factor", hint=_HINT)
+
+
+def check_stages(model: ModelSpec, starts: set[int]) -> None:
+    """DSA (GLM-5.x ``indexer_types``): a pipeline stage may not begin on a "shared" layer, which
+    reuses the top-k of an earlier layer on another stage: the runtime passes only hidden states."""
+    mla = model.forward.mla
+    if mla is None or mla.indexer is None:
+        return
+    bad = sorted(s for s in starts if not mla.indexer.own[s])
+    if bad:
+        full = [i for i, own in enumerate(mla.indexer.own) if own]
+        raise ModelError(f"a pipeline stage begins at layer {bad[0]}, whose indexer_types entry is 'shared' "
+                         "(it reuses an earlier stage's top-k, which the shardc runtime does not pass between "
+                         "stages)", key="indexer_types",
+                         hint=f"a pp degree whose stages begin on full layers (of {short(full)}), or pp = 1")

@@ -76,6 +76,7 @@ def local_dims(layout: Layout) -> Dims:
         vocab=m.vocab_size,
         eps=m.rms_norm_eps,
         latent=(mla.kv_lora_rank, mla.rope) if mla is not None else None,
+        index_dim=mla.indexer.head_dim if mla is not None and mla.indexer is not None else None,
     )
 
 

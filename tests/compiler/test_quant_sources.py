@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from family_models import MINIMAX_SHAPE, MODELS
 from plan_helpers import plan
 
 torch = pytest.importorskip("torch")
@@ -22,6 +23,8 @@ from quant_sources import fp8_block_source, save_tiny  # noqa: E402
 from reassemble import load_source, reassemble  # noqa: E402
 
 from shardc.compiler.compile import build  # noqa: E402
+from shardc.layout.families.deepseek_v32 import DEEPSEEK_V32_FP8  # noqa: E402
+from shardc.layout.families.minimax_m2 import MINIMAX_FP8  # noqa: E402
 from shardc.layout.plan import plan_from_dict  # noqa: E402
 
 # family -> (config class, model class, extra config, weight_block_size)
@@ -34,7 +37,48 @@ FAMILIES = {
                       num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
                       first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                       v_head_dim=12, q_lora_rank=24, n_group=2, topk_group=1), (8, 8)),
+    # MiniMax-M2(.5) as published: attention and routed experts in fp8, the router, its correction
+    # bias and lm_head in 16 bits by modules_to_not_convert (PUBLISHED); 16x16 blocks: at tp=2 k/v_proj
+    # [32, 64] and w1/w3 [32, 64] cut at row 16, w2 [64, 32] at column 16, all on block lines
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(MINIMAX_SHAPE), (16, 16)),
+    # DeepSeek-V3.2 and GLM-5 as published: DeepSeek-V3's FP8 plus the lightning indexer's wq_b and
+    # wk in fp8, its weights_proj and k_norm in 16 bits (no quantizable row: fp8_block_source leaves
+    # them as saved); the family tests' tiny DSA models (family_models.py "v32", "glm5": layer 1 of
+    # "glm5" is a "shared" layer without an indexer). 8x8 blocks: every quantized projection tiles
+    # whole (q_lora_rank 24), and at tp=2 q_b_proj [96, 24] and kv_b_proj [112, 16] cut at rows 48
+    # and 56, o_proj [64, 48] at column 24, the MLPs at 48 and the experts at 16, all on block lines;
+    # the indexer is replicated, never cut
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(MODELS["deepseek_v32"]["v32"].keys), (8, 8)),
+    "glm5": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(MODELS["deepseek_v32"]["glm5"].keys), (8, 8)),
 }
+
+
+def _glm5_fp8(extra: dict) -> dict:
+    """zai-org/GLM-5-FP8's quantization_config for the tiny GLM-5: DeepSeek-V3.2's without
+    scale_fmt, and modules_to_not_convert naming, as the published list does for each of its
+    layers, the norms, the indexer's k_norm and weights projection, and the routers of the MoE
+    layers (and lm_head, embed_tokens, the final norm). The entries are spelled as a public
+    re-creation of that list spells them (prime-rl's GLM-5 FP8 export; its count, 3 + 78 x 7 + 75 x 2
+    and 13 for the MTP layer, is the 712 families/deepseek_v32.py cites, not checked against the
+    published file here), self_attn.indexers_proj included, which names no module of transformers'
+    model."""
+    keep = ["lm_head", "model.embed_tokens", "model.norm"]
+    for i in range(extra["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        keep += [p + m for m in ("input_layernorm", "post_attention_layernorm", "self_attn.indexer.k_norm",
+                                 "self_attn.indexer.weights_proj", "self_attn.indexers_proj",
+                                 "self_attn.kv_a_layernorm", "self_attn.q_a_layernorm")]
+        if i >= extra["first_k_dense_replace"]:
+            keep += [p + "mlp.gate", p + "mlp.gate.e_score_correction_bias"]
+    glm = {k: v for k, v in DEEPSEEK_V32_FP8.items() if k != "scale_fmt"}
+    return glm | {"modules_to_not_convert": keep}
+
+
+# family -> its published quantization_config, but the block size: MiniMax-M2.5's and M2.7's (the
+# preset's, fmt and modules_to_not_convert verbatim: its entries name the tiny model's modules as
+# they name the published one's); DeepSeek-V3.2's (the preset's: scale_fmt ue8m0, so the source's
+# scales are powers of two, tests/quant_sources.py); GLM-5-FP8's
+PUBLISHED = {"minimax_m2": MINIMAX_FP8, "deepseek_v32": DEEPSEEK_V32_FP8, "glm5": _glm5_fp8(FAMILIES["glm5"][2])}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +86,15 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qsrc")
     out = {}
     for fam, (cc, mc, extra, block) in FAMILIES.items():
-        out[fam] = fp8_block_source(save_tiny(root / f"{fam}-bf16", cc, mc, **extra), root / f"{fam}-fp8", block)
+        qcfg = PUBLISHED[fam] | {"weight_block_size": list(block)} if fam in PUBLISHED else None
+        out[fam] = fp8_block_source(save_tiny(root / f"{fam}-bf16", cc, mc, **extra), root / f"{fam}-fp8", block,
+                                    block_config=qcfg)
     return out
+
+
+def _as_stored(fam: str, name: str, got: torch.Tensor, want: torch.Tensor) -> bool:
+    """``got`` is source tensor ``want`` as stored, byte for byte."""
+    return got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def _plan(src: Path, dtype: str, tp: int = 1) -> object:
@@ -64,7 +115,7 @@ def test_keep_source_loads_like_the_source(sources, tmp_path, fam):
     got, want = load_source(tmp_path / "b"), load_source(src)
     assert sorted(got) == sorted(want)
     for k, t in want.items():
-        assert got[k].dtype == t.dtype and torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+        assert _as_stored(fam, k, got[k], t), k
     cfg = json.loads((tmp_path / "b" / "config.json").read_text())
     assert cfg["quantization_config"] == json.loads((src / "config.json").read_text())["quantization_config"]
     a, b = _hf_state(tmp_path / "b"), _hf_state(src)
@@ -85,7 +136,7 @@ def test_keep_source_tp2_slices_whole_blocks(sources, tmp_path, fam):
     got, want = reassemble(tmp_path / "b"), load_source(src)
     assert sorted(got) == sorted(want)
     for k, t in want.items():
-        assert torch.equal(got[k].view(torch.uint8), t.view(torch.uint8)), k
+        assert _as_stored(fam, k, got[k], t), k
 
 
 @pytest.mark.parametrize("fam", sorted(FAMILIES))
@@ -192,6 +243,122 @@ def test_bad_quantized_source(sources, tmp_path, case, needle):
     assert not (out.exists() and [p for p in out.iterdir() if not p.name.startswith(".")])
 
 
+O1 = "model.layers.1.self_attn.o_proj"  # a quantizable projection a MiniMax source may keep 16-bit
+
+
+def _minimax(sources, out: Path, keep: list[str]) -> Path:
+    """The tiny MiniMax-M2 published with MiniMax-M2.5's quantization_config, ``keep`` its
+    modules_to_not_convert (what transformers' quantizer leaves unquantized)."""
+    block = list(FAMILIES["minimax_m2"][3])
+    return fp8_block_source(sources["minimax_m2"].parent / "minimax_m2-bf16", out, tuple(block),
+                            block_config=MINIMAX_FP8 | {"weight_block_size": block, "modules_to_not_convert": keep})
+
+
+def test_modules_to_not_convert_stay_16_bit(sources, tmp_path):
+    """MiniMax-M2.5's modules_to_not_convert (router, correction bias, lm_head) and one more entry
+    naming a quantizable projection: transformers loads that projection as stored (16-bit); a tp=2
+    ``dtype: source`` build keeps each listed module 16-bit, no scales, byte for byte; a bf16 build
+    copies them."""
+    keep = [*MINIMAX_FP8["modules_to_not_convert"], O1]
+    src = _minimax(sources, tmp_path / "src", keep)
+    raw = load_source(src)
+    listed = [k for k in raw if k.startswith(("lm_head.", O1 + ".")) or ".block_sparse_moe.gate." in k
+              or k.endswith(".e_score_correction_bias")]
+    assert len(listed) == 2 + 2 * FAMILIES["minimax_m2"][2]["num_hidden_layers"]
+    assert all(raw[k].dtype == torch.bfloat16 and k + "_scale_inv" not in raw for k in listed), listed
+    assert raw["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float8_e4m3fn  # only layer 1's kept
+    assert torch.equal(_hf_state(src)[O1 + ".weight"], raw[O1 + ".weight"])
+    for dtype in ("source", "bf16"):
+        build(_plan(src, dtype, 2), tmp_path / dtype)
+        got = reassemble(tmp_path / dtype)
+        assert all(k + "_scale_inv" not in got for k in listed)
+        assert all(got[k].dtype == torch.bfloat16 and torch.equal(got[k], raw[k]) for k in listed), dtype
+
+
+IX = "self_attn.indexer."
+IX_FP8, IX_16 = ("wq_b.weight", "wk.weight"), ("weights_proj.weight", "k_norm.weight", "k_norm.bias")
+
+
+def _indexed(raw: dict[str, torch.Tensor]) -> list[int]:
+    """The layers whose indexer the checkpoint holds (GLM-5's "shared" layers hold none)."""
+    return sorted(int(k.split(".")[2]) for k in raw if k.endswith(IX + "wk.weight"))
+
+
+@pytest.mark.parametrize(("fam", "indexed"), [("deepseek_v32", [0, 1, 2]), ("glm5", [0, 2])])
+def test_dsa_source_as_published(sources, tmp_path, fam, indexed):
+    """DeepSeek-V3.2 / GLM-5 FP8 as published: the indexer's wq_b and wk in F8_E4M3 with F32 block
+    scales (DeepSeek-V3.2's, scale_fmt ue8m0, all powers of two, as every scale of its source), its
+    weights_proj and k_norm in 16 bits with no scale; transformers loads those as stored. A tp=2
+    ``dtype: source`` build holds the whole indexer on each rank (replicated, never cut): wq_b and wk
+    F8_E4M3 with their F32 scales, k_norm and weights_proj BF16 as stored, byte for byte."""
+    src = sources[fam]
+    raw = load_source(src)
+    qcfg = json.loads((src / "config.json").read_text())["quantization_config"]
+    assert qcfg == PUBLISHED[fam] | {"weight_block_size": [8, 8]}
+    if fam == "deepseek_v32":
+        assert qcfg["scale_fmt"] == "ue8m0"
+        scales = [t for k, t in raw.items() if k.endswith("_scale_inv")]
+        assert scales and all(t.dtype == torch.float32 and (torch.frexp(t).mantissa == 0.5).all() for t in scales)
+    assert _indexed(raw) == indexed
+    fp8 = [f"model.layers.{i}.{IX}{w}" for i in indexed for w in IX_FP8]
+    kept = [f"model.layers.{i}.{IX}{w}" for i in indexed for w in IX_16]
+    for k in fp8:
+        s = raw[k + "_scale_inv"]
+        assert raw[k].dtype == torch.float8_e4m3fn and s.dtype == torch.float32, k
+        assert list(s.shape) == [-(-n // 8) for n in raw[k].shape], k
+    assert all(raw[k].dtype == torch.bfloat16 and k + "_scale_inv" not in raw for k in kept)
+    hf = _hf_state(src)
+    assert all(torch.equal(hf[k], raw[k]) for k in kept)
+    build(_plan(src, "source", 2), tmp_path / "b")
+    m = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert len(m["shards"]) == 2
+    for shard in m["shards"].values():
+        for k in fp8 + kept:
+            rec = shard["tensors"][k]
+            assert rec["split"] == "replicated" and rec["shape"] == list(raw[k].shape), (k, rec)
+        for k in fp8:
+            assert shard["tensors"][k]["dtype"] == "F8_E4M3" and shard["tensors"][k + "_scale_inv"]["dtype"] == "F32"
+        assert all(shard["tensors"][k]["dtype"] == "BF16" for k in kept)
+    got = reassemble(tmp_path / "b")
+    assert all(_as_stored(fam, k, got[k], raw[k]) for k in fp8 + [k + "_scale_inv" for k in fp8] + kept)
+
+
+@pytest.mark.parametrize("fam", ["deepseek_v32", "glm5"])
+def test_dsa_kept_build_keeps_weights_proj_16_bit(sources, tmp_path, fam):
+    """``dtype: source`` keeps the indexer's weights_proj as the source stores it (BF16, as published):
+    each stored tensor byte for byte, no tensor rewritten in another dtype."""
+    src = sources[fam]
+    build(_plan(src, "source"), tmp_path / "b")
+    got, raw = load_source(tmp_path / "b"), load_source(src)
+    names = [k for k in raw if k.endswith(IX + "weights_proj.weight")]
+    assert names and all(got[k].dtype == raw[k].dtype == torch.bfloat16 for k in names), \
+        {k: str(got[k].dtype) for k in names}
+    assert all(torch.equal(got[k], raw[k]) for k in names)
+
+
+@pytest.mark.parametrize(("case", "needle"), [
+    # listed in modules_to_not_convert, stored in FP8 all the same
+    ("listed-stored-fp8", f"tensor '{O1}.weight' is stored quantized ({O1}.weight_scale_inv), but shardc reads "
+                          "fp8 block 16x16 quantization only"),
+    # stored 16-bit, not listed: the config says it is quantized
+    ("unlisted-stored-16-bit", f"tensor '{O1}.weight' has dtype BF16; fp8 block 16x16 stores it as F8_E4M3"),
+])
+def test_modules_to_not_convert_must_match_the_stored_tensors(sources, tmp_path, case, needle):
+    """A MiniMax source whose modules_to_not_convert and stored tensors disagree (compiler/quantized.py
+    ``check_stored``): one line naming the tensor, exit 2, nothing written."""
+    published = MINIMAX_FP8["modules_to_not_convert"]
+    qcfg = json.loads((sources["minimax_m2"] / "config.json").read_text())["quantization_config"]
+    if case == "listed-stored-fp8":
+        src = _copy(sources["minimax_m2"], tmp_path / "s", qcfg | {"modules_to_not_convert": [*published, O1]})
+    else:
+        src = _copy(_minimax(sources, tmp_path / "kept", [*published, O1]), tmp_path / "s", qcfg)
+    r, out = _cli_build(tmp_path, src)
+    assert r.exit_code == 2, (r.exit_code, r.output, r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in r.output, r.stderr
+    assert not (out.exists() and [p for p in out.iterdir() if not p.name.startswith(".")])
+
+
 def test_verify_reshard_export_keep_the_source_format(sources, tmp_path):
     """A tp=2 ``dtype: source`` build passes ``verify --deep`` against its source; exported, it is
     the source's tensors byte for byte with its quantization_config; resharding it to bf16 is
@@ -252,7 +419,7 @@ def _flat(obj, prefix: str = "") -> dict[str, torch.Tensor]:
     return {k: v for key, val in items for k, v in _flat(val, f"{prefix}.{key}").items()}
 
 
-@pytest.mark.parametrize("fam", ["deepseek", "qwen3", "ct:w4a16-group"])
+@pytest.mark.parametrize("fam", ["deepseek", "qwen3", "minimax_m2", "deepseek_v32", "glm5", "ct:w4a16-group"])
 def test_runtime_weights_of_a_kept_source(request, tmp_path, fam):
     """The runtime dequantizes a ``dtype: source`` build's rank slices as the format's reference
     does: at tp=2 every rank's weights equal those of the bf16 build of the same source, bit for

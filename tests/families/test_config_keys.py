@@ -29,7 +29,7 @@ NOT_MATH = {"initializer_range", "use_cache", "attention_dropout", "pad_token_id
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=96, max_position_embeddings=256)
 # a key whose effect transformers writes into another one on save: tested with that one absent
-DERIVED = {"max_window_layers": "layer_types"}
+DERIVED = {"max_window_layers": "layer_types", "first_k_dense_replace": "mlp_layer_types"}
 # keys one family's transformers modeling file never reads: gpt-oss's experts compute their own
 # clamped SwiGLU, and nothing in modeling_gpt_oss.py reads hidden_act
 UNREAD = {"GptOssConfig": {"hidden_act"}}
@@ -60,6 +60,21 @@ FAMILIES = {
     # a partial rope (transformers writes rope_parameters.partial_rotary_factor from rotary_dim)
     "MiniMaxM2Config": ("MiniMaxM2ForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
                                                  "rotary_dim": 8}),
+    # DSA: DeepSeek-V3's keys plus the indexer's (GLM-5: one layer reusing the one before's top-k)
+    "DeepseekV32Config": ("DeepseekV32ForCausalLM", {
+        "num_key_value_heads": 4, "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 8, "moe_intermediate_size": 16, "index_n_heads": 2,
+        "index_head_dim": 16, "index_topk": 8}),
+    "GlmMoeDsaConfig": ("GlmMoeDsaForCausalLM", {
+        "num_key_value_heads": 4, "n_routed_experts": 8, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 8, "v_head_dim": 8, "moe_intermediate_size": 16, "index_n_heads": 2,
+        "index_head_dim": 16, "index_topk": 8, "indexer_types": ["full", "shared", "full", "full"]}),
+    # every GLM-4.5 key live: q/k norms, biases, groups of experts, a dense first layer
+    "Glm4MoeConfig": ("Glm4MoeForCausalLM", {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
+                                             "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16,
+                                             "head_dim": 16, "use_qk_norm": True, "attention_bias": True}),
 }
 
 

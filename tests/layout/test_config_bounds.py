@@ -61,6 +61,21 @@ BASES: dict[str, dict[str, Any]] = {
                     num_local_experts=4, num_experts_per_tok=2),
     "minimax_m2": dict(architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_local_experts=4,
                        num_experts_per_tok=2, rotary_dim=8, num_mtp_modules=1),
+    "deepseek_v32": dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", num_key_value_heads=4,
+                         n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+                         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                         qk_rope_head_dim=8, v_head_dim=8, moe_intermediate_size=16, num_nextn_predict_layers=1,
+                         index_n_heads=2, index_head_dim=16, index_topk=8),
+    # GLM-5.3's indexer pattern: index_topk_freq and index_skip_topk_offset
+    "glm_moe_dsa": dict(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", num_key_value_heads=4,
+                        n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1, q_lora_rank=16,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+                        moe_intermediate_size=16, index_n_heads=2, index_head_dim=16, index_topk=8,
+                        index_topk_freq=2, index_skip_topk_offset=1),
+    "glm4_moe": dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", rms_norm_eps=1e-5,
+                     n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+                     first_k_dense_replace=1, moe_intermediate_size=16, num_nextn_predict_layers=1,
+                     num_mtp_layers=1),
 }
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
@@ -110,6 +125,8 @@ def _large(label: str, key: str) -> dict[str, Any]:
         return cfg
     elif key in ("num_nextn_predict_layers", "num_mtp_layers"):  # two spellings that must agree
         cfg.update(num_nextn_predict_layers=high, num_mtp_layers=high)
+    elif key == "qk_rope_head_dim" and "index_head_dim" in cfg:  # DSA's indexer rotates as many
+        cfg.update(index_head_dim=high)
     elif key in EXPERT_KEYS:  # the one spelling (transformers 4 and 5 spellings must agree)
         for k in EXPERT_KEYS:
             cfg.pop(k, None)

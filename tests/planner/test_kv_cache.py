@@ -154,7 +154,7 @@ def test_replicated_kv_heads_and_mla_latents_do_not_shrink_with_tp(tmp_path):
         "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": None,
         "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
         "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "first_k_dense_replace": 2,
-        "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
+        "n_group": 1, "topk_group": 1, "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}))
     mla = resolve_model(str(cfg))[0]
     s = search(mla, Cluster(get_gpu("h100-sxm")), dtypes=["bf16"], tps=[1, 2, 4, 8], pps=[1])
     # the latent, whole on every GPU: 4,096 tokens x 4 layers x (128 + 32) x 2 B = 5,242,880 B at every tp

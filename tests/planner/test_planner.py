@@ -587,7 +587,7 @@ MLA_TINY = {
     "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8, "q_lora_rank": None,
     "kv_lora_rank": 128, "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64,
     "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256, "n_shared_experts": 1,
-    "first_k_dense_replace": 2, "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
+    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 2, "vocab_size": 1000, "max_position_embeddings": 4096, "torch_dtype": "bfloat16",
 }
 
 

@@ -46,6 +46,26 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM",
                    dict(head_dim=32, rotary_dim=16, num_local_experts=4, num_experts_per_tok=2,
                         scoring_func="sigmoid", use_routing_bias=True)),
+    # DSA: DeepSeek-V3's shape (q latent, interleaved rope, YaRN) plus the indexer (GLM-5: interleaved rope
+    # in the indexer too, layer 1 reusing layer 0's top-k)
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
+                     dict(moe_intermediate_size=64, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                          num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+                          q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                          v_head_dim=32, rope_parameters=ROPE_YARN, index_n_heads=4, index_head_dim=64,
+                          index_topk=16)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+                    dict(moe_intermediate_size=64, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
+                         num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1,
+                         q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                         v_head_dim=32, index_n_heads=4, index_head_dim=64, index_topk=16,
+                         indexer_types=["full", "shared"])),
+    # GLM-4.5: q/k/v biases, per-head q/k norms, half of each head rotated, grouped sigmoid routing
+    # with a shared expert after one dense layer (vLLM keeps the router and its bias in fp32, as shardc does)
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(head_dim=32, moe_intermediate_size=64, n_routed_experts=4, n_shared_experts=1,
+                      num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1, attention_bias=True,
+                      use_qk_norm=True, partial_rotary_factor=0.5)),
 }
 
 

@@ -67,7 +67,15 @@ def _choice(cfg: dict[str, Any], key: str, allowed: tuple[Any, ...], default: An
         raise refuse(key, value, f"is not computed by shardc (only {', '.join(map(str, allowed))})")
 
 
-def read(cfg: dict[str, Any]) -> dict[str, Any]:
+# transformers' DeepseekV3Config defaults, read where config.json omits the key (DeepSeek-V3.2's are
+# the same; GLM-5's differ: families/deepseek_v32.py)
+DEFAULTS = {"n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "routed_scaling_factor": 2.5, "n_shared_experts": 1, "moe_intermediate_size": 2048}
+
+
+def read(cfg: dict[str, Any], defaults: dict[str, Any] = DEFAULTS) -> dict[str, Any]:
+    """The keys MLA and the grouped-sigmoid MoE read, ``defaults`` where config.json omits one."""
     layers = count(cfg, "num_hidden_layers") or 1
     heads = count(cfg, "num_attention_heads") or 1
     kv = cfg.get("num_key_value_heads")
@@ -75,12 +83,38 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
         raise refuse("num_key_value_heads", kv, f"must equal num_attention_heads={heads} (MLA expands "
                      "the latent to every head; transformers' DeepSeek-V3 reads no other value)")
     if cfg.get("attention_bias"):
-        raise refuse("attention_bias", cfg["attention_bias"], "is not computed by shardc for DeepSeek-V3 "
+        raise refuse("attention_bias", cfg["attention_bias"], "is not computed by shardc for MLA "
                      "(the published models have no attention biases)")
-    experts, top_k = read_routing(cfg, "n_routed_experts")
-    groups = count(cfg, "n_group", 1)
-    topk_groups = count(cfg, "topk_group", 1)
-    assert groups is not None and topk_groups is not None
+    experts, top_k = read_routing(cfg, "n_routed_experts", defaults["num_experts_per_tok"])
+    groups, topk_groups = read_groups(cfg, experts, top_k, defaults)
+    # transformers 4 (the published remote code) spells the routing these ways; transformers 5
+    # computes exactly noaux_tc with sigmoid scores and reads neither key
+    _choice(cfg, "scoring_func", ("sigmoid",), "sigmoid")
+    _choice(cfg, "topk_method", ("noaux_tc",), "noaux_tc")
+    _choice(cfg, "moe_layer_freq", (1,), 1)
+    dense = count(cfg, "first_k_dense_replace", defaults["first_k_dense_replace"])
+    # null: one q_proj instead of the low-rank pair (DeepSeek-V2-Lite)
+    q_lora = None if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None \
+        else count(cfg, "q_lora_rank", defaults["q_lora_rank"])
+    dims = {key: count(cfg, key, defaults[key])
+            for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    if dims["qk_rope_head_dim"] % 2:
+        raise refuse("qk_rope_head_dim", dims["qk_rope_head_dim"], "must be even (rope rotates pairs)")
+    return {"experts": experts, "top_k": top_k, "groups": groups, "topk_groups": topk_groups,
+            "norm_topk": flag(cfg, "norm_topk_prob", True),
+            "scaling": number(cfg, "routed_scaling_factor", defaults["routed_scaling_factor"]),
+            "shared": count(cfg, "n_shared_experts", defaults["n_shared_experts"]),
+            "moe_inter": count(cfg, "moe_intermediate_size", defaults["moe_intermediate_size"]),
+            "sparse": tuple(i >= dense for i in range(layers)), "q_lora": q_lora, **dims,
+            "interleave": flag(cfg, "rope_interleave", True), "activation": cfg.get("hidden_act", "silu"),
+            "mtp": mtp_layers(cfg)}
+
+
+def read_groups(cfg: dict[str, Any], experts: int, top_k: int, defaults: dict[str, Any]) -> tuple[int, int]:
+    """(n_group, topk_group) the grouped router computes: groups of at least two experts (a group
+    scores by its two best), the chosen groups holding top_k experts (GLM-4.5's router too)."""
+    groups = count(cfg, "n_group", defaults["n_group"])
+    topk_groups = count(cfg, "topk_group", defaults["topk_group"])
     if experts % groups:
         raise refuse("n_group", groups, f"does not divide n_routed_experts={experts}")
     if experts // groups < 2:
@@ -91,36 +125,20 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     if top_k > topk_groups * (experts // groups):
         raise refuse("num_experts_per_tok", top_k, f"is more than the {topk_groups * (experts // groups)} "
                      f"experts in topk_group={topk_groups} groups")
-    # transformers 4 (the published remote code) spells the routing these ways; transformers 5
-    # computes exactly noaux_tc with sigmoid scores and reads neither key
-    _choice(cfg, "scoring_func", ("sigmoid",), "sigmoid")
-    _choice(cfg, "topk_method", ("noaux_tc",), "noaux_tc")
-    _choice(cfg, "moe_layer_freq", (1,), 1)
-    dense = count(cfg, "first_k_dense_replace", 3)
-    assert dense is not None
-    # null: one q_proj instead of the low-rank pair (DeepSeek-V2-Lite)
-    q_lora = None if "q_lora_rank" in cfg and cfg["q_lora_rank"] is None else count(cfg, "q_lora_rank", 1536)
-    dims = {key: count(cfg, key, default) for key, default in (
-        ("kv_lora_rank", 512), ("qk_nope_head_dim", 128), ("qk_rope_head_dim", 64), ("v_head_dim", 128))}
-    if dims["qk_rope_head_dim"] % 2:
-        raise refuse("qk_rope_head_dim", dims["qk_rope_head_dim"], "must be even (rope rotates pairs)")
-    return {"experts": experts, "top_k": top_k, "groups": groups, "topk_groups": topk_groups,
-            "norm_topk": flag(cfg, "norm_topk_prob", True),
-            "scaling": number(cfg, "routed_scaling_factor", 2.5),
-            "shared": count(cfg, "n_shared_experts", 1), "moe_inter": count(cfg, "moe_intermediate_size", 2048),
-            "sparse": tuple(i >= dense for i in range(layers)), "q_lora": q_lora, **dims,
-            "interleave": flag(cfg, "rope_interleave", True), "activation": cfg.get("hidden_act", "silu"),
-            "mtp": _mtp(cfg)}
+    return groups, topk_groups
 
 
-def _mtp(cfg: dict[str, Any]) -> int:
+def mtp_layers(cfg: dict[str, Any], default: int = 0) -> int:
     """Multi-token-prediction layers after the last decoder layer (transformers 4 spells it
     num_nextn_predict_layers, 5 num_mtp_layers and writes the old name): in a checkpoint, not in
-    the forward."""
+    the forward; ``default`` (transformers' for the family) when neither is given."""
     old, new = count(cfg, "num_nextn_predict_layers"), count(cfg, "num_mtp_layers")
     if old is not None and new is not None and old != new:
         raise refuse("num_mtp_layers", new, f"disagrees with num_nextn_predict_layers={old}")
-    return old if old is not None else new or 0
+    given = old if old is not None else new
+    return default if given is None else given
+
+
 
 
 def unused(m: ModelShape, name: str) -> bool:
@@ -176,22 +194,33 @@ def tensors(m: ModelShape) -> list[Row]:
         if not o["sparse"][i]:
             rows += mlp_rows(m, p, bias=False)
             continue
-        # transformers keeps the router and its bias in fp32 (_keep_in_fp32_modules_strict): so do the shards
-        rows += [Row(p + ROUTER, (o["experts"], h), REPLICATED, dtype="F32"),
-                 Row(p + BIAS, (o["experts"],), REPLICATED, dtype="F32")]
-        rows += expert_rows(m, p, EXPERT, o["experts"], o["moe_inter"])
-        inter = o["moe_inter"] * o["shared"]
-        rows += [Row(p + SHARED[0], (inter, h), COLUMN, True), Row(p + SHARED[1], (inter, h), COLUMN, True),
-                 Row(p + SHARED[2], (h, inter), ROW, True)]
+        rows += routed_rows(m, p)
     return rows
 
 
-def forward(m: ModelShape) -> Forward:
+def routed_rows(m: ModelShape, p: str) -> list[Row]:
+    """One sparse layer's router and correction bias, routed and shared experts (GLM-4.5's too).
+    transformers keeps the router and its bias in fp32 (_keep_in_fp32_modules_strict): so do the shards."""
+    o, h = m.options, m.hidden_size
+    inter = o["moe_inter"] * o["shared"]
+    return [Row(p + ROUTER, (o["experts"], h), REPLICATED, dtype="F32"),
+            Row(p + BIAS, (o["experts"],), REPLICATED, dtype="F32"),
+            *expert_rows(m, p, EXPERT, o["experts"], o["moe_inter"]),
+            Row(p + SHARED[0], (inter, h), COLUMN, True), Row(p + SHARED[1], (inter, h), COLUMN, True),
+            Row(p + SHARED[2], (h, inter), ROW, True)]
+
+
+def grouped_moe(m: ModelShape) -> Moe:
+    """The grouped sigmoid router with a correction bias and shared experts, as read (GLM-4.5's too)."""
     o = m.options
-    moe = Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=o["norm_topk"], weights_fp32=True,
-              sparse=o["sparse"], router=ROUTER, expert=EXPERT, shared=SHARED, scoring="sigmoid",
-              score_bias=BIAS, groups=o["groups"], topk_groups=o["topk_groups"], scaling=o["scaling"])
-    return Forward(activation=o["activation"], moe=moe, mla=mla(m), attn_scale=softmax_scale(m), yarn=True)
+    return Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=o["norm_topk"], weights_fp32=True,
+               sparse=o["sparse"], router=ROUTER, expert=EXPERT, shared=SHARED, scoring="sigmoid",
+               score_bias=BIAS, groups=o["groups"], topk_groups=o["topk_groups"], scaling=o["scaling"])
+
+
+def forward(m: ModelShape) -> Forward:
+    return Forward(activation=m.options["activation"], moe=grouped_moe(m), mla=mla(m), attn_scale=softmax_scale(m),
+                   yarn=True)
 
 
 DEEPSEEK_V3 = {  # deepseek-ai/DeepSeek-V3 config.json, less its auto_map and quantization_config (below)

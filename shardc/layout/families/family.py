@@ -4,9 +4,8 @@ its tensors, and the forward its runtime computes. Pure data and arithmetic: no 
 Every other part of shardc derives from a family's table (docs/architecture.md §8, "A family"):
 the checkpoint check and the synthetic source (``source_tensors``), the split rules and the
 Layout (``Row.split``), the quantization targets (``Row.quantizable``), the planner's memory and
-the export. The forward is data too (``Forward``), interpreted by the one decoder in
-``runtime/decoder.py``; a family whose block that decoder cannot express declares what it needs
-there, never a special case elsewhere.
+the export. The forward is data too (``Forward``), read by ``runtime/decoder.py``: what that
+decoder cannot yet express is declared there, never a special case elsewhere.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from enum import Enum
 from typing import Any, Protocol, overload
 
 from ...errors import ModelError
+from .indexer import Indexer
 from .names import LLAMA, Names
 
 
@@ -150,9 +150,8 @@ class Moe:
 
 @dataclass(frozen=True)
 class Mla:
-    """Multi-head latent attention (DeepSeek-V3), as runtime/decoder.py ``_mla`` computes it; the
-    tensors under ``model.layers.N.self_attn.``: q_a_proj, q_a_layernorm, q_b_proj (or q_proj when
-    ``q_lora_rank`` is None), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
+    """Multi-head latent attention (DeepSeek-V3), as runtime/decoder.py ``_mla`` computes it (its
+    tensors: names.py ``LATENT``), and DeepSeek-V3.2's sparse attention when ``indexer`` is set."""
 
     q_lora_rank: int | None
     kv_lora_rank: int
@@ -161,6 +160,7 @@ class Mla:
     v: int  # v_head_dim
     interleave: bool  # rope_interleave: rotary dimensions in (even, odd) pairs
     latent_eps: float = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' RMSNorm default eps
+    indexer: Indexer | None = None  # DSA's top-k token selection (indexer.py)
 
 
 @dataclass(frozen=True)
@@ -263,11 +263,10 @@ def number(cfg: dict[str, Any], key: str, default: float | None, *, positive: bo
 
 # ---- bounds: every count and size a config gives ----------------------------------------------
 
-# (lowest, highest) accepted for every whole number a config gives, checked before anything is
-# sized by it: a 1 KB config.json with ``num_local_experts: 10**8`` kept ``plan`` and ``build
-# --dry-run`` building tensor tables for minutes. Each bound is far above every published model
-# (the figures: their config.json values, transformers' configuration_*.py defaults). The first
-# row is layout/model.py's ``LIMITS`` (the numbers every decoder has; the manifest reader's too).
+# (lowest, highest) accepted for every whole number a config gives, checked before anything is sized
+# by it: a 1 KB config.json with ``num_local_experts: 10**8`` kept ``plan`` and ``build --dry-run``
+# building tensor tables for minutes. Each bound is far above every published model (their config.json
+# values, transformers' defaults). The first row is layout/model.py's ``LIMITS`` (the manifest's too).
 LAYERS = 4096  # Llama 3.1 405B: 126; DeepSeek-V3: 61
 EXPERTS = 4096  # routed experts: Qwen3-Next 512 (the most published), Kimi-K2 384, DeepSeek-V3 256
 HIDDEN, INTER, HEAD, POSITIONS = 1 << 18, 1 << 20, 1 << 14, 1 << 28  # 405B: 16384, 53248; head_dim 256
@@ -278,8 +277,7 @@ BOUNDS: dict[str, tuple[int, int]] = {
     # routing (DeepSeek-V3: top 8 of 256 in 8 groups, the best 4, one shared expert); top-k, n_group
     # and topk_group are then checked against the experts (moe.py, deepseek.py)
     "num_local_experts": (1, EXPERTS), "num_experts": (1, EXPERTS), "n_routed_experts": (1, EXPERTS),
-    "num_experts_per_tok": (1, EXPERTS), "n_group": (1, EXPERTS), "topk_group": (1, EXPERTS),
-    "n_shared_experts": (1, EXPERTS),
+    "num_experts_per_tok": (1, EXPERTS), "n_group": (1, EXPERTS), "topk_group": (1, EXPERTS), "n_shared_experts": (1, EXPERTS),
     # an expert's MLP, under intermediate_size's bound (DeepSeek-V3 2048, Qwen1.5-MoE's shared 5632)
     "moe_intermediate_size": (1, INTER), "shared_expert_intermediate_size": (1, INTER),
     # counts of layers, steps and patterns (DeepSeek-V3 first_k_dense_replace 3, one MTP layer;
@@ -287,9 +285,11 @@ BOUNDS: dict[str, tuple[int, int]] = {
     "first_k_dense_replace": (0, LAYERS), "decoder_sparse_step": (1, LAYERS),
     "max_window_layers": (0, LAYERS), "sliding_window_pattern": (1, LAYERS),
     "num_nextn_predict_layers": (0, LAYERS), "num_mtp_layers": (0, LAYERS), "num_mtp_modules": (0, LAYERS),
-    # MLA: ranks under hidden_size's bound (1536, 512), head dims under head_dim's (128, 64, 128)
+    # MLA: ranks under hidden_size's bound (1536, 512), head dims under head_dim's (128, 64, 128);
+    # DSA's indexer (64 heads of 128, the best 2048 tokens; GLM-5.3 runs its own every 4 layers)
     "q_lora_rank": (1, HIDDEN), "kv_lora_rank": (1, HIDDEN), "qk_nope_head_dim": (1, HEAD),
-    "qk_rope_head_dim": (1, HEAD), "v_head_dim": (1, HEAD),
+    "qk_rope_head_dim": (1, HEAD), "v_head_dim": (1, HEAD), "index_n_heads": (1, 4096), "index_head_dim": (1, HEAD),
+    "index_topk": (1, POSITIONS), "index_topk_freq": (1, LAYERS), "index_skip_topk_offset": (0, LAYERS),
     "sliding_window": (1, POSITIONS),  # positions (Qwen1.5-MoE 32768, gpt-oss 128)
 }
 # Routed expert MLPs in all (layers x experts, three table rows each): Kimi-K2 61 x 384 = 23,424.

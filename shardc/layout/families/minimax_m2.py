@@ -66,7 +66,7 @@ def _choice(cfg: dict[str, Any], key: str, allowed: Any, why: str) -> None:
         raise refuse(key, value, f"is not computed by shardc (only {allowed!r}: {why})")
 
 
-def _rotary(cfg: dict[str, Any], head_dim: int) -> int:
+def rotary_dims(cfg: dict[str, Any], head_dim: int) -> int:
     """The rotated dimensions of a head: ``rotary_dim`` (the published spelling), or
     head_dim x ``partial_rotary_factor`` truncated (transformers' formula), top level or in the
     rope object; all given must agree; none: every dimension."""
@@ -119,7 +119,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
         raise refuse("attn_type_list", kinds, "is not computed by shardc (only 1, softmax attention, in every "
                      "layer: transformers' MiniMax-M2 has no other)")
     return {"experts": experts, "top_k": top_k, "activation": cfg.get("hidden_act", "silu"),
-            "rotary_dim": _rotary(cfg, head_dim), "mtp": count(cfg, "num_mtp_modules", 0)}
+            "rotary_dim": rotary_dims(cfg, head_dim), "mtp": count(cfg, "num_mtp_modules", 0)}
 
 
 def rope(cfg: dict[str, Any], reader: RopeReader) -> tuple[float, dict[str, Any] | None]:

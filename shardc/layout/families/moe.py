@@ -34,9 +34,10 @@ def router_row(m: ModelShape, p: str, name: str, experts: int) -> Row:
     return Row(p + name, (experts, m.hidden_size), REPLICATED)
 
 
-def read_routing(cfg: dict[str, Any], experts_key: str) -> tuple[int, int]:
-    """(experts, top_k), top_k within 1..experts. ``experts_key`` is the transformers 4 spelling;
-    transformers 5 writes ``num_local_experts`` for every MoE family, and both must agree."""
+def read_routing(cfg: dict[str, Any], experts_key: str, top_k: int = 2) -> tuple[int, int]:
+    """(experts, top_k), top_k within 1..experts (``top_k``: transformers' default for the family).
+    ``experts_key`` is the transformers 4 spelling; transformers 5 writes ``num_local_experts`` for
+    every MoE family, and both must agree."""
     experts = count(cfg, experts_key)
     if experts_key != "num_local_experts" and "num_local_experts" in cfg:
         new = count(cfg, "num_local_experts")
@@ -51,8 +52,7 @@ def read_routing(cfg: dict[str, Any], experts_key: str) -> tuple[int, int]:
                          f"{experts * layers} routed experts, above the limit of {EXPERT_MLPS}",
                          key=experts_key, hint=f"at most {EXPERT_MLPS} routed experts in all layers, far "
                          "above any published model's; pass the checkpoint's own config.json")
-    top_k = count(cfg, "num_experts_per_tok", 2)
-    assert top_k is not None
+    top_k = count(cfg, "num_experts_per_tok", top_k)
     if top_k > experts:
         raise refuse("num_experts_per_tok", top_k, f"is more than {experts_key}={experts}")
     return experts, top_k
