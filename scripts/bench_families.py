@@ -64,12 +64,41 @@ def _fewer_experts(cfg: dict, gib: float) -> dict:
     return cfg
 
 
+# A family with no preset (no published config.json to write one from: GLM-4.5) is measured on a
+# published model's sizes under its own keys: the bytes/s of a build depend on the tensors' shapes
+BORROWED = {
+    # Qwen3-30B-A3B's sizes (the qwen3-30b-a3b preset: 128 experts of 768, top 8, 32 heads over 4 of
+    # 128) as a GLM-4.5 config, its first layer dense as GLM-4.5's is
+    "glm4_moe": ("qwen3-30b-a3b", {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 2048,
+        "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "first_k_dense_replace": 1, "n_shared_experts": 1, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+        "use_qk_norm": True, "attention_bias": True, "partial_rotary_factor": 0.5, "torch_dtype": "bfloat16"}),
+    # Qwen/Qwen3.5-35B-A3B's text model (aiconfigurator 0.12's copy of its config.json) as a Qwen3-Next
+    # config: 40 layers, every 4th full attention, 256 experts of 512
+    "qwen3_next": ("qwen3.5-35b-a3b", {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 2048,
+        "intermediate_size": 512, "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+        "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "rms_norm_eps": 1e-6,
+        "vocab_size": 248320, "torch_dtype": "bfloat16"}),
+}
+
+
 def config_for(family, gib: float) -> tuple[str, dict]:
-    """The family's first preset cut to the number of layers that makes about ``gib`` GiB (at
-    least one): every family's build then pays the same fixed costs (start-up, imports, side
-    files) against the same bytes. A mixture-of-experts preset keeps fewer experts (``_fewer_experts``)."""
-    name, preset = next(iter(family.presets.items()))
-    cfg = _fewer_experts(copy.deepcopy(preset.config), gib)
+    """The family's first preset (or its ``BORROWED`` sizes) cut to the number of layers that makes
+    about ``gib`` GiB (at least one): every family's build then pays the same fixed costs (start-up,
+    imports, side files) against the same bytes. A mixture-of-experts preset keeps fewer experts
+    (``_fewer_experts``)."""
+    if family.presets:
+        name, preset = next(iter(family.presets.items()))
+        config = preset.config
+    else:
+        shape, config = BORROWED[family.name]
+        name = f"{shape} sizes"
+    cfg = _fewer_experts(copy.deepcopy(config), gib)
     one, two = _bytes({**cfg, "num_hidden_layers": 1}), _bytes({**cfg, "num_hidden_layers": 2})
     layers = max(1, round((gib * 2**30 - one) / (two - one)) + 1)
     cfg["num_hidden_layers"] = layers
@@ -85,6 +114,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="[default: build/bench-families]")
     ap.add_argument("--dense", action="store_true", help="the dense families only")
+    ap.add_argument("--families", default=None,
+                    help="comma-separated family names, llama always first [default: every family]")
     a = ap.parse_args()
     work = Path(a.workdir or ROOT / "build" / "bench-families")
     work.mkdir(parents=True, exist_ok=True)
@@ -92,8 +123,11 @@ def main() -> None:
     os.environ["SHARDC_CACHE_DIR"] = str(tmp / "hash-cache")
     runs: dict[str, dict] = {}
     try:
+        wanted = None if a.families is None else {"llama", *a.families.split(",")}
         for fam in FAMILIES:
-            if not fam.presets or (a.dense and fam.forward(model_from_config(next(iter(fam.presets.values())).config)).moe):
+            if wanted is not None and fam.name not in wanted:
+                continue
+            if a.dense and fam.forward(model_from_config(config_for(fam, a.gib)[1])).moe:
                 continue  # --dense: mixture-of-experts builds are scripts/bench_moe_build.py's
             preset, cfg = config_for(fam, a.gib)
             src = write_checkpoint(tmp / f"src-{fam.name}", cfg)
@@ -108,8 +142,8 @@ def main() -> None:
                               "layers": cfg["num_hidden_layers"]}
             # first build hashes the source (cached afterwards for every plan): not timed
             out = tmp / f"out-{fam.name}"
-            subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan), "--out", str(out), "-q"],
-                           check=True)
+            subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(plan), "--out", str(out), "-q",
+                            "--manifests-dir", str(tmp / "records")], check=True)
             shutil.rmtree(out)
         for _ in range(a.repeat):
             for fam, r in runs.items():
@@ -117,7 +151,7 @@ def main() -> None:
                 subprocess.run(["sync"], check=True)
                 t0 = time.perf_counter()
                 subprocess.run([sys.executable, "-m", "shardc.cli", "build", str(r["plan"]), "--out", str(out),
-                                "-q"], check=True)
+                                "-q", "--manifests-dir", str(tmp / "records")], check=True)
                 r["times"].append(time.perf_counter() - t0)
                 shutil.rmtree(out)
         base = None
@@ -125,7 +159,7 @@ def main() -> None:
             med = statistics.median(r["times"])
             rate = r["bytes"] / med / 1e9
             base = base or rate
-            print(f"{fam:8s} {r['preset']:16s} {r['layers']:2d} layers tp={r['tp']}  {r['bytes'] / 2**30:5.2f} GiB  "
+            print(f"{fam:8s} {r['preset']:20s} {r['layers']:2d} layers tp={r['tp']}  {r['bytes'] / 2**30:5.2f} GiB  "
                   f"median {med:6.2f} s  {rate:5.2f} GB/s  = {rate / base:4.2f}x llama's bytes/s  "
                   f"(runs: {', '.join(f'{t:.2f}' for t in r['times'])})")
     finally:

@@ -124,6 +124,9 @@ def _tp_problems(model: ModelSpec, tp: int, expert_parallel: bool = False) -> li
         problems.append(f"intermediate_size={model.intermediate_size} is not divisible by tp={tp}")
     if model.hidden_size % tp:
         problems.append(f"hidden_size={model.hidden_size} is not divisible by tp={tp}")
+    hybrid = model.forward.hybrid  # a rank holds whole key heads of each linear-attention layer
+    if hybrid is not None and hybrid.key_heads % tp:
+        problems.append(f"linear_num_key_heads={hybrid.key_heads} is not divisible by tp={tp}")
     moe = model.forward.moe
     if moe is not None and expert_parallel and moe.experts < tp:
         problems.append(f"{moe.experts} experts leave ranks without one at tp={tp} with expert_parallel")

@@ -34,6 +34,7 @@ from .formulas import (
     rate_dtype,
     request_kv_bytes,
     ring_allreduce_s,
+    round_to_blocks,
     sequences_at,
     vllm_allreduce_s,
 )
@@ -57,13 +58,33 @@ def kv_bpt(model: ModelSpec, layers: int, tp: int, kv_bytes: int, first: int = 0
     """KV bytes per token on one GPU holding ``layers`` layers from ``first``: K and V of its KV heads,
     or an MLA latent (kv_lora_rank + qk_rope_head_dim per layer), whole on every GPU whatever the TP,
     plus DSA's indexer key on each of those layers that runs its own indexer."""
-    mla = model.forward.mla
+    mla, hybrid = model.forward.mla, model.forward.hybrid
+    if hybrid is not None:  # KV on the full-attention layers only; the linear ones hold a state (state_bytes)
+        layers -= sum(hybrid.linear[first:first + layers])
     if mla is not None:
         bpt = mla_kv_bytes_per_token(layers, mla.kv_lora_rank, mla.rope, kv_bytes)
         if mla.indexer is not None:
             bpt += sum(mla.indexer.own[first:first + layers]) * indexer_key_bytes(mla.indexer.head_dim)
         return bpt
     return kv_bytes_per_token(layers, model.num_kv_heads, tp, model.head_dim, kv_bytes)
+
+
+def state_bytes(model: ModelSpec, layers: int, tp: int, first: int = 0) -> int:
+    """A hybrid model's fixed state per sequence on one GPU holding ``layers`` layers from ``first``
+    (layout/families/hybrid.py ``Hybrid.state_bytes``); 0 for every other model."""
+    x = model.forward.hybrid
+    if x is None:
+        return 0
+    return x.state_bytes(sum(x.linear[first:first + layers]), tp, 4 if model.torch_dtype == "float32" else 2)
+
+
+def sequences_with_state(blocks: int, budget: float, bpt: int, state: int, context: int, block: int) -> int:
+    """Concurrent sequences of ``context`` tokens: what the KV blocks hold, and with a per-sequence
+    state (hybrid models) what the budget holds of (the sequence's whole blocks + its state)."""
+    kv_only = sequences_at(blocks, context, block)
+    if not state:
+        return kv_only
+    return min(kv_only, math.floor(budget / (round_to_blocks(context, block) * bpt + state)))
 
 
 def routing(model: ModelSpec) -> tuple[int, int]:
@@ -124,9 +145,12 @@ def _memory(s: Search, c: Candidate) -> None:
     req = w.max_model_len or model.max_position_embeddings
     tokens = blocks * w.block_size
     c.memory = fullest
+    rl = max((r for r in c.weights if r.pp_stage == limiting.stage), key=lambda r: r.nbytes).layers
+    state = state_bytes(model, rl[1] - rl[0], c.tp, rl[0])
     c.kv = KvFigures(bpt, limiting.kv_budget, blocks, tokens, min(tokens, max(req, model.max_position_embeddings)),
-                     sequences_at(blocks, w.context, w.block_size), req,
-                     request_kv_bytes(bpt, req, w.block_size), need, bpt * need)
+                     sequences_with_state(blocks, limiting.kv_budget, limiting.kv_bytes_per_token, state, w.context,
+                                          w.block_size), req,
+                     request_kv_bytes(bpt, req, w.block_size) + state, need, bpt * need, state)
     memory_reasons(s, c, stages, fullest, limiting, tokens, need, world)
 
 

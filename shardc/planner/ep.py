@@ -39,7 +39,17 @@ from ..layout.model import ModelSpec
 from ..layout.plan import plan_from_dict
 from ..layout.ranks import build_layout, check_degrees
 from ..layout.tensors import STACKED, layer_of, tensor_table
-from .candidate import Candidate, attn_flops, kv_bpt, lora_bytes, memory_reasons, routing, unit_cost
+from .candidate import (
+    Candidate,
+    attn_flops,
+    kv_bpt,
+    lora_bytes,
+    memory_reasons,
+    routing,
+    sequences_with_state,
+    state_bytes,
+    unit_cost,
+)
 from .formulas import (
     ACT_BYTES,
     Workload,
@@ -50,7 +60,6 @@ from .formulas import (
     request_kv_bytes,
     request_tokens,
     round_to_blocks,
-    sequences_at,
 )
 from .gpus import GIB, fp8_fixed_us, rates
 from .records import GpuMemory, KvFigures, Search, Speed
@@ -201,9 +210,10 @@ def _memory(s: Search, c: Candidate) -> None:
     tokens = blocks * w.block_size
     req = w.max_model_len or model.max_position_embeddings
     c.memory = mem
+    state = state_bytes(model, layers, 1)
     c.kv = KvFigures(bpt, budget, blocks, tokens, min(tokens, max(req, model.max_position_embeddings)),
-                     n * sequences_at(blocks, w.context, w.block_size), req,
-                     request_kv_bytes(bpt, req, w.block_size), need, bpt * need)
+                     n * sequences_with_state(blocks, budget, bpt, state, w.context, w.block_size), req,
+                     request_kv_bytes(bpt, req, w.block_size) + state, need, bpt * need, state)
     before = len(c.reasons)
     memory_reasons(s, c, [mem], mem, mem, tokens, need, n,
                    words=ep_demand_words(w, model.max_position_embeddings, n), limit_always=True)

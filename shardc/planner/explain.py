@@ -1,8 +1,6 @@
 """``shardc plan --explain``: the arithmetic of one candidate, line by line, with the numbers substituted.
-
-Pure formatting of a ``Search`` (no arithmetic of its own beyond restating the planner's figures),
-the way one checks it on paper against vLLM's log; split from report.py, which prints the table.
-"""
+Pure formatting of a ``Search`` (no arithmetic of its own beyond restating the planner's figures), the way
+one checks it on paper against vLLM's log; split from report.py, which prints the table."""
 
 from __future__ import annotations
 
@@ -182,8 +180,10 @@ def _explain_memory(s: Search, c: Candidate) -> list[str]:
           f" -> {kv.tokens:,} tokens",
           f"  max model length = {w.block_size} x {kv.blocks:,} = {kv.tokens:,}, capped at "
           f"{max(kv.request_len, m.max_position_embeddings):,} -> {kv.max_model_len:,}",
-          f"  sequences at {w.context:,} tokens = floor({kv.blocks:,} / ceil({w.context:,} / "
-          f"{w.block_size})) = {kv.sequences:,}"]
+          f"  sequences at {w.context:,} tokens = floor({kv.blocks:,} / ceil({w.context:,} / {w.block_size}))"
+          + ("" if not kv.state_bytes else f", at most floor({gib(kv.budget)} / (ceil({w.context:,} / {w.block_size}) x "
+             f"{w.block_size} x {kv.bytes_per_token:,} B + {kv.state_bytes:,} B state of the linear-attention layers))")
+          + f" = {kv.sequences:,}"]
     return o
 
 

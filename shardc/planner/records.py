@@ -69,6 +69,7 @@ class KvFigures:
     request_bytes: int  # KV one request of request_len needs per GPU
     demand_tokens: int = 0  # demand_tokens(): what the pool must hold at once
     demand_bytes: int = 0  # those tokens' KV on one GPU (of the stage with the most KV per token)
+    state_bytes: int = 0  # a hybrid model's fixed state per sequence on the limiting GPU (linear layers)
 
     @property
     def served_len(self) -> int:

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout.families.family import Forward
+from .deltanet import DeltaNetState, linear_attention
 from .indexer import keep, select
 from .moe import route, stacked_expert
 from .qk import apply_rope, whole_qk_norm
@@ -94,6 +95,8 @@ class KVCache:
         index = dims.index_dim
         self.index = {} if index is None else {
             i: torch.empty((batch, max_len, index), dtype=dtype, device=device) for i in layers}
+        # a linear-attention layer's conv and recurrent state (runtime/deltanet.py), filled by the prefill
+        self.linear = {i: DeltaNetState() for i in layers if dims.linear and dims.linear[i]}
         self.length = 0
 
 
@@ -173,6 +176,10 @@ class StageModel:
             raise AssertionError("prefill continuing a non-empty cache is not supported")
         if f.mla is not None:
             a = self._mla(lw, h, cos, sin, cache, start)
+        elif lw.linear:  # Gated DeltaNet (runtime/deltanet.py); its state in the cache
+            state = cache.linear[lw.index] if cache is not None else DeltaNetState()
+            assert f.hybrid is not None
+            a = linear_attention(f.hybrid, lw.linear, h, d.eps, state, self.comm.tp_rank)
         else:
             a = self._qkv_attention(lw, h, cos, sin, cache, start)
         o = self._row(a, lw.o, b.get("o"), f"layer {lw.index} attention all-reduce")
@@ -196,9 +203,13 @@ class StageModel:
         """q/k/v projections, rope, attention: [batch, t, local heads x head_dim]."""
         d, b, f, norm = self.d, lw.bias, self.f, self._norm
         bsz, t, _ = h.shape
-        assert lw.k is not None and lw.v is not None
+        assert lw.q is not None and lw.k is not None and lw.v is not None
         q, k = _linear(h, lw.q, b.get("q")), _linear(h, lw.k, b.get("k"))
         v = _linear(h, lw.v, b.get("v")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
+        gate = None
+        if f.hybrid is not None and f.hybrid.gated_attention:  # q_proj: [query, gate] per head (Qwen3-Next)
+            q, gate = torch.chunk(q.view(bsz, t, d.heads, 2 * d.head_dim), 2, dim=-1)
+            q, gate = q.reshape(bsz, t, -1), gate.reshape(bsz, t, -1)
         if f.qk_norm_whole:  # over every head's width, before rope (MiniMax-M2; runtime/qk.py)
             q, k = whole_qk_norm(q, k, lw.norms["q_norm"], lw.norms["k_norm"], d.eps, self.model["num_heads"],
                                  self.model["num_kv_heads"], d.head_dim, self.comm, f"layer {lw.index}")
@@ -214,7 +225,8 @@ class StageModel:
         # Prefill always starts at position 0 (no chunked prefill), so is_causal's top-left mask is
         # right; a single decode query attends to everything cached (inside its window).
         a = self._attend(q, k, v, start, f.window(lw.index), lw.sinks)
-        return a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
+        a = a.transpose(1, 2).reshape(bsz, t, d.heads * d.head_dim)
+        return a if gate is None else a * torch.sigmoid(gate)
 
     def _mla(self, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              cache: KVCache | None, start: int) -> torch.Tensor:
@@ -229,6 +241,7 @@ class StageModel:
         a, w = self.f.mla, lw.mla
         assert a is not None
         bsz, t, _ = h.shape
+        assert lw.q is not None
         if a.q_lora_rank is None:
             q = F.linear(h, lw.q)
         else:

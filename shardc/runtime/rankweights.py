@@ -37,10 +37,10 @@ class LayerWeights:
     index: int
     ln1: torch.Tensor
     ln2: torch.Tensor
-    q: torch.Tensor  # MLA: q_b_proj (or q_proj), this rank's heads
+    q: torch.Tensor | None  # MLA: q_b_proj (or q_proj), this rank's heads; None on a linear-attention layer
     k: torch.Tensor | None  # None with MLA: ``mla`` holds the latent projections
     v: torch.Tensor | None
-    o: torch.Tensor
+    o: torch.Tensor  # a linear-attention layer's out_proj too (row-parallel like o_proj)
     gate: torch.Tensor | None  # None on a sparse layer: ``moe`` holds its MLP
     up: torch.Tensor | None
     down: torch.Tensor | None
@@ -52,6 +52,8 @@ class LayerWeights:
     # rank's heads)
     mla: dict[str, torch.Tensor] = field(default_factory=dict)
     sinks: torch.Tensor | None = None  # this rank's heads' attention sinks (Forward.sinks)
+    # a linear-attention layer (Forward.hybrid): its tensors by role (hybrid.py LINEAR) but out_proj (``o``)
+    linear: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,3 +79,4 @@ class Dims:
     eps: float
     latent: tuple[int, int] | None = None  # MLA: the cache holds (kv_lora_rank, qk_rope_head_dim) per token
     index_dim: int | None = None  # DSA: the cache holds the indexer's key of index_head_dim per token
+    linear: tuple[bool, ...] = ()  # per layer: linear attention (a DeltaNet state, no KV) (Forward.hybrid)

@@ -77,6 +77,7 @@ def local_dims(layout: Layout) -> Dims:
         eps=m.rms_norm_eps,
         latent=(mla.kv_lora_rank, mla.rope) if mla is not None else None,
         index_dim=mla.indexer.head_dim if mla is not None and mla.indexer is not None else None,
+        linear=m.forward.hybrid.linear if m.forward.hybrid is not None else (),
     )
 
 
@@ -150,6 +151,7 @@ def arrange(raw: dict[str, torch.Tensor], rank_layout: RankLayout, layout: Layou
 
     moe = layout.model.forward.moe
     mla = layout.model.forward.mla
+    hybrid = layout.model.forward.hybrid
     fused = layout.model.forward.fused
     table = tensor_table(layout.model) if fused else {}
 
@@ -174,6 +176,10 @@ def arrange(raw: dict[str, torch.Tensor], rank_layout: RankLayout, layout: Layou
         sparse = moe is not None and moe.sparse[i]
         if sparse:  # the routed experts (and a shared expert) take the dense MLP's place
             w |= {"gate": None, "up": None, "down": None}
+        linear = {}
+        if hybrid is not None and hybrid.linear[i]:  # Gated DeltaNet: out_proj is the o role
+            linear = {role: get(p + name) for role, name in names.linear if role != "o"}
+            w |= {"q": None, "k": None, "v": None, "o": get(p + dict(names.linear)["o"])}
         latent = {}
         if mla is not None:  # q_b_proj (or q_proj) is q; the latent projections replace k and v
             latent = {role: get(p + name) for role, name in names.latent if _held(specs, p + name)}
@@ -193,7 +199,8 @@ def arrange(raw: dict[str, torch.Tensor], rank_layout: RankLayout, layout: Layou
         # ``w`` holds q, k, v, o, gate, up, down by now, keys built from the family's tables: mypy
         # cannot match a dict's keys to the fields they fill
         layers.append(LayerWeights(index=i, ln1=get(p + names.ln1), ln2=ln2,
-                                   bias=bias, norms=norms, mla=latent, sinks=sinks, **w))  # type: ignore[arg-type]
+                                   bias=bias, norms=norms, mla=latent, sinks=sinks, linear=linear,
+                                   **w))  # type: ignore[arg-type]
         if sparse:
             assert moe is not None
             if moe.stacked:

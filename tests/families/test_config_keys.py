@@ -71,6 +71,11 @@ FAMILIES = {
         "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
         "qk_rope_head_dim": 8, "v_head_dim": 8, "moe_intermediate_size": 16, "index_n_heads": 2,
         "index_head_dim": 16, "index_topk": 8, "indexer_types": ["full", "shared", "full", "full"]}),
+    # Qwen3-Next: linear layers 0-2, a full layer 3, a dense layer 1
+    "Qwen3NextConfig": ("Qwen3NextForCausalLM", {
+        "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32, "mlp_only_layers": [1]}),
     # every GLM-4.5 key live: q/k norms, biases, groups of experts, a dense first layer
     "Glm4MoeConfig": ("Glm4MoeForCausalLM", {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
                                              "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16,

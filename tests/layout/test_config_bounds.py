@@ -72,6 +72,10 @@ BASES: dict[str, dict[str, Any]] = {
                         kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
                         moe_intermediate_size=16, index_n_heads=2, index_head_dim=16, index_topk=8,
                         index_topk_freq=2, index_skip_topk_offset=1),
+    "qwen3_next": dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", head_dim=16,
+                       linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=32,
+                       full_attention_interval=2),
     "glm4_moe": dict(architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", rms_norm_eps=1e-5,
                      n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
                      first_k_dense_replace=1, moe_intermediate_size=16, num_nextn_predict_layers=1,
@@ -125,6 +129,8 @@ def _large(label: str, key: str) -> dict[str, Any]:
         return cfg
     elif key in ("num_nextn_predict_layers", "num_mtp_layers"):  # two spellings that must agree
         cfg.update(num_nextn_predict_layers=high, num_mtp_layers=high)
+    elif key == "linear_num_key_heads":  # the value heads are a multiple of the key heads
+        cfg.update(linear_num_value_heads=high)
     elif key == "qk_rope_head_dim" and "index_head_dim" in cfg:  # DSA's indexer rotates as many
         cfg.update(index_head_dim=high)
     elif key in EXPERT_KEYS:  # the one spelling (transformers 4 and 5 spellings must agree)

@@ -60,6 +60,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                          q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=32,
                          v_head_dim=32, index_n_heads=4, index_head_dim=64, index_topk=16,
                          indexer_types=["full", "shared"])),
+    # Qwen3-Next: three Gated DeltaNet layers, then a gated full-attention layer
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(num_hidden_layers=4, head_dim=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=64, shared_expert_intermediate_size=64)),
     # GLM-4.5: q/k/v biases, per-head q/k norms, half of each head rotated, grouped sigmoid routing
     # with a shared expert after one dense layer (vLLM keeps the router and its bias in fp32, as shardc does)
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",

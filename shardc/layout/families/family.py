@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any, Protocol, overload
 
 from ...errors import ModelError
+from .hybrid import Hybrid
 from .indexer import Indexer
 from .names import LLAMA, Names
 
@@ -185,15 +186,14 @@ class Forward:
     windows: tuple[int | None, ...] = ()  # per layer: sliding window in tokens, None = full
     rope_theta_local: float | None = None  # rope base of sliding-window layers (Gemma 3)
     activation: str = "silu"  # config.json hidden_act / hidden_activation (runtime/support.py)
-    # tensors stored fused (Phi-3): (module under model.layers.N, the decoder roles of its parts in
-    # order), e.g. ("self_attn.qkv_proj", ("q", "k", "v")); runtime/weights.py splits the rank's
-    # tensor into those roles by the local part sizes, so the decoder sees q/k/v and gate/up
+    # tensors stored fused (Phi-3): (module under model.layers.N, its parts' decoder roles in order), e.g.
+    # ("self_attn.qkv_proj", ("q", "k", "v")); runtime/weights.py cuts the rank's tensor into those roles
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
     moe: Moe | None = None  # mixture-of-experts MLP on the layers ``moe.sparse`` marks
     mla: Mla | None = None  # multi-head latent attention instead of q/k/v projections (DeepSeek-V3)
     yarn: bool = False  # the family's rope may be YaRN (transformers' _compute_yarn_parameters)
-    sinks: bool = False  # per-head attention sinks (self_attn.sinks, gpt-oss): a logit per head
-    #                      that joins every query's softmax and is then dropped (eager attention)
+    sinks: bool = False  # per-head attention sinks (gpt-oss): a logit per head joins each query's softmax, then dropped
+    hybrid: Hybrid | None = None  # linear-attention layers and gated attention (Qwen3-Next; hybrid.py)
     names: Names = LLAMA  # the tensor names the runtime's block reads, by role (names.py)
 
     def window(self, layer: int) -> int | None:
@@ -285,16 +285,15 @@ BOUNDS: dict[str, tuple[int, int]] = {
     "first_k_dense_replace": (0, LAYERS), "decoder_sparse_step": (1, LAYERS),
     "max_window_layers": (0, LAYERS), "sliding_window_pattern": (1, LAYERS),
     "num_nextn_predict_layers": (0, LAYERS), "num_mtp_layers": (0, LAYERS), "num_mtp_modules": (0, LAYERS),
-    # MLA: ranks under hidden_size's bound (1536, 512), head dims under head_dim's (128, 64, 128);
-    # DSA's indexer (64 heads of 128, the best 2048 tokens; GLM-5.3 runs its own every 4 layers)
+    # MLA: ranks under hidden_size's bound (1536, 512), head dims under head_dim's (128, 64, 128); DSA's indexer (64 heads of 128, the best 2048 tokens; GLM-5.3 runs its own every 4 layers)
     "q_lora_rank": (1, HIDDEN), "kv_lora_rank": (1, HIDDEN), "qk_nope_head_dim": (1, HEAD),
     "qk_rope_head_dim": (1, HEAD), "v_head_dim": (1, HEAD), "index_n_heads": (1, 4096), "index_head_dim": (1, HEAD),
-    "index_topk": (1, POSITIONS), "index_topk_freq": (1, LAYERS), "index_skip_topk_offset": (0, LAYERS),
+    "index_topk": (1, POSITIONS), "index_topk_freq": (1, LAYERS), "index_skip_topk_offset": (0, LAYERS), "full_attention_interval": (1, LAYERS),
+    # Gated DeltaNet (Qwen3-Next: 16 key heads of 128, 32 value heads of 128, a conv of 4)
+    "linear_num_key_heads": (1, 4096), "linear_num_value_heads": (1, 4096), "linear_key_head_dim": (1, HEAD), "linear_value_head_dim": (1, HEAD), "linear_conv_kernel_dim": (1, 64),
     "sliding_window": (1, POSITIONS),  # positions (Qwen1.5-MoE 32768, gpt-oss 128)
 }
-# Routed expert MLPs in all (layers x experts, three table rows each): Kimi-K2 61 x 384 = 23,424.
-# The two bounds alone allow 4096 x 4096: 50 million rows.
-EXPERT_MLPS = 1 << 17
+EXPERT_MLPS = 1 << 17  # routed expert MLPs in all layers: Kimi-K2 61 x 384 = 23,424 (the two bounds: 4096 x 4096)
 
 
 def above(key: str, value: int, high: int) -> ModelError:

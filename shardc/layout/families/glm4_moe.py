@@ -49,7 +49,7 @@ from .family import (
     outer_rows,
     refuse,
 )
-from .minimax_m2 import rotary_dims
+from .minimax_m2 import factor_rotary_dims
 from .moe import flag, read_routing
 
 if TYPE_CHECKING:
@@ -63,19 +63,6 @@ DEFAULTS = {"n_routed_experts": 128, "num_experts_per_tok": 8, "n_group": 1, "to
 SCALING, FACTOR = 1.0, 0.5  # routed_scaling_factor, partial_rotary_factor
 # the keys whose transformers default is not layout/model.py's: refused when absent
 OWN_DEFAULTS = {"rms_norm_eps": 1e-05, "num_key_value_heads": 8}
-
-
-def _rotary_dim(cfg: dict[str, Any], head_dim: int) -> int:
-    """The rotated dimensions of a head: MiniMax-M2's reader of ``partial_rotary_factor`` (top level
-    or in the rope object; both given must agree), 0.5 where neither gives it. ``rotary_dim`` is
-    not read: transformers' GLM and vLLM's ignore it."""
-    where = cfg.get("rope_parameters") if cfg.get("rope_parameters") is not None else cfg.get("rope_scaling")
-    given = cfg.get("partial_rotary_factor") is not None or (
-        isinstance(where, dict) and where.get("partial_rotary_factor") is not None)
-    factors = {k: v for k, v in cfg.items() if k != "rotary_dim"}
-    if not given:
-        factors["partial_rotary_factor"] = FACTOR
-    return rotary_dims(factors, head_dim)
 
 
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +84,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
             "shared": count(cfg, "n_shared_experts", DEFAULTS["n_shared_experts"]),
             "moe_inter": count(cfg, "moe_intermediate_size", DEFAULTS["moe_intermediate_size"]),
             "sparse": tuple(i >= dense for i in range(layers)), "qk_norm": flag(cfg, "use_qk_norm", False),
-            "rotary_dim": _rotary_dim(cfg, head_dim), "activation": cfg.get("hidden_act", "silu"),
+            "rotary_dim": factor_rotary_dims(cfg, head_dim, FACTOR), "activation": cfg.get("hidden_act", "silu"),
             "mtp": mtp_layers(cfg, DEFAULTS["num_nextn_predict_layers"])}
 
 

@@ -96,6 +96,19 @@ def rotary_dims(cfg: dict[str, Any], head_dim: int) -> int:
     return found[0][2] if found else head_dim
 
 
+def factor_rotary_dims(cfg: dict[str, Any], head_dim: int, default: float) -> int:
+    """``rotary_dims`` for a family whose transformers class reads ``partial_rotary_factor`` only
+    (top level or in the rope object; both given must agree), ``default`` where neither gives it:
+    ``rotary_dim`` is not read, as transformers' and vLLM's GLM-4.5 and Qwen3-Next ignore it."""
+    where = cfg.get("rope_parameters") if cfg.get("rope_parameters") is not None else cfg.get("rope_scaling")
+    given = cfg.get("partial_rotary_factor") is not None or (
+        isinstance(where, dict) and where.get("partial_rotary_factor") is not None)
+    factors = {k: v for k, v in cfg.items() if k != "rotary_dim"}
+    if not given:
+        factors["partial_rotary_factor"] = default
+    return rotary_dims(factors, head_dim)
+
+
 def read(cfg: dict[str, Any]) -> dict[str, Any]:
     hidden, heads = count(cfg, "hidden_size") or 1, count(cfg, "num_attention_heads") or 1
     head_dim = count(cfg, "head_dim") or hidden // heads

@@ -45,6 +45,7 @@ class Names:
     norms: tuple[tuple[str, str], ...] = EXTRA_NORMS
     latent: tuple[tuple[str, str], ...] = LATENT
     q_b: str = "self_attn.q_b_proj.weight"  # MLA with a q LoRA: q's up-projection is the q role
+    linear: tuple[tuple[str, str], ...] = ()  # a linear-attention layer's tensors by role (hybrid.py LINEAR)
     sinks: str = "self_attn.sinks"  # per-head attention sinks (Forward.sinks)
 
     def layer(self, i: int) -> str:

@@ -49,7 +49,7 @@ SHARED = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weigh
 SHARED_GATE = "mlp.shared_expert_gate.weight"
 
 
-def _sparse(cfg: dict[str, Any], layers: int) -> tuple[bool, ...]:
+def sparse_layers(cfg: dict[str, Any], layers: int) -> tuple[bool, ...]:
     step = count(cfg, "decoder_sparse_step", 1)
     only = cfg.get("mlp_only_layers") or []
     if isinstance(only, list) and len(only) > layers:  # before its entries are looked at
@@ -78,7 +78,7 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
         windows = windows_for(types, window)
     out = {"windows": windows, "activation": cfg.get("hidden_act", "silu"), "experts": experts,
            "top_k": top_k, "norm_topk": flag(cfg, "norm_topk_prob", False),
-           "sparse": _sparse(cfg, layers), "moe_inter": count(cfg, "moe_intermediate_size"),
+           "sparse": sparse_layers(cfg, layers), "moe_inter": count(cfg, "moe_intermediate_size"),
            "qwen2": qwen2}
     if qwen2:
         out["shared_inter"] = count(cfg, "shared_expert_intermediate_size")
