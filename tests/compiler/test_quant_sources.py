@@ -55,18 +55,18 @@ FAMILIES = {
 
 def _glm5_fp8(extra: dict) -> dict:
     """zai-org/GLM-5-FP8's quantization_config for the tiny GLM-5: DeepSeek-V3.2's without
-    scale_fmt, and modules_to_not_convert naming, as the published list does for each of its
-    layers, the norms, the indexer's k_norm and weights projection, and the routers of the MoE
-    layers (and lm_head, embed_tokens, the final norm). The entries are spelled as a public
-    re-creation of that list spells them (prime-rl's GLM-5 FP8 export; its count, 3 + 78 x 7 + 75 x 2
-    and 13 for the MTP layer, is the 712 families/deepseek_v32.py cites, not checked against the
-    published file here), self_attn.indexers_proj included, which names no module of transformers'
-    model."""
+    scale_fmt, and modules_to_not_convert naming what the published list names for each layer (as
+    aiconfigurator 0.12's copy of its config.json has it, zai-org--GLM-5-FP8_config.json: 712
+    entries, per layer input_layernorm, post_attention_layernorm, self_attn.indexer.k_norm and its
+    .bias, self_attn.indexers_proj, kv_a_layernorm, q_a_layernorm; per MoE layer mlp.gate and its
+    e_score_correction_bias; lm_head, model.embed_tokens, model.norm; and the MTP layer's own),
+    self_attn.indexers_proj included, which names no module of transformers' model: the indexer's
+    weights_proj is 16-bit all the same (no quantizable row; vLLM's loader reads it unquantized)."""
     keep = ["lm_head", "model.embed_tokens", "model.norm"]
     for i in range(extra["num_hidden_layers"]):
         p = f"model.layers.{i}."
         keep += [p + m for m in ("input_layernorm", "post_attention_layernorm", "self_attn.indexer.k_norm",
-                                 "self_attn.indexer.weights_proj", "self_attn.indexers_proj",
+                                 "self_attn.indexer.k_norm.bias", "self_attn.indexers_proj",
                                  "self_attn.kv_a_layernorm", "self_attn.q_a_layernorm")]
         if i >= extra["first_k_dense_replace"]:
             keep += [p + "mlp.gate", p + "mlp.gate.e_score_correction_bias"]
