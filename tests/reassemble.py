@@ -19,6 +19,25 @@ def load_source(ckpt: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _fused(name: str, parts: list) -> torch.Tensor:
+    """A FUSED tensor (Phi-3's qkv_proj, Qwen3-Next's conv1d) from its ranks' pieces: each rank's
+    rows are its pieces' source row ranges, in order; overlaps (a replicated KV head) must agree."""
+    full_len = max(b for rec, _ in parts for _, b in rec["pieces"])
+    t0 = parts[0][1]
+    full = torch.zeros([full_len, *t0.shape[1:]], dtype=t0.dtype)
+    covered = torch.zeros(full_len, dtype=torch.bool)
+    for rec, t in parts:
+        at = 0
+        for a, b in rec["pieces"]:
+            piece = t[at : at + b - a]
+            if covered[a:b].all():
+                assert torch.equal(full[a:b].view(torch.uint8), piece.contiguous().view(torch.uint8)), name
+            full[a:b], covered[a:b] = piece, True
+            at += b - a
+    assert covered.all(), f"{name}: pieces do not cover the tensor"
+    return full
+
+
 def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
     """shard tensor name -> tensor rebuilt from every rank's pieces (checks overlaps agree).
 
@@ -39,6 +58,9 @@ def reassemble(build_dir: Path) -> dict[str, torch.Tensor]:
             out[name] = t0
             continue
         dim = rec0["dim"]
+        if rec0.get("pieces"):  # a fused tensor's parts, each cut by its own kind (dim 0), end to end
+            out[name] = _fused(name, parts)
+            continue
         pack = (rec0.get("pack") or 1) if dim == 1 else 1
         full_len = max(r["stop"] for r, _ in parts) // pack
         shape = list(t0.shape)

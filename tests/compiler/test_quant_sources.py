@@ -50,6 +50,12 @@ FAMILIES = {
     # the indexer is replicated, never cut
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM", dict(MODELS["deepseek_v32"]["v32"].keys), (8, 8)),
     "glm5": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(MODELS["deepseek_v32"]["glm5"].keys), (8, 8)),
+    # GLM-4.5 and Qwen3-Next in block FP8 (zai-org/GLM-4.5-FP8, Qwen/Qwen3-Next-80B-A3B-*-FP8 publish it;
+    # their config.json is not here, so the format's plain form): their tiny models, 8x8 blocks so that
+    # at tp=2 every cut (Qwen3-Next's in_proj_qkvz at row 96, in_proj_ba at 8) is on a block line; the
+    # conv1d (3-D), A_log, dt_bias and the norms are not linears and stay 16-bit
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(MODELS["glm4_moe"]["glm4_moe"].keys), (8, 8)),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(MODELS["qwen3_next"]["qwen3_next"].keys), (8, 8)),
 }
 
 
