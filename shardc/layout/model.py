@@ -253,7 +253,8 @@ def model_from_config(cfg: dict[str, Any]) -> ModelSpec:
     return ModelSpec(
         architecture=arch,
         hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size"),
+        # a family whose config has none (Qwen3.5-MoE: every layer routed) gives its own, read by count()
+        intermediate_size=options.pop("intermediate_size", None) or _int(cfg, "intermediate_size"),
         num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv,

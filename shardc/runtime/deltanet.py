@@ -255,12 +255,25 @@ def gated_deltanet(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, z: torch.T
 
 def linear_attention(x: Hybrid, w: dict[str, torch.Tensor], h: torch.Tensor, eps: float, state: DeltaNetState,
                      tp_rank: int) -> torch.Tensor:
-    """A Qwen3-Next Gated DeltaNet layer for one rank's key heads and their value heads, before
-    out_proj: the fused in-projections read per key head as transformers'
-    fix_query_key_value_ordering, then :func:`gated_deltanet`. ``w``: the layer's tensors by role
-    (hybrid.py LINEAR), this rank's rows; ``state``: filled by a prefill, continued by a decode."""
+    """A Gated DeltaNet layer for one rank's key heads and their value heads, before out_proj:
+    Qwen3-Next's fused in-projections read per key head as transformers'
+    fix_query_key_value_ordering, or Qwen3.5's apart (``x.fused_qkvz`` False: the rank's
+    ``in_proj_qkv`` rows are its [q | k | v], z, b and a its value heads'), then
+    :func:`gated_deltanet`. ``w``: the layer's tensors by role (hybrid.py LINEAR or LINEAR_SPLIT),
+    this rank's rows; ``state``: filled by a prefill, continued by a decode."""
     bsz, t, _ = h.shape
     r = x.value_heads // x.key_heads
+    if not x.fused_qkvz:
+        qkv = F.linear(h, w["qkv"])
+        hk = qkv.shape[-1] // (2 * x.key_dim + r * x.value_dim)
+        q, k, v = torch.split(qkv, [hk * x.key_dim, hk * x.key_dim, hk * r * x.value_dim], dim=-1)
+        q, k = q.reshape(bsz, t, hk, x.key_dim), k.reshape(bsz, t, hk, x.key_dim)
+        v = v.reshape(bsz, t, -1, x.value_dim)
+        z = F.linear(h, w["z"]).reshape(bsz, t, -1, x.value_dim)
+        out = gated_deltanet(q, k, v, z, F.linear(h, w["b"]), F.linear(h, w["a"]), w["A_log"], w["dt_bias"],
+                             w["conv"], w["norm"], eps, state, v_head_offset=tp_rank * hk * r,
+                             num_v_heads=x.value_heads)
+        return out.reshape(bsz, t, -1)
     qkvz = F.linear(h, w["qkvz"])
     hk = qkvz.shape[-1] // (2 * x.key_dim + 2 * r * x.value_dim)
     q, k, v, z = torch.split(qkvz.view(bsz, t, hk, -1), [x.key_dim, x.key_dim, r * x.value_dim, r * x.value_dim], dim=3)

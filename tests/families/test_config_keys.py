@@ -76,6 +76,14 @@ FAMILIES = {
         "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
         "shared_expert_intermediate_size": 32, "mlp_only_layers": [1]}),
+    # Qwen3.5: linear layers 0-2, a full layer 3 (the dense model's MLP in every layer, the MoE's routed)
+    "Qwen3_5TextConfig": ("Qwen3_5ForCausalLM", {
+        "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4}),
+    "Qwen3_5MoeTextConfig": ("Qwen3_5MoeForCausalLM", {
+        "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32}),
     # every GLM-4.5 key live: q/k norms, biases, groups of experts, a dense first layer
     "Glm4MoeConfig": ("Glm4MoeForCausalLM", {"n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2,
                                              "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16,

@@ -35,6 +35,10 @@ REFUSED = {"gpt_oss": "shardc load format: architectures: the build gpt_oss-tp{t
 # vLLM CPU 0.32 builds no sparse attention (platforms/cpu.py): DSA's models stop at construction,
 # before any loader runs, from the source with vLLM's own loader as well
 NO_CPU = {name: "Sparse Attention is not supported on CPU." for name in ("deepseek_v32", "glm_moe_dsa")}
+# vLLM 0.32's Qwen3.5 model module imports its vision model, which imports torchvision; this venv has
+# none (the registry's is a CUDA build that breaks vLLM's import: Makefile vllm-venv), so vLLM cannot
+# even inspect the architecture here ("No module named 'torchvision'"): not loaded
+NO_IMPORT = {"qwen3_5", "qwen3_5_moe"}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +50,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
 def _builds(sources: dict[str, Path], root: Path, tp: int) -> list[dict]:
     return [{"name": name, "source": str(src),
              "build": str(build(make_plan(tp, name=f"{name}-tp{tp}", source=src), root / f"{name}-tp{tp}").out_dir)}
-            for name, src in sources.items()]
+            for name, src in sources.items() if name not in NO_IMPORT]
 
 
 def _check(results: list[list[dict]], tp: int, names: set[str] | None = None) -> None:
@@ -64,7 +68,7 @@ def _check(results: list[list[dict]], tp: int, names: set[str] | None = None) ->
             assert case["differ"] == [], f"rank {rank} {name}: these parameters differ from vLLM's own load"
             assert case["parameters"] > 0
             seen[name] = case["parameters"]
-    assert set(seen) == (set(FAMILIES) if names is None else names) - set(REFUSED) - set(NO_CPU)
+    assert set(seen) == (set(FAMILIES) if names is None else names) - set(REFUSED) - set(NO_CPU) - NO_IMPORT
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -65,6 +65,15 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                    dict(num_hidden_layers=4, head_dim=32, linear_key_head_dim=128, linear_value_head_dim=128,
                         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=64, shared_expert_intermediate_size=64)),
+    # Qwen3.5: Qwen3-Next's layers with the in-projections apart (linear head dims 128, as Qwen3-Next's);
+    # the dense model a gated MLP, the MoE model routed experts with a gated shared expert in every layer
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                dict(num_hidden_layers=4, head_dim=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                     linear_num_key_heads=2, linear_num_value_heads=4)),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(num_hidden_layers=4, head_dim=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                         linear_num_key_heads=2, linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=64, shared_expert_intermediate_size=64)),
     # GLM-4.5: q/k/v biases, per-head q/k norms, half of each head rotated, grouped sigmoid routing
     # with a shared expert after one dense layer (vLLM keeps the router and its bias in fp32, as shardc does)
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",

@@ -18,6 +18,7 @@ from . import (
     mixtral,
     phi3,
     qwen3,
+    qwen3_5,
     qwen3_next,
     qwen_moe,
 )
@@ -26,7 +27,8 @@ from .family import Family, Forward, Row
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, qwen3.FAMILY, granite.FAMILY, phi3.FAMILY,
                                 gemma.GEMMA2_FAMILY, gemma.GEMMA3_FAMILY, mixtral.FAMILY, qwen_moe.QWEN2_MOE,
                                 qwen_moe.QWEN3_MOE, deepseek.FAMILY, gpt_oss.FAMILY,
-                                minimax_m2.FAMILY, deepseek_v32.FAMILY, qwen3_next.FAMILY, glm4_moe.FAMILY)
+                                minimax_m2.FAMILY, deepseek_v32.FAMILY, qwen3_next.FAMILY, glm4_moe.FAMILY,
+                                qwen3_5.QWEN3_5, qwen3_5.QWEN3_5_MOE)
 
 BY_ARCHITECTURE: dict[str, Family] = {a: f for f in FAMILIES for a in f.architectures}
 BY_NAME: dict[str, Family] = {f.name: f for f in FAMILIES}

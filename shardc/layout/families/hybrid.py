@@ -13,6 +13,10 @@ exact, with ``out_proj`` row-parallel like ``o_proj``.
 The full-attention layers of these models are gated: ``q_proj`` emits each head's query and an
 output gate side by side ([q_h, gate_h] per head), and the attention output is multiplied by
 sigmoid(gate) before ``o_proj`` (``gated_attention``).
+
+Qwen3.5 stores the same layer's in-projections apart (``fused_qkvz=False``, ``LINEAR_SPLIT``):
+``in_proj_qkv`` with rows [all q | all k | all v] (the conv's channel order, so TP cuts it in the
+same three parts), ``in_proj_z`` (value heads), ``in_proj_b`` and ``in_proj_a`` (one row per value head).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ LINEAR = (("qkvz", "linear_attn.in_proj_qkvz.weight"), ("ba", "linear_attn.in_pr
           ("conv", "linear_attn.conv1d.weight"), ("A_log", "linear_attn.A_log"),
           ("dt_bias", "linear_attn.dt_bias"), ("norm", "linear_attn.norm.weight"),
           ("o", "linear_attn.out_proj.weight"))
+# Qwen3.5's: the in-projections apart (``Hybrid.fused_qkvz`` False)
+LINEAR_SPLIT = (("qkv", "linear_attn.in_proj_qkv.weight"), ("z", "linear_attn.in_proj_z.weight"),
+                ("b", "linear_attn.in_proj_b.weight"), ("a", "linear_attn.in_proj_a.weight"),
+                *LINEAR[2:])
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,9 @@ class Hybrid:
     value_dim: int  # linear_value_head_dim
     conv_kernel: int  # linear_conv_kernel_dim
     gated_attention: bool = True  # the full-attention layers' sigmoid output gate from q_proj
+    # in_proj_qkvz / in_proj_ba fused per key head (Qwen3-Next, LINEAR), or in_proj_qkv / _z / _b / _a
+    # apart (Qwen3.5, LINEAR_SPLIT)
+    fused_qkvz: bool = True
     state_fp32: bool = False  # mamba_ssm_dtype float32 (Qwen3.5): vLLM keeps the delta rule's state in fp32
 
     def state_bytes(self, layers: int, tp: int, dtype_bytes: int) -> int:

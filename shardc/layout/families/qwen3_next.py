@@ -70,12 +70,10 @@ def _linear_layers(cfg: dict[str, Any], layers: int) -> tuple[bool, ...]:
     return tuple(t == "linear_attention" for t in given)
 
 
-def read(cfg: dict[str, Any]) -> dict[str, Any]:
-    layers = count(cfg, "num_hidden_layers") or 1
+def read_linear(cfg: dict[str, Any], layers: int, label: str) -> dict[str, Any]:
+    """The options of the linear-attention layers and the partial rope (Qwen3-Next and Qwen3.5):
+    ``linear``, ``sizes``, ``state_fp32``, ``rotary_dim``; ``label`` names the model in a refusal."""
     head_dim = count(cfg, "head_dim", 256)
-    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is None:
-        cfg = {**cfg, "num_experts": DEFAULTS["num_experts"]}
-    experts, top_k = read_routing(cfg, "num_experts", DEFAULTS["num_experts_per_tok"])
     sizes = {key: count(cfg, key, DEFAULTS[key]) for key in (
         "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
         "linear_num_value_heads")}
@@ -83,17 +81,25 @@ def read(cfg: dict[str, Any]) -> dict[str, Any]:
     if value_heads % key_heads:
         raise refuse("linear_num_value_heads", value_heads, f"is not a multiple of linear_num_key_heads={key_heads}")
     if cfg.get("hidden_act", "silu") != "silu":  # the conv's and the gated norm's activation too
-        raise refuse("hidden_act", cfg["hidden_act"], "is not computed by shardc for Qwen3-Next (only silu)")
+        raise refuse("hidden_act", cfg["hidden_act"], f"is not computed by shardc for {label} (only silu)")
     ssm = cfg.get("mamba_ssm_dtype")  # vLLM's dtype of the delta rule's state (Qwen3.5 publishes float32)
     if ssm not in (None, "float32", "bfloat16", "float16", "auto"):
         raise refuse("mamba_ssm_dtype", ssm, "is not a dtype vLLM keeps the state in (float32, bfloat16, float16)")
+    return {"state_fp32": ssm == "float32", "linear": _linear_layers(cfg, layers), "sizes": sizes,
+            "rotary_dim": factor_rotary_dims(cfg, head_dim, FACTOR)}
+
+
+def read(cfg: dict[str, Any]) -> dict[str, Any]:
+    layers = count(cfg, "num_hidden_layers") or 1
+    if cfg.get("num_experts") is None and cfg.get("num_local_experts") is None:
+        cfg = {**cfg, "num_experts": DEFAULTS["num_experts"]}
+    experts, top_k = read_routing(cfg, "num_experts", DEFAULTS["num_experts_per_tok"])
+    linear = read_linear(cfg, layers, "Qwen3-Next")
     return {"experts": experts, "top_k": top_k, "norm_topk": flag(cfg, "norm_topk_prob", True),
-            "state_fp32": ssm == "float32",
             "sparse": sparse_layers(cfg, layers), "moe_inter": count(cfg, "moe_intermediate_size",
                                                                      DEFAULTS["moe_intermediate_size"]),
             "shared_inter": count(cfg, "shared_expert_intermediate_size", DEFAULTS["shared_expert_intermediate_size"]),
-            "linear": _linear_layers(cfg, layers), "sizes": sizes,
-            "rotary_dim": factor_rotary_dims(cfg, head_dim, FACTOR)}
+            **linear}
 
 
 def hybrid(m: ModelShape) -> Hybrid:
@@ -116,7 +122,8 @@ def _linear_rows(m: ModelShape, p: str) -> list[Row]:
             Row(p + names["norm"], (x.value_dim,), REPLICATED), Row(p + names["o"], (h, values), ROW, True)]
 
 
-def _attention_rows(m: ModelShape, p: str) -> list[Row]:
+def gated_attention_rows(m: ModelShape, p: str) -> list[Row]:
+    """A full-attention layer: q_proj with each head's query and gate, k, v, o, the q/k norms."""
     h, hd = m.hidden_size, m.head_dim
     a = p + "self_attn."
     return [Row(p + LLAMA.projection("q") + ".weight", (2 * m.num_heads * hd, h), COLUMN, True),
@@ -130,29 +137,34 @@ def _attention_rows(m: ModelShape, p: str) -> list[Row]:
                Row(p + LLAMA.projection("o") + ".bias", (h,), REPLICATED)] if m.qkv_bias else [])]
 
 
+def sparse_rows(m: ModelShape, p: str) -> list[Row]:
+    """A sparse layer's MLP: the router, the routed experts and the gated shared expert."""
+    o, h, s = m.options, m.hidden_size, m.options["shared_inter"]
+    return [router_row(m, p, ROUTER, o["experts"]), *expert_rows(m, p, EXPERT, o["experts"], o["moe_inter"]),
+            Row(p + SHARED[0], (s, h), COLUMN, True), Row(p + SHARED[1], (s, h), COLUMN, True),
+            Row(p + SHARED[2], (h, s), ROW, True), Row(p + SHARED_GATE, (1, h), REPLICATED)]
+
+
 def tensors(m: ModelShape) -> list[Row]:
-    o, h = m.options, m.hidden_size
+    o = m.options
     rows = outer_rows(m)
     for i in range(m.num_layers):
         p = f"model.layers.{i}."
         rows += norm_rows(m, p, ("input_layernorm", "post_attention_layernorm"))
-        rows += _linear_rows(m, p) if o["linear"][i] else _attention_rows(m, p)
-        if not o["sparse"][i]:
-            rows += mlp_rows(m, p, bias=False)
-            continue
-        s = o["shared_inter"]
-        rows += [router_row(m, p, ROUTER, o["experts"]), *expert_rows(m, p, EXPERT, o["experts"], o["moe_inter"]),
-                 Row(p + SHARED[0], (s, h), COLUMN, True), Row(p + SHARED[1], (s, h), COLUMN, True),
-                 Row(p + SHARED[2], (h, s), ROW, True), Row(p + SHARED_GATE, (1, h), REPLICATED)]
+        rows += _linear_rows(m, p) if o["linear"][i] else gated_attention_rows(m, p)
+        rows += sparse_rows(m, p) if o["sparse"][i] else mlp_rows(m, p, bias=False)
     return rows
 
 
-def forward(m: ModelShape) -> Forward:
+def moe(m: ModelShape) -> Moe:
     o = m.options
-    moe = Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=o["norm_topk"], weights_fp32=False,
-              sparse=o["sparse"], router=ROUTER, expert=EXPERT, shared=SHARED, shared_gate=SHARED_GATE)
-    rotary = o["rotary_dim"] if o["rotary_dim"] < m.head_dim else None
-    return Forward(norm="gemma", qk_norm=True, rotary_dim=rotary, moe=moe, hybrid=hybrid(m), names=NAMES)
+    return Moe(experts=o["experts"], top_k=o["top_k"], norm_topk=o["norm_topk"], weights_fp32=False,
+               sparse=o["sparse"], router=ROUTER, expert=EXPERT, shared=SHARED, shared_gate=SHARED_GATE)
+
+
+def forward(m: ModelShape) -> Forward:
+    rotary = m.options["rotary_dim"] if m.options["rotary_dim"] < m.head_dim else None
+    return Forward(norm="gemma", qk_norm=True, rotary_dim=rotary, moe=moe(m), hybrid=hybrid(m), names=NAMES)
 
 
 def unused(m: ModelShape, name: str) -> bool:
