@@ -19,17 +19,14 @@ def explain(s: Search, c: Candidate) -> list[str]:
     """The arithmetic for one candidate, line by line, with the numbers substituted."""
     m, g = s.model, s.cluster.gpu
     assert c.pp is not None and c.memory is not None and c.kv is not None
-    tp, mem = c.tp, c.memory
-    kvh = max(1, m.num_kv_heads // tp)
+    mem, kvh = c.memory, max(1, m.num_kv_heads // c.tp)
     stage_w = [r for r in c.weights if r.pp_stage == mem.stage][0]
     layers = stage_w.layers[1] - stage_w.layers[0]
     o: list[str] = [f"== {s.model_name} as {c.label} on {c.gpus} x {g.name} =="]
     if c.ep > 1:
         o += _explain_ep(s, c)
-    elif m.forward.mla is not None:
-        o += _explain_mla(s, c, layers)
     else:
-        o += _explain_llama(s, c, layers, kvh)
+        o += _explain_mla(s, c, layers) if m.forward.mla is not None else _explain_llama(s, c, layers, kvh)
     o += _explain_memory(s, c)
     if c.reasons:
         o += ["", f"Verdict: infeasible: {'; '.join(c.reasons)}"]
@@ -134,11 +131,13 @@ def _explain_llama(s: Search, c: Candidate, layers: int, kvh: int) -> list[str]:
           + (" (replicated: tp > kv_heads)" if tp > m.num_kv_heads else "")
           + f"; vocab rows per rank ceil({m.vocab_size:,} / {tp}) = {-(-m.vocab_size // tp):,}",
           f"  = {mem.weights:,} B = {gib(mem.weights)}"]
+    full = layers - (sum(m.forward.hybrid.linear[slice(*stage_w.layers)]) if m.forward.hybrid else 0)
     o += ["", "KV cache per token per GPU:",
-          f"  2 (K and V) x {layers} layers x max(1, {m.num_kv_heads} // {tp}) KV heads x {hd} head_dim x "
-          f"{w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
-          f"  one {kv.request_len:,}-token request: {kv.bytes_per_token:,} B x ceil({kv.request_len:,} / "
-          f"{w.block_size}) x {w.block_size} = {kv.request_bytes:,} B = {gib(kv.request_bytes)}"]
+          f"  2 (K and V) x {full} {'full-attention ' if full != layers else ''}layers x max(1, {m.num_kv_heads} // {tp}) "
+          f"KV heads x {hd} head_dim x {w.kv_bytes} B = {mem.kv_bytes_per_token:,} B",
+          f"  one {kv.request_len:,}-token request: {kv.bytes_per_token:,} B x ceil({kv.request_len:,} / {w.block_size}) x "
+          f"{w.block_size}" + (f" + {kv.state_bytes:,} B linear-attention state" if kv.state_bytes else "")
+          + f" = {kv.request_bytes:,} B = {gib(kv.request_bytes)}"]
     return o
 
 

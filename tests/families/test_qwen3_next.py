@@ -187,3 +187,11 @@ def test_planner_holds_kv_for_full_layers_and_a_state_per_sequence():
     budget = 10 * 2**30
     blocks = budget // (16 * 20_480)
     assert sequences_with_state(blocks, budget, 20_480, 64_389_120, 4096, 16) == budget // (4096 * 20_480 + 64_389_120)
+    # --explain on a published Qwen3.5 (27B: 64 layers, 16 of them full attention over 4 KV heads of 256)
+    from cli_run import shardc_in
+
+    r = shardc_in("plan", "--model", "qwen3.5-27b", "--gpu", "h100", "--gpus", "2", "--tp", "1", "--explain")
+    assert r.returncode == 0, r.stderr
+    assert "2 (K and V) x 16 full-attention layers x max(1, 4 // 1) KV heads x 256 head_dim x 2 B = 65,536 B" \
+        in r.stdout, r.stdout
+    assert "B linear-attention state = " in r.stdout and "state of the linear-attention layers" in r.stdout
