@@ -422,6 +422,20 @@ CASES: dict[str, Tiny] = {case: m for cases in MODELS.values() for case, m in ca
 FAMILY_OF: dict[str, str] = {case: family for family, cases in MODELS.items() for case in cases}
 
 
+def refused(cfg: dict, **change: Any) -> Any:
+    """The ModelError ``cfg`` with ``change`` is refused with (a key changed to ``...`` removed), its
+    message checked to be one line: how every family's file checks its refusals."""
+    import pytest
+
+    from shardc.errors import ModelError
+    from shardc.layout.model import model_from_config
+
+    with pytest.raises(ModelError) as e:
+        model_from_config({k: v for k, v in {**cfg, **change}.items() if v is not ...})
+    assert "\n" not in e.value.message, e.value.message
+    return e.value
+
+
 def first_case(family: str) -> str:
     """The case of ``family`` the conformance suite runs."""
     return next(iter(MODELS[family]))

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from cli_run import shardc_in
 from family_models import DEEPSEEK_SHAPE as SHAPE
-from family_models import MODELS, hf, ids
+from family_models import MODELS, hf, ids, refused
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -140,27 +140,21 @@ def test_greedy_generation_equals_transformers_generate(ds):
         assert bool((logits.max(-1).values - picked <= 2 * ATOL[2]).all()), (name, ep, ref)
 
 
-def _refused(cfg: dict, **change) -> ModelError:
-    with pytest.raises(ModelError) as e:
-        model_from_config({k: v for k, v in {**cfg, **change}.items() if v is not ...})
-    assert "\n" not in e.value.message, e.value.message
-    return e.value
-
 
 def test_refusals_are_one_line(ds):
     _, srcs, _ = ds
     cfg = json.loads((srcs["lora"] / "config.json").read_text())
-    assert _refused(cfg, scoring_func="softmax").key == "scoring_func"
-    assert _refused(cfg, topk_method="greedy").key == "topk_method"
-    assert _refused(cfg, moe_layer_freq=2).key == "moe_layer_freq"
-    assert _refused(cfg, num_key_value_heads=1).key == "num_key_value_heads"
-    assert _refused(cfg, attention_bias=True).key == "attention_bias"
-    assert _refused(cfg, n_group=3).key == "n_group"  # does not divide 8 experts
-    assert _refused(cfg, topk_group=3).key == "topk_group"  # more than n_group 2
-    assert _refused(cfg, num_experts_per_tok=5).key == "num_experts_per_tok"  # 1 group of 4 experts
-    assert _refused(cfg, qk_rope_head_dim=7).key == "qk_rope_head_dim"
-    assert _refused(cfg, num_mtp_layers=2).key == "num_mtp_layers"  # disagrees with num_nextn_predict_layers
-    e = _refused(cfg, num_local_experts=16)
+    assert refused(cfg, scoring_func="softmax").key == "scoring_func"
+    assert refused(cfg, topk_method="greedy").key == "topk_method"
+    assert refused(cfg, moe_layer_freq=2).key == "moe_layer_freq"
+    assert refused(cfg, num_key_value_heads=1).key == "num_key_value_heads"
+    assert refused(cfg, attention_bias=True).key == "attention_bias"
+    assert refused(cfg, n_group=3).key == "n_group"  # does not divide 8 experts
+    assert refused(cfg, topk_group=3).key == "topk_group"  # more than n_group 2
+    assert refused(cfg, num_experts_per_tok=5).key == "num_experts_per_tok"  # 1 group of 4 experts
+    assert refused(cfg, qk_rope_head_dim=7).key == "qk_rope_head_dim"
+    assert refused(cfg, num_mtp_layers=2).key == "num_mtp_layers"  # disagrees with num_nextn_predict_layers
+    e = refused(cfg, num_local_experts=16)
     assert "disagrees" in e.message
     # a rope the runtime does not compute is refused before a rank starts
     from shardc.runtime.support import check_supported

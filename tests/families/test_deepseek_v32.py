@@ -14,7 +14,7 @@ import json
 
 import pytest
 from cli_run import shardc_in
-from family_models import MODELS, hf, hf_logits, ids
+from family_models import MODELS, hf, hf_logits, ids, refused
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -118,7 +118,7 @@ def test_tp2_below_index_topk_meets_deepseek_bound(dsa, case, tmp_path):
 
 
 @pytest.mark.heavy
-def test_pipeline_stages_carry_the_selection_or_are_refused(dsa, tmp_path):
+def test_pipeline_stages_carry_the_selection_or_arerefused(dsa, tmp_path):
     """GLM-5's layer 1 reuses layer 0's top-k. Stages [0, 2) and [2, 3) run bit-equal to tp = 1; a
     stage beginning on layer 1 would need layer 0's selection from another stage: one line, exit 2,
     before any rank starts."""
@@ -161,28 +161,22 @@ def test_shared_layers_hold_no_indexer_and_the_indexer_is_replicated(dsa, tiny_f
                 assert torch.equal(tensors[p + name], held[0][p + name])
 
 
-def _refused(cfg: dict, **change) -> ModelError:
-    with pytest.raises(ModelError) as e:
-        model_from_config({k: v for k, v in {**cfg, **change}.items() if v is not ...})
-    assert "\n" not in e.value.message, e.value.message
-    return e.value
-
 
 def test_refusals_are_one_line(dsa):
     srcs, _ = dsa
     v32, glm = _cfg(srcs["v32"]), _cfg(srcs["glm5"])
-    assert _refused(v32, q_lora_rank=None).key == "q_lora_rank"
-    assert _refused(v32, rope_interleave=False).key == "rope_interleave"
-    assert _refused(v32, indexer_rope_interleave=True).key == "indexer_rope_interleave"
-    assert _refused(glm, indexer_rope_interleave=False).key == "indexer_rope_interleave"
-    assert _refused(v32, indexer_types=["full", "shared", "full"]).key == "indexer_types"
-    assert _refused(glm, indexer_types=["shared", "full", "full"]).key == "indexer_types"
-    assert _refused(glm, indexer_types=["full", "half", "full"]).key == "indexer_types"
-    assert _refused(glm, layer_types=["sliding_attention"] * 3).key == "layer_types"
-    assert _refused(glm, mlp_layer_types=["dense", "sparse"]).key == "mlp_layer_types"
-    assert _refused(glm, moe_router_dtype="bfloat16").key == "moe_router_dtype"
-    assert _refused(glm, index_head_dim=4).key == "index_head_dim"  # below qk_rope_head_dim 8
-    assert _refused(glm, index_topk=0).key == "index_topk"
+    assert refused(v32, q_lora_rank=None).key == "q_lora_rank"
+    assert refused(v32, rope_interleave=False).key == "rope_interleave"
+    assert refused(v32, indexer_rope_interleave=True).key == "indexer_rope_interleave"
+    assert refused(glm, indexer_rope_interleave=False).key == "indexer_rope_interleave"
+    assert refused(v32, indexer_types=["full", "shared", "full"]).key == "indexer_types"
+    assert refused(glm, indexer_types=["shared", "full", "full"]).key == "indexer_types"
+    assert refused(glm, indexer_types=["full", "half", "full"]).key == "indexer_types"
+    assert refused(glm, layer_types=["sliding_attention"] * 3).key == "layer_types"
+    assert refused(glm, mlp_layer_types=["dense", "sparse"]).key == "mlp_layer_types"
+    assert refused(glm, moe_router_dtype="bfloat16").key == "moe_router_dtype"
+    assert refused(glm, index_head_dim=4).key == "index_head_dim"  # below qk_rope_head_dim 8
+    assert refused(glm, index_topk=0).key == "index_topk"
 
 
 def test_glm_indexer_pattern_and_mlp_layer_types_follow_transformers(dsa):

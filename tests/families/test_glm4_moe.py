@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from family_models import GLM_SHAPE as SHAPE
-from family_models import MODELS, hf, hf_logits, ids
+from family_models import MODELS, hf, hf_logits, ids, refused
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -47,12 +47,6 @@ def src(tiny_families) -> Path:
 def _cfg(src: Path) -> dict:
     return json.loads((src / "config.json").read_text())
 
-
-def _refused(cfg: dict, **change) -> ModelError:
-    with pytest.raises(ModelError) as e:
-        model_from_config({k: v for k, v in {**cfg, **change}.items() if v is not ...})
-    assert "\n" not in e.value.message, e.value.message
-    return e.value
 
 
 def test_layout_cuts_heads_with_their_biases_and_keeps_the_router_fp32(src):
@@ -108,23 +102,23 @@ def test_absent_keys_read_as_transformers_defaults(src):
 
 def test_refusals_are_one_line(src):
     cfg = _cfg(src)
-    assert _refused(cfg, n_group=3).key == "n_group"  # does not divide 8 experts
-    assert _refused(cfg, n_group=8).key == "n_group"  # groups of one expert
-    assert _refused(cfg, topk_group=5).key == "topk_group"  # more than n_group 4
-    assert _refused(cfg, num_experts_per_tok=5).key == "num_experts_per_tok"  # 2 groups of 2 experts
-    assert _refused(cfg, num_mtp_layers=2).key == "num_mtp_layers"  # disagrees with num_nextn_predict_layers
-    assert "disagrees" in _refused(cfg, num_local_experts=16).message
-    assert _refused(cfg, use_qk_norm="yes").key == "use_qk_norm"
-    assert _refused(cfg, norm_topk_prob=1).key == "norm_topk_prob"
-    assert _refused(cfg, routed_scaling_factor=0).key == "routed_scaling_factor"
+    assert refused(cfg, n_group=3).key == "n_group"  # does not divide 8 experts
+    assert refused(cfg, n_group=8).key == "n_group"  # groups of one expert
+    assert refused(cfg, topk_group=5).key == "topk_group"  # more than n_group 4
+    assert refused(cfg, num_experts_per_tok=5).key == "num_experts_per_tok"  # 2 groups of 2 experts
+    assert refused(cfg, num_mtp_layers=2).key == "num_mtp_layers"  # disagrees with num_nextn_predict_layers
+    assert "disagrees" in refused(cfg, num_local_experts=16).message
+    assert refused(cfg, use_qk_norm="yes").key == "use_qk_norm"
+    assert refused(cfg, norm_topk_prob=1).key == "norm_topk_prob"
+    assert refused(cfg, routed_scaling_factor=0).key == "routed_scaling_factor"
     # transformers' GLM defaults that are not the ones shardc reads for every family: given or refused
-    assert _refused(cfg, rms_norm_eps=...).key == "rms_norm_eps"
-    assert _refused(cfg, num_key_value_heads=...).key == "num_key_value_heads"
+    assert refused(cfg, rms_norm_eps=...).key == "rms_norm_eps"
+    assert refused(cfg, num_key_value_heads=...).key == "num_key_value_heads"
     # the factor in two places must agree, and turn pairs
-    e = _refused(cfg, partial_rotary_factor=0.25)
+    e = refused(cfg, partial_rotary_factor=0.25)
     assert e.key == "rope_parameters.partial_rotary_factor" and "partial_rotary_factor=0.25" in e.message
     rope = cfg["rope_parameters"]
-    assert _refused(cfg, rope_parameters={**rope, "partial_rotary_factor": 0.1}).key == \
+    assert refused(cfg, rope_parameters={**rope, "partial_rotary_factor": 0.1}).key == \
         "rope_parameters.partial_rotary_factor"
     with pytest.raises(ModelError, match="rope_type='yarn' is not implemented"):
         check_supported(model_from_config({**cfg, "rope_parameters": {**rope, "rope_type": "yarn", "factor": 4.0}}))

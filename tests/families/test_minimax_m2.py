@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 from cli_run import shardc_in
 from family_models import MINIMAX_SHAPE as SHAPE
-from family_models import MODELS, hf, hf_logits, ids, routed_agree
+from family_models import MODELS, hf, hf_logits, ids, refused, routed_agree
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -56,12 +56,6 @@ def src(tiny_families) -> Path:
 def _cfg(src: Path) -> dict:
     return json.loads((src / "config.json").read_text())
 
-
-def _refused(cfg: dict, **change) -> ModelError:
-    with pytest.raises(ModelError) as e:
-        model_from_config({k: v for k, v in {**cfg, **change}.items() if v is not ...})
-    assert "\n" not in e.value.message, e.value.message
-    return e.value
 
 
 # ---- the whole-width q/k norm ------------------------------------------------------------------
@@ -193,19 +187,19 @@ def test_biased_sigmoid_routing_is_transformers_router(src):
 def test_refusals_are_one_line(src):
     cfg = _cfg(src)
     assert cfg["rotary_dim"] == 8 and cfg["rope_parameters"]["partial_rotary_factor"] == 0.5
-    assert _refused(cfg, use_qk_norm=False).key == "use_qk_norm"
-    assert _refused(cfg, qk_norm_type="per_head").key == "qk_norm_type"
-    assert _refused(cfg, use_routing_bias=False).key == "use_routing_bias"
-    assert _refused(cfg, scoring_func="softmax").key == "scoring_func"
-    assert _refused(cfg, shared_intermediate_size=64).key == "shared_intermediate_size"
-    assert _refused(cfg, attn_type_list=[0, 1]).key == "attn_type_list"
-    assert _refused(cfg, attention_bias=True).key == "attention_bias"
-    assert _refused(cfg, rotary_dim=7).key == "rotary_dim"  # rope turns pairs
-    assert _refused(cfg, rotary_dim=32).key == "rotary_dim"  # above head_dim 16
-    e = _refused(cfg, rotary_dim=4)  # the factor 0.5 in rope_parameters turns 8
+    assert refused(cfg, use_qk_norm=False).key == "use_qk_norm"
+    assert refused(cfg, qk_norm_type="per_head").key == "qk_norm_type"
+    assert refused(cfg, use_routing_bias=False).key == "use_routing_bias"
+    assert refused(cfg, scoring_func="softmax").key == "scoring_func"
+    assert refused(cfg, shared_intermediate_size=64).key == "shared_intermediate_size"
+    assert refused(cfg, attn_type_list=[0, 1]).key == "attn_type_list"
+    assert refused(cfg, attention_bias=True).key == "attention_bias"
+    assert refused(cfg, rotary_dim=7).key == "rotary_dim"  # rope turns pairs
+    assert refused(cfg, rotary_dim=32).key == "rotary_dim"  # above head_dim 16
+    e = refused(cfg, rotary_dim=4)  # the factor 0.5 in rope_parameters turns 8
     assert e.key == "rope_parameters.partial_rotary_factor" and "rotary_dim=4" in e.message
-    assert _refused(cfg, num_experts=8).key == "num_experts"  # transformers' alias disagrees
-    assert _refused(cfg, num_mtp_modules=-1).key == "num_mtp_modules"
+    assert refused(cfg, num_experts=8).key == "num_experts"  # transformers' alias disagrees
+    assert refused(cfg, num_mtp_modules=-1).key == "num_mtp_modules"
     # the published values are read, and so is the transformers 4 spelling (rope_theta, rotary_dim)
     published = {k: v for k, v in PRESETS["minimax-m2.7"].items() if k in (
         "use_qk_norm", "qk_norm_type", "use_routing_bias", "scoring_func", "shared_intermediate_size", "use_mtp",

@@ -11,14 +11,13 @@ import json
 import math
 
 import pytest
-from family_models import MODELS, hf, ids
+from family_models import MODELS, hf, ids, refused
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from moe_plans import moe_plan  # noqa: E402
 
-from shardc.errors import ModelError  # noqa: E402
 from shardc.layout.model import load_model, model_from_config  # noqa: E402
 from shardc.layout.ranks import build_layout  # noqa: E402
 from shardc.runtime.api import generate, open_build  # noqa: E402
@@ -90,22 +89,16 @@ def test_greedy_generation_equals_transformers_generate(tiny_families, case):
     assert got.tokens[0] == ref.tolist()
 
 
-def _refused(cfg: dict, **change) -> ModelError:
-    with pytest.raises(ModelError) as e:
-        model_from_config({**cfg, **change})
-    assert "\n" not in e.value.message, e.value.message
-    return e.value
-
 
 def test_refusals_are_one_line():
     dense, moe = DENSE.config_dict(), MOE.config_dict()
     for cfg in (dense, moe):
-        assert _refused(cfg, attn_output_gate=False).key == "attn_output_gate"
-        assert _refused(cfg, mlp_only_layers=[1]).key == "mlp_only_layers"
-        assert _refused(cfg, layer_types=["full_attention"]).key == "layer_types"
-        assert _refused(cfg, linear_num_value_heads=6).key == "linear_num_value_heads"
-        assert _refused(cfg, hidden_act="gelu").key == "hidden_act"
-    assert _refused(moe, norm_topk_prob=False).key == "norm_topk_prob"
+        assert refused(cfg, attn_output_gate=False).key == "attn_output_gate"
+        assert refused(cfg, mlp_only_layers=[1]).key == "mlp_only_layers"
+        assert refused(cfg, layer_types=["full_attention"]).key == "layer_types"
+        assert refused(cfg, linear_num_value_heads=6).key == "linear_num_value_heads"
+        assert refused(cfg, hidden_act="gelu").key == "hidden_act"
+    assert refused(moe, norm_topk_prob=False).key == "norm_topk_prob"
     # accepted: what the published configs carry, and the multimodal rope's keys (for text the
     # ordinary rope: module docstring)
     rope = {**dense["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}

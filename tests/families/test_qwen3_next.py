@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from family_models import MODELS, QWEN3_NEXT_SHAPE, hf, hf_logits, ids
+from family_models import MODELS, QWEN3_NEXT_SHAPE, hf, hf_logits, ids, refused
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from moe_plans import moe_plan  # noqa: E402
 
 from shardc.compiler.compile import build  # noqa: E402
-from shardc.errors import LayoutError, ModelError  # noqa: E402
+from shardc.errors import LayoutError  # noqa: E402
 from shardc.layout.model import model_from_config  # noqa: E402
 from shardc.layout.ranks import build_layout  # noqa: E402
 from shardc.runtime.api import generate, open_build, score  # noqa: E402
@@ -119,23 +119,17 @@ def test_greedy_generation_equals_transformers_generate(qn):
     assert got.tokens[0] == ref.tolist()
 
 
-def _refused(cfg: dict, **change) -> ModelError:
-    with pytest.raises(ModelError) as e:
-        model_from_config({**cfg, **change})
-    assert "\n" not in e.value.message, e.value.message
-    return e.value
-
 
 def test_refusals_are_one_line(qn):
     src, _ = qn
     cfg = _cfg(src)
-    assert _refused(cfg, layer_types=["linear_attention", "sliding_attention", "full_attention",
+    assert refused(cfg, layer_types=["linear_attention", "sliding_attention", "full_attention",
                                       "full_attention"]).key == "layer_types"
-    assert _refused(cfg, layer_types=["full_attention"]).key == "layer_types"
-    assert _refused(cfg, linear_num_value_heads=6).key == "linear_num_value_heads"
-    assert _refused(cfg, hidden_act="gelu").key == "hidden_act"
-    assert _refused(cfg, mamba_ssm_dtype="int8").key == "mamba_ssm_dtype"
-    assert _refused(cfg, rope_parameters={**cfg["rope_parameters"], "partial_rotary_factor": 0.1}).key.endswith(
+    assert refused(cfg, layer_types=["full_attention"]).key == "layer_types"
+    assert refused(cfg, linear_num_value_heads=6).key == "linear_num_value_heads"
+    assert refused(cfg, hidden_act="gelu").key == "hidden_act"
+    assert refused(cfg, mamba_ssm_dtype="int8").key == "mamba_ssm_dtype"
+    assert refused(cfg, rope_parameters={**cfg["rope_parameters"], "partial_rotary_factor": 0.1}).key.endswith(
         "partial_rotary_factor")
 
 
