@@ -43,9 +43,11 @@ class RankWeights:
 
 
 # The family options that list, per layer, something that decides the layer's tensors: routed
-# experts or a dense MLP (DeepSeek-V3's first_k_dense_replace, Qwen2-MoE's decoder_sparse_step), and
-# whether the layer runs its own DSA indexer (GLM-5.x's indexer_types)
-PER_LAYER = ("sparse", "indexed")
+# experts or a dense MLP (DeepSeek-V3's first_k_dense_replace, Qwen2-MoE's decoder_sparse_step),
+# whether the layer runs its own DSA indexer (GLM-5.x's indexer_types), and linear or full
+# attention (Qwen3-Next's layer_types). A family adding such an option lists it here
+# (tests/planner/test_planner.py test_probe_layout_equals_full_layout holds the bytes to the Layout's)
+PER_LAYER = ("sparse", "indexed", "linear")
 
 
 def layer_kinds(model: ModelSpec) -> tuple[Any, ...]:

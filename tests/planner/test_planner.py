@@ -154,6 +154,21 @@ def test_probe_layout_equals_full_layout(model, tp, pp, dtype):
     assert [r.nbytes for r in rank_weights(model, plan)] == [r.nbytes for r in full.ranks]
 
 
+@pytest.mark.parametrize("case", ["glm5", "qwen3_next", "qwen3_5", "qwen3_5_moe", "lora"])
+@pytest.mark.parametrize("tp, pp", [(1, 1), (2, 1), (1, 2), (2, 3)])
+def test_probe_layout_equals_full_layout_with_layers_of_several_kinds(case, tp, pp):
+    """Layers that differ by more than routing: GLM-5's shared indexer layers, Qwen3-Next's and
+    Qwen3.5's linear and full attention (and dense and routed MLPs), DeepSeek-V3's dense and routed
+    layers: the probe's bytes per rank are the full Layout's."""
+    from family_models import CASES
+
+    model = model_from_config(CASES[case].config_dict())
+    if pp > model.num_layers:
+        pytest.skip("more stages than layers")
+    plan = _plan(tp, pp, "bf16")
+    assert [r.nbytes for r in rank_weights(model, plan)] == [r.nbytes for r in build_layout(model, plan).ranks]
+
+
 # --- speed and cost formulas -----------------------------------------------------------------
 
 
