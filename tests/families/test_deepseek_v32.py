@@ -226,3 +226,15 @@ def test_presets_are_the_published_configs_and_count_the_indexer():
     glm = load_model("glm-5")
     assert abs(params(glm) / 744e9 - 1) < 0.02, params(glm)
     assert glm.forward.mla.indexer.heads == 32 and glm.forward.mla.nope == 192 and glm.forward.mla.v == 256
+    # GLM-5.3: an indexer every 4 layers from layer 3 (and layers 0-2): 21 of 78, so 21 indexer keys a
+    # token; its shared layers hold no indexer: 57 fewer than GLM-5's
+    glm53 = load_model("glm-5.3")
+    assert sum(glm53.forward.mla.indexer.own) == 21 and glm53.forward.moe.sparse == (False,) * 3 + (True,) * 75
+    assert params(glm) - params(glm53) == 57 * (32 * 128 * 2048 + 128 * 6144 + 2 * 128 + 32 * 6144)
+    from shardc.planner.candidate import kv_bpt
+
+    assert kv_bpt(glm53, 78, 8, 2) == 78 * 576 * 2 + 21 * 132
+    # GLM-5-FP8: GLM-5 as published in block FP8, 712 modules kept in 16 bits
+    fp8 = load_model("glm-5-fp8").config["quantization_config"]
+    assert fp8["quant_method"] == "fp8" and len(fp8["modules_to_not_convert"]) == 712
+    assert "model.layers.78.eh_proj" in fp8["modules_to_not_convert"]

@@ -186,11 +186,45 @@ GLM_5 = {
     "transformers_version": "5.0.2.dev0", "use_cache": True, "v_head_dim": 256, "vocab_size": 154880,
 }
 
+
+def _glm5_fp8_keep(layers: int, dense: int) -> list[str]:
+    """zai-org/GLM-5-FP8's modules_to_not_convert: lm_head, the embedding, per layer (the MTP layer
+    ``layers`` too) its norms, the indexer's k_norm and bias, ``self_attn.indexers_proj`` (naming no
+    module of the model) and, past the dense layers, the router and its bias; the MTP layer's own
+    modules; the final norm. Equal to the published list, 712 entries in this order (checked against
+    aiconfigurator 0.12's zai-org--GLM-5-FP8_config.json, whose other keys are GLM-5's config.json)."""
+    keep = ["lm_head", "model.embed_tokens"]
+    for i in range(layers + 1):
+        names = ["input_layernorm", "post_attention_layernorm", "self_attn.indexer.k_norm",
+                 "self_attn.indexer.k_norm.bias", "self_attn.indexers_proj", "self_attn.kv_a_layernorm",
+                 "self_attn.q_a_layernorm"] + (["mlp.gate", "mlp.gate.e_score_correction_bias"] if i >= dense else [])
+        names += ["eh_proj", "enorm", "hnorm", "shared_head.norm"] if i == layers else []
+        keep += [f"model.layers.{i}.{n}" for n in sorted(names)]
+    return keep + ["model.norm"]
+
+
+GLM_5_FP8 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128],
+             "modules_to_not_convert": _glm5_fp8_keep(78, 3)}
+
+# zai-org/GLM-5.3's config.json (aiconfigurator 0.12: zai-org--GLM-5.3_config.json): GLM-5's with these
+# values; its 78-entry indexer_types and mlp_layer_types lists are written by the rule they follow
+# (GlmMoeDsaConfig's freq 4 / offset 3 pattern: 21 full indexer layers; 3 dense layers), checked equal
+GLM_5_3 = {
+    **GLM_5, "head_dim": 192, "index_share_for_mtp_iteration": True, "index_skip_topk_offset": 3,
+    "index_topk_freq": 4, "index_topk_pattern": None,
+    "indexer_types": ["full" if max(i - 2, 0) % 4 == 0 else "shared" for i in range(78)],
+    "max_position_embeddings": 1048576, "mlp_layer_types": ["dense"] * 3 + ["sparse"] * 75,
+    "moe_router_dtype": "float32", "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"},
+    "transformers_version": "5.12.0",
+}
+
 FAMILY = Family(
     name="deepseek_v32",
     architectures=(V32, GLM),
     model_types={V32: "deepseek_v32", GLM: "glm_moe_dsa"},
     read=read, tensors=tensors, forward=forward, unused=unused,
     presets={"deepseek-v3.2": Preset(DEEPSEEK_V32, ("deepseek-ai/DeepSeek-V3.2",), quantization=DEEPSEEK_V32_FP8),
-             "glm-5": Preset(GLM_5, ("zai-org/GLM-5",))},
+             "glm-5": Preset(GLM_5, ("zai-org/GLM-5",)),
+             "glm-5-fp8": Preset(GLM_5, ("zai-org/GLM-5-FP8",), quantization=GLM_5_FP8),
+             "glm-5.3": Preset(GLM_5_3, ("zai-org/GLM-5.3",))},
 )
