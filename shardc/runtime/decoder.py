@@ -90,8 +90,10 @@ class KVCache:
         shape = (batch, dims.kv_heads, max_len, dims.head_dim)
         kshape, vshape = ((batch, 1, max_len, dims.latent[0]), (batch, 1, max_len, dims.latent[1])) \
             if dims.latent else (shape, shape)
-        self.k = {i: torch.empty(kshape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.empty(vshape, dtype=dtype, device=device) for i in layers}
+        # a linear-attention layer keeps a state (``linear``), no keys or values
+        attn = [i for i in layers if not (dims.linear and dims.linear[i])]
+        self.k = {i: torch.empty(kshape, dtype=dtype, device=device) for i in attn}
+        self.v = {i: torch.empty(vshape, dtype=dtype, device=device) for i in attn}
         index = dims.index_dim
         self.index = {} if index is None else {
             i: torch.empty((batch, max_len, index), dtype=dtype, device=device) for i in layers}
@@ -207,7 +209,7 @@ class StageModel:
         q, k = _linear(h, lw.q, b.get("q")), _linear(h, lw.k, b.get("k"))
         v = _linear(h, lw.v, b.get("v")).view(bsz, t, d.kv_heads, d.head_dim).transpose(1, 2)
         gate = None
-        if f.hybrid is not None and f.hybrid.gated_attention:  # q_proj: [query, gate] per head (Qwen3-Next)
+        if f.hybrid is not None:  # gated attention, q_proj: [query, gate] per head (Qwen3-Next, Qwen3.5)
             q, gate = torch.chunk(q.view(bsz, t, d.heads, 2 * d.head_dim), 2, dim=-1)
             q, gate = q.reshape(bsz, t, -1), gate.reshape(bsz, t, -1)
         if f.qk_norm_whole:  # over every head's width, before rope (MiniMax-M2; runtime/qk.py)

@@ -268,17 +268,15 @@ def linear_attention(x: Hybrid, w: dict[str, torch.Tensor], h: torch.Tensor, eps
         hk = qkv.shape[-1] // (2 * x.key_dim + r * x.value_dim)
         q, k, v = torch.split(qkv, [hk * x.key_dim, hk * x.key_dim, hk * r * x.value_dim], dim=-1)
         q, k = q.reshape(bsz, t, hk, x.key_dim), k.reshape(bsz, t, hk, x.key_dim)
-        v = v.reshape(bsz, t, -1, x.value_dim)
-        z = F.linear(h, w["z"]).reshape(bsz, t, -1, x.value_dim)
-        out = gated_deltanet(q, k, v, z, F.linear(h, w["b"]), F.linear(h, w["a"]), w["A_log"], w["dt_bias"],
-                             w["conv"], w["norm"], eps, state, v_head_offset=tp_rank * hk * r,
-                             num_v_heads=x.value_heads)
-        return out.reshape(bsz, t, -1)
-    qkvz = F.linear(h, w["qkvz"])
-    hk = qkvz.shape[-1] // (2 * x.key_dim + 2 * r * x.value_dim)
-    q, k, v, z = torch.split(qkvz.view(bsz, t, hk, -1), [x.key_dim, x.key_dim, r * x.value_dim, r * x.value_dim], dim=3)
-    b, a = torch.split(F.linear(h, w["ba"]).view(bsz, t, hk, 2 * r), [r, r], dim=3)
+        z, b, a = F.linear(h, w["z"]), F.linear(h, w["b"]), F.linear(h, w["a"])
+    else:
+        qkvz = F.linear(h, w["qkvz"])
+        hk = qkvz.shape[-1] // (2 * x.key_dim + 2 * r * x.value_dim)
+        q, k, v, z = torch.split(qkvz.view(bsz, t, hk, -1), [x.key_dim, x.key_dim, r * x.value_dim, r * x.value_dim],
+                                 dim=3)
+        b, a = torch.split(F.linear(h, w["ba"]).view(bsz, t, hk, 2 * r), [r, r], dim=3)
+        b, a = b.reshape(bsz, t, -1), a.reshape(bsz, t, -1)
     v, z = v.reshape(bsz, t, -1, x.value_dim), z.reshape(bsz, t, -1, x.value_dim)
-    out = gated_deltanet(q, k, v, z, b.reshape(bsz, t, -1), a.reshape(bsz, t, -1), w["A_log"], w["dt_bias"], w["conv"],
-                         w["norm"], eps, state, v_head_offset=tp_rank * hk * r, num_v_heads=x.value_heads)
+    out = gated_deltanet(q, k, v, z, b, a, w["A_log"], w["dt_bias"], w["conv"], w["norm"], eps, state,
+                         v_head_offset=tp_rank * hk * r, num_v_heads=x.value_heads)
     return out.reshape(bsz, t, -1)

@@ -12,7 +12,7 @@ exact, with ``out_proj`` row-parallel like ``o_proj``.
 
 The full-attention layers of these models are gated: ``q_proj`` emits each head's query and an
 output gate side by side ([q_h, gate_h] per head), and the attention output is multiplied by
-sigmoid(gate) before ``o_proj`` (``gated_attention``).
+sigmoid(gate) before ``o_proj`` (every hybrid family shardc reads gates them).
 
 Qwen3.5 stores the same layer's in-projections apart (``fused_qkvz=False``, ``LINEAR_SPLIT``):
 ``in_proj_qkv`` with rows [all q | all k | all v] (the conv's channel order, so TP cuts it in the
@@ -44,7 +44,6 @@ class Hybrid:
     key_dim: int  # linear_key_head_dim
     value_dim: int  # linear_value_head_dim
     conv_kernel: int  # linear_conv_kernel_dim
-    gated_attention: bool = True  # the full-attention layers' sigmoid output gate from q_proj
     # in_proj_qkvz / in_proj_ba fused per key head (Qwen3-Next, LINEAR), or in_proj_qkv / _z / _b / _a
     # apart (Qwen3.5, LINEAR_SPLIT)
     fused_qkvz: bool = True
