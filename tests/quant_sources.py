@@ -94,7 +94,9 @@ def ct_scheme(name: str):
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     base = {"w4a16-group": "W4A16", "w4a16-channel": "W4A16", "w8a16-group": "W8A16", "w8a8-channel": "INT8_W8A8",
-            "fp8-channel": "FP8_DYNAMIC", "fp8-tensor": "FP8_DYNAMIC"}[name]
+            "fp8-channel": "FP8_DYNAMIC", "fp8-tensor": "FP8_DYNAMIC",
+            # the microscaled presets as they are (16- and 32-value blocks fit the tiny rows)
+            "nvfp4": "NVFP4", "nvfp4a16": "NVFP4A16", "mxfp4": "MXFP4A16", "mxfp4a4": "MXFP4", "mxfp8": "MXFP8A16"}[name]
     scheme = {k: v.model_copy() for k, v in getattr(presets, base).items()}
     if name.endswith("-group"):
         scheme["weights"] = QuantizationArgs(**scheme["weights"].model_dump() | {"group_size": 32})
@@ -149,7 +151,7 @@ def ct_model_compressor_source(ckpt: Path, out: Path, scheme: str, dtype: torch.
         QuantizationStatus,
         apply_quantization_config,
     )
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
     from safetensors import safe_open
 
     tensors = {}
@@ -167,9 +169,16 @@ def ct_model_compressor_source(ckpt: Path, out: Path, scheme: str, dtype: torch.
     for mod in model.modules():
         if hasattr(mod, "weight_scale"):
             w = mod.weight.float()
-            g = w.reshape(w.shape[0], -1, args.group_size) if args.strategy == "group" else \
+            g = w.reshape(w.shape[0], -1, args.group_size) if args.strategy in ("group", "tensor_group") else \
                 w.reshape(w.shape[0], 1, -1) if args.strategy == "channel" else w.reshape(1, 1, -1)
-            scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args)
+            gs = None
+            if hasattr(mod, "weight_global_scale"):  # NVFP4: the tensor's global scale first, as llm-compressor
+                gs = generate_gparam(w.amin(), w.amax()).reshape(mod.weight_global_scale.shape)
+                mod.weight_global_scale.data = gs.to(mod.weight_global_scale.dtype)
+            if hasattr(mod, "input_global_scale"):  # what calibration over activations in [-4, 4] gives
+                mod.input_global_scale.data = generate_gparam(torch.tensor(-4.0), torch.tensor(4.0)).reshape(
+                    mod.input_global_scale.shape).to(mod.input_global_scale.dtype)
+            scale, _ = calculate_qparams(g.amin(-1), g.amax(-1), args, global_scale=gs)
             mod.weight_scale.data = scale.to(mod.weight_scale.dtype).reshape(mod.weight_scale.shape)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
@@ -197,3 +206,76 @@ def ct_reference(raw: dict[str, torch.Tensor], name: str, block: dict) -> torch.
     local = {k.removeprefix(base + "."): v for k, v in raw.items() if k.startswith(base + ".weight")}
     compressor = BaseCompressor.get_value_from_registry(group["format"])
     return compressor.decompress(local, scheme)["weight"]
+
+
+# -- ModelOpt NVFP4, written as ModelOpt's HF export writes it ------------------------------------
+
+MODELOPT_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def modelopt_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ModelOpt's NVFP4 quantizer written out (modelopt is not installed here): ``NVFP4QTensor``
+    in modelopt/torch/quantization/qtensor/nvfp4_tensor.py. weight_scale_2 = amax / (6 * 448)
+    (``get_weights_scaling_factor_2``, a 0-d tensor: ``reduce_amax`` squeezes scalars); the block
+    scale = block amax / (6 * weight_scale_2), 0 -> 1, cast to float8_e4m3fn
+    (``get_weights_scaling_factor``); values w / (scale.float() * weight_scale_2) rounded to E2M1
+    by ``_cast_fp4`` (searchsorted on the bounds 0.25 ... 5, ties at 0.75, 1.75, 2.5 up), packed
+    ``(q[..., 1::2] << 4) | q[..., 0::2]``."""
+    w = w.float()
+    s2 = w.abs().amax() / (6.0 * 448.0)
+    blocks = w.reshape(w.shape[0], -1, 16)
+    scale = blocks.abs().amax(-1) / (6.0 * s2)
+    scale[scale == 0] = 1.0
+    scale = scale.to(torch.float8_e4m3fn)
+    scaled = (blocks / (scale.to(torch.float32) * s2).unsqueeze(-1)).reshape(w.shape)
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    sign = (scaled < 0).to(torch.uint8)
+    mag = scaled.abs()
+    ordinal = torch.searchsorted(bounds, mag, out_int32=True).to(torch.uint8)
+    ordinal += torch.any(mag.unsqueeze(-1) == bounds[[1, 3, 5]], dim=-1).to(torch.uint8)
+    q = (sign << 3) + ordinal
+    return (q[..., 1::2] << 4) | q[..., 0::2], scale, s2
+
+
+def modelopt_dequantize(packed: torch.Tensor, scale: torch.Tensor, s2: torch.Tensor) -> torch.Tensor:
+    """``NVFP4QTensor.dequantize`` (the non-fused path), float32 before its cast."""
+    lut = torch.tensor(MODELOPT_E2M1)
+    q = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.long)
+    q[:, 1::2], q[:, 0::2] = (packed >> 4).long(), (packed & 0x0F).long()
+    per_block = scale.to(torch.float32) * s2
+    return (lut[q].reshape(q.shape[0], -1, 16) * per_block.unsqueeze(-1)).reshape(q.shape)
+
+
+def modelopt_source(ckpt: Path, out: Path, ignore: tuple[str, ...] = ("lm_head",), inputs: bool = True) -> Path:
+    """``ckpt`` published as ModelOpt NVFP4 in ``out``: each linear projection not excluded (vLLM's
+    rule: equal, contained or an fnmatch wildcard) as ``X.weight`` U8, ``X.weight_scale`` F8_E4M3,
+    ``X.weight_scale_2`` F32 [] and (W4A4) ``X.input_scale`` F32 []; config.json's
+    quantization_config in the form NVIDIA's checkpoints carry (GLM-5.1-NVFP4's, kv_cache_scheme
+    left out)."""
+    from fnmatch import fnmatch
+
+    from safetensors import safe_open
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    targets = {k for k in quantizable(model_from_config(cfg))
+               if not any(e == k[:-7] or e in k[:-7] or fnmatch(k[:-7], e) for e in ignore)}
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(f, "pt") as s:
+            for k in s.keys():  # noqa: SIM118
+                t = s.get_tensor(k)
+                if k in targets:
+                    base = k.removesuffix("weight")
+                    tensors[k], tensors[k + "_scale"], tensors[k + "_scale_2"] = modelopt_quantize(t)
+                    if inputs:  # a static activation amax of 4.0, as calibration would record one
+                        tensors[base + "input_scale"] = torch.tensor(4.0 / (6.0 * 448.0))
+                else:
+                    tensors[k] = t
+    out.mkdir(parents=True)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+    group = {"weights": args, "targets": ["Linear"]} | ({"input_activations": args} if inputs else {})
+    cfg["quantization_config"] = {"config_groups": {"group_0": group}, "ignore": list(ignore), "quant_algo": "NVFP4",
+                                  "producer": {"name": "modelopt", "version": "0.43.0"}, "quant_method": "modelopt"}
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    return out

@@ -101,7 +101,7 @@ class BuildSource:
                 row0 = 0
                 for sub in t.split_pieces():  # a fused tensor: each source-row range on its own
                     self.pieces.setdefault((t.source, _role(t)), []).append(Piece(rank_layout.file, sub, row0))
-                    row0 += sub.shape[0]
+                    row0 += sub.shape[0] if sub.shape else 1  # a scalar: one element
         self.in_quant = {src: p[0].spec.quant for (src, role), p in self.pieces.items()
                          if role == "weight" and p[0].spec.quant}
         self.kept_quantization = _kept_source_quantization(self, model, out_layout)
@@ -119,8 +119,8 @@ class BuildSource:
             source_format, shapes = self.kept_quantization
             for name in kept:
                 for st in source_format.stored(name):
-                    if st.suffix and not st.value:
-                        self.tensors[name + st.suffix] = TensorInfo("", st.dtypes[0], st.shape(shapes[name]))
+                    if not st.value:  # the values too: packed ones are not the weight's shape
+                        self.tensors[st.tensor(name)] = TensorInfo("", st.dtypes[0], st.shape(shapes[name]))
         self._offsets: dict[str, dict[str, tuple[int, str, list[int], int]]] = {}
         self._rank_of = {rank_layout.file: rank_layout for rank_layout in self.in_layout.ranks}
         self._lock = threading.Lock()

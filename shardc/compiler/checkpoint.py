@@ -31,7 +31,7 @@ from ..formats.files import safe_name, sha256_file, write_atomic
 from ..formats.manifest import FileEntry, SourceRecord
 from ..formats.safetensors import read_header
 from ..layout.dtypes import DTYPE_BYTES, SOURCE_DTYPES, from_torch_name
-from ..layout.model import ModelSpec, read_config
+from ..layout.model import LEGACY_QUANT, ModelSpec, read_config
 from ..layout.readfile import CONFIG_LIMIT, read_regular_file
 from ..layout.tensors import source_tensors
 from .arrays import from_torch, np_dtype
@@ -331,7 +331,8 @@ def open_source(uri: str, *, allow_pickle: bool = False) -> CheckpointSource:
             raise SourceError(f"source file {directory / fname} is not a regular file", key="model.source")
         stamps[fname] = (st.st_size, st.st_ino)
     tensors = _index_pickles(directory, files) if pickled else _index_safetensors(directory, files)
-    return CheckpointSource(uri, directory, revision, config, tensors, ["config.json", *files], pickled,
+    side = ["config.json", *([LEGACY_QUANT] if (directory / LEGACY_QUANT).exists() else [])]  # hashed too
+    return CheckpointSource(uri, directory, revision, config, tensors, [*side, *files], pickled,
                             stamps=stamps)
 
 

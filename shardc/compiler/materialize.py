@@ -86,6 +86,14 @@ def _stream_rows(writer: ShardWriter, full: np.ndarray | Tiles, spec: TensorSpec
         part = region(full, spec)
         shape = part.shape
     dtype = np_dtype(spec.dtype)
+    if not shape:  # a scalar (ModelOpt's per-tensor scales): one element, written as it is
+        out = np.empty((), dtype)
+        if isinstance(full, Tiles):
+            full.fill(out, (), _cast)
+        else:
+            _cast(out, part)
+        writer.write(out.reshape(-1).view(np.uint8))
+        return
     row_bytes = max(1, math.prod(shape[1:]) * dtype.itemsize)
     step = max(1, CHUNK_BYTES // row_bytes)
     r0 = 0

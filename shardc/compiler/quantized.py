@@ -29,6 +29,8 @@ class QuantizedSource:
 
     def __init__(self, inner: Source, source_format: SourceQuantization, shapes: Mapping[str, tuple[int, ...]]) -> None:
         self.inner, self.source_format, self.quantized_shapes = inner, source_format, shapes
+        # every stored tensor of a quantized weight, by name: its values are checked where read
+        self._stored = {st.tensor(name): st for name in shapes for st in source_format.stored(name) if not st.value}
 
     @property
     def uri(self) -> str:
@@ -64,7 +66,13 @@ class QuantizedSource:
             yield
 
     def view(self, name: str) -> np.ndarray | Tiles:
-        return self.inner.view(name)
+        """The inner source's tensor, a stored tensor of a quantized weight checked by its format
+        (a build's own tiles were checked when it was built)."""
+        out = self.inner.view(name)
+        st = self._stored.get(name)
+        if st is not None and isinstance(out, np.ndarray):
+            self.source_format.check_values(name, st, out)
+        return out
 
     def dense(self, name: str) -> np.ndarray | Tiles:
         """``view``, or a quantized weight's float32 dequantization by its format's reference."""
@@ -122,7 +130,7 @@ def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, .
     for name in sorted(src.quantized_shapes):
         full = expected[name]
         for st in source_format.stored(name):
-            tname = name + st.suffix
+            tname = st.tensor(name)
             info = src.tensors.get(tname)
             want = st.shape(full)
             if info is None:
@@ -145,7 +153,7 @@ def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, .
                                   f"{list(full)}", hint="the checkpoint does not match its config.json")
             out[tname] = want
     for name in expected:  # a weight the table keeps 16-bit, stored quantized (a quantized lm_head)
-        stored = [name + st.suffix for st in source_format.stored(name) if st.suffix and name + st.suffix in src.tensors]
+        stored = [st.tensor(name) for st in source_format.stored(name) if st.suffix and st.tensor(name) in src.tensors]
         if name not in src.quantized_shapes and stored:
             raise SourceError(f"tensor {name!r} is stored quantized ({stored[0]}), but shardc reads {source_format.label} "
                               "quantization only for the decoder's linear projections",

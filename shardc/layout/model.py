@@ -308,7 +308,30 @@ def read_config(path: Path, error: type[ShardcError] = ModelError) -> dict[str, 
         raise error(f"{path} is nested too deeply to be a config.json", key="model", hint=_HINT) from None
     if not isinstance(cfg, dict):
         raise error(f"{path} is not a JSON object", key="model", hint=_HINT)
+    legacy = path.parent / LEGACY_QUANT
+    if path.name == "config.json" and "quantization_config" not in cfg and legacy.exists():  # ModelOpt: older exports
+        cfg["quantization_config"] = legacy_block(legacy, read_config(legacy, error), error)
     return cfg
+
+
+LEGACY_QUANT = "hf_quant_config.json"  # beside a ModelOpt export's config.json, read as its quantization_config
+
+
+def legacy_block(path: Path, hf_quant: dict[str, Any], error: type[ShardcError] = ModelError) -> dict[str, Any]:
+    """``hf_quant_config.json`` (ModelOpt's older exports: ``{"producer", "quantization": {quant_algo,
+    kv_cache_quant_algo, group_size, exclude_modules}}``, config.json without a quantization_config)
+    as the quantization_config vLLM reads from config.json: its keys, ``exclude_modules`` as
+    ``ignore`` (vLLM's flat form reads that key), so a ``dtype: source`` build's config.json serves."""
+    quant = hf_quant.get("quantization")
+    if not isinstance(quant, dict):
+        raise error(f"{path} has no quantization mapping", key="quantization",
+                                hint="an hf_quant_config.json as ModelOpt exports it, or remove the file")
+    block = {k: v for k, v in quant.items() if k != "exclude_modules"} | {"quant_method": "modelopt"}
+    if "exclude_modules" in quant:
+        block["ignore"] = quant["exclude_modules"]
+    if "producer" in hf_quant:
+        block["producer"] = hf_quant["producer"]
+    return block
 
 
 def model_for_source(source: str, override: str | None = None) -> ModelSpec:

@@ -120,12 +120,12 @@ def arrange(raw: dict[str, torch.Tensor], rank_layout: RankLayout, layout: Layou
     def layout_shape(name: str) -> tuple[int, ...]:
         """The rank's [out, in] of a kept weight: its values' spec, or X.weight_shape's contents."""
         stored = kept[name].stored(name)[0]
-        spec = specs[name + stored.suffix]
+        spec = specs[stored.tensor(name)]
+        if stored.weight_shape(spec.shape) is not None:  # MXFP4's blocks: [E, out, in/32, 16]; E2M1 nibbles
+            return stored.weight_shape(spec.shape)
         if stored.suffix == "":
             return spec.shape
-        if stored.weight_shape(spec.shape) is not None:  # MXFP4's blocks: [E, out, in/32, 16]
-            return stored.weight_shape(spec.shape)
-        value = next(specs[name + st.suffix].value for st in kept[name].stored(name) if st.value)
+        value = next(specs[st.tensor(name)].value for st in kept[name].stored(name) if st.value)
         assert value is not None  # the Layout fixes the contents of a stored X.weight_shape
         return value
     copy_out = any(t.quant for t in rank_layout.tensors) or bool(kept)

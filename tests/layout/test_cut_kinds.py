@@ -22,6 +22,7 @@ from __future__ import annotations
 import pytest
 from plan_helpers import plan
 
+from shardc.errors import LayoutError
 from shardc.layout.cuts import Cut, slice_for_rank
 from shardc.layout.model import model_from_config
 from shardc.layout.ranks import build_layout
@@ -120,6 +121,46 @@ def test_stacked_cuts_in_the_layout_without_and_with_expert_parallelism():
             got = {n: (t.dim, t.start, t.stop, t.shape) for n in cuts for t in [rl.tensor(n)]}
             assert got == cuts, (ep, rl.tp_rank)
             assert {rl.tensor(n).split for n in cuts} == {STACKED}
+
+
+# ---- STACKED MXFP4 kept as stored (#46): gpt-oss-120b's widths -----------------------------------
+
+# hidden and intermediate 2,880 (90 32-value blocks), 64 heads, 8 KV heads, 4 experts, the experts
+# MXFP4 as published (blocks [E, out, in/32, 16], scales [E, out, in/32])
+GPT_OSS_MXFP4 = dict(GPT_OSS, hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+                     head_dim=64, num_local_experts=4, quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+                         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+
+
+def test_mxfp4_experts_at_tp2_are_cut_where_vllm_cuts_them():
+    """vLLM's MXFP4 loader (gpt_oss.py ``_load_weights_mxfp4``) at tp 2: 90 blocks, ceil(90 / 2)·32
+    = 1,440 intermediate values a rank, rank r [1440·r, 1440·(r+1)). gate_up's blocks and scales:
+    rows 2·start:2·end = [0, 2880) | [2880, 5760) of dim 1 (the weight's dim 2: stored transposed);
+    down's: block columns start/32:end/32 = [0, 45) | [45, 90) of dim 2 (the weight's dim 1)."""
+    layout = build_layout(_model(GPT_OSS_MXFP4), plan(2, dtype="source", name="g", source="/nonexistent"))
+    want = [{GATE_UP + "_blocks": (1, 0, 2880, (4, 2880, 90, 16)), GATE_UP + "_scales": (1, 0, 2880, (4, 2880, 90)),
+             DOWN + "_blocks": (2, 0, 45, (4, 2880, 45, 16)), DOWN + "_scales": (2, 0, 45, (4, 2880, 45))},
+            {GATE_UP + "_blocks": (1, 2880, 5760, (4, 2880, 90, 16)), GATE_UP + "_scales": (1, 2880, 5760, (4, 2880, 90)),
+             DOWN + "_blocks": (2, 45, 90, (4, 2880, 45, 16)), DOWN + "_scales": (2, 45, 90, (4, 2880, 45))}]
+    for rl, cuts in zip(layout.ranks, want, strict=True):
+        assert {n: (t.dim, t.start, t.stop, t.shape) for n in cuts for t in [rl.tensor(n)]} == cuts
+        assert {rl.tensor(n).dtype for n in cuts} == {"U8"}
+        assert not any(t.name in (GATE_UP, DOWN) for t in rl.tensors)  # stored only as blocks + scales
+
+
+@pytest.mark.parametrize(("tp", "per", "blocks"), [(4, 720, "22.5"), (8, 360, "11.25")])
+def test_mxfp4_experts_cut_inside_a_block_are_refused_in_words(tp, per, blocks):
+    """2,880 / tp not whole blocks (vLLM pads such ranks with zeros; shardc's are equal): one line
+    naming the tensor, the intermediate size, its 90 blocks, each rank's share, the tp degrees that
+    keep whole blocks (1, 2) and bf16."""
+    with pytest.raises(LayoutError) as e:
+        build_layout(_model(GPT_OSS_MXFP4), plan(tp, dtype="source", name="g", source="/nonexistent"))
+    assert e.value.one_line() == (
+        f"replica_group.tp_degree: tensor {DOWN} [4, 2880, 2880]: each expert's intermediate size 2880 is 90 "
+        "32-value mxfp4 blocks (down_proj_blocks, down_proj_scales), cut only between blocks (vLLM pads a cut "
+        f"inside one with zeros into ranks of unequal size, which shardc does not make), and each rank would hold "
+        f"{per} values, {blocks} blocks at tp={tp} (hint: tp_degree values that keep every mxfp4 (e2m1, 32-value "
+        "blocks) cell whole: 1, 2 (or dtype: bf16, which dequantizes))")
 
 
 # ---- FUSED (Phi-3's qkv_proj and gate_up_proj) -------------------------------------------------

@@ -204,3 +204,46 @@ def test_json_recommended_is_the_candidate():
     assert rec == data["candidates"][data["recommended_index"]]
     assert (rec["dtype"], rec["tp"], rec["pp"]) == ("source", 1, 1)
     assert data["alternative"] is None or data["alternative"] == data["candidates"][data["alternative_index"]]
+
+
+def _qwen3_8b_fp4_bytes(fmt: str) -> int:
+    """Qwen3-8B with every decoder projection in a 4-bit format (lm_head and embeddings bf16):
+    NVFP4 stores two E2M1 values a byte, an fp8 scale per 16 values, an fp32 global scale per
+    tensor (and, W4A4, an fp32 input global scale); MXFP4 a one-byte E8M0 scale per 32 values."""
+    hidden, inter, layers, heads, kv, head_dim, vocab = 4096, 12288, 36, 32, 8, 128, 151936
+    shapes = [(heads * head_dim, hidden), (kv * head_dim, hidden), (kv * head_dim, hidden), (hidden, heads * head_dim),
+              (inter, hidden), (inter, hidden), (hidden, inter)]
+
+    def fp4(out: int, inp: int) -> int:
+        return out * inp // 2 + (out * inp // 16 + 4 + 4 if fmt == "nvfp4" else out * inp // 32)
+
+    layer = sum(fp4(o, i) for o, i in shapes) + (2 * hidden + 2 * head_dim) * 2
+    return layers * layer + (2 * vocab * hidden + hidden) * 2
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_fp4_checkpoints_are_sized_at_their_stored_bytes(tmp_path, fmt):
+    """A compressed-tensors NVFP4 (W4A4) or MXFP4 checkpoint of Qwen3-8B (its quantization_config
+    as compressed-tensors' ModelCompressor writes it for the preset scheme): ``source`` comes first
+    and is sized at the stored bytes, scales included, worked out by hand (5.96 / 5.76 GiB against
+    15.26 GiB at 16 bits)."""
+    scheme = "NVFP4" if fmt == "nvfp4" else "MXFP4A16"
+    import compressed_tensors.quantization.quant_scheme as presets
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    group = QuantizationScheme(targets=["Linear"], **getattr(presets, scheme))
+    block = QuantizationConfig(config_groups={"group_0": group}, ignore=["lm_head"], format=f"{fmt}-pack-quantized",
+                               quantization_status="compressed").model_dump(mode="json")
+    block["config_groups"]["group_0"]["format"] = f"{fmt}-pack-quantized"
+    cfg = dict(PRESETS["qwen3-8b"]) | {"quantization_config": block}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(tmp_path / "config.json")
+    s = search(model, Cluster(get_gpu("h100-sxm")), Workload(), model_name="qwen3-8b-" + fmt)
+    from shardc.planner.search import default_dtypes
+
+    assert default_dtypes(model) == ("source", "bf16", "int8", "fp8")
+    one = next(x for x in s.candidates if (x.dtype, x.tp, x.pp) == ("source", 1, 1))
+    assert one.memory is not None and one.memory.weights == _qwen3_8b_fp4_bytes(fmt)
+    assert f"{one.memory.weights / GIB:.2f}" == {"nvfp4": "5.96", "mxfp4": "5.76"}[fmt]
+    sixteen = next(x for x in s.candidates if (x.dtype, x.tp, x.pp) == ("bf16", 1, 1))
+    assert sixteen.memory is not None and f"{sixteen.memory.weights / GIB:.2f}" == "15.26"

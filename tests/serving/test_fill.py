@@ -193,6 +193,31 @@ def test_int8_companions_follow_their_weight_into_the_packed_parameter():
     assert err.value.one_line().startswith(shape.name + ": the shard fills 6 of its 2 rows")
 
 
+def test_gpt_oss_mxfp4_experts_cut_by_tp_never_fill_vllms_parameters():
+    """A tp 2 rank of a ``dtype: source`` gpt-oss (MXFP4 experts; 4 experts, hidden 64, intermediate
+    64: 32 a rank) never reaches the fill in vLLM: vllm_plugin.py refuses every stacked-expert build
+    first. Were it to, the shard's blocks [E, out, in/32, 16] fit none of the parameters vLLM makes
+    for them under its own names (GptOssForCausalLM.hf_to_vllm_mapper: ``*_proj_blocks`` ->
+    ``w13_weight`` / ``w2_weight``; Mxfp4MoEMethod.create_weights flattens each expert's blocks to
+    [out, in/2] bytes and pads the intermediate size to its kernel's multiple): one line naming
+    the parameter, never a silent fill."""
+    pre = P + "mlp.experts."
+    suffix = {"gate_up_proj_blocks": "w13_weight", "gate_up_proj_scales": "w13_weight_scale",
+              "gate_up_proj_bias": "w13_bias", "down_proj_blocks": "w2_weight", "down_proj_scales": "w2_weight_scale",
+              "down_proj_bias": "w2_bias"}
+    facts = ModelFacts(rename=lambda n: pre + suffix[n.removeprefix(pre)] if n.startswith(pre) else n)
+    shard = [_t(pre + "gate_up_proj_blocks", 4, 64, 2, 16, dtype="uint8"), _t(pre + "gate_up_proj_scales", 4, 64, 2, dtype="uint8"),
+             _t(pre + "gate_up_proj_bias", 4, 64), _t(pre + "down_proj_blocks", 4, 64, 1, 16, dtype="uint8"),
+             _t(pre + "down_proj_scales", 4, 64, 1, dtype="uint8"), _t(pre + "down_proj_bias", 4, 64)]
+    params = [Param(pre + "w13_weight", (4, 64, 32), "uint8"), Param(pre + "w13_weight_scale", (4, 64, 2), "uint8"),
+              Param(pre + "w13_bias", (4, 64), "bfloat16"), Param(pre + "w2_weight", (4, 64, 16), "uint8"),
+              Param(pre + "w2_weight_scale", (4, 64, 1), "uint8"), Param(pre + "w2_bias", (4, 64), "bfloat16")]
+    with pytest.raises(ServeError) as err:
+        _fill(shard, params, facts)
+    assert err.value.one_line().startswith(
+        f"{pre}w2_weight: shape [4, 64, 16] cannot hold the shard's {pre}down_proj_blocks [4, 64, 1, 16]")
+
+
 def test_every_architecture_has_a_tiny_model_for_vllm():
     """tests/serving/vllm_models.py sizes one model per family for vLLM's CPU kernels; a family
     registered without one would never be loaded by vLLM in the serving tests (docs/architecture.md §8)."""

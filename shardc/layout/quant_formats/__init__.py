@@ -15,14 +15,17 @@ from typing import Any
 
 from ...errors import QuantizationError
 from .compressed import CompressedTensors
+from .compressed_mx import CompressedMicroscaled
 from .format import SourceQuantization, Stored
 from .fp8_block import BlockFP8
+from .modelopt import ModelOptNVFP4
 from .mxfp4 import MXFP4
 
-__all__ = ["FORMATS", "BlockFP8", "CompressedTensors", "MXFP4", "SourceQuantization", "Stored", "detect_source"]
+__all__ = ["FORMATS", "BlockFP8", "CompressedTensors", "MXFP4", "ModelOptNVFP4", "SourceQuantization", "Stored",
+           "detect_source"]
 
 # Formats shardc reads, tried in order.
-FORMATS: tuple[type[SourceQuantization], ...] = (BlockFP8, CompressedTensors, MXFP4)
+FORMATS: tuple[type[SourceQuantization], ...] = (BlockFP8, CompressedMicroscaled, CompressedTensors, MXFP4, ModelOptNVFP4)
 
 
 def detect_source(config: dict[str, Any]) -> SourceQuantization | None:
@@ -35,9 +38,9 @@ def detect_source(config: dict[str, Any]) -> SourceQuantization | None:
                                 hint="fix config.json, or start from the unquantized checkpoint")
     method = block.get("quant_method")
     for fmt in FORMATS:
-        if method in fmt.methods:
+        if method in fmt.methods and fmt.accepts(block):
             return fmt.from_config(block, config)
-    known = ", ".join(m for f in FORMATS for m in f.methods)
+    known = ", ".join(dict.fromkeys(m for f in FORMATS for m in f.methods))
     raise QuantizationError(f"quant_method {method!r} is not a source format shardc reads "
                             f"(it reads {known})", key="quantization_config.quant_method",
                             hint="start from the unquantized checkpoint")

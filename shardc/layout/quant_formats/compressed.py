@@ -33,6 +33,28 @@ if TYPE_CHECKING:
 
 SCALES = ("BF16", "F16", "F32")
 FORMATS = ("pack-quantized", "int-quantized", "float-quantized")
+MICROSCALED = ("nvfp4-pack-quantized", "mxfp4-pack-quantized", "mxfp8-quantized")  # compressed_mx.py
+
+# format: (value type, bits, strategy, group size, scale dtype as config.json names it, label)
+KINDS = {
+    "nvfp4-pack-quantized": ("float", 4, "tensor_group", 16, "torch.float8_e4m3fn", "nvfp4 (e2m1, fp8 scale per 16)"),
+    "mxfp4-pack-quantized": ("float", 4, "group", 32, "torch.uint8", "mxfp4 (e2m1, e8m0 scale per 32)"),
+    "mxfp8-quantized": ("float", 8, "group", 32, "torch.uint8", "mxfp8 (e4m3, e8m0 scale per 32)"),
+}
+
+
+def check_args(fmt: str, w: dict[str, Any], where: str) -> None:
+    """The weights' arguments are the ones the format's compressor writes (its preset's)."""
+    _, _, strategy, group, scale, _ = KINDS[fmt]
+    if w.get("strategy") != strategy:
+        raise _refuse(f"{where}.strategy", f"is {w.get('strategy')!r}; {fmt} stores strategy {strategy}",
+                      f"strategy: {strategy}, as compressed-tensors' preset writes it")
+    if w.get("group_size") != group:
+        raise _refuse(f"{where}.group_size", f"is {w.get('group_size')!r}; {fmt} stores one scale per {group} values",
+                      f"group_size: {group}")
+    if w.get("scale_dtype") not in (None, scale):
+        raise _refuse(f"{where}.scale_dtype", f"is {w.get('scale_dtype')!r}; {fmt} stores scales as {scale}",
+                      f"scale_dtype: {scale}")
 MAX_GROUP = 1 << 24  # a group size beyond any weight's input dimension (checked per weight as well)
 
 
@@ -67,8 +89,8 @@ def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
                       "only [Linear] is read", "targets: [Linear], with ignore for the layers kept")
     check_keys(group, SCHEME, f"{where}.")
     for key, fmt in (("format", block.get("format")), (f"{where}.format", group.get("format"))):
-        if fmt is not None and fmt not in FORMATS:
-            raise _refuse(key, f"is {fmt!r}; shardc reads {', '.join(FORMATS)}")
+        if fmt is not None and fmt not in FORMATS + MICROSCALED:
+            raise _refuse(key, f"is {fmt!r}; shardc reads {', '.join(FORMATS + MICROSCALED)}")
     fmt = group.get("format") or block.get("format")
     if fmt is None or block.get("format", fmt) != fmt:
         raise _refuse("format", f"is {block.get('format')!r} but the group's is {group.get('format')!r}",
@@ -95,6 +117,12 @@ def _weights(block: dict[str, Any]) -> tuple[str, dict[str, Any], str]:
         raise _refuse(f"{where}.weights.actorder", f"is {w.get('actorder')!r}: g_idx reordering is not read",
                       "use actorder: weight (or none)")
     kind = (w.get("type", "int"), w.get("num_bits", 8), fmt)
+    if fmt in MICROSCALED:
+        if kind != (*KINDS[fmt][:2], fmt):
+            raise _refuse(f"{where}.weights", f"type {kind[0]} with {kind[1]} bits in {fmt} is not read",
+                          f"{fmt} stores {KINDS[fmt][0]} {KINDS[fmt][1]}-bit weights")
+        check_args(fmt, w, f"{where}.weights")
+        return fmt, w, f"{where}.weights"
     if kind not in {("int", 4, "pack-quantized"), ("int", 8, "pack-quantized"), ("int", 8, "int-quantized"),
                     ("float", 8, "float-quantized")}:
         raise _refuse(f"{where}.weights", f"type {kind[0]} with {kind[1]} bits in {fmt} is not read",
@@ -146,6 +174,8 @@ class CompressedTensors(SourceQuantization):
         """Scales are stored in ``weights.scale_dtype`` when given, else the model's dtype
         (compressed-tensors keeps them in the dtype of the weight they were computed from)."""
         fmt, w, where = _weights(block)
+        if fmt in MICROSCALED:  # compressed_mx.py's CompressedMicroscaled, tried first, takes these
+            raise _refuse(f"{where}.format", f"is {fmt!r}, which this reader does not take", "report it: a bug")
         name = w.get("scale_dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         scale = from_torch_name(str(name))
         if scale not in SCALES:

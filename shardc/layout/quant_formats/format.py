@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..cuts import Cut
     from ..model import ModelSpec
 
 
@@ -30,19 +31,30 @@ class Stored:
     grid: tuple[int, int]  # weight elements per stored element along dim 0 and 1 (0: the whole dim)
     value: bool = False  # holds the weight's [out, in] itself (compressed-tensors' X.weight_shape)
     flat: bool = False  # one element for the whole weight, stored as shape [1] (a per-tensor scale)
+    scalar: bool = False  # a flat one stored with shape [] (ModelOpt's weight_scale_2, input_scale)
+    sibling: bool = False  # ``suffix`` names a tensor of the weight's module: X.input_global_scale
+
+    def tensor(self, weight: str) -> str:
+        """The stored tensor's name for weight ``weight`` ("X.weight")."""
+        return weight.removesuffix("weight") + self.suffix if self.sibling else weight + self.suffix
 
     def shape(self, weight: tuple[int, ...]) -> tuple[int, ...]:
         """Its shape for a weight (or a rank's slice of one) of shape ``weight``."""
         if self.value:
             return (len(weight),)
         if self.flat:
-            return (1,)
+            return () if self.scalar else (1,)
         return tuple(1 if g == 0 else -(-n // g) for n, g in zip(weight, self.grid, strict=True))
 
     def weight_shape(self, stored: tuple[int, ...]) -> tuple[int, ...] | None:
         """The weight a stored tensor of this shape belongs to, where the stored shape alone says
         it (None: the values' or X.weight_shape's spec says it)."""
         return None
+
+    def stored_dim(self, dim: int) -> int:
+        """The dimension of the stored tensor that holds the weight's dimension ``dim`` (the same
+        one, unless the format stores the weight transposed: MXFP4's experts)."""
+        return dim
 
     def cut(self, dim: int, start: int, stop: int, extent: int) -> tuple[int, int] | None:
         """The stored rows/columns [a, b) holding weight elements [start, stop) of ``extent``
@@ -57,6 +69,15 @@ class Stored:
         return start // g, -(-stop // g)
 
 
+@dataclass(frozen=True)
+class Nibbles(Stored):
+    """4-bit values two to a byte along the input dimension (E2M1: NVFP4, MXFP4), stored under the
+    weight's own name or ``_packed``, [out, in/2] U8: the stored shape says the weight's."""
+
+    def weight_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        return (stored[0], stored[1] * 2)
+
+
 class SourceQuantization(ABC):
     """One quantized source format, as read from its config.json ``quantization_config``."""
 
@@ -65,6 +86,12 @@ class SourceQuantization(ABC):
 
     def __init__(self, block: dict[str, Any]) -> None:
         self.block = block  # kept verbatim in a ``dtype: source`` build's config.json
+
+    @classmethod
+    def accepts(cls, block: dict[str, Any]) -> bool:
+        """Whether this format reads a block of one of its ``methods`` (a method several formats
+        share, compressed-tensors, is told apart by the block's ``format``)."""
+        return True
 
     @classmethod
     @abstractmethod
@@ -100,6 +127,17 @@ class SourceQuantization(ABC):
         """Refuse a parameter that does not fit the quantized weights' shapes (``shapes``: name
         -> [out, in]) before any work proportional to it; a format without one checks nothing."""
         return None  # noqa: B027 (optional: most formats have no size parameter)
+
+    def cut_words(self, name: str, full: tuple[int, ...], cut: Cut) -> str | None:
+        """Why a rank's ``cut`` of weight ``name`` (shape ``full``) cannot keep its stored tensors
+        whole, in the format's own words, for the TP refusal (slicing.py ``cut_problem``); None:
+        the generic line (the cut and the grid cell it falls inside)."""
+        return None
+
+    def check_values(self, tensor: str, st: Stored, values: np.ndarray) -> None:
+        """Refuse a stored tensor whose values the format forbids (a NaN block scale), read as a
+        build copies or dequantizes it; a format whose every value is valid checks nothing."""
+        return None  # noqa: B027 (optional)
 
     @abstractmethod
     def stored(self, name: str) -> tuple[Stored, ...]:

@@ -9,9 +9,22 @@ biases, embeddings) is 16-bit. The reference is transformers' ``convert_moe_pack
 the cast to the model dtype and the transpose back to [E, in, out]; the test checks every
 (byte, scale) pair against it bit for bit.
 
-Kept as stored (``dtype: source``), blocks and scales are cut only along the expert dimension:
-whole experts per rank (``expert_parallel``) or every expert on every rank (tp = 1). A TP cut
-inside an expert is refused before anything is written (``dtype: bf16`` dequantizes instead).
+Kept as stored (``dtype: source``), blocks and scales are plain slices of the source's, cut where
+vLLM cuts them (vllm/model_executor/models/gpt_oss.py, ``GptOssModel._load_weights_mxfp4``):
+
+- expert parallelism: whole experts, the rank's block of dim 0;
+- TP: each expert's intermediate dimension on whole 32-value blocks. vLLM gives rank r the
+  intermediate values [r·p, min((r+1)·p, I)), p = ceil((I/32) / tp)·32; gate_up (gate and up
+  interleaved along its 2·I outputs) takes stored rows [2·r·p, 2·(r+1)·p) of dim 1 of blocks and
+  scales, down stored block columns [r·p/32, (r+1)·p/32) of dim 2. Where I/tp is whole blocks that
+  is the Layout's own even cut of the weights (layout/cuts.py: gate_up's dim 2 = blocks' dim 1,
+  down's dim 1 = blocks' dim 2 over 32), which ``PackedExperts`` maps onto the stored dimensions.
+  Where it is not (gpt-oss-120b's 2,880 = 90 blocks at tp = 4: 22.5 blocks a rank) vLLM makes the
+  last ranks short and pads every rank's parameters with zeros
+  (vllm/model_executor/layers/fused_moe/oracle/mxfp4.py,
+  ``mxfp4_round_up_hidden_size_and_intermediate_size``); shardc's ranks are equal, so such a tp
+  is refused before anything is written, in words (``MXFP4.cut_words``; ``dtype: bf16``
+  dequantizes instead).
 """
 
 from __future__ import annotations
@@ -27,6 +40,7 @@ from .format import SourceQuantization, Stored
 if TYPE_CHECKING:
     import numpy as np
 
+    from ..cuts import Cut
     from ..model import ModelSpec
 
 BLOCK = 32  # values per E8M0 scale
@@ -46,15 +60,28 @@ def _module_matches(entry: str, name: str) -> bool:
 @dataclass(frozen=True)
 class PackedExperts(Stored):
     """A stacked expert weight [E, in, out] stored transposed in 32-value blocks: ``_blocks``
-    [E, out, in/32, 16] or ``_scales`` [E, out, in/32]. Only whole experts (dim 0) can be cut."""
+    [E, out, in/32, 16] or ``_scales`` [E, out, in/32]. Whole experts (dim 0) and any outputs
+    (weight dim 2: stored rows, dim 1) can be cut; inputs (weight dim 1: stored block columns,
+    dim 2) only between blocks."""
 
     def shape(self, weight: tuple[int, ...]) -> tuple[int, ...]:
         e, n_in, n_out = weight
         groups = -(-n_in // BLOCK)
         return (e, n_out, groups, BLOCK // 2) if self.suffix == "_blocks" else (e, n_out, groups)
 
+    def stored_dim(self, dim: int) -> int:
+        """Weight [E, in, out] -> stored [E, out, in/32, ...]: experts stay, in and out swap."""
+        return (0, 2, 1)[dim]
+
     def cut(self, dim: int, start: int, stop: int, extent: int) -> tuple[int, int] | None:
-        return (start, stop) if dim == 0 else None
+        """Weight elements [start, stop) along ``dim`` as stored rows (experts, outputs) or block
+        columns (inputs, whole blocks only: a partial last block would leave the rank's input
+        size to guess, ``weight_shape``)."""
+        if dim != 1:
+            return start, stop
+        if start % BLOCK or stop % BLOCK:
+            return None
+        return start // BLOCK, stop // BLOCK
 
     def weight_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
         """The [E, in, out] weight a stored ``_blocks`` tensor of this shape holds."""
@@ -95,6 +122,19 @@ class MXFP4(SourceQuantization):
 
     def stored(self, name: str) -> tuple[Stored, ...]:
         return self._stored
+
+    def cut_words(self, name: str, full: tuple[int, ...], cut: Cut) -> str | None:
+        """A TP cut of an expert's inputs inside a block, in words. The stacked experts' inputs are
+        cut only in down_proj [E, inter, hidden] (row-parallel), so they are the intermediate
+        size; gate_up is cut along its outputs, which any row boundary keeps whole."""
+        if cut.dim != 1 or cut.start is None or cut.stop is None or cut.stop <= cut.start:
+            return None
+        n, per, leaf = full[1], cut.stop - cut.start, name.rpartition(".")[2]
+        blocks = -(-n // BLOCK)
+        return (f"tensor {name} {list(full)}: each expert's intermediate size {n} is {blocks} "
+                f"32-value mxfp4 block{'s' if blocks != 1 else ''} ({leaf}_blocks, {leaf}_scales), cut only "
+                "between blocks (vLLM pads a cut inside one with zeros into ranks of unequal size, which shardc "
+                f"does not make), and each rank would hold {per} values, {per / BLOCK:g} blocks")
 
     def dequantize(self, name: str, shape: tuple[int, ...], read: Callable[[str], np.ndarray]) -> np.ndarray:
         """float32 [E, in, out] (a transposed view), transformers' products exactly."""

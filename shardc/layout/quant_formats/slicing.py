@@ -22,7 +22,9 @@ from .format import SourceQuantization, Stored
 
 def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | None:
     """TensorSpec fields (less name/source/split/dtype) of stored tensor ``st`` for a rank whose
-    weight slice is ``cut`` of a weight of shape ``full``; None when the cut splits a grid cell."""
+    weight slice is ``cut`` of a weight of shape ``full``; None when the cut splits a grid cell.
+    ``dim``/``start``/``stop`` are the stored tensor's own (``Stored.stored_dim``, ``Stored.cut``):
+    what materialize.py slices and build_tensors.py reassembles."""
     local = cut.shape
     if st.value:
         return {"shape": st.shape(local), "value": tuple(local)}
@@ -43,8 +45,9 @@ def stored_cut(st: Stored, cut: Cut, full: tuple[int, ...]) -> dict[str, Any] | 
     ab = st.cut(dim, cut.start, cut.stop, full[dim])
     if ab is None:
         return None
-    shape = tuple(ab[1] - ab[0] if i == dim else n for i, n in enumerate(whole))
-    return {"shape": shape, "dim": dim, "start": ab[0], "stop": ab[1], "kv_head": cut.kv_head}
+    at = st.stored_dim(dim)  # the stored tensor's own dimension (MXFP4 stores its experts transposed)
+    shape = tuple(ab[1] - ab[0] if i == at else n for i, n in enumerate(whole))
+    return {"shape": shape, "dim": at, "start": ab[0], "stop": ab[1], "kv_head": cut.kv_head}
 
 
 def cut_problem(source_format: SourceQuantization, rows: list[tuple[str, tuple[int, ...], Cut]]) -> str | None:
@@ -52,6 +55,9 @@ def cut_problem(source_format: SourceQuantization, rows: list[tuple[str, tuple[i
     for name, full, cut in rows:
         for st in source_format.stored(name):
             if stored_cut(st, cut, full) is None:
+                words = source_format.cut_words(name, full, cut)
+                if words is not None:
+                    return words
                 where = cut.pieces or (cut.start, cut.stop)
                 return (f"tensor {name} {list(full)} would be cut at {where} along dim {cut.dim}, "
                         f"inside a {source_format.label} cell of {name}{st.suffix} ({list(st.grid)} elements)")
@@ -109,7 +115,7 @@ def source_specs(source_format: SourceQuantization, common: dict[str, Any], cut:
     for st in source_format.stored(common["name"]):
         fields = stored_cut(st, cut, full)
         assert fields is not None  # check_source_cuts refused such a tp
-        name = common["name"] + st.suffix
+        name = st.tensor(common["name"])
         out.append({"name": name, "dtype": st.dtypes[0], "source": common["name"] if st.value else name,
                     "split": common["split"], **{k: v for k, v in fields.items() if v is not None}})
     return out
