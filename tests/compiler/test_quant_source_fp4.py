@@ -315,3 +315,59 @@ def test_config_refusals():
         with pytest.raises(QuantizationError, match=words) as e:
             detect_source(cfg(**weights))
         assert e.value.key == "quantization_config.config_groups.group_0.weights" + (f".{key}" if key else "")
+
+
+@pytest.mark.heavy
+def test_gate_passes_the_kept_tp2_build_against_transformers(builds, tmp_path):
+    """The gate scores the NVFP4 checkpoint kept as stored at tp=2 against the tp=1 bf16 build
+    (compressed-tensors' decompression) scored by transformers itself: it passes with the delta of
+    tp=2's sums, as a 16-bit model does."""
+    from family_models import char_tokenizer
+
+    from shardc.runtime.gate import run_gate
+
+    tok = char_tokenizer(tmp_path / "tokenizer.json", 96)
+    report = run_gate(builds["nvfp4", "bf16", 1], builds["nvfp4", "source", 2], max_tokens=128, window=64,
+                      tokenizer=tok, timeout_s=120, reference="transformers")
+    assert report.passed and report.baseline.scored_by["name"] == "transformers", report
+    assert abs(report.ppl_delta_pct) < 1.0 and report.top1_agreement > 0.9, report
+
+
+@pytest.mark.heavy
+def test_moe_kept_over_expert_parallel_runs_the_dequantized_weights(sources, tmp_path):
+    """The NVFP4 MoE kept over 2 expert-parallel ranks computes what the bf16 build of the same
+    plan computes, bit for bit."""
+    from moe_plans import moe_plan
+
+    for dtype in ("source", "bf16"):
+        build(moe_plan(sources["moe"], 2, True, dtype=dtype), tmp_path / dtype)
+    x = torch.randint(0, 96, (1, 10), generator=torch.Generator().manual_seed(1))
+    a, b = (score(open_build(tmp_path / d), x, return_logits=True, timeout_s=120).logits for d in ("source", "bf16"))
+    assert torch.equal(a, b)
+
+
+def test_a_tp_cut_inside_a_block_is_refused_naming_the_degrees_that_work():
+    """MXFP4's 32-value blocks on an MLP 96 wide: tp=2 would give each rank 48 columns of
+    down_proj, a block and a half; refused before anything is written, naming the tensor and the
+    tp degrees that keep every block whole."""
+    from shardc.errors import LayoutError
+    from shardc.layout.model import model_from_config
+    from shardc.layout.quant_formats import detect_source
+    from shardc.layout.quant_formats.slicing import check_source_cuts
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 96,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96,
+           "torch_dtype": "bfloat16", "quantization_config": {
+               "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+               "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized", "weights": {
+                   "num_bits": 4, "type": "float", "strategy": "group", "group_size": 32, "symmetric": True,
+                   "dynamic": False, "scale_dtype": "torch.uint8"}}}}}
+    model = model_from_config(cfg)
+    fmt = detect_source(cfg)
+    assert check_source_cuts(model, plan(1, 1, "source", source="x"), fmt)
+    with pytest.raises(LayoutError) as e:
+        check_source_cuts(model, plan(2, 1, "source", source="x"), fmt)
+    assert e.value.key == "replica_group.tp_degree"
+    assert "model.layers.0.mlp.down_proj.weight [128, 96]" in e.value.message and "at tp=2" in e.value.message
+    assert "tp_degree values that keep every compressed-tensors mxfp4 (e2m1, e8m0 scale per 32) cell whole: 1 " \
+        in e.value.hint, e.value.hint

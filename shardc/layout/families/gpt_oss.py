@@ -21,7 +21,8 @@ int8 / fp8 plans are refused (layout/quantization.py): the stacked experts have 
 that transformers or vLLM loads, and quantizing only the attention is not what such a plan says.
 Sources published with MXFP4 experts (``quantization_config.quant_method: mxfp4``, tensors
 ``*_blocks`` / ``*_scales``) are read by layout/quant_formats/mxfp4.py: dequantized as transformers
-does, or kept as stored (``dtype: source``, whole experts per rank).
+does, or kept as stored (``dtype: source``: whole experts per rank under expert parallelism, else
+each expert cut by tp on whole 32-value blocks, layout/quant_formats/mxfp4.py).
 """
 
 from __future__ import annotations
