@@ -127,7 +127,7 @@ def _destination(t: Tensor, facts: ModelFacts, params: dict[str, Param], roles: 
             offset = 0
             for member in members[:members.index(last)]:
                 before = shard.get(f"{parent + '.' if parent else ''}{member}.{leaf}")
-                offset += before.shape[0] if before is not None and before.shape else 0
+                offset += 0 if before is None else before.shape[0] if before.shape else 1  # a scalar: one slot
             return target, Piece(t.name, None, offset, t.shape[0] if t.shape else 1)
     return name, Piece(t.name, None, 0, (t.rows[1] - t.rows[0]) if t.rows else (t.shape[0] if t.shape else 1))
 
@@ -175,7 +175,8 @@ def _check(p: Param, pieces: list[Piece], tensors: dict[str, Tensor], fp32_kept:
         if t.dtype != p.dtype and (t.dtype, p.dtype) not in EXACT_CASTS and not (
                 t.name in fp32_kept and (t.dtype, p.dtype) in ROUNDED):
             raise refuse(f"the shard's {pc.tensor} is {t.dtype}, the parameter {p.dtype}")
-        if tuple(t.shape[1:]) != tuple(inner) or (len(t.shape) == 0) != (len(p.shape) == 0):
+        slot = len(t.shape) == 0 and len(p.shape) == 1  # a per-tensor scalar into its part's slot (ModelOpt)
+        if not slot and (tuple(t.shape[1:]) != tuple(inner) or (len(t.shape) == 0) != (len(p.shape) == 0)):
             raise refuse(f"shape {list(p.shape)} cannot hold the shard's {pc.tensor} {list(t.shape)}")
         groups.setdefault(pc.expert, []).append(pc)
     if p.vocab is not None:

@@ -226,3 +226,33 @@ def test_every_architecture_has_a_tiny_model_for_vllm():
     from shardc.layout.families import BY_ARCHITECTURE
 
     assert {arch for _, arch, _ in VLLM_FAMILIES.values()} == set(BY_ARCHITECTURE)
+
+
+@pytest.mark.parametrize(("names", "scalar"), [
+    (("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale"), (1,)),  # compressed-tensors
+    (("weight", "weight_scale", "weight_scale_2", "input_scale"), ()),  # ModelOpt: 0-d scalars
+])
+def test_nvfp4_per_tensor_scales_fill_the_fused_layers_slots_in_member_order(names, scalar):
+    """NVFP4 at tp=2: q, k and v each keep their own global (and input) scale on every rank; vLLM's
+    fused qkv_proj holds one slot per member (``PerTensorScaleParameter`` of
+    ``len(output_partition_sizes)``) and its ``process_weights_after_loading`` takes the largest.
+    The fill puts each member's scale in its slot (q 0, k 1, v 2), so that rule sees exactly the
+    source's scales; packed values and block scales go end to end as the 16-bit weights."""
+    values, block, per_tensor, inputs = names
+    shard = []
+    for proj, rows in (("q_proj", 64), ("k_proj", 32), ("v_proj", 32)):
+        shard += [_t(f"{P}self_attn.{proj}.{values}", rows, 64, dtype="uint8"),
+                  _t(f"{P}self_attn.{proj}.{block}", rows, 8, dtype="float8_e4m3fn"),
+                  _t(f"{P}self_attn.{proj}.{per_tensor}", *scalar, dtype="float32"),
+                  _t(f"{P}self_attn.{proj}.{inputs}", *scalar, dtype="float32")]
+    params = [Param(P + f"self_attn.qkv_proj.{values}", (128, 64), "uint8"),
+              Param(P + f"self_attn.qkv_proj.{block}", (128, 8), "float8_e4m3fn"),
+              Param(P + f"self_attn.qkv_proj.{per_tensor}", (3,), "float32"),
+              Param(P + f"self_attn.qkv_proj.{inputs}", (3,), "float32")]
+    plan = _fill(shard, params)
+    for p in params[2:]:
+        assert sorted((pc.offset, pc.rows, pc.tensor.rsplit(".", 2)[1]) for pc in plan[p.name]) == [
+            (0, 1, "q_proj"), (1, 1, "k_proj"), (2, 1, "v_proj")]
+    assert sorted((pc.offset, pc.rows) for pc in plan[params[0].name]) == [(0, 64), (64, 32), (96, 32)]
+    with pytest.raises(ServeError, match="cannot hold"):  # a slot per member, never one scale for all
+        _fill(shard, [*params[:2], Param(P + f"self_attn.qkv_proj.{per_tensor}", (3, 2), "float32"), params[3]])
