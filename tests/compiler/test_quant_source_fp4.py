@@ -48,16 +48,24 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+class Builds(dict):
+    """One build per (scheme, dtype, tp), made when a test first asks for it, shared after."""
+
+    def __init__(self, root: Path, sources: dict[str, Path]) -> None:
+        super().__init__()
+        self.root, self.sources = root, sources
+
+    def __missing__(self, key: tuple[str, str, int]) -> Path:
+        scheme, dtype, tp = key
+        out = self.root / f"{scheme}-{dtype}-{tp}"
+        build(plan(tp, 1, dtype, name="fp4", source=self.sources[scheme]), out)
+        self[key] = out
+        return out
+
+
 @pytest.fixture(scope="module")
-def builds(sources, tmp_path_factory) -> dict[tuple[str, str, int], Path]:
-    """One build per (scheme, dtype, tp) the tests share."""
-    root = tmp_path_factory.mktemp("fp4-builds")
-    out = {}
-    for s in ("nvfp4", "mxfp4", "mxfp8"):
-        for dtype, tp in (("bf16", 1), ("bf16", 2), ("source", 1), ("source", 2)):
-            out[s, dtype, tp] = root / f"{s}-{dtype}-{tp}"
-            build(plan(tp, 1, dtype, name="fp4", source=sources[s]), out[s, dtype, tp])
-    return out
+def builds(sources, tmp_path_factory) -> Builds:
+    return Builds(tmp_path_factory.mktemp("fp4-builds"), sources)
 
 
 def _block(src: Path) -> dict:
@@ -91,6 +99,7 @@ def test_dequantized_builds_are_compressed_tensors_decompression(sources, tmp_pa
         assert n == 14  # 2 layers x 7 projections
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("scheme", ("nvfp4", "mxfp4", "mxfp8"))
 def test_runs_as_transformers_loads_the_checkpoint(sources, builds, scheme):
     """transformers loads the compressed-tensors checkpoint (decompressed): the bf16 build's logits
@@ -155,9 +164,11 @@ def test_kept_tp2_cuts_whole_blocks_and_carries_global_scales(sources, builds, s
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.heavy
 def test_kept_builds_export_and_reshard_byte_for_byte(sources, builds, tmp_path):
-    """Export of a tp=2 kept build is the source's every tensor, byte for byte; a reshard of it to
-    tp=1 is the direct tp=1 build, shard and manifest tensors alike."""
+    """Export of a tp=2 kept build is the source's every tensor, byte for byte, and transformers
+    loads it (NVFP4) computing the bf16 build's logits; a reshard of it to tp=1 is the direct tp=1
+    build."""
     for scheme in ("nvfp4", "mxfp4", "mxfp8"):
         src = sources[scheme]
         ex = tmp_path / f"ex-{scheme}"
@@ -167,6 +178,13 @@ def test_kept_builds_export_and_reshard_byte_for_byte(sources, builds, tmp_path)
         assert sorted(back) == sorted(raw)
         assert all(back[k].dtype == raw[k].dtype and back[k].shape == raw[k].shape
                    and torch.equal(back[k].view(torch.uint8), raw[k].view(torch.uint8)) for k in raw)
+        if scheme == "nvfp4":  # and transformers loads the export as it loads the source
+            import transformers
+
+            ref = transformers.AutoModelForCausalLM.from_pretrained(
+                ex, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+            got = score(open_build(builds[scheme, "bf16", 1]), X, return_logits=True, timeout_s=120).logits
+            assert torch.equal(ref(X).logits.float(), got)
     rs = tmp_path / "reshard"
     r = shardc("reshard", "--manifest", builds["nvfp4", "source", 2] / "manifest.json",
                "--plan", write_plan(tmp_path / "tp1.yaml", 1, 1, "source", name="fp4", source=sources["nvfp4"]),
@@ -207,6 +225,7 @@ def test_requantize_records_both_steps(sources, tmp_path):
     assert len(stats) == 14 and all(0 < s["rel_rms_err"] < 0.02 for s in stats)
 
 
+@pytest.mark.heavy
 def test_moe_experts_kept_over_expert_parallel_and_dequantized_at_tp2(sources, tmp_path):
     """Qwen3-MoE in NVFP4 per expert (the router ignored): kept over 2 expert-parallel ranks and
     exported, it is the source byte for byte; dequantized at tp=2 every expert is

@@ -43,12 +43,17 @@ def src(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def builds(src, tmp_path_factory) -> dict[tuple[str, int], Path]:
+    """(dtype, tp) -> a build of the NVFP4 source, made when first asked for."""
     root = tmp_path_factory.mktemp("modelopt-builds")
-    out = {}
-    for dtype, tp in (("bf16", 1), ("bf16", 2), ("source", 1), ("source", 2)):
-        out[dtype, tp] = root / f"{dtype}-{tp}"
-        build(plan(tp, 1, dtype, name="mo", source=src["nvfp4"]), out[dtype, tp])
-    return out
+
+    class Builds(dict):
+        def __missing__(self, key: tuple[str, int]) -> Path:
+            dtype, tp = key
+            self[key] = root / f"{dtype}-{tp}"
+            build(plan(tp, 1, dtype, name="mo", source=src["nvfp4"]), self[key])
+            return self[key]
+
+    return Builds()
 
 
 def test_dequantized_build_is_modelopts_formula(src, builds):
@@ -68,6 +73,7 @@ def test_dequantized_build_is_modelopts_formula(src, builds):
     assert "model.layers.0.self_attn.q_proj.weight_scale" not in raw
 
 
+@pytest.mark.heavy
 def test_kept_tp2_cuts_blocks_and_runs(src, builds, tmp_path):
     """Kept at tp=2: column-parallel weights and their block scales are the rank's rows,
     row-parallel ones its columns on whole blocks; ``weight_scale_2`` and ``input_scale`` are the
@@ -119,6 +125,7 @@ def test_kept_tp2_cuts_blocks_and_runs(src, builds, tmp_path):
     assert torch.equal(logits(("source", 2)), logits(("bf16", 2)))
 
 
+@pytest.mark.heavy
 def test_moe_kept_over_expert_parallel(src, tmp_path):
     """Qwen3-MoE with every expert in NVFP4 (the router excluded by a wildcard): kept over
     2 expert-parallel ranks and exported, it is the source byte for byte."""
@@ -207,6 +214,7 @@ def test_exclusion_follows_vllms_rule():
     assert not fmt.excluded("model.layers.2.self_attn.q_proj")
 
 
+@pytest.mark.heavy
 def test_legacy_hf_quant_config_is_read(src, builds, tmp_path):
     """ModelOpt's older exports keep the quantization in ``hf_quant_config.json`` (``producer``,
     ``quantization: {quant_algo, kv_cache_quant_algo, group_size, exclude_modules}``) and none in

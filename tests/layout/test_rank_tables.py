@@ -318,9 +318,9 @@ def test_tensorspec_record_drops_empty_fields():
 @pytest.mark.parametrize("block,key,message", [
     ({"quant_method": "fp8"}, "quantization_config.weight_block_size",
      "is missing: per-tensor fp8 is not read, only block-scaled"),
-    ({}, "quantization_config.quant_method", "quant_method None is not a source format shardc reads (it reads fp8, compressed-tensors, mxfp4)"),
+    ({}, "quantization_config.quant_method", "quant_method None is not a source format shardc reads (it reads fp8, compressed-tensors, mxfp4, modelopt)"),
     ({"quant_method": "gptq"}, "quantization_config.quant_method",
-     "quant_method 'gptq' is not a source format shardc reads (it reads fp8, compressed-tensors, mxfp4)"),
+     "quant_method 'gptq' is not a source format shardc reads (it reads fp8, compressed-tensors, mxfp4, modelopt)"),
     ("x", "quantization_config", "must be a mapping"),
 ])
 def test_source_quantization_config_not_read_is_refused(block, key, message):

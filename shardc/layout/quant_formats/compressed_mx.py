@@ -114,30 +114,35 @@ class CompressedMicroscaled(CompressedTensors):
         check_block_scales(scale_st.tensor(name), scale)
         rows_n, cols = shape
         out = np.empty(shape, np.float32)
-        step = max(1, (1 << 22) // max(1, cols))
-        for r0 in range(0, rows_n, step):
-            rows = slice(r0, min(r0 + step, rows_n))
-            v = unpack_e2m1(values[rows]) if values_st.suffix else values[rows].astype(np.float32)
+        for rows in row_chunks(rows_n, cols):  # the values straight into the output, scaled in place
+            dst = out[rows]
+            if values_st.suffix:
+                unpack_e2m1(values[rows], dst)
+            else:
+                dst[...] = values[rows]
             if divisor is not None:  # fp8 scale (exact in bf16, so in f32) / global scale, in float32
                 s = scale[rows].astype(np.float32) / divisor
             else:
                 s = e8m0(scale[rows])
-            dst = out[rows]
-            np.multiply(v.reshape(v.shape[0], -1, self.group), s[:, :, None],
-                        out=dst.reshape(dst.shape[0], -1, self.group))
+            dst.reshape(dst.shape[0], -1, self.group)[...] *= s[:, :, None]
             dst[...] = dst.astype(ml_dtypes.bfloat16)  # the reference's bfloat16 result
         return out
 
 
-def unpack_e2m1(packed: np.ndarray) -> np.ndarray:
-    """[rows, n/2] U8 -> [rows, n] float32 E2M1 values, the low nibble first."""
+def row_chunks(rows: int, cols: int) -> list[slice]:
+    """Rows a chunk of about 1 Mi elements (4 MiB of float32), whatever the weight's size: the
+    temporaries of a dequantization stay that small, so memory does not grow with the model."""
+    step = max(1, (1 << 20) // max(1, cols))
+    return [slice(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
+
+
+def unpack_e2m1(packed: np.ndarray, out: np.ndarray) -> None:
+    """[rows, n/2] U8 -> ``out`` [rows, n] float32 E2M1 values, the low nibble first."""
     import numpy as np
 
     lut = np.asarray(E2M1, np.float32)
-    out = np.empty((packed.shape[0], packed.shape[1] * 2), np.float32)
-    out[:, 0::2] = lut[packed & 0x0F]
-    out[:, 1::2] = lut[packed >> 4]
-    return out
+    np.take(lut, packed & 0x0F, out=out[:, 0::2])
+    np.take(lut, packed >> 4, out=out[:, 1::2])
 
 
 def e8m0(scale: np.ndarray) -> np.ndarray:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import QuantizationError
 from ..quantization import quantizable
-from .compressed_mx import check_block_scales, check_global, unpack_e2m1
+from .compressed_mx import check_block_scales, check_global, row_chunks, unpack_e2m1
 from .format import Nibbles, SourceQuantization, Stored
 
 if TYPE_CHECKING:
@@ -162,11 +162,8 @@ class ModelOptNVFP4(SourceQuantization):
         check_block_scales(scale_st.tensor(name), scale)
         rows_n, cols = shape
         out = np.empty(shape, np.float32)
-        step = max(1, (1 << 22) // max(1, cols))
-        for r0 in range(0, rows_n, step):
-            rows = slice(r0, min(r0 + step, rows_n))
-            per_block = scale[rows].astype(np.float32) * s2[0]
-            v, dst = unpack_e2m1(values[rows]), out[rows]
-            np.multiply(v.reshape(v.shape[0], -1, BLOCK), per_block[:, :, None],
-                        out=dst.reshape(dst.shape[0], -1, BLOCK))
+        for rows in row_chunks(rows_n, cols):  # the values straight into the output, scaled in place
+            dst = out[rows]
+            unpack_e2m1(values[rows], dst)
+            dst.reshape(dst.shape[0], -1, BLOCK)[...] *= (scale[rows].astype(np.float32) * s2[0])[:, :, None]
         return out
