@@ -93,10 +93,7 @@ class CompressedMicroscaled(CompressedTensors):
                               "a checkpoint quantized with whole blocks on every row")
 
     def check_values(self, tensor: str, st: Stored, values: np.ndarray) -> None:
-        if st.flat:
-            check_global(tensor, values.reshape(-1).astype("float32"))
-        elif st.suffix == "_scale":
-            check_block_scales(tensor, values)
+        check_scales(tensor, st, values)
 
     def dequantize(self, name: str, shape: tuple[int, ...], read: Callable[[str], np.ndarray]) -> np.ndarray:
         """float32, rounded to bfloat16 as the compressor's decompress leaves it (see the module
@@ -151,6 +148,14 @@ def e8m0(scale: np.ndarray) -> np.ndarray:
 
     out: np.ndarray = np.ldexp(np.float32(1), scale.astype(np.int32) - 127).astype(np.float32)
     return out
+
+
+def check_scales(tensor: str, st: Stored, values: np.ndarray) -> None:
+    """A stored scale as a build reads it: a per-tensor one finite and positive, block scales not NaN."""
+    if st.flat:
+        check_global(tensor, values.reshape(-1).astype("float32"))
+    elif st.suffix == "_scale":
+        check_block_scales(tensor, values)
 
 
 def check_block_scales(tensor: str, scale: np.ndarray) -> None:

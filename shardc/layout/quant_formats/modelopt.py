@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from ...errors import QuantizationError
 from ..quantization import quantizable
-from .compressed_mx import check_block_scales, check_global, row_chunks, unpack_e2m1
+from .compressed_mx import check_block_scales, check_global, check_scales, row_chunks, unpack_e2m1
 from .format import Nibbles, SourceQuantization, Stored
 
 if TYPE_CHECKING:
@@ -146,10 +146,7 @@ class ModelOptNVFP4(SourceQuantization):
                               f"weight {name} {list(shape)}", "a checkpoint quantized with whole blocks on every row")
 
     def check_values(self, tensor: str, st: Stored, values: np.ndarray) -> None:
-        if st.flat:
-            check_global(tensor, values.reshape(-1).astype("float32"))
-        elif st.suffix == "_scale":
-            check_block_scales(tensor, values)
+        check_scales(tensor, st, values)
 
     def dequantize(self, name: str, shape: tuple[int, ...], read: Callable[[str], np.ndarray]) -> np.ndarray:
         """float32: e2m1 * (float32(weight_scale) * weight_scale_2), ModelOpt's products."""
