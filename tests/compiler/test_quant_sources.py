@@ -221,7 +221,8 @@ K = "model.layers.0.self_attn.k_proj.weight"
     ("scale-shape", f"tensor '{K}_scale_inv' has shape [2, 2], but weight {K} [64, 128] with fp8 block "
                     "32x32 implies [2, 4]"),
     ("scale-dtype", f"tensor '{K}_scale_inv' has dtype I32"),
-    ("tp-cut", f"tensor {K} [64, 128] would be cut at (0, 32) along dim 0, inside a fp8 block 64x64 cell"),
+    ("tp-cut", f"tensor {K} [64, 128]: a rank would hold rows [0, 32), 0.5 of the 64-row blocks that each element "
+               "of weight_scale_inv covers (fp8 block 64x64) at tp=2"),
 ])
 def test_bad_quantized_source(sources, tmp_path, case, needle):
     """One line naming the key or tensor, exit 2, nothing written."""
@@ -582,7 +583,8 @@ def test_deepseek_v3_real_shapes_split_on_whole_blocks():
     assert (kva.shape, kva.dim) == ((5, 56), None)
     with pytest.raises(LayoutError) as e:
         build_layout(model, dataclasses.replace(plan, tp=32))
-    assert "mlp.down_proj.weight [7168, 18432] would be cut at (0, 576) along dim 1" in e.value.message
+    assert "mlp.down_proj.weight [7168, 18432]: a rank would hold columns [0, 576), 4.5 of the 128-column blocks " \
+        "that each element of weight_scale_inv covers (fp8 block 128x128) at tp=32" in e.value.message
     assert e.value.hint.startswith("tp_degree values that keep every fp8 block 128x128 cell whole: 1, 2, 4, 8, 16 ")
 
 

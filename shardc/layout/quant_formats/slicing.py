@@ -58,10 +58,21 @@ def cut_problem(source_format: SourceQuantization, rows: list[tuple[str, tuple[i
                 words = source_format.cut_words(name, full, cut)
                 if words is not None:
                     return words
-                where = cut.pieces or (cut.start, cut.stop)
-                return (f"tensor {name} {list(full)} would be cut at {where} along dim {cut.dim}, "
-                        f"inside a {source_format.label} cell of {name}{st.suffix} ({list(st.grid)} elements)")
+                return _in_words(name, full, cut, st, source_format.label)
     return None
+
+
+def _in_words(name: str, full: tuple[int, ...], cut: Cut, st: Stored, label: str) -> str:
+    """A cut inside a block, said as a person would: which rows or columns a rank would hold and
+    how many of the blocks one stored element covers that is (not the internal grid)."""
+    assert cut.dim is not None  # a whole tensor is never inside a cell
+    g, n = st.grid[cut.dim], full[cut.dim]
+    axis = "rows" if cut.dim == 0 else "columns"
+    spans = cut.pieces or ((cut.start or 0, cut.stop or 0),)
+    a, b = next(((a, b) for a, b in spans if a % g or (b % g and b != n)), spans[0])
+    part = " of one fused part" if cut.pieces else ""
+    return (f"tensor {name} {list(full)}: a rank would hold {axis} [{a}, {b}){part}, {(b - a) / g:g} of the "
+            f"{g}-{axis[:-1]} blocks that each element of {st.tensor(name).rpartition('.')[2]} covers ({label})")
 
 
 # A source-quantized weight as the TP check needs it: name, shape, split kind, a fused tensor's
