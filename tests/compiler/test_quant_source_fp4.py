@@ -390,3 +390,15 @@ def test_a_tp_cut_inside_a_block_is_refused_naming_the_degrees_that_work():
     assert "model.layers.0.mlp.down_proj.weight [128, 96]" in e.value.message and "at tp=2" in e.value.message
     assert "tp_degree values that keep every compressed-tensors mxfp4 (e2m1, e8m0 scale per 32) cell whole: 1 " \
         in e.value.hint, e.value.hint
+
+
+def test_an_expert_missing_a_stored_tensor_is_refused_not_dropped(sources, tmp_path):
+    """One expert's block scales missing from an NVFP4 MoE checkpoint (what SGLang #34448 met as
+    experts silently dropped): one line naming the tensor, exit 2, for every plan dtype."""
+    gone = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
+
+    def drop(t):
+        del t[gone]
+    bad = _damaged(sources["moe"], tmp_path / "m", drop)
+    for dtype in ("source", "bf16"):
+        _refused(tmp_path / "m" / dtype, bad, dtype, gone, "missing")

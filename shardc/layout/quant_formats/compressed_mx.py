@@ -14,7 +14,9 @@ The references are the compressors' ``decompress``: NVFP4 unpacks to bfloat16
 (``unpack_fp4_from_uint8``), the fp8 scale to bfloat16, then ``_dequantize`` computes
 ``scale / global_scale`` and ``value * that`` in float32 and casts to bfloat16; MX formats compute
 ``value * 2^(e - 127)`` in bfloat16 (``decompress_mx_scale``). ``dequantize`` below gives float32
-values already rounded to bfloat16, so any later cast gives what transformers holds.
+values already rounded to bfloat16, so any later cast gives what transformers holds. A dequantized
+build leaves the activations' scheme with the weights' (W4A4's input scales are not copied): its
+activations run in 16 bits, as for every quantized source shardc dequantizes.
 
 Kept as stored (``dtype: source``), a TP cut must fall on whole blocks (16 or 32 values along the
 input dimension; rows are free); the global scales are per tensor, so every rank holding part of a
