@@ -246,12 +246,15 @@ def modelopt_dequantize(packed: torch.Tensor, scale: torch.Tensor, s2: torch.Ten
     return (lut[q].reshape(q.shape[0], -1, 16) * per_block.unsqueeze(-1)).reshape(q.shape)
 
 
-def modelopt_source(ckpt: Path, out: Path, ignore: tuple[str, ...] = ("lm_head",), inputs: bool = True) -> Path:
+def modelopt_source(ckpt: Path, out: Path, ignore: tuple[str, ...] = ("lm_head",), inputs: bool = True,
+                    kv_fp8: bool = False) -> Path:
     """``ckpt`` published as ModelOpt NVFP4 in ``out``: each linear projection not excluded (vLLM's
     rule: equal, contained or an fnmatch wildcard) as ``X.weight`` U8, ``X.weight_scale`` F8_E4M3,
     ``X.weight_scale_2`` F32 [] and (W4A4) ``X.input_scale`` F32 []; config.json's
-    quantization_config in the form NVIDIA's checkpoints carry (GLM-5.1-NVFP4's, kv_cache_scheme
-    left out)."""
+    quantization_config in the form NVIDIA's checkpoints carry (GLM-5.1-NVFP4's). ``kv_fp8``: its FP8
+    KV cache too, ``kv_cache_scheme`` and every layer's ``self_attn.k_proj.k_scale`` /
+    ``v_proj.v_scale`` scalars (ModelOpt's names, vLLM's ``maybe_remap_kv_scale_name``), excluded
+    attention or not."""
     from fnmatch import fnmatch
 
     from safetensors import safe_open
@@ -271,11 +274,16 @@ def modelopt_source(ckpt: Path, out: Path, ignore: tuple[str, ...] = ("lm_head",
                         tensors[base + "input_scale"] = torch.tensor(4.0 / (6.0 * 448.0))
                 else:
                     tensors[k] = t
+                if kv_fp8 and k.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+                    kv = k.removesuffix("_proj.weight")[-1]  # k or v
+                    tensors[k.removesuffix("weight") + f"{kv}_scale"] = torch.tensor(0.0125)
     out.mkdir(parents=True)
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     args = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
     group = {"weights": args, "targets": ["Linear"]} | ({"input_activations": args} if inputs else {})
     cfg["quantization_config"] = {"config_groups": {"group_0": group}, "ignore": list(ignore), "quant_algo": "NVFP4",
                                   "producer": {"name": "modelopt", "version": "0.43.0"}, "quant_method": "modelopt"}
+    if kv_fp8:
+        cfg["quantization_config"]["kv_cache_scheme"] = {"dynamic": False, "num_bits": 8, "type": "float"}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out

@@ -5,6 +5,7 @@ block size is one line naming both, never a misread)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -158,6 +159,8 @@ def check_stored(src: Source, model: ModelSpec, expected: dict[str, tuple[int, .
             raise SourceError(f"tensor {name!r} is stored quantized ({stored[0]}), but shardc reads {source_format.label} "
                               "quantization only for the decoder's linear projections",
                               hint="use a checkpoint that keeps it in 16 bits (list it in the config's ignore)")
+    out |= {name: info.shape for name, info in src.tensors.items()  # KV-cache scales: not weights
+            if source_format.unbuilt(name) and info.dtype == "F32" and math.prod(info.shape) == 1}
     for name, info in src.tensors.items():  # a 16-bit weight the config says nothing about
         if name in expected and name not in src.quantized_shapes and info.dtype not in ("F16", "BF16", "F32"):
             raise SourceError(f"tensor {name!r} is stored as {info.dtype}, but shardc reads {source_format.label} "
@@ -175,6 +178,12 @@ def check_kept(src: Source, layout: Layout) -> None:
     config.json; a source holding one in a dtype that would not convert exactly is refused."""
     if layout.plan.dtype != "source" or src.source_format is None:
         return
+    scales = sorted(n for n in src.tensors if src.source_format.unbuilt(n))
+    if scales:
+        raise SourceError(f"tensor {scales[0]!r} is one of {len(scales)} FP8 KV-cache scales, which a dtype: "
+                          "source build does not carry (its config.json would ask vLLM for an FP8 KV cache "
+                          "without them)", key="replica_group.dtype",
+                          hint="build dtype: bf16 (or int8 / fp8): its KV cache is 16-bit")
     for rank_layout in layout.ranks:
         for t in rank_layout.tensors:
             info = src.tensors.get(t.source)

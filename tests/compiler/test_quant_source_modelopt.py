@@ -164,7 +164,8 @@ def _edited(src_dir: Path, tmp_path: Path, tensors=None, config=None) -> Path:
 
 @pytest.mark.parametrize(("case", "words"), [
     ("algo", ("quantization_config.quant_algo: is 'FP8'; shardc reads ModelOpt's NVFP4",)),
-    ("kv", ("quantization_config.kv_cache_scheme: is set: KV-cache quantization's k/v scales are not carried",)),
+    ("kv", ("quantization_config.kv_cache_scheme: is {'dynamic': False, 'num_bits': 4, 'type': 'float'}; "
+            "shardc reads an FP8 KV cache (or none)",)),
     ("group", ("quantization_config.config_groups.group_0.weights.group_size: is 32; ModelOpt NVFP4 has 16",)),
     ("no-scale-2", (f"{Q}.weight_scale_2", "missing")),
     ("scale-shape", (f"{Q}.weight_scale", "has shape [128, 4]", "implies [128, 8]")),
@@ -177,7 +178,7 @@ def test_refusals(src, tmp_path, case, words):
     scale (kept as stored and dequantized alike)."""
     edits = {
         "algo": dict(config=lambda q: q.update(quant_algo="FP8")),
-        "kv": dict(config=lambda q: q.update(kv_cache_scheme={"dynamic": False, "num_bits": 8, "type": "float"})),
+        "kv": dict(config=lambda q: q.update(kv_cache_scheme={"dynamic": False, "num_bits": 4, "type": "float"})),
         "group": dict(config=lambda q: q["config_groups"]["group_0"]["weights"].update(group_size=32)),
         "no-scale-2": dict(tensors=lambda t: t.pop(Q + ".weight_scale_2")),
         "scale-shape": dict(tensors=lambda t: t.update({Q + ".weight_scale": t[Q + ".weight_scale"][:, :4].contiguous()})),
@@ -244,13 +245,48 @@ def test_legacy_hf_quant_config_is_read(src, builds, tmp_path):
     assert block == {"quant_method": "modelopt", "quant_algo": "NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
                      "ignore": list(IGNORE), "producer": {"name": "modelopt", "version": "0.22.1"}}
     (legacy / "hf_quant_config.json").write_text(json.dumps({"producer": {}, "quantization": {
-        "quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16}}))
+        "quant_algo": "NVFP4", "kv_cache_quant_algo": "NVFP4", "group_size": 16}}))
     r = shardc("build", write_plan(tmp_path / "kv.yaml", 1, 1, "bf16", name="mo", source=legacy),
                "--out", tmp_path / "kv", "--quiet")
-    assert r.returncode == 2 and "quantization_config.kv_cache_quant_algo: is set" in r.stderr, r.stderr
+    assert r.returncode == 2 and "quantization_config.kv_cache_quant_algo: is 'NVFP4'; shardc reads an FP8 KV cache" \
+        in r.stderr, r.stderr
 
 
 def load_source_file(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(path)
+
+
+@pytest.mark.heavy
+def test_fp8_kv_cache_checkpoints_build_to_16_bits_and_plan_without_source(src, builds, tmp_path):
+    """NVIDIA's -NVFP4 releases all ask for an FP8 KV cache (``kv_cache_scheme``) and hold its
+    calibrated ``k_proj.k_scale`` / ``v_proj.v_scale`` scalars, the excluded layer's too. They are
+    not weights: a bf16 build leaves them out (its config.json has no quantization_config, so its
+    KV cache is 16-bit) and holds the tensors of the build of the checkpoint without them; a
+    ``dtype: source`` build, which would ask vLLM for an FP8 KV cache without its scales, is
+    refused with one line; and the planner marks every ``source`` candidate out, saying why."""
+    from shardc.layout.model import load_model
+    from shardc.planner.formulas import Workload
+    from shardc.planner.gpus import Cluster, get_gpu
+    from shardc.planner.search import search
+
+    kv = modelopt_source(src["bf16"], tmp_path / "kv", IGNORE, kv_fp8=True)
+    raw = load_source(kv)
+    assert "model.layers.0.self_attn.k_proj.k_scale" in raw and "model.layers.1.self_attn.v_proj.v_scale" in raw
+    build(plan(2, 1, "bf16", name="mo", source=kv), tmp_path / "bf16")
+    for r in range(2):  # the same tensors (the header's plan hash names another source)
+        f = f"model-tp{r:02d}-pp00.safetensors"
+        a, b = load_source_file(tmp_path / "bf16" / f), load_source_file(builds["bf16", 2] / f)
+        assert sorted(a) == sorted(b) and all(torch.equal(_bytes(a[k]), _bytes(b[k])) for k in a)
+    r = shardc("build", write_plan(tmp_path / "s.yaml", 2, 1, "source", name="mo", source=kv),
+               "--out", tmp_path / "source", "--quiet")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "replica_group.dtype: tensor 'model.layers.0.self_attn.k_proj.k_scale' is one of 4 FP8 KV-cache scales, " \
+           "which a dtype: source build does not carry" in lines[0], lines[0]
+    assert not (tmp_path / "source" / "manifest.json").exists()
+    s = search(load_model(kv / "config.json"), Cluster(get_gpu("h100-sxm")), Workload(), model_name="kv")
+    sources = [c for c in s.candidates if c.dtype == "source"]
+    assert sources and all("KV-cache scales are not carried" in c.reasons[0] for c in sources)
+    assert s.recommended is not None and s.recommended.dtype == "bf16"

@@ -134,6 +134,15 @@ class SourceQuantization(ABC):
         the generic line (the cut and the grid cell it falls inside)."""
         return None
 
+    def kv_cache_dtype(self) -> str | None:
+        """The KV-cache dtype the checkpoint asks its server for ("fp8"), None: the model's."""
+        return None
+
+    def unbuilt(self, name: str) -> bool:
+        """A checkpoint tensor of the format that is not a weight and that no build carries (FP8
+        KV-cache scales): accepted in the source, left out of 16-bit builds (``check_kept``)."""
+        return False
+
     def check_values(self, tensor: str, st: Stored, values: np.ndarray) -> None:
         """Refuse a stored tensor whose values the format forbids (a NaN block scale), read as a
         build copies or dequantizes it; a format whose every value is valid checks nothing."""

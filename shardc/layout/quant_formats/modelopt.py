@@ -21,8 +21,16 @@ The config: the form NVIDIA's config.json files carry (``quant_algo``, ``config_
 ``ignore``, ``kv_cache_scheme``, ``producer``) and the legacy keys of ``hf_quant_config.json``
 (``group_size``, ``exclude_modules``, ``kv_cache_quant_algo``). A module is excluded as vLLM's
 ``ModelOptQuantConfigBase.is_layer_excluded`` decides: the entry equal to the module's name,
-contained in it, or matching it as an fnmatch wildcard. Any other algorithm, a group size other
-than 16, and KV-cache quantization (its k/v scales are not carried) are refused by key.
+contained in it, or matching it as an fnmatch wildcard. Any other algorithm and a group size other
+than 16 are refused by key.
+
+FP8 KV-cache quantization (``kv_cache_scheme`` {type float, num_bits 8, dynamic false}, or
+``kv_cache_quant_algo: FP8``, as every NVIDIA -NVFP4 release sets it) is read: vLLM then runs an
+FP8 KV cache with ``--kv-cache-dtype auto`` (``get_kv_cache_quant_algo_string``), which the planner
+sizes. Its calibrated scales (``*.self_attn.*.k_scale`` / ``v_scale``, ModelOpt's names in vLLM's
+``maybe_remap_kv_scale_name``) are not weights: a 16-bit or requantized build, whose config.json has
+no quantization_config, leaves them out (its KV cache is 16-bit); a ``dtype: source`` build of a
+checkpoint that holds them is refused with one line, since it would serve FP8 KV without them.
 
 Kept as stored, cuts fall on whole 16-value blocks, and the per-tensor scales go to every rank; a
 fused module's parts keep their own ``weight_scale_2`` (vLLM uses the largest of a fused layer's
@@ -32,6 +40,7 @@ scales that are not finite and positive are refused naming the tensor.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from fnmatch import fnmatch
 from typing import TYPE_CHECKING, Any
@@ -49,7 +58,21 @@ if TYPE_CHECKING:
 BLOCK = 16
 _READ = {"quant_method", "quant_algo", "group_size", "ignore", "exclude_modules", "config_groups"}
 _INERT = {"producer"}
-_UNSET = {"kv_cache_scheme", "kv_cache_quant_algo"}  # null only
+_KV = {"kv_cache_scheme", "kv_cache_quant_algo"}  # FP8 or null
+_KV_SCALE = re.compile(r"model\.layers\.\d+\.self_attn\.(?:\w+\.)*[kv]_scale")  # ModelOpt's KV-cache scales
+
+
+def _kv_fp8(key: str, value: Any) -> bool:
+    """Whether a KV-cache key says FP8 (vLLM's reading); null is no KV quantization; else refused."""
+    if value in (None, {}):
+        return False
+    fp8 = value.upper() == "FP8" if isinstance(value, str) else isinstance(value, dict) and (
+        value.get("type") == "float" and value.get("num_bits") == 8 and value.get("dynamic") is False
+        and set(value) <= {"type", "num_bits", "dynamic", "symmetric", "strategy"})
+    if not fp8:
+        raise _refuse(key, f"is {value!r}; shardc reads an FP8 KV cache (or none)",
+                      "start from a checkpoint whose KV cache is FP8 or 16-bit")
+    return True
 
 
 def _refuse(key: str, message: str, hint: str) -> QuantizationError:
@@ -90,9 +113,9 @@ class ModelOptNVFP4(SourceQuantization):
     methods = ("modelopt",)
     applies = "the decoder's linear projections not in its ignore list"
 
-    def __init__(self, block: dict[str, Any], exclude: tuple[str, ...], inputs: bool) -> None:
+    def __init__(self, block: dict[str, Any], exclude: tuple[str, ...], inputs: bool, kv_fp8: bool = False) -> None:
         super().__init__(block)
-        self.exclude, self.inputs = exclude, inputs
+        self.exclude, self.inputs, self.kv_fp8 = exclude, inputs, kv_fp8
         stored: tuple[Stored, ...] = (Nibbles("", ("U8",), (1, 2)), Stored("_scale", ("F8_E4M3",), (1, BLOCK)),
                                       Stored("_scale_2", ("F32",), (0, 0), flat=True, scalar=True))
         if inputs:
@@ -102,13 +125,10 @@ class ModelOptNVFP4(SourceQuantization):
     @classmethod
     def from_config(cls, block: dict[str, Any], config: dict[str, Any]) -> ModelOptNVFP4:
         for key in sorted(block):
-            if key not in _READ | _INERT | _UNSET:
+            if key not in _READ | _INERT | _KV:
                 raise _refuse(key, "is a ModelOpt key shardc does not implement",
                               "start from a checkpoint without it, or from the unquantized checkpoint")
-            if key in _UNSET and block[key] not in (None, {}):
-                raise _refuse(key, "is set: KV-cache quantization's k/v scales are not carried",
-                              "remove it (and the k_scale / v_scale tensors) to serve a 16-bit KV cache, "
-                              "or start from the unquantized checkpoint")
+        kv_fp8 = any([_kv_fp8(k, block[k]) for k in sorted(_KV & set(block))])  # each key checked
         algo = block.get("quant_algo")
         if not isinstance(algo, str) or algo.upper() != "NVFP4":
             raise _refuse("quant_algo", f"is {algo!r}; shardc reads ModelOpt's NVFP4",
@@ -123,11 +143,17 @@ class ModelOptNVFP4(SourceQuantization):
         if not isinstance(exclude, list) or not all(isinstance(e, str) for e in exclude):
             raise _refuse("ignore", f"is {exclude!r}; it must be a list of module names or wildcards",
                           "ignore: [lm_head, 'model.layers.*.self_attn*']")
-        return cls(block, tuple(exclude), _group(block))
+        return cls(block, tuple(exclude), _group(block), kv_fp8)
 
     @property
     def label(self) -> str:
         return "modelopt nvfp4 (e2m1, fp8 scale per 16)"
+
+    def kv_cache_dtype(self) -> str | None:
+        return "fp8" if self.kv_fp8 else None
+
+    def unbuilt(self, name: str) -> bool:
+        return self.kv_fp8 and _KV_SCALE.fullmatch(name) is not None
 
     def excluded(self, module: str) -> bool:
         """vLLM's rule (``is_layer_excluded``): equal, contained, or an fnmatch wildcard."""
