@@ -38,6 +38,12 @@ def output_config(layout: Layout) -> dict[str, Any]:
     cfg["torch_dtype"] = torch_name(base_dtype(layout.model, layout.plan))
     if layout.plan.dtype != "source":  # a quantized source's block describes weights no longer held
         cfg.pop("quantization_config", None)
+    elif "quantization_config" in cfg:  # kept: the source's block, less what the build does not hold
+        from ..layout.quant_formats import detect_source
+
+        source_format = detect_source(cfg)
+        if source_format is not None:
+            cfg["quantization_config"] = json.loads(json.dumps(source_format.kept_block()))
     if layout.plan.quantized:
         from ..layout.quantization import quantizable
         from .quantize import quantization_config

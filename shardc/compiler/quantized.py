@@ -178,12 +178,6 @@ def check_kept(src: Source, layout: Layout) -> None:
     config.json; a source holding one in a dtype that would not convert exactly is refused."""
     if layout.plan.dtype != "source" or src.source_format is None:
         return
-    scales = sorted(n for n in src.tensors if src.source_format.unbuilt(n))
-    if scales:
-        raise SourceError(f"tensor {scales[0]!r} is one of {len(scales)} FP8 KV-cache scales, which a dtype: "
-                          "source build does not carry (its config.json would ask vLLM for an FP8 KV cache "
-                          "without them)", key="replica_group.dtype",
-                          hint="build dtype: bf16 (or int8 / fp8): its KV cache is 16-bit")
     for rank_layout in layout.ranks:
         for t in rank_layout.tensors:
             info = src.tensors.get(t.source)

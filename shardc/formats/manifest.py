@@ -281,7 +281,8 @@ def new_manifest(layout: Layout, source: SourceRecord, shards: list[ShardEntry],
 def source_quantization_record(config: dict[str, Any], dtype: str) -> dict[str, str] | None:
     """What a build did with a quantized source: kept it (``dtype: source``), dequantized it to
     16 bits as the format's reference does, or dequantized then requantized (int8/fp8 per channel,
-    the error stats then measured against the dequantized source)."""
+    the error stats then measured against the dequantized source); ``kv_cache`` where the source's
+    KV-cache quantization was left out (ModelOpt's FP8 KV scales)."""
     from ..layout.quant_formats import detect_source
 
     source_format = detect_source(config)

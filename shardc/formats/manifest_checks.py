@@ -25,8 +25,10 @@ def read_source_quantization(r: FieldReader) -> dict[str, str] | None:
     source_quantization = r.optional_sub("source_quantization")
     if source_quantization is None:
         return None
-    source_quantization.only("format", "quant_method", "applied")
-    return {k: source_quantization.get(k, str) for k in ("format", "quant_method", "applied")}
+    source_quantization.only("format", "quant_method", "applied", "kv_cache")
+    out = {k: source_quantization.get(k, str) for k in ("format", "quant_method", "applied")}
+    kv = source_quantization.get("kv_cache", str, optional=True)  # ModelOpt's FP8 KV cache left out
+    return out if kv is None else out | {"kv_cache": kv}
 
 
 def check_depth(m: dict[str, Any], origin: str) -> None:

@@ -107,9 +107,6 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
     if tp * pp > s.cluster.total_gpus:
         c.reasons.append(f"tp x pp = {tp * pp} GPUs > the {s.cluster.total_gpus} available")
         return c
-    if dtype == "source" and (kv := _kv_not_carried(s.model)):
-        c.reasons.append(kv)
-        return c
     try:
         c.plan = plan_from_dict(plan_dict(plan_name(s.model_name, tp, pp, dtype), s.source, tp, pp, dtype))
         c.weights = rank_weights(s.model, c.plan)
@@ -120,18 +117,6 @@ def evaluate(s: Search, tp: int, pp: int, dtype: str) -> Candidate:
     if not c.reasons:
         _speed(s, c)
     return c
-
-
-def _kv_not_carried(model: Any) -> str | None:
-    """Why ``dtype: source`` cannot be built from this checkpoint, where its quantization_config
-    asks for an FP8 KV cache: its scales are not carried (compiler/quantized.py ``check_kept``)."""
-    from ..layout.quant_formats import detect_source
-
-    source_format = detect_source(model.config)
-    if source_format is None or not source_format.kv_cache_dtype():
-        return None
-    return (f"dtype source: the checkpoint's {source_format.kv_cache_dtype()} KV-cache scales are not carried "
-            "by a dtype: source build (build refuses it); bf16, int8 and fp8 builds serve a 16-bit KV cache")
 
 
 def _memory(s: Search, c: Candidate) -> None:

@@ -259,13 +259,15 @@ def load_source_file(path: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.heavy
-def test_fp8_kv_cache_checkpoints_build_to_16_bits_and_plan_without_source(src, builds, tmp_path):
+def test_fp8_kv_cache_checkpoints_build_with_a_16_bit_kv_cache(src, builds, tmp_path):
     """NVIDIA's -NVFP4 releases all ask for an FP8 KV cache (``kv_cache_scheme``) and hold its
     calibrated ``k_proj.k_scale`` / ``v_proj.v_scale`` scalars, the excluded layer's too. They are
-    not weights: a bf16 build leaves them out (its config.json has no quantization_config, so its
-    KV cache is 16-bit) and holds the tensors of the build of the checkpoint without them; a
-    ``dtype: source`` build, which would ask vLLM for an FP8 KV cache without its scales, is
-    refused with one line; and the planner marks every ``source`` candidate out, saying why."""
+    not weights and no build holds them: a bf16 build and a kept (``dtype: source``) build hold the
+    tensors of the same builds of the checkpoint without them; the kept build's config.json carries
+    the source's block less its KV-cache key (with it vLLM's ``--kv-cache-dtype auto`` would run FP8
+    on scales of 1), its export too, and its manifest says the KV cache is 16-bit; the planner sizes
+    it as published,
+    ``source`` first, with a 16-bit KV cache."""
     from shardc.layout.model import load_model
     from shardc.planner.formulas import Workload
     from shardc.planner.gpus import Cluster, get_gpu
@@ -274,19 +276,22 @@ def test_fp8_kv_cache_checkpoints_build_to_16_bits_and_plan_without_source(src, 
     kv = modelopt_source(src["bf16"], tmp_path / "kv", IGNORE, kv_fp8=True)
     raw = load_source(kv)
     assert "model.layers.0.self_attn.k_proj.k_scale" in raw and "model.layers.1.self_attn.v_proj.v_scale" in raw
-    build(plan(2, 1, "bf16", name="mo", source=kv), tmp_path / "bf16")
-    for r in range(2):  # the same tensors (the header's plan hash names another source)
-        f = f"model-tp{r:02d}-pp00.safetensors"
-        a, b = load_source_file(tmp_path / "bf16" / f), load_source_file(builds["bf16", 2] / f)
-        assert sorted(a) == sorted(b) and all(torch.equal(_bytes(a[k]), _bytes(b[k])) for k in a)
-    r = shardc("build", write_plan(tmp_path / "s.yaml", 2, 1, "source", name="mo", source=kv),
-               "--out", tmp_path / "source", "--quiet")
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(lines) == 1, r.stderr
-    assert "replica_group.dtype: tensor 'model.layers.0.self_attn.k_proj.k_scale' is one of 4 FP8 KV-cache scales, " \
-           "which a dtype: source build does not carry" in lines[0], lines[0]
-    assert not (tmp_path / "source" / "manifest.json").exists()
+    for dtype in ("bf16", "source"):
+        build(plan(2, 1, dtype, name="mo", source=kv), tmp_path / dtype)
+        for r in range(2):  # the same tensors (the header's plan hash names another source)
+            f = f"model-tp{r:02d}-pp00.safetensors"
+            a, b = load_source_file(tmp_path / dtype / f), load_source_file(builds[dtype, 2] / f)
+            assert sorted(a) == sorted(b) and all(torch.equal(_bytes(a[k]), _bytes(b[k])) for k in a)
+    block = json.loads((kv / "config.json").read_text())["quantization_config"]
+    kept = json.loads((tmp_path / "source" / "config.json").read_text())["quantization_config"]
+    assert "kv_cache_scheme" in block and kept == {k: v for k, v in block.items() if k != "kv_cache_scheme"}
+    m = json.loads((tmp_path / "source" / "manifest.json").read_text())
+    assert m["source_quantization"]["kv_cache"] == \
+        "the source's FP8 KV-cache scales are left out: the build's KV cache is 16-bit"
+    r = shardc("export", "--manifest", tmp_path / "source" / "manifest.json", "--out", tmp_path / "ex", "--quiet")
+    assert r.returncode == 0, r.stderr  # the source less its KV-cache scales, and the same block as the build's
+    back = load_source(tmp_path / "ex")
+    assert sorted(back) == sorted(k for k in raw if not k.endswith(("k_scale", "v_scale")))
+    assert json.loads((tmp_path / "ex" / "config.json").read_text())["quantization_config"] == kept
     s = search(load_model(kv / "config.json"), Cluster(get_gpu("h100-sxm")), Workload(), model_name="kv")
-    sources = [c for c in s.candidates if c.dtype == "source"]
-    assert sources and all("KV-cache scales are not carried" in c.reasons[0] for c in sources)
-    assert s.recommended is not None and s.recommended.dtype == "bf16"
+    assert s.recommended is not None and s.recommended.dtype == "source" and s.workload.kv_bytes == 2

@@ -140,8 +140,13 @@ class SourceQuantization(ABC):
 
     def unbuilt(self, name: str) -> bool:
         """A checkpoint tensor of the format that is not a weight and that no build carries (FP8
-        KV-cache scales): accepted in the source, left out of 16-bit builds (``check_kept``)."""
+        KV-cache scales): accepted in the source (``check_stored``), in no Layout."""
         return False
+
+    def kept_block(self) -> dict[str, Any]:
+        """The quantization_config a ``dtype: source`` build's config.json carries: the source's,
+        less what the build does not hold (compiler/outputs.py ``output_config``)."""
+        return self.block
 
     def check_values(self, tensor: str, st: Stored, values: np.ndarray) -> None:
         """Refuse a stored tensor whose values the format forbids (a NaN block scale), read as a

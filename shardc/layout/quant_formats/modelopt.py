@@ -25,12 +25,13 @@ contained in it, or matching it as an fnmatch wildcard. Any other algorithm and 
 than 16 are refused by key.
 
 FP8 KV-cache quantization (``kv_cache_scheme`` {type float, num_bits 8, dynamic false}, or
-``kv_cache_quant_algo: FP8``, as every NVIDIA -NVFP4 release sets it) is read: vLLM then runs an
-FP8 KV cache with ``--kv-cache-dtype auto`` (``get_kv_cache_quant_algo_string``), which the planner
-sizes. Its calibrated scales (``*.self_attn.*.k_scale`` / ``v_scale``, ModelOpt's names in vLLM's
-``maybe_remap_kv_scale_name``) are not weights: a 16-bit or requantized build, whose config.json has
-no quantization_config, leaves them out (its KV cache is 16-bit); a ``dtype: source`` build of a
-checkpoint that holds them is refused with one line, since it would serve FP8 KV without them.
+``kv_cache_quant_algo: FP8``, as every NVIDIA -NVFP4 release sets it) is read, and its calibrated
+scales (``*.self_attn.*.k_scale`` / ``v_scale``, ModelOpt's names in vLLM's
+``maybe_remap_kv_scale_name``; which layers hold them is the checkpoint's) are accepted but not
+built: they are not weights, and the Layout, recomputed from config.json alone, cannot know them.
+Every build's KV cache is therefore 16-bit: a ``dtype: source`` build's config.json carries the
+block without its KV-cache keys (``kept_block``: with them, vLLM's ``--kv-cache-dtype auto`` would
+run FP8 on scales of 1), and the manifest's ``source_quantization`` says so (``kv_cache``).
 
 Kept as stored, cuts fall on whole 16-value blocks, and the per-tensor scales go to every rank; a
 fused module's parts keep their own ``weight_scale_2`` (vLLM uses the largest of a fused layer's
@@ -154,6 +155,15 @@ class ModelOptNVFP4(SourceQuantization):
 
     def unbuilt(self, name: str) -> bool:
         return self.kv_fp8 and _KV_SCALE.fullmatch(name) is not None
+
+    def kept_block(self) -> dict[str, Any]:
+        """The source's block without its KV-cache keys: the build holds no KV scales, so vLLM
+        must not run an FP8 KV cache on scales of 1 (its ``auto`` then gives the model's dtype)."""
+        return {k: v for k, v in self.block.items() if k not in _KV} if self.kv_fp8 else self.block
+
+    def record(self) -> dict[str, Any]:
+        note = {"kv_cache": "the source's FP8 KV-cache scales are left out: the build's KV cache is 16-bit"}
+        return super().record() | (note if self.kv_fp8 else {})
 
     def excluded(self, module: str) -> bool:
         """vLLM's rule (``is_layer_excluded``): equal, contained, or an fnmatch wildcard."""
