@@ -289,3 +289,43 @@ def test_real_size_preset_lays_out_tp8_expert_parallel(tmp_path):
     assert (rank["model.layers.0.self_attn.k_norm.weight"].start, rank["model.layers.0.self_attn.k_norm.weight"].stop) \
         == (3 * 128, 4 * 128)
     assert sum(n.startswith("model.layers.0.block_sparse_moe.experts.") for n in rank) == 32 * 3
+
+
+def _minimax_m25_nvfp4_bytes() -> int:
+    """nvidia/MiniMax-M2.5-NVFP4 as published: every routed expert's w1/w2/w3 in NVFP4 (two E2M1
+    values a byte, an fp8 scale per 16 values, the fp32 scalars weight_scale_2 and input_scale);
+    attention and routers left out by its ignore list, so 16-bit like the norms, embeddings and
+    lm_head; its FP8 KV-cache scales are no weights and no build holds them."""
+    hidden, heads, kv, head_dim, inter, experts, vocab, layers = 3072, 48, 8, 128, 1536, 256, 200064, 62
+    q, kvw = heads * head_dim, kv * head_dim
+
+    def nvfp4(out: int, inp: int) -> int:
+        return out * inp // 2 + out * inp // 16 + 4 + 4
+
+    attention = (q * hidden + 2 * kvw * hidden + hidden * q + q + kvw) * 2
+    moe = experts * (2 * nvfp4(inter, hidden) + nvfp4(hidden, inter)) + (experts * hidden + experts) * 2
+    return layers * (attention + 2 * hidden * 2 + moe) + (2 * vocab * hidden + hidden) * 2
+
+
+def test_nvfp4_preset_is_sized_at_its_stored_bytes():
+    """nvidia/MiniMax-M2.5-NVFP4 (ModelOpt, W4A4, FP8 KV cache): the experts are what its ignore list
+    leaves quantized, and ``source`` at tp=1 is the stored bytes worked out by hand (125.17 GiB
+    against the FP8 release's 214.23); ``source`` comes first and is the pick on H200s, with a 16-bit
+    KV cache (what a build serves: the KV-cache scales are not carried)."""
+    from shardc.layout.quant_formats import detect_source
+    from shardc.planner.formulas import Workload
+    from shardc.planner.gpus import GIB, Cluster, get_gpu
+    from shardc.planner.search import default_dtypes, search
+
+    m = load_model("minimax-m2.5-nvfp4")
+    fmt = detect_source(m.config)
+    kept = fmt.quantized(m)
+    assert fmt.kv_cache_dtype() == "fp8" and default_dtypes(m)[0] == "source"
+    assert "model.layers.61.block_sparse_moe.experts.255.w2.weight" in kept
+    assert not any("self_attn" in n or "gate.weight" in n or "lm_head" in n for n in kept)
+    assert len(kept) == 62 * 256 * 3
+    s = search(m, Cluster(get_gpu("h200")), Workload(), model_name="minimax-m2.5-nvfp4")
+    one = next(x for x in s.candidates if (x.dtype, x.tp, x.pp) == ("source", 1, 1))
+    assert one.memory is not None and one.memory.weights == _minimax_m25_nvfp4_bytes()
+    assert f"{one.memory.weights / GIB:.2f}" == "125.17" and f"{_minimax_m25_fp8_bytes() / GIB:.2f}" == "214.23"
+    assert s.recommended is not None and s.recommended.dtype == "source" and s.workload.kv_bytes == 2

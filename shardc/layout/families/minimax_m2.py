@@ -194,11 +194,31 @@ MINIMAX_M27 = {**MINIMAX_M25, "attn_type_list": [1] * 62, "dtype": "bfloat16", "
 MINIMAX_FP8 = {"quant_method": "fp8", "fmt": "float8_e4m3fn", "activation_scheme": "dynamic",
                "weight_block_size": [128, 128], "modules_to_not_convert": ["gate", "e_score_correction_bias", "lm_head"]}
 
+# nvidia/MiniMax-M2.5-NVFP4's config.json (aiconfigurator_core/model_configs/nvidia--MiniMax-M2.5-NVFP4_config.json,
+# less auto_map): M2.5's keys and values plus these, every key compared; and its quantization_config:
+# ModelOpt NVFP4 (W4A4) with an FP8 KV cache, every layer's attention and router left out (the 125-entry
+# ignore list written by its rule; layout/quant_formats/modelopt.py). Config and block were compared with
+# aiconfigurator's copy when written: equal, key for key, but auto_map.
+MINIMAX_M25_NVFP4 = {**MINIMAX_M25, "attention_dropout": 0.0, "attn_type_list": [1] * 62, "bos_token_id": 1,
+                     "dtype": "bfloat16", "eos_token_id": 2, "initializer_range": 0.02, "output_router_logits": False,
+                     "partial_rotary_factor": 0.5, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+                     "sliding_window": None, "transformers_version": "4.57.1"}
+_NVFP4_ARGS = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": 16}
+MINIMAX_NVFP4 = {
+    "config_groups": {"group_0": {"input_activations": _NVFP4_ARGS, "weights": _NVFP4_ARGS, "targets": ["Linear"]}},
+    "ignore": ["lm_head", *sorted(e for i in range(62) for e in (f"model.layers.{i}.block_sparse_moe.gate",
+                                                                 f"model.layers.{i}.self_attn*"))],
+    "quant_algo": "NVFP4", "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+    "producer": {"name": "modelopt", "version": "0.0.1.dev507+gbb6639d33"}, "quant_method": "modelopt",
+}
+
 FAMILY = Family(
     name="minimax_m2",
     architectures=("MiniMaxM2ForCausalLM",),
     model_types={"MiniMaxM2ForCausalLM": "minimax_m2"},
     read=read, tensors=tensors, forward=forward, rope=rope, unused=unused,
     presets={"minimax-m2.5": Preset(MINIMAX_M25, ("MiniMaxAI/MiniMax-M2.5",), quantization=MINIMAX_FP8),
-             "minimax-m2.7": Preset(MINIMAX_M27, ("MiniMaxAI/MiniMax-M2.7",), quantization=MINIMAX_FP8)},
+             "minimax-m2.7": Preset(MINIMAX_M27, ("MiniMaxAI/MiniMax-M2.7",), quantization=MINIMAX_FP8),
+             "minimax-m2.5-nvfp4": Preset(MINIMAX_M25_NVFP4, ("nvidia/MiniMax-M2.5-NVFP4",),
+                                          quantization=MINIMAX_NVFP4)},
 )
