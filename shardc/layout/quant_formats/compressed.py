@@ -174,8 +174,7 @@ class CompressedTensors(SourceQuantization):
         """Scales are stored in ``weights.scale_dtype`` when given, else the model's dtype
         (compressed-tensors keeps them in the dtype of the weight they were computed from)."""
         fmt, w, where = _weights(block)
-        if fmt in MICROSCALED:  # compressed_mx.py's CompressedMicroscaled, tried first, takes these
-            raise _refuse(f"{where}.format", f"is {fmt!r}, which this reader does not take", "report it: a bug")
+        assert fmt not in MICROSCALED  # compressed_mx.py's CompressedMicroscaled.accepts takes those blocks
         name = w.get("scale_dtype") or config.get("torch_dtype") or config.get("dtype") or "bfloat16"
         scale = from_torch_name(str(name))
         if scale not in SCALES:

@@ -42,6 +42,7 @@ from .mxfp4 import E2M1
 if TYPE_CHECKING:
     import numpy as np
 
+
 class CompressedMicroscaled(CompressedTensors):
     """NVFP4, MXFP4 and MXFP8 as compressed-tensors stores them (the module docstring)."""
 
@@ -63,6 +64,8 @@ class CompressedMicroscaled(CompressedTensors):
         return cls(block, fmt, w, where, input_scale=fmt == MICROSCALED[0] and act.get("dynamic") == "local")
 
     def __init__(self, block: dict[str, Any], fmt: str, w: dict[str, Any], where: str, input_scale: bool) -> None:
+        # the base reads what every compressed-tensors block shares (ignore); format, grid and the
+        # stored tensors are this module's
         super().__init__(block, "float-quantized", w | {"strategy": "tensor"}, "F32", where)
         self.fmt, self.bits = fmt, int(w.get("num_bits", 4))
         self.group = KINDS[fmt][3]
